@@ -1,0 +1,128 @@
+"""torch.nn-shaped building blocks on top of ``mindspore.nn.Cell``.
+
+Parameters are created from NumPy: MindSpore's in-place random initialisers (``normal_``,
+``uniform_``) have no CPU kernel, and NumPy makes initialisation identical on every device.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator, Mapping, Optional, Tuple
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn
+
+from . import functional as F
+from .dtypes import float32, to_ms_dtype
+
+_RNG = {"gen": np.random.default_rng(0)}
+
+
+def manual_seed(seed: int) -> None:
+    """Seed parameter initialisation (and MindSpore's own RNG, used by dropout)."""
+    _RNG["gen"] = np.random.default_rng(seed)
+    ms.set_seed(seed)
+
+
+def rng() -> np.random.Generator:
+    return _RNG["gen"]
+
+
+def new_parameter(shape, *, std: Optional[float] = None, fill: Optional[float] = None,
+                  dtype=float32, requires_grad: bool = True) -> Parameter:
+    """A Parameter drawn from N(0, std) or filled with a constant, built in fp32 NumPy."""
+    if std is not None:
+        data = rng().normal(0.0, std, size=shape).astype(np.float32)
+    else:
+        data = np.full(shape, 0.0 if fill is None else fill, dtype=np.float32)
+    t = Tensor(data)
+    dtype = to_ms_dtype(dtype)
+    if dtype != float32:
+        t = t.astype(dtype)
+    return Parameter(t, requires_grad=requires_grad)
+
+
+class Module(nn.Cell):
+    """A Cell that reads like ``torch.nn.Module``: subclasses define ``forward``."""
+
+    def construct(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__}.forward is not defined")
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True
+                         ) -> Iterator[Tuple[str, Parameter]]:
+        # Cell.parameters_and_names yields attribute paths: exactly torch's state-dict keys.
+        yield from self.parameters_and_names(name_prefix=prefix, expand=recurse)
+
+    def named_modules(self) -> Iterator[Tuple[str, nn.Cell]]:
+        yield from self.cells_and_names()
+
+    def num_parameters(self) -> int:
+        return int(sum(int(np.prod(p.shape)) for _, p in self.named_parameters()))
+
+
+class ModuleList(nn.CellList):
+    """torch.nn.ModuleList: children are named "0", "1", ..., as in torch state dicts."""
+
+
+class Linear(Module):
+    """``y = x W^T + b`` with torch's parameter names and layout (weight is [out, in])."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 init_std: float = 0.02, dtype=float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = new_parameter((out_features, in_features), std=init_std, dtype=dtype)
+        self.bias = new_parameter((out_features,), fill=0.0, dtype=dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extend_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}"
+
+
+class Embedding(Module):
+    """``weight[ids]`` with torch's parameter name and layout (weight is [num, dim])."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float = 0.02,
+                 dtype=float32):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = new_parameter((num_embeddings, embedding_dim), std=init_std, dtype=dtype)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight)
+
+
+def state_dict(module: nn.Cell) -> Dict[str, Parameter]:
+    """Name -> Parameter, names being attribute paths (torch/Megatron state-dict keys)."""
+    return dict(module.parameters_and_names())
+
+
+def load_state_dict(module: nn.Cell, state: Mapping[str, object], strict: bool = True,
+                    source: str = "state dict") -> Tuple[list, list]:
+    """Copy arrays/tensors into the module's parameters, in place (Parameter objects are kept).
+
+    Returns ``(missing, unexpected)``. With ``strict`` either being non-empty, or any shape
+    mismatch, raises a one-line error naming ``source`` and the key.
+    """
+    own = state_dict(module)
+    missing = sorted(k for k in own if k not in state)
+    unexpected = sorted(k for k in state if k not in own)
+    if strict and (missing or unexpected):
+        raise KeyError(f"{source}: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                       f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    for name, param in own.items():
+        if name not in state:
+            continue
+        value = state[name]
+        if isinstance(value, np.ndarray):
+            value = Tensor(np.ascontiguousarray(value))
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"{source}: key {name!r} has shape {tuple(value.shape)}, "
+                             f"model expects {tuple(param.shape)}")
+        param.set_data(value.astype(param.dtype))
+    return missing, unexpected

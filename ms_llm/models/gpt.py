@@ -1,0 +1,83 @@
+"""``GPTModel``: Megatron-Core's module tree and state-dict keys, parallelism-free.
+
+Activations are batch-first ``[b, s, h]`` (torchtitan's layout); Megatron's ``[s, b, h]`` only
+matters inside its kernels, never in state dicts. Tensor/sequence/data parallelism and FSDP are
+applied from outside by ``ms_llm.parallel`` (they replace or wrap these modules).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from mindspore import Tensor
+
+from ms_llm import ops as hot
+from ms_llm.compat import F, float32, nn
+from .config import TransformerConfig
+from .layers import RMSNorm, TransformerLayer
+
+MLPFactory = Callable[[TransformerConfig, int], nn.Module]
+
+
+class LanguageModelEmbedding(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size,
+                                            init_std=config.init_method_std,
+                                            dtype=config.params_dtype)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.word_embeddings(input_ids)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: TransformerConfig, mlp_factory: Optional[MLPFactory] = None):
+        super().__init__()
+        self.layers = nn.ModuleList([
+            TransformerLayer(config, mlp_factory(config, i) if mlp_factory else None)
+            for i in range(config.num_layers)])
+        self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon,
+                                       config.params_dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                attention_mask: Optional[Tensor] = None) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention_mask)
+        return self.final_layernorm(x)
+
+
+class GPTModel(nn.Module):
+    """Decoder-only LM. ``forward(input_ids, labels=None)`` returns fp32 logits ``[b, s, V]``, or,
+    given ``labels``, the per-token cross entropy ``[b, s]`` (Megatron's convention: the caller
+    applies the loss mask and reduction). ``mlp_factory(config, layer_idx)`` plugs in another MLP
+    (the MoE layer) without touching this file."""
+
+    def __init__(self, config: TransformerConfig, mlp_factory: Optional[MLPFactory] = None):
+        super().__init__()
+        self.config = config
+        self.embedding = LanguageModelEmbedding(config)
+        self.decoder = TransformerBlock(config, mlp_factory)
+        if config.untie_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False,
+                                          init_std=config.init_method_std,
+                                          dtype=config.params_dtype)
+        else:
+            self.output_layer = None
+        self._rope_cache = {}
+
+    def rotary_cos_sin(self, seq_len: int):
+        if seq_len not in self._rope_cache:
+            c = self.config
+            self._rope_cache[seq_len] = hot.rope_cos_sin(seq_len, c.kv_channels, c.rotary_base)
+        return self._rope_cache[seq_len]
+
+    def forward(self, input_ids: Tensor, labels: Optional[Tensor] = None,
+                attention_mask: Optional[Tensor] = None) -> Tensor:
+        cos, sin = self.rotary_cos_sin(input_ids.shape[1])
+        h = self.embedding(input_ids)
+        h = self.decoder(h, cos, sin, attention_mask)
+        weight = (self.output_layer.weight if self.output_layer is not None
+                  else self.embedding.word_embeddings.weight)
+        logits = F.linear(h, weight).astype(float32)
+        if labels is None:
+            return logits
+        return hot.cross_entropy(logits, labels)

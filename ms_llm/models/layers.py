@@ -1,0 +1,104 @@
+"""Megatron-Core local-spec building blocks (names match its state-dict keys)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from mindspore import Tensor
+
+from ms_llm import ops as hot
+from ms_llm.compat import F, nn
+from .config import TransformerConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype="float32"):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.new_parameter((hidden_size,), fill=1.0, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return hot.rms_norm(x, self.weight, self.eps)
+
+
+def output_init_std(config: TransformerConfig) -> float:
+    """Megatron's ``scaled_init_method_normal``: std / sqrt(2 * num_layers) for the linears that
+    write into the residual stream (linear_proj, linear_fc2)."""
+    return config.init_method_std / math.sqrt(2.0 * config.num_layers)
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV in Megatron's per-query-group layout: for each of the ``ng`` groups, the rows
+    ``[q (nh/ng * d) | k (d) | v (d)]``. Optional QKV bias (Qwen2.5) and QK-norm (Qwen3)."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        c = config
+        self.nh, self.ng, self.d = c.num_attention_heads, c.num_query_groups, c.kv_channels
+        qkv_out = (self.nh + 2 * self.ng) * self.d
+        self.linear_qkv = nn.Linear(c.hidden_size, qkv_out, bias=c.add_bias_linear or c.add_qkv_bias,
+                                    init_std=c.init_method_std, dtype=c.params_dtype)
+        if c.qk_layernorm:
+            self.q_layernorm = RMSNorm(self.d, c.layernorm_epsilon, c.params_dtype)
+            self.k_layernorm = RMSNorm(self.d, c.layernorm_epsilon, c.params_dtype)
+        else:
+            self.q_layernorm = self.k_layernorm = None
+        self.linear_proj = nn.Linear(self.nh * self.d, c.hidden_size, bias=c.add_bias_linear,
+                                     init_std=output_init_std(c), dtype=c.params_dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                attention_mask: Optional[Tensor] = None) -> Tensor:
+        b, s, _ = x.shape
+        ng, r, d = self.ng, self.nh // self.ng, self.d
+        qkv = self.linear_qkv(x).reshape(b, s, ng, (r + 2) * d)
+        q, k, v = F.split(qkv, [r * d, d, d], -1)
+        q = q.reshape(b, s, ng * r, d)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q = hot.apply_rope(q.swapaxes(1, 2), cos, sin)      # [b, nh, s, d]
+        k = hot.apply_rope(k.swapaxes(1, 2), cos, sin)      # [b, ng, s, d]
+        out = hot.causal_attention(q, k, v.swapaxes(1, 2), attention_mask=attention_mask)
+        return self.linear_proj(out.swapaxes(1, 2).reshape(b, s, self.nh * d))
+
+
+class MLP(nn.Module):
+    """``linear_fc2(act(linear_fc1(x)))``; with a gated unit ``linear_fc1`` holds ``[gate; up]``."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        fc1_out = c.ffn_hidden_size * (2 if c.gated_linear_unit else 1)
+        self.linear_fc1 = nn.Linear(c.hidden_size, fc1_out, bias=c.add_bias_linear,
+                                    init_std=c.init_method_std, dtype=c.params_dtype)
+        self.linear_fc2 = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.add_bias_linear,
+                                    init_std=output_init_std(c), dtype=c.params_dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.linear_fc1(x)
+        if self.config.swiglu:
+            h = hot.swiglu(h)
+        elif self.config.gated_linear_unit:
+            gate, up = F.split(h, [self.config.ffn_hidden_size] * 2, -1)
+            h = F.gelu(gate) * up
+        else:
+            h = F.silu(h) if self.config.activation_func == "silu" else F.gelu(h)
+        return self.linear_fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config: TransformerConfig, mlp: Optional[nn.Module] = None):
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, c.params_dtype)
+        self.self_attention = SelfAttention(c)
+        self.pre_mlp_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, c.params_dtype)
+        self.mlp = mlp if mlp is not None else MLP(c)
+        self.hidden_dropout = c.hidden_dropout
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                attention_mask: Optional[Tensor] = None) -> Tensor:
+        h = self.self_attention(self.input_layernorm(x), cos, sin, attention_mask)
+        x = x + F.dropout(h, self.hidden_dropout, self.training)
+        h = self.mlp(self.pre_mlp_layernorm(x))
+        return x + F.dropout(h, self.hidden_dropout, self.training)

@@ -1,0 +1,61 @@
+"""Causal softmax attention with grouped-query heads."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+from mindspore import Tensor, ops
+
+from ms_llm.compat import F, float32
+from ._dispatch import path_for
+
+_MASK_VALUE = -1e30  # finite so fully-masked rows give a uniform softmax, not NaN
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
+                     attention_mask: Optional[Tensor] = None) -> Tensor:
+    """q: [b, nh, s, d]; k, v: [b, ng, s, d] with nh % ng == 0 (query head h reads kv head
+    h // (nh/ng)). ``attention_mask``: optional bool [b or 1, 1, s, s], True = masked out
+    (Megatron's convention), used instead of the causal mask. Returns [b, nh, s, d]."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if path_for("attention") == "native":
+        return _flash_attention_ascend(q, k, v, scale, attention_mask)
+    return causal_attention_composed(q, k, v, scale, attention_mask)
+
+
+def _causal_mask(s: int) -> Tensor:
+    return Tensor(np.triu(np.full((s, s), _MASK_VALUE, np.float32), 1))
+
+
+def causal_attention_composed(q: Tensor, k: Tensor, v: Tensor, scale: float,
+                              attention_mask: Optional[Tensor] = None) -> Tensor:
+    # Grouped form: fold the query heads of one KV group into the row dimension, so K and V are
+    # never expanded (no repeat_interleave copy of K/V, one batched matmul per group).
+    b, nh, s, d = q.shape
+    ng = k.shape[1]
+    r = nh // ng
+    dtype = q.dtype
+    q = q.astype(float32).reshape(b, ng, r * s, d)
+    k, v = k.astype(float32), v.astype(float32)
+    scores = F.matmul(q, k.swapaxes(-1, -2)).reshape(b, ng, r, s, s) * scale
+    if attention_mask is None:
+        scores = scores + _causal_mask(s)
+    else:
+        bias = F.where(attention_mask, Tensor(_MASK_VALUE, float32), Tensor(0.0, float32))
+        scores = scores + bias.reshape(bias.shape[0], 1, 1, s, s)
+    probs = F.softmax(scores, -1).reshape(b, ng, r * s, s)
+    out = F.matmul(probs, v).reshape(b, nh, s, d)
+    return out.astype(dtype)
+
+
+def _flash_attention_ascend(q, k, v, scale, attention_mask):
+    # Ascend FlashAttentionScore, BNSD layout, GQA handled by the kernel (N1 % N2 == 0).
+    # sparse_mode 2 = causal with the compressed 2048x2048 mask the kernel requires.
+    if attention_mask is None:
+        mask = Tensor(np.triu(np.ones((2048, 2048), np.bool_), 1))
+        sparse_mode = 2
+    else:
+        mask, sparse_mode = attention_mask, 0
+    return ops.flash_attention_score(q, k, v, q.shape[1], attn_mask=mask, scalar_value=scale,
+                                     input_layout="BNSD", sparse_mode=sparse_mode)

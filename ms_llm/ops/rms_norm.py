@@ -1,0 +1,26 @@
+"""RMSNorm: ``x / sqrt(mean(x^2) + eps) * weight``, computed in fp32."""
+from __future__ import annotations
+
+from mindspore import Tensor, ops
+
+from ms_llm.compat import F, float32
+from ._dispatch import path_for
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    path = path_for("rms_norm")
+    if path == "native":  # Ascend fused kernel (ops.rms_norm has no CPU kernel)
+        return ops.rms_norm(x, weight, eps)[0]
+    if path == "aot":
+        from . import cpu_kernels
+        dtype = x.dtype
+        y = cpu_kernels.rms_norm(x.astype(float32), weight.astype(float32), eps)
+        return y.astype(dtype)
+    return rms_norm_composed(x, weight, eps)
+
+
+def rms_norm_composed(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    dtype = x.dtype
+    x32 = x.astype(float32)
+    y = x32 * F.rsqrt(F.mean(x32 * x32, -1, keepdim=True) + eps)
+    return (y * weight.astype(float32)).astype(dtype)

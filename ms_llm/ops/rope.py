@@ -1,0 +1,37 @@
+"""Rotary position embedding, rotate-half convention (Megatron ``apply_rotary_pos_emb``, HF Llama)."""
+from __future__ import annotations
+
+import numpy as np
+from mindspore import Tensor, mint, ops
+
+from ms_llm.compat import F, float32
+from ._dispatch import path_for
+
+
+def rope_cos_sin(seq_len: int, dim: int, base: float, position_offset: int = 0):
+    """cos, sin of shape [seq_len, dim] (the half-dim frequencies repeated twice), fp32.
+
+    Built in float64 NumPy so angles at long positions keep full precision before the cast.
+    """
+    inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    pos = np.arange(position_offset, position_offset + seq_len, dtype=np.float64)
+    freqs = np.outer(pos, inv_freq)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return Tensor(np.cos(emb).astype(np.float32)), Tensor(np.sin(emb).astype(np.float32))
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [..., s, d]; cos/sin: [s, d] (broadcast over leading dims)."""
+    if path_for("rope") == "native" and x.ndim == 4:
+        # Ascend fused kernel; mode 0 is rotate-half. No CPU kernel (RotaryPositionEmbedding).
+        return ops.rotary_position_embedding(x, cos.reshape(1, 1, *cos.shape).astype(x.dtype),
+                                             sin.reshape(1, 1, *sin.shape).astype(x.dtype), 0)
+    return apply_rope_composed(x, cos, sin)
+
+
+def apply_rope_composed(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    dtype = x.dtype
+    x = x.astype(float32)
+    x1, x2 = mint.chunk(x, 2, -1)
+    rotated = F.cat([-x2, x1], -1)
+    return (x * cos + rotated * sin).astype(dtype)

@@ -1,0 +1,22 @@
+"""SwiGLU on Megatron's fused ``linear_fc1`` output: ``silu(first half) * second half``."""
+from __future__ import annotations
+
+from mindspore import Tensor, mint, ops
+
+from ms_llm.compat import F, float32
+from ._dispatch import path_for
+
+
+def swiglu(x: Tensor) -> Tensor:
+    path = path_for("swiglu")
+    if path == "native":  # Ascend fused kernel; ops.swiglu has no CPU kernel
+        return ops.swiglu(x, -1)
+    if path == "aot":
+        from . import cpu_kernels
+        return cpu_kernels.swiglu(x.astype(float32)).astype(x.dtype)
+    return swiglu_composed(x)
+
+
+def swiglu_composed(x: Tensor) -> Tensor:
+    gate, up = mint.chunk(x, 2, -1)
+    return F.silu(gate) * up
