@@ -20,6 +20,7 @@ torch name             CPU (MindSpore 2.10)                why (CPU failure of t
 ``log_softmax``        ``ops.log_softmax``                 LogSoftmaxExt unregistered
 ``gelu``               ``ops.gelu(approximate="none")``    GeluExt unregistered
 ``dropout``            ``ops.dropout``                     DropoutExt unregistered
+``split``              ``mint.narrow`` pieces              2.10 bug: split+transpose grad wrong
 ``embedding``          ``ops.gather(W, ids, 0)``           Embedding unregistered; no jit bwd
 ``argmax``             ``ops.argmax``                      ArgMaxExt unregistered
 ``topk``               ``ops.topk`` (+ int64 indices)      TopkExt unregistered

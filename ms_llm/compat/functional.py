@@ -4,6 +4,7 @@ See the table in ``ms_llm.compat``'s docstring for every fallback and why it is 
 """
 from __future__ import annotations
 
+import builtins
 import contextlib
 from typing import Optional, Sequence, Union
 
@@ -15,6 +16,7 @@ from .device import is_cpu
 from .dtypes import bfloat16, float32, to_ms_dtype
 
 _Shape = Union[int, Sequence[int]]
+builtins_sum = builtins.sum
 
 
 def _shape(size) -> tuple:
@@ -109,8 +111,30 @@ def triu(x: Tensor, diagonal: int = 0) -> Tensor:
     return (ops.triu if is_cpu() else mint.triu)(x, diagonal)
 
 
+_SPLIT_GRAD_BUG = ms.__version__.startswith("2.10.")
+
+
 def split(x: Tensor, split_size_or_sections, dim: int = 0):
-    return mint.split(x, split_size_or_sections, dim)
+    """torch.split. Workaround for a MindSpore 2.10 PyNative autograd bug: the gradient of a
+    ``mint.split`` output that is then transposed (swapaxes/permute/transpose) comes back
+    *reshaped* instead of transposed, silently corrupting K/V gradients in attention
+    (``tests/test_compat.py::test_mindspore_split_transpose_grad_bug`` shows it and fails once
+    MindSpore fixes it). ``mint.narrow`` pieces differentiate correctly."""
+    if not _SPLIT_GRAD_BUG:
+        return mint.split(x, split_size_or_sections, dim)
+    size = x.shape[dim]
+    if isinstance(split_size_or_sections, int):
+        step = split_size_or_sections
+        sections = [min(step, size - s) for s in range(0, size, step)]
+    else:
+        sections = list(split_size_or_sections)
+        if builtins_sum(sections) != size:
+            raise ValueError(f"split: sections {sections} do not add up to size {size} of dim {dim}")
+    out, start = [], 0
+    for n in sections:
+        out.append(mint.narrow(x, dim, start, n))
+        start += n
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- math

@@ -195,6 +195,9 @@ def _train_sentencepiece(docs: list, vocab_size: int) -> bytes:
 def build_corpus_and_tokenizer(out_dir: str, vocab_size: int) -> tuple:
     """Build ``corpus.jsonl`` + ``tokenizer.model`` in ``out_dir`` (caller holds the lock)."""
     os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):  # temp files of an interrupted earlier build
+        if ".tmp." in name:
+            os.remove(os.path.join(out_dir, name))
     t0 = time.time()
     docs = list(iter_corpus_documents())
     corpus = "".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs).encode("utf-8")
@@ -222,7 +225,7 @@ def ensure_default_corpus(cache_dir: str | None = None, vocab_size: int = 4096) 
 
     The folder name carries the corpus version, interpreter version and vocab size, so a
     changed recipe or interpreter never reuses stale files. Completed files only ever appear
-    via ``os.replace``; the model is written last, so its presence marks a finished build.
+    via ``os.replace``; ``meta.json`` is written last, so its presence marks a finished build.
     """
     tag = f"default_corpus_{CORPUS_VERSION}_py{sys.version_info[0]}{sys.version_info[1]}_v{vocab_size}"
     out_dir = os.path.join(cache_dir or default_cache_root(), tag)

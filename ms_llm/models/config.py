@@ -20,7 +20,6 @@ class TransformerConfig:
     kv_channels: Optional[int] = None              # head dim; default hidden_size // heads
     padded_vocab_size: int = 32000
     max_position_embeddings: int = 4096
-    seq_length: int = 2048
 
     normalization: str = "RMSNorm"                 # only RMSNorm for the dense families here
     layernorm_epsilon: float = 1e-6

@@ -1,0 +1,152 @@
+"""One tokenizer interface over sentencepiece ``.model`` and HF ``tokenizer.json`` files.
+
+Why: data prep and generation should not care which format a checkpoint ships. Both backends
+encode *without* adding BOS/EOS (the data pipeline appends ``eod`` itself, Megatron-style), so
+token streams are comparable across formats.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Iterable, Optional, Sequence
+
+_EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
+_PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
+
+
+def file_sha256(path: str) -> str:
+    """Content hash of a file; used to key token caches to the exact tokenizer."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Tokenizer:
+    """Common interface. Subclasses set ``path``, ``vocab_size``, ``eod`` and ``pad``."""
+
+    path: str
+    vocab_size: int
+    eod: int
+    pad: int
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Batch encode; backends override with a faster native path."""
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the tokenizer file, for cache keys."""
+        if not hasattr(self, "_fingerprint"):
+            self._fingerprint = file_sha256(self.path)
+        return self._fingerprint
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(path={self.path!r}, vocab_size={self.vocab_size}, eod={self.eod}, pad={self.pad})"
+
+
+class SentencePieceTokenizer(Tokenizer):
+    def __init__(self, path: str):
+        import sentencepiece as spm
+
+        self.path = path
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=path)
+        except Exception as e:  # sentencepiece raises OSError/RuntimeError with multi-line text
+            raise ValueError(f"cannot read sentencepiece model {path}: {str(e).splitlines()[0] if str(e) else e}") from None
+        self.vocab_size = int(self._sp.get_piece_size())
+        eos = int(self._sp.eos_id())
+        if eos < 0:
+            raise ValueError(f"sentencepiece model {path} defines no EOS id")
+        self.eod = eos
+        pad = int(self._sp.pad_id())
+        self.pad = pad if pad >= 0 else eos
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._sp.encode(text))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(x) for x in self._sp.encode(list(texts))]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+def _special_from_config(cfg: dict, key: str) -> Optional[str]:
+    val = cfg.get(key)
+    if isinstance(val, dict):
+        val = val.get("content")
+    return val if isinstance(val, str) else None
+
+
+class HFTokenizer(Tokenizer):
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as _HFTok
+
+        self.path = path
+        try:
+            self._tok = _HFTok.from_file(path)
+        except Exception as e:
+            raise ValueError(f"cannot read tokenizer.json {path}: {str(e).splitlines()[0] if str(e) else e}") from None
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        cfg = {}
+        cfg_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            try:
+                with open(cfg_path, encoding="utf-8") as fh:
+                    cfg = json.load(fh)
+            except (OSError, ValueError):
+                cfg = {}
+        eod = self._lookup(_special_from_config(cfg, "eos_token"), _EOS_CANDIDATES)
+        if eod is None:
+            raise ValueError(f"tokenizer {path} has no recognisable EOS token (tried {', '.join(_EOS_CANDIDATES)})")
+        self.eod = eod
+        pad = self._lookup(_special_from_config(cfg, "pad_token"), _PAD_CANDIDATES)
+        self.pad = eod if pad is None else pad
+
+    def _lookup(self, preferred: Optional[str], candidates: Sequence[str]) -> Optional[int]:
+        for tok in ((preferred,) if preferred else ()) + tuple(candidates):
+            tid = self._tok.token_to_id(tok)
+            if tid is not None:
+                return int(tid)
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load a tokenizer from a ``.model``/``tokenizer.json`` file or a folder holding one.
+
+    A folder is searched for ``tokenizer.json`` first (HF's canonical format), then
+    ``tokenizer.model``. Files ending in ``.json`` go to ``tokenizers``; anything else to
+    sentencepiece.
+    """
+    path = os.path.expanduser(str(path))
+    if os.path.isdir(path):
+        for name in ("tokenizer.json", "tokenizer.model"):
+            cand = os.path.join(path, name)
+            if os.path.isfile(cand):
+                path = cand
+                break
+        else:
+            raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in folder {path}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    if path.endswith(".json"):
+        return HFTokenizer(path)
+    return SentencePieceTokenizer(path)

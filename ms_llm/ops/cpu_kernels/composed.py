@@ -1,0 +1,96 @@
+"""Composed MindSpore forms of the fused kernels: the fallback when the AOT kernels are unavailable,
+and the baseline in ``benchmarks/ops.py``. All of them run on CPU in PyNative and under ``ms.jit``
+(only CPU-registered ops are used, see docs/notes on MindSpore CPU coverage), and compute in fp32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, mint, ops
+from mindspore.mint.nn import functional as F
+from mindspore.ops import constexpr
+
+
+def _f32(t):
+    return t if t.dtype == ms.float32 else t.astype(ms.float32)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    dt = x.dtype
+    xf = _f32(x)
+    y = xf * mint.rsqrt(mint.mean(xf * xf, -1, keepdim=True) + eps) * _f32(weight)
+    return y if dt == ms.float32 else y.astype(dt)
+
+
+def swiglu(x):
+    dt = x.dtype
+    a, b = mint.chunk(_f32(x), 2, -1)
+    y = F.silu(a) * b
+    return y if dt == ms.float32 else y.astype(dt)
+
+
+def cross_entropy(logits, labels, ignore_index=-100):
+    """Per-token loss [N]; 0 where labels == ignore_index. ``ops.log_softmax`` + gather (13x faster
+    than ``ops.cross_entropy`` on CPU)."""
+    v = logits.shape[-1]
+    lf = _f32(logits).reshape(-1, v)
+    lab = labels.reshape(-1).astype(ms.int32)
+    keep = lab != ignore_index
+    safe = mint.where(keep, lab, ops.zeros_like(lab))
+    logp = ops.log_softmax(lf, -1)
+    picked = mint.gather(logp, 1, safe.reshape(-1, 1)).reshape(-1)
+    loss = -picked * keep.astype(ms.float32)
+    return loss.reshape(labels.shape)
+
+
+def _rotate_half(x):
+    x1, x2 = mint.chunk(x, 2, -1)
+    return mint.cat([-x2, x1], -1)
+
+
+@constexpr
+def _rope_bshape(shape, seq_dim):
+    nd = len(shape)
+    sd = seq_dim % nd
+    bshape = [1] * nd
+    bshape[sd] = shape[sd]
+    bshape[-1] = shape[-1]
+    return tuple(bshape)
+
+
+def rope(x, cos, sin, seq_dim=-2):
+    """y = x * cos + rotate_half(x) * sin with cos/sin [S, D] broadcast along ``seq_dim`` of x."""
+    dt = x.dtype
+    xf = _f32(x)
+    bshape = _rope_bshape(x.shape, seq_dim)
+    c = _f32(cos).reshape(bshape)
+    sn = _f32(sin).reshape(bshape)
+    y = xf * c + _rotate_half(xf) * sn
+    return y if dt == ms.float32 else y.astype(dt)
+
+
+_MASKS = {}
+_F32_MIN = float(np.finfo(np.float32).min)
+
+
+@constexpr
+def _masks(sq, sk):
+    """(masked: bool [Sq, Sk], keep: f32 [Sq, Sk]) for the causal pattern k <= q + (Sk - Sq)."""
+    key = (sq, sk)
+    m = _MASKS.get(key)
+    if m is None:
+        keep = np.tril(np.ones((sq, sk), dtype=np.bool_), k=sk - sq)
+        m = (Tensor(~keep), Tensor(keep.astype(np.float32)))
+        _MASKS[key] = m
+    return m
+
+
+def causal_softmax(scores, scale=1.0):
+    """softmax(scale * scores) over keys k <= q + (Sk - Sq) of the last axis; 0 at masked positions."""
+    dt = scores.dtype
+    sq, sk = scores.shape[-2], scores.shape[-1]
+    masked, keep = _masks(sq, sk)
+    s = ops.masked_fill(_f32(scores) * scale, masked, _F32_MIN)
+    y = mint.softmax(s, -1) * keep
+    return y if dt == ms.float32 else y.astype(dt)

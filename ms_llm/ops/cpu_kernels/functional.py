@@ -1,0 +1,184 @@
+"""MindSpore ops backed by the AOT C++ kernels (``ops.Custom(func_type="aot")`` with AOT backward).
+
+Each public function computes in fp32 (fp16/bf16 inputs are upcast and the result is cast back to the
+input dtype) and falls back to the composed form in :mod:`.composed` when :func:`available` is False.
+They work in PyNative and inside ``mindspore.jit`` (the Custom primitives are created on first use,
+outside or inside the traced function; creation is pure Python and needs no tensor values).
+
+Gradients: rms_norm -> x, weight; swiglu -> x; cross_entropy -> logits; rope -> x (cos/sin are treated
+as constants and get zero gradient); causal_softmax -> scores.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import ops
+from mindspore.ops import constexpr
+
+from . import composed
+from .build import available, library_path
+
+_PRIMS: dict = {}
+
+
+def _same(*shapes_or_types):
+    return shapes_or_types[0]
+
+
+def _swiglu_shape(x):
+    return list(x[:-1]) + [x[-1] // 2]
+
+
+def _zeros_like(x):
+    return ops.zeros_like(x)
+
+
+def _scalar_grad(x):
+    """Gradient slot for a Python scalar input (eps, scale, ignore_index, seq_dim)."""
+    return x * 0
+
+
+def _make_prims():
+    """Create every Custom primitive once (forward + backward pairs)."""
+    path = str(library_path())
+
+    def custom(fn, out_shape, out_dtype, bprop=None):
+        return ops.Custom(f"{path}:{fn}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot", bprop=bprop)
+
+    # --- RMSNorm: (x, w, eps) -> y ; bwd (x, w, dy, eps) -> (dx, dw)
+    rms_bwd = custom("RmsNormBwd", lambda x, w, dy, eps: (x, w), lambda x, w, dy, eps: (x, w))
+
+    def rms_bprop(x, w, eps, out, dout):
+        dx, dw = rms_bwd(x, w, dout, eps)
+        return dx, dw, _scalar_grad(eps)
+
+    rms_fwd = custom("RmsNormFwd", lambda x, w, eps: x, lambda x, w, eps: x, rms_bprop)
+
+    # --- SwiGLU: (x [..., 2F]) -> y [..., F] ; bwd (x, dy) -> dx
+    swiglu_bwd = custom("SwigluBwd", lambda x, dy: x, lambda x, dy: x)
+
+    def swiglu_bprop(x, out, dout):
+        return (swiglu_bwd(x, dout),)
+
+    swiglu_fwd = custom("SwigluFwd", _swiglu_shape, _same, swiglu_bprop)
+
+    # --- Cross entropy: (logits [N, V], labels [N], ignore) -> (loss [N], lse [N])
+    #     bwd (logits, labels, lse, dloss, ignore) -> dlogits
+    ce_bwd = custom("CrossEntropyBwd", lambda x, lab, lse, dl, ign: x, lambda x, lab, lse, dl, ign: x)
+
+    def ce_bprop(logits, labels, ignore_index, out, dout):
+        dlogits = ce_bwd(logits, labels, out[1], dout[0], ignore_index)
+        return dlogits, _zeros_like(labels), _scalar_grad(ignore_index)
+
+    ce_fwd = custom(
+        "CrossEntropyFwd",
+        lambda x, lab, ign: ([x[0]], [x[0]]),
+        lambda x, lab, ign: (x, x),
+        ce_bprop,
+    )
+
+    # --- Causal softmax: (scores, scale) -> y ; bwd (y, dy, scale) -> dx
+    cs_bwd = custom("CausalSoftmaxBwd", lambda y, dy, sc: y, lambda y, dy, sc: y)
+
+    def cs_bprop(x, scale, out, dout):
+        return cs_bwd(out, dout, scale), _scalar_grad(scale)
+
+    cs_fwd = custom("CausalSoftmaxFwd", lambda x, sc: x, lambda x, sc: x, cs_bprop)
+
+    # --- RoPE: (x, cos, sin, seq_dim) -> y ; bwd (dy, cos, sin, seq_dim) -> dx
+    rope_bwd = custom("RopeBwd", lambda g, c, s, d: g, lambda g, c, s, d: g)
+
+    def rope_bprop(x, cos, sin, seq_dim, out, dout):
+        return rope_bwd(dout, cos, sin, seq_dim), _zeros_like(cos), _zeros_like(sin), _scalar_grad(seq_dim)
+
+    rope_fwd = custom("RopeFwd", lambda x, c, s, d: x, lambda x, c, s, d: x, rope_bprop)
+
+    return {
+        "rms_norm": rms_fwd,
+        "swiglu": swiglu_fwd,
+        "cross_entropy": ce_fwd,
+        "causal_softmax": cs_fwd,
+        "rope": rope_fwd,
+    }
+
+
+def _ensure_prims():
+    if not available():
+        return False
+    if not _PRIMS:
+        _PRIMS.update(_make_prims())
+    return True
+
+
+# Both helpers are `constexpr`: in PyNative they are plain calls; under `mindspore.jit` they run once at
+# compile time (their bodies use try/with/closures that the graph parser cannot handle) and the
+# resulting bool / Primitive is a constant of the graph.
+@constexpr
+def _aot_enabled():
+    return _ensure_prims()
+
+
+@constexpr
+def _prim(name):
+    return _PRIMS[name]
+
+
+def _f32(t):
+    return t if t.dtype == ms.float32 else t.astype(ms.float32)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """RMSNorm over the last axis: ``x * rsqrt(mean(x^2, -1) + eps) * weight``. Grads for x and weight."""
+    if not _aot_enabled():
+        return composed.rms_norm(x, weight, eps)
+    dt = x.dtype
+    y = _prim("rms_norm")(_f32(x), _f32(weight), float(eps))
+    return y if dt == ms.float32 else y.astype(dt)
+
+
+def swiglu(x):
+    """``silu(x[..., :F]) * x[..., F:]`` for x [..., 2F] (Megatron fused fc1 layout). Grad for x."""
+    if not _aot_enabled():
+        return composed.swiglu(x)
+    dt = x.dtype
+    y = _prim("swiglu")(_f32(x))
+    return y if dt == ms.float32 else y.astype(dt)
+
+
+def cross_entropy(logits, labels, ignore_index=-100):
+    """Per-token cross entropy ``logsumexp(logits) - logits[label]`` of shape labels.shape (logits
+    [..., V], labels [...] int32/int64), 0 where ``labels == ignore_index``. Grad for logits only.
+    A label outside [0, V) that is not ignore_index raises."""
+    if not _aot_enabled():
+        return composed.cross_entropy(logits, labels, ignore_index)
+    v = logits.shape[-1]
+    lf = _f32(logits).reshape(-1, v)
+    lab = labels.reshape(-1)
+    if lab.dtype != ms.int32 and lab.dtype != ms.int64:
+        lab = lab.astype(ms.int32)
+    loss = _prim("cross_entropy")(lf, lab, int(ignore_index))[0]
+    return loss.reshape(labels.shape)
+
+
+def rope(x, cos, sin, seq_dim=-2):
+    """Rotary embedding, rotate-half form: ``x * cos + rotate_half(x) * sin``.
+
+    x: [..., S, ..., D] with the sequence axis at ``seq_dim`` (default -2, i.e. [..., S, D] such as
+    [B, H, S, D]; use seq_dim=1 for [B, S, H, D], 0 for [S, B, H, D]); cos, sin: [S, D] (any shape with
+    S*D elements). Grad for x only.
+    """
+    if not _aot_enabled():
+        return composed.rope(x, cos, sin, seq_dim)
+    dt = x.dtype
+    y = _prim("rope")(_f32(x), _f32(cos), _f32(sin), int(seq_dim))
+    return y if dt == ms.float32 else y.astype(dt)
+
+
+def causal_softmax(scores, scale=1.0):
+    """``softmax(scale * scores)`` over the last axis with a causal mask (key k allowed for query q iff
+    k <= q + Sk - Sq); masked positions are exactly 0. scores: [..., Sq, Sk]. Grad for scores."""
+    if not _aot_enabled():
+        return composed.causal_softmax(scores, scale)
+    dt = scores.dtype
+    y = _prim("causal_softmax")(_f32(scores), float(scale))
+    return y if dt == ms.float32 else y.astype(dt)

@@ -1,0 +1,64 @@
+"""One Megatron-style log line per logged step, mirrored as JSON in ``metrics.jsonl``."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from typing import Optional
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process. MindSpore's memory stats read 0 on CPU and its pool
+    never returns memory, so the OS high-water mark is the honest figure."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 ** 2)
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str, max_steps: int, enabled: bool = True,
+                 progress_bar: bool = True, start_step: int = 0):
+        self.enabled = enabled
+        self.max_steps = max_steps
+        self.t0 = time.time()
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self._bar = None
+        if enabled:
+            os.makedirs(output_dir, exist_ok=True)
+            if start_step == 0 and os.path.exists(self.path):
+                os.remove(self.path)  # a fresh run starts a fresh file
+            if progress_bar:
+                from tqdm import tqdm
+                self._bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step",
+                                 dynamic_ncols=True, mininterval=1.0, leave=False)
+
+    def log(self, step: int, *, loss: float, grad_norm: float, lr: float, tokens: int,
+            step_time: float, consumed_samples: int, global_batch_size: int,
+            extra: Optional[dict] = None) -> dict:
+        record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                  "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
+                  "step_time_s": step_time, "elapsed_s": time.time() - self.t0,
+                  "consumed_samples": consumed_samples, "peak_rss_gb": peak_rss_gb()}
+        if extra:
+            record.update(extra)
+        if not self.enabled:
+            return record
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        line = (f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {step:8d}/{self.max_steps:8d}"
+                f" | consumed samples: {consumed_samples:10d}"
+                f" | elapsed time per iteration (ms): {step_time * 1000:.1f}"
+                f" | learning rate: {lr:.6E} | global batch size: {global_batch_size:5d}"
+                f" | lm loss: {loss:.6E} | grad norm: {grad_norm:.4f}"
+                f" | tokens/s: {record['tokens_per_s']:.1f} | elapsed: {record['elapsed_s']:.1f} s"
+                f" | mem: {record['peak_rss_gb']:.2f} GB |")
+        if self._bar is not None:
+            self._bar.write(line)
+            self._bar.update(step - self._bar.n)
+            self._bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        else:
+            print(line, flush=True)
+        return record
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,145 @@
+"""The pretraining loop: data -> model -> AdamW, with Megatron-style logging and metrics.jsonl."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Dict, Optional
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor
+
+from ms_llm.compat import manual_seed, setup_device, float32
+from ms_llm.config import ConfigError, RunConfig
+from ms_llm.models import GPTModel, from_pretrained
+from ms_llm.parallel.runtime import DistInfo, init_distributed
+from . import grad as gradlib
+from .checkpointing import find_latest, load_training_state, save_training_state
+from .data_setup import build_data
+from .lr_schedule import lr_at
+from .metrics import MetricsLogger
+from .optimizer import AdamW
+
+log = logging.getLogger("ms_llm.train")
+
+
+def build_model(cfg: RunConfig) -> GPTModel:
+    if cfg.checkpoint.load:
+        # An HF folder: its config.json defines the architecture; YAML model keys must agree.
+        model = from_pretrained(cfg.checkpoint.load)
+        return model
+    return GPTModel(cfg.model)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, dist: Optional[DistInfo] = None):
+        self.cfg = cfg
+        self.dist = dist or DistInfo()
+        t = cfg.training
+        if self.dist.world_size > 1:
+            raise ConfigError("launch: more than one worker needs data parallel, which arrives "
+                              "with the distributed runtime (issue 4); run with NPROC=1")
+        mb_total = t.micro_batch_size * self.dist.world_size
+        if t.global_batch_size % mb_total:
+            raise ConfigError(f"training.global_batch_size ({t.global_batch_size}) must be a "
+                              f"multiple of micro_batch_size x data-parallel size ({mb_total})")
+        self.accum_steps = t.global_batch_size // mb_total
+        manual_seed(t.seed)
+        np.random.seed(t.seed)
+        self.data = build_data(cfg, self.dist)
+        cfg.model = self.data.model_config
+        self.model = build_model(cfg)
+        self.model.set_train(True)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.optimizer = AdamW(named, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                               weight_decay=t.weight_decay)
+        self.grad_fn = ms.value_and_grad(self._loss, grad_position=None, weights=self.params)
+        if t.jit:
+            self.grad_fn = ms.jit(self.grad_fn)
+        self.step = 0
+        self._maybe_resume()
+
+    # The loss of one micro-batch, pre-divided by the global batch's loss-token count so summed
+    # micro-batch gradients equal the gradient of the global per-token mean.
+    def _loss(self, tokens: Tensor, labels: Tensor, loss_mask: Tensor, inv_tokens: Tensor):
+        per_token = self.model(tokens, labels=labels)
+        return (per_token * loss_mask).sum() * inv_tokens
+
+    def _maybe_resume(self) -> None:
+        ck = self.cfg.checkpoint
+        if self.cfg.training.resume != "auto":
+            return
+        latest = find_latest(ck.save_dir)
+        if latest is None:
+            log.info("resume=auto: no complete checkpoint in %s, starting fresh", ck.save_dir)
+            return
+        state = load_training_state(latest, self.model, self.optimizer)
+        self.step = state["step"]
+        self.data.loader.load_state_dict(state["data"])
+        log.info("resumed from %s at step %d", latest, self.step)
+
+    def train_step(self) -> Dict[str, float]:
+        t = self.cfg.training
+        batches = [next(self.data.loader) for _ in range(self.accum_steps)]
+        n_tokens = float(sum(b["loss_mask"].sum() for b in batches))
+        inv = Tensor(np.float32(1.0 / max(n_tokens, 1.0)))
+        total_loss, grads = 0.0, None
+        for b in batches:
+            loss, g = self.grad_fn(Tensor(b["tokens"]), Tensor(b["labels"]),
+                                   Tensor(b["loss_mask"]), inv)
+            total_loss += float(loss.asnumpy())
+            grads = gradlib.accumulate(grads, g)
+        norm = gradlib.global_norm(grads)
+        grads = gradlib.clip_(grads, t.clip_grad, norm)
+        self.step += 1
+        lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,
+                   decay_steps=t.lr_decay_steps or t.max_steps, style=t.lr_decay_style)
+        self.optimizer.step(grads, lr)
+        return {"loss": total_loss, "grad_norm": norm, "lr": lr,
+                "tokens": sum(int(b["tokens"].size) for b in batches)}
+
+    def fit(self) -> list:
+        t, ck = self.cfg.training, self.cfg.checkpoint
+        is_main = self.dist.rank == 0
+        if is_main:
+            os.makedirs(t.output_dir, exist_ok=True)
+            with open(os.path.join(t.output_dir, "config.json"), "w", encoding="utf-8") as f:
+                json.dump(self.cfg.to_dict(), f, indent=2)
+            print(f"ms-llm: {self.model.num_parameters() / 1e6:.2f} M parameters, "
+                  f"{self.data.num_tokens} corpus tokens, {self.accum_steps} micro-batch(es) per "
+                  f"step, device {ms.get_context('device_target')}, output {t.output_dir}",
+                  flush=True)
+        logger = MetricsLogger(t.output_dir, t.max_steps, enabled=is_main,
+                               progress_bar=t.progress_bar, start_step=self.step)
+        records = []
+        try:
+            while self.step < t.max_steps:
+                t0 = time.time()
+                out = self.train_step()
+                dt = time.time() - t0
+                if not np.isfinite(out["loss"]):
+                    raise FloatingPointError(f"loss is {out['loss']} at step {self.step}")
+                if self.step % t.log_interval == 0 or self.step == t.max_steps:
+                    records.append(logger.log(
+                        self.step, loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],
+                        tokens=out["tokens"], step_time=dt,
+                        consumed_samples=self.data.loader.consumed_samples,
+                        global_batch_size=t.global_batch_size))
+                if ck.save_dir and ((ck.save_interval and self.step % ck.save_interval == 0)
+                                    or self.step == t.max_steps):
+                    if is_main:
+                        path = save_training_state(ck.save_dir, self.step, self.model,
+                                                   self.optimizer, self.data.loader.state_dict())
+                        print(f"ms-llm: saved checkpoint {path}", flush=True)
+        finally:
+            logger.close()
+        return records
+
+
+def run(cfg: RunConfig) -> list:
+    dist = init_distributed()
+    setup_device(None if cfg.training.device == "auto" else cfg.training.device)
+    return Trainer(cfg, dist).fit()
