@@ -140,6 +140,7 @@ class Trainer:
 
 
 def run(cfg: RunConfig) -> list:
-    dist = init_distributed()
+    # The device must be chosen before mindspore.communication.init().
     setup_device(None if cfg.training.device == "auto" else cfg.training.device)
+    dist = init_distributed()
     return Trainer(cfg, dist).fit()

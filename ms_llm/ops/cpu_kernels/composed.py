@@ -33,15 +33,18 @@ def swiglu(x):
 def cross_entropy(logits, labels, ignore_index=-100):
     """Per-token loss [N]; 0 where labels == ignore_index. ``ops.log_softmax`` + gather (13x faster
     than ``ops.cross_entropy`` on CPU)."""
-    v = logits.shape[-1]
-    lf = _f32(logits).reshape(-1, v)
-    lab = labels.reshape(-1).astype(ms.int32)
+    lf = _f32(logits)
+    if len(logits.shape) != 2:
+        lf = lf.reshape(-1, logits.shape[-1])
+    lab = labels.reshape(-1) if len(labels.shape) != 1 else labels
+    if lab.dtype != ms.int32:
+        lab = lab.astype(ms.int32)
     keep = lab != ignore_index
     safe = mint.where(keep, lab, ops.zeros_like(lab))
     logp = ops.log_softmax(lf, -1)
     picked = mint.gather(logp, 1, safe.reshape(-1, 1)).reshape(-1)
     loss = -picked * keep.astype(ms.float32)
-    return loss.reshape(labels.shape)
+    return loss.reshape(labels.shape) if len(labels.shape) != 1 else loss
 
 
 def _rotate_half(x):

@@ -151,13 +151,18 @@ def cross_entropy(logits, labels, ignore_index=-100):
     A label outside [0, V) that is not ignore_index raises."""
     if not _aot_enabled():
         return composed.cross_entropy(logits, labels, ignore_index)
-    v = logits.shape[-1]
-    lf = _f32(logits).reshape(-1, v)
-    lab = labels.reshape(-1)
+    lf = _f32(logits)
+    lab = labels
+    if len(logits.shape) != 2:  # reshape only when needed: on CPU PyNative it can copy the whole [N, V] tensor
+        lf = lf.reshape(-1, logits.shape[-1])
+    if len(labels.shape) != 1:
+        lab = lab.reshape(-1)
     if lab.dtype != ms.int32 and lab.dtype != ms.int64:
         lab = lab.astype(ms.int32)
     loss = _prim("cross_entropy")(lf, lab, int(ignore_index))[0]
-    return loss.reshape(labels.shape)
+    if len(labels.shape) != 1:
+        loss = loss.reshape(labels.shape)
+    return loss
 
 
 def rope(x, cos, sin, seq_dim=-2):

@@ -9,8 +9,12 @@
 // Built by build.py with `g++ -O3 -march=native -fopenmp -shared -fPIC`. No MindSpore headers are
 // needed. All kernels are fp32 only; the Python wrappers upcast fp16/bf16 inputs.
 //
-// Threading: OpenMP over rows, only when a call has enough work (see kMinParallelWork); the thread
-// count defaults to min(2, omp_get_num_procs()) and can be set with MS_LLM_AOT_THREADS.
+// Threading: single-threaded by default. MS_LLM_AOT_THREADS=n (n > 1) splits rows over n OpenMP
+// threads for calls with at least kMinParallelWork elements. Measured on the 2-vCPU development VM:
+// waking a second thread costs from ~0.1 ms up to a scheduler time slice (several ms) when the other
+// vCPU is busy, which cancels the gain except on the largest calls (cross entropy at 2048 x 32000:
+// about 1.2-1.5x faster when the machine is idle, slower when it is loaded). Vectorisation comes from
+// `#pragma omp simd` (needs -fopenmp or -fopenmp-simd).
 
 #include <cmath>
 #include <cstdint>
@@ -32,7 +36,7 @@ constexpr int kErrLabel = 3;
 constexpr int kErrNParam = 4;
 
 // A call is split across threads only if it touches at least this many elements.
-constexpr int64_t kMinParallelWork = 1 << 16;
+constexpr int64_t kMinParallelWork = 1 << 20;
 
 int64_t numel(int nd, const int64_t *s) {
   int64_t n = 1;
@@ -66,8 +70,9 @@ int max_threads() {
 #ifdef _OPENMP
   static const int n = [] {
     const char *env = std::getenv("MS_LLM_AOT_THREADS");
-    int procs = omp_get_num_procs();
-    int v = env ? std::atoi(env) : (procs < 2 ? procs : 2);
+    int v = env ? std::atoi(env) : 1;
+    const int procs = omp_get_num_procs();
+    if (v > procs) v = procs;
     if (v < 1) v = 1;
     return v;
   }();
@@ -172,7 +177,8 @@ MSLLM_EXPORT int RmsNormFwd(int nparam, void **params, int *ndims, int64_t **sha
   float *y = static_cast<float *>(params[3]);
   const int64_t rows = h > 0 ? numel(ndims[0], shapes[0]) / h : 0;
   const float inv_h = 1.0f / static_cast<float>(h);
-#pragma omp parallel for schedule(static) num_threads(threads_for(rows * h, rows))
+  const int nt = threads_for(rows * h, rows);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t i = 0; i < rows; ++i) {
     const float *xr = x + i * h;
     float *yr = y + i * h;
@@ -209,7 +215,7 @@ MSLLM_EXPORT int RmsNormBwd(int nparam, void **params, int *ndims, int64_t **sha
   const int nt = threads_for(total, rows);
   // Per-thread partial dw, summed in thread order afterwards (deterministic for a fixed thread count).
   std::vector<float> partial(static_cast<size_t>(nt) * h, 0.0f);
-#pragma omp parallel num_threads(nt)
+#pragma omp parallel num_threads(nt) if (nt > 1)
   {
 #ifdef _OPENMP
     const int tid = omp_get_thread_num();
@@ -262,7 +268,8 @@ MSLLM_EXPORT int SwigluFwd(int nparam, void **params, int *ndims, int64_t **shap
   const int64_t rows = two_f > 0 ? total / two_f : 0;
   const float *x = static_cast<const float *>(params[0]);
   float *y = static_cast<float *>(params[1]);
-#pragma omp parallel for schedule(static) num_threads(threads_for(total, rows))
+  const int nt = threads_for(total, rows);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t i = 0; i < rows; ++i) {
     const float *a = x + i * two_f;
     const float *b = a + f;
@@ -290,7 +297,8 @@ MSLLM_EXPORT int SwigluBwd(int nparam, void **params, int *ndims, int64_t **shap
   const float *x = static_cast<const float *>(params[0]);
   const float *dy = static_cast<const float *>(params[1]);
   float *dx = static_cast<float *>(params[2]);
-#pragma omp parallel for schedule(static) num_threads(threads_for(total, rows))
+  const int nt = threads_for(total, rows);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t i = 0; i < rows; ++i) {
     const float *a = x + i * two_f;
     const float *b = a + f;
@@ -330,7 +338,8 @@ MSLLM_EXPORT int CrossEntropyFwd(int nparam, void **params, int *ndims, int64_t 
   float *loss = static_cast<float *>(params[3]);
   float *lse = static_cast<float *>(params[4]);
   int bad = 0;
-#pragma omp parallel for schedule(static) num_threads(threads_for(n * v, n)) reduction(| : bad)
+  const int nt = threads_for(n * v, n);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1) reduction(| : bad)
   for (int64_t i = 0; i < n; ++i) {
     const int64_t lab = lab64 ? static_cast<const int64_t *>(params[1])[i]
                               : static_cast<int64_t>(static_cast<const int32_t *>(params[1])[i]);
@@ -376,7 +385,8 @@ MSLLM_EXPORT int CrossEntropyBwd(int nparam, void **params, int *ndims, int64_t 
   const float *dl = static_cast<const float *>(params[3]);
   float *dx = static_cast<float *>(params[5]);
   int bad = 0;
-#pragma omp parallel for schedule(static) num_threads(threads_for(n * v, n)) reduction(| : bad)
+  const int nt = threads_for(n * v, n);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1) reduction(| : bad)
   for (int64_t i = 0; i < n; ++i) {
     const int64_t lab = lab64 ? static_cast<const int64_t *>(params[1])[i]
                               : static_cast<int64_t>(static_cast<const int32_t *>(params[1])[i]);
@@ -419,7 +429,8 @@ MSLLM_EXPORT int CausalSoftmaxFwd(int nparam, void **params, int *ndims, int64_t
   const int64_t off = sk - sq;
   const float *x = static_cast<const float *>(params[0]);
   float *y = static_cast<float *>(params[2]);
-#pragma omp parallel for schedule(static) num_threads(threads_for(total / 2, rows))
+  const int nt = threads_for(total / 2, rows);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t q = i % sq;
     int64_t len = q + off + 1;  // allowed keys: [0, len)
@@ -471,7 +482,8 @@ MSLLM_EXPORT int CausalSoftmaxBwd(int nparam, void **params, int *ndims, int64_t
   const float *y = static_cast<const float *>(params[0]);
   const float *dy = static_cast<const float *>(params[1]);
   float *dx = static_cast<float *>(params[3]);
-#pragma omp parallel for schedule(static) num_threads(threads_for(total / 2, rows))
+  const int nt = threads_for(total / 2, rows);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t q = i % sq;
     int64_t len = q + off + 1;
@@ -528,7 +540,8 @@ int rope_impl(int nparam, void **params, int *ndims, int64_t **shapes, const cha
   float *y = static_cast<float *>(params[4]);
   const int64_t half = d / 2;
   const int64_t rows = outer * s;  // one (outer, s) pair = inner vectors sharing cos/sin
-#pragma omp parallel for schedule(static) num_threads(threads_for(rows * inner * d, rows))
+  const int nt = threads_for(rows * inner * d, rows);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t si = r % s;
     const float *c = cs + si * d;
