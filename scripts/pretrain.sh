@@ -26,9 +26,9 @@ fi
 # This checkout wins over any other installed copy of ms_llm.
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
 # msrun starts workers with the `python` on PATH: make it the interpreter that has ms_llm.
-PY="$(command -v python3 || command -v python)"
-if ! "$PY" -c "import ms_llm" 2>/dev/null; then
-  echo "pretrain.sh: ms_llm is not importable by $PY; run 'pip install -e .' first" >&2
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
+if ! "$PY" -c "import ms_llm, mindspore" 2>/dev/null; then
+  echo "pretrain.sh: ms_llm or mindspore is not importable by $PY; run 'pip install -e .' first" >&2
   exit 2
 fi
 BIN_DIR="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")"

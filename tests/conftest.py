@@ -9,9 +9,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-import mindspore as ms  # noqa: E402
+from ms_llm.compat import setup_device  # noqa: E402
 
-ms.set_device("CPU")
 # PyNative errors are sticky without synchronous execution: a failing op would otherwise
 # re-raise its stale error from the next unrelated op and poison later tests.
-ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
+setup_device("CPU", synchronize=True)

@@ -1,0 +1,138 @@
+"""The run-config schema: YAML + dotted overrides, rejection of bad input, published architectures."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ms_llm.config import ConfigError, load_config, parse_overrides
+from ms_llm.models import GPTModel, TransformerConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+
+
+def write(tmp_path, text, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = write(tmp_path, "model:\n  family: qwen3\n  num_layers: 3\ntraining:\n  lr: 1.0e-3\n")
+    cfg = load_config(path, ["--training.max_steps", "20", "--model.hidden_size=96",
+                             "--training.lr", "2e-4", "--training.jit", "true"])
+    assert cfg.training.max_steps == 20 and cfg.training.lr == pytest.approx(2e-4)
+    assert cfg.training.jit is True
+    assert cfg.model.num_layers == 3 and cfg.model.hidden_size == 96
+    assert cfg.model.qk_layernorm is True           # from the qwen3 family
+    assert cfg.model.kv_channels == 96 // cfg.model.num_attention_heads
+
+
+def test_explicit_key_beats_family_default(tmp_path):
+    path = write(tmp_path, "model:\n  family: qwen3\n  qk_layernorm: false\n")
+    assert load_config(path).model.qk_layernorm is False
+
+
+@pytest.mark.parametrize("text,override,needle", [
+    ("training:\n  max_stepz: 3\n", [], "training.max_stepz"),
+    ("bogus:\n  a: 1\n", [], "bogus"),
+    ("model:\n  hidden_sise: 3\n", [], "model.hidden_sise"),
+    ("training:\n  max_steps: three\n", [], "training.max_steps"),
+    ("training:\n  lr: [1]\n", [], "training.lr"),
+    ("training:\n  jit: 3\n", [], "training.jit"),
+    ("", ["--training.seed", "x"], "training.seed"),
+    ("", ["--nope.key", "1"], "nope.key"),
+    ("model:\n  hidden_size: 96\n  num_attention_heads: 6\n  num_query_groups: 4\n", [],
+     "num_query_groups"),
+    ("model:\n  family: gpt5\n", [], "gpt5"),
+    ("parallel:\n  tensor_model_parallel_size: 2\n", [], "tensor_model_parallel_size"),
+])
+def test_bad_config_is_one_line_naming_key_and_source(tmp_path, text, override, needle):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, override)
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg
+    assert path in msg or "command line" in msg
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(write(tmp_path, "model: [unclosed\n"))
+
+
+def test_parse_overrides_forms():
+    assert parse_overrides(["--a.b", "1", "--c.d=x"]) == [("a.b", "1"), ("c.d", "x")]
+    with pytest.raises(ConfigError):
+        parse_overrides(["--a.b"])
+    with pytest.raises(ConfigError):
+        parse_overrides(["positional"])
+
+
+def test_cli_bad_config_exits_nonzero_with_one_line(tmp_path):
+    path = write(tmp_path, "training:\n  max_stepz: 3\n")
+    r = subprocess.run([sys.executable, "-m", "ms_llm.train", path], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert err == [f"config error: {path}: unknown key 'training.max_stepz'"]
+
+
+def _env_with_this_python():
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def test_launcher_rejects_bad_config_before_msrun(tmp_path):
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain.sh"),
+                        "--training.max_steps", "many"], capture_output=True, text=True,
+                       timeout=120, env=_env_with_this_python())
+    assert r.returncode == 2
+    assert "training.max_steps" in r.stderr and "msrun" not in r.stdout
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain.sh"),
+                        str(tmp_path / "nope.yaml")], capture_output=True, text=True, timeout=60,
+                       env=_env_with_this_python())
+    assert r.returncode == 2 and "nope.yaml" in r.stderr
+
+
+def _expected_params(c: TransformerConfig) -> int:
+    """Parameter count written from the architecture (independent of GPTModel)."""
+    h, f, d = c.hidden_size, c.ffn_hidden_size, c.kv_channels
+    q, kv = c.num_attention_heads * d, c.num_query_groups * d
+    attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if c.add_qkv_bias else 0)
+    attn += 2 * d if c.qk_layernorm else 0
+    mlp = h * 2 * f + f * h
+    layer = attn + mlp + 2 * h
+    emb = c.padded_vocab_size * h
+    out = emb if c.untie_embeddings_and_output_weights else 0
+    return c.num_layers * layer + h + emb + out
+
+
+def test_param_formula_matches_built_model():
+    for kw in (dict(qk_layernorm=True), dict(add_qkv_bias=True, num_query_groups=1),
+               dict(untie_embeddings_and_output_weights=False, kv_channels=24)):
+        c = TransformerConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96,
+                              num_attention_heads=4, num_query_groups=kw.pop("num_query_groups", 2),
+                              padded_vocab_size=100, **kw)
+        assert GPTModel(c).num_parameters() == _expected_params(c)
+
+
+# Published totals (model cards / config.json arithmetic), in parameters.
+@pytest.mark.parametrize("name,total,tol", [
+    ("qwen3_0p6b.yaml", 0.596e9, 0.005e9),   # Qwen3-0.6B: 0.6B (0.44B non-embedding), tied
+    ("qwen3_8b.yaml", 8.19e9, 0.01e9),       # Qwen3-8B: 8.2B
+    ("llama3_8b.yaml", 8.03e9, 0.01e9),      # Llama-3-8B: 8.03B
+    ("qwen25_7b.yaml", 7.62e9, 0.01e9),      # Qwen2.5-7B: 7.61B
+])
+def test_real_model_configs(name, total, tol):
+    cfg = load_config(os.path.join(CONFIGS, name))
+    assert abs(_expected_params(cfg.model) - total) < tol
+
+
+def test_default_config_loads():
+    cfg = load_config(os.path.join(CONFIGS, "tiny.yaml"))
+    assert cfg.model.qk_layernorm and cfg.data.corpus == "embedded"
