@@ -9,6 +9,7 @@ import os
 from typing import Optional
 
 import mindspore as ms
+from mindspore.ops import constexpr
 
 _STATE = {"device": None, "threads": None}
 
@@ -57,9 +58,16 @@ def device() -> str:
     return _STATE["device"] or setup_device()
 
 
+# constexpr: under mindspore.jit this runs once at compile time and becomes a graph constant
+# (a constexpr needs an argument, or graph autodiff fails with "Fail to find user").
+@constexpr
+def _device_is(name: str) -> bool:
+    return device() == name
+
+
 def is_cpu() -> bool:
-    return device() == "CPU"
+    return _device_is("CPU")
 
 
 def is_ascend() -> bool:
-    return device() == "Ascend"
+    return _device_is("Ascend")

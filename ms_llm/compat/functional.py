@@ -27,10 +27,20 @@ def _shape(size) -> tuple:
 
 def _fp32_on_cpu(*xs: Tensor):
     """MindSpore's CPU backend has no bf16 compute kernels (matmul, softmax, exp, reductions...):
-    compute such inputs in fp32. Returns the (possibly upcast) inputs and the dtype to cast back to."""
-    if is_cpu() and any(x is not None and x.dtype == bfloat16 for x in xs):
-        return tuple(None if x is None else x.astype(float32) for x in xs), bfloat16
-    return xs, None
+    compute such inputs in fp32. Returns the (possibly upcast) inputs and the dtype to cast back to.
+    (Plain loops, no generator expressions: this must also parse under ``mindspore.jit``.)"""
+    if not is_cpu():
+        return xs, None
+    low = False
+    for x in xs:
+        if x is not None and x.dtype == ms.bfloat16:
+            low = True
+    if not low:
+        return xs, None
+    out = []
+    for x in xs:
+        out.append(None if x is None else x.astype(ms.float32))
+    return tuple(out), ms.bfloat16
 
 
 def _back(y: Tensor, dtype) -> Tensor:

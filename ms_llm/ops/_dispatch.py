@@ -1,31 +1,46 @@
-"""Choose, once per process, which implementation of a hot op runs, and log the choice once."""
+"""Choose, once per process, which implementation of a hot op runs, and log the choice once.
+
+``resolve_paths()`` makes every choice eagerly (it may compile the C++ kernels); the trainer calls
+it before ``mindspore.jit`` traces the model, so graph capture only ever reads a dict.
+"""
 from __future__ import annotations
 
 import logging
 import os
 
+from mindspore.ops import constexpr
+
 from ms_llm.compat import is_ascend, is_cpu
 
 log = logging.getLogger("ms_llm.ops")
-_LOGGED: set = set()
-_AOT = {"ok": None}
+OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy")
+_PATHS: dict = {}
+# Ops whose C++ CPU kernel is used by default; the others measured slower than the composed
+# form under PyNative dispatch (see benchmarks/ops.py) and stay composed on CPU.
+AOT_OPS = ("rms_norm", "swiglu", "cross_entropy")
 
 
 def aot_enabled() -> bool:
     """True when the ahead-of-time C++ CPU kernels (ms_llm.ops.cpu_kernels) can be used."""
-    if _AOT["ok"] is None:
-        if not is_cpu() or os.environ.get("MS_LLM_DISABLE_AOT", "0") == "1":
-            _AOT["ok"] = False
-        else:
-            from . import cpu_kernels  # built on first use; False when no compiler
-            _AOT["ok"] = bool(cpu_kernels.available())
-    return _AOT["ok"]
+    if not is_cpu() or os.environ.get("MS_LLM_DISABLE_AOT", "0") == "1":
+        return False
+    from . import cpu_kernels  # compiled on first use; False (with a logged reason) on failure
+    return bool(cpu_kernels.available())
 
 
+def resolve_paths() -> dict:
+    if not _PATHS:
+        aot = aot_enabled()
+        for op in OPS:
+            _PATHS[op] = "native" if is_ascend() else ("aot" if aot and op in AOT_OPS
+                                                       else "composed")
+            log.info("ms_llm.ops.%s uses the %s path", op, _PATHS[op])
+    return dict(_PATHS)
+
+
+@constexpr  # evaluated at compile time under mindspore.jit; a plain call in PyNative
 def path_for(op: str) -> str:
     """"native" (Ascend fused kernel), "aot" (C++ CPU kernel) or "composed" (mint/ops graph)."""
-    path = "native" if is_ascend() else ("aot" if aot_enabled() else "composed")
-    if op not in _LOGGED:
-        _LOGGED.add(op)
-        log.info("ms_llm.ops.%s uses the %s path", op, path)
-    return path
+    if not _PATHS:
+        resolve_paths()
+    return _PATHS[op]

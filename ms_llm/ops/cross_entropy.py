@@ -4,6 +4,7 @@ from __future__ import annotations
 from mindspore import Tensor, mint
 
 from ms_llm.compat import F, float32, int32
+from . import cpu_kernels
 from ._dispatch import path_for
 
 IGNORE_INDEX = -100
@@ -19,7 +20,6 @@ def cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_IND
         loss = mint.nn.functional.cross_entropy(logits2, labels1.astype(int32), reduction="none",
                                                 ignore_index=ignore_index)
     elif path == "aot":
-        from . import cpu_kernels
         loss = cpu_kernels.cross_entropy(logits2, labels1.astype(int32), ignore_index)
     else:
         loss = cross_entropy_composed(logits2, labels1, ignore_index)

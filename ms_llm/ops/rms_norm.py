@@ -4,6 +4,7 @@ from __future__ import annotations
 from mindspore import Tensor, ops
 
 from ms_llm.compat import F, float32
+from . import cpu_kernels
 from ._dispatch import path_for
 
 
@@ -12,7 +13,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     if path == "native":  # Ascend fused kernel (ops.rms_norm has no CPU kernel)
         return ops.rms_norm(x, weight, eps)[0]
     if path == "aot":
-        from . import cpu_kernels
         dtype = x.dtype
         y = cpu_kernels.rms_norm(x.astype(float32), weight.astype(float32), eps)
         return y.astype(dtype)

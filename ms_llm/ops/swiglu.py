@@ -4,6 +4,7 @@ from __future__ import annotations
 from mindspore import Tensor, mint, ops
 
 from ms_llm.compat import F, float32
+from . import cpu_kernels
 from ._dispatch import path_for
 
 
@@ -12,7 +13,6 @@ def swiglu(x: Tensor) -> Tensor:
     if path == "native":  # Ascend fused kernel; ops.swiglu has no CPU kernel
         return ops.swiglu(x, -1)
     if path == "aot":
-        from . import cpu_kernels
         return cpu_kernels.swiglu(x.astype(float32)).astype(x.dtype)
     return swiglu_composed(x)
 

@@ -14,6 +14,7 @@ from mindspore import Tensor
 from ms_llm.compat import manual_seed, setup_device, float32
 from ms_llm.config import ConfigError, RunConfig
 from ms_llm.models import GPTModel, from_pretrained
+from ms_llm.ops._dispatch import resolve_paths
 from ms_llm.parallel.runtime import DistInfo, init_distributed
 from . import grad as gradlib
 from .checkpointing import find_latest, load_training_state, save_training_state
@@ -57,8 +58,13 @@ class Trainer:
         self.optimizer = AdamW(named, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                weight_decay=t.weight_decay)
         self.grad_fn = ms.value_and_grad(self._loss, grad_position=None, weights=self.params)
+        resolve_paths()  # pick every op's kernel now, outside any graph capture
         if t.jit:
-            self.grad_fn = ms.jit(self.grad_fn)
+            grad_fn = self.grad_fn
+
+            def fwd_bwd(tokens, labels, loss_mask, inv_tokens):
+                return grad_fn(tokens, labels, loss_mask, inv_tokens)
+            self.grad_fn = ms.jit(fwd_bwd)
         self.step = 0
         self._maybe_resume()
 

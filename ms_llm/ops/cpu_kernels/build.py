@@ -31,6 +31,7 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -128,11 +129,12 @@ def _check_library(path: Path) -> str | None:
 
 
 def _compile(cxx: str, out_dir: Path) -> Path:
-    """Compile into out_dir (caller holds the lock). Tries with OpenMP first, then without."""
+    """Compile into out_dir (caller holds the lock). Tries with OpenMP first, then without (libgomp
+    missing): -fopenmp-simd keeps the vectorised loops, only the optional threading is lost."""
     target = out_dir / LIB_NAME
     srcs = [str(s) for s in sources() if s.suffix == ".cpp"]
     errors = []
-    for flags in (_BASE_FLAGS + [_OPENMP_FLAG], _BASE_FLAGS):
+    for flags in (_BASE_FLAGS + [_OPENMP_FLAG], _BASE_FLAGS + ["-fopenmp-simd"]):
         tmp = out_dir / f".{LIB_NAME}.{os.getpid()}.{threading.get_ident()}.tmp"
         ok, log = _run([cxx, *flags, "-o", str(tmp), *srcs], out_dir)
         if ok:
@@ -159,7 +161,13 @@ def _build() -> Path:
     target = out_dir / LIB_NAME
     if target.exists() and _check_library(target) is None:
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # read-only home: build in a per-user temp dir instead
+        fallback = Path(tempfile.gettempdir()) / f"ms_llm-{os.getuid()}" / "kernels" / key
+        logger.warning("ms_llm AOT kernels: cannot create %s (%s), using %s", out_dir, e, fallback)
+        out_dir, target = fallback, fallback / LIB_NAME
+        out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / ".lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         try:

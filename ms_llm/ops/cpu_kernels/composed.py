@@ -79,21 +79,24 @@ _F32_MIN = float(np.finfo(np.float32).min)
 
 @constexpr
 def _masks(sq, sk):
-    """(masked: bool [Sq, Sk], keep: f32 [Sq, Sk]) for the causal pattern k <= q + (Sk - Sq)."""
+    """(additive: f32 [Sq, Sk] with 0 / f32-min, keep: f32 [Sq, Sk] 1 / 0) for k <= q + (Sk - Sq)."""
     key = (sq, sk)
     m = _MASKS.get(key)
     if m is None:
         keep = np.tril(np.ones((sq, sk), dtype=np.bool_), k=sk - sq)
-        m = (Tensor(~keep), Tensor(keep.astype(np.float32)))
+        m = (Tensor(np.where(keep, 0.0, _F32_MIN).astype(np.float32)), Tensor(keep.astype(np.float32)))
         _MASKS[key] = m
     return m
 
 
 def causal_softmax(scores, scale=1.0):
-    """softmax(scale * scores) over keys k <= q + (Sk - Sq) of the last axis; 0 at masked positions."""
+    """softmax(scale * scores + causal additive mask) over the last axis (keys k <= q + Sk - Sq).
+    Masked positions come out exactly 0 (exp underflows); rows with no allowed key (only possible when
+    Sq > Sk) are zeroed explicitly."""
     dt = scores.dtype
     sq, sk = scores.shape[-2], scores.shape[-1]
-    masked, keep = _masks(sq, sk)
-    s = ops.masked_fill(_f32(scores) * scale, masked, _F32_MIN)
-    y = mint.softmax(s, -1) * keep
+    additive, keep = _masks(sq, sk)
+    y = mint.softmax(_f32(scores) * scale + additive, -1)
+    if sq > sk:
+        y = y * keep
     return y if dt == ms.float32 else y.astype(dt)

@@ -6,15 +6,16 @@
 // with the inputs first and then the outputs in `params`. A non-zero return value makes MindSpore
 // raise. Python scalars passed to the op arrive as 0-d tensors (float -> "float32", int -> "int64").
 //
-// Built by build.py with `g++ -O3 -march=native -fopenmp -shared -fPIC`. No MindSpore headers are
+// Built by build.py with `g++ -O3 -march=native -fopenmp -shared -fPIC` (see build.py). No MindSpore headers are
 // needed. All kernels are fp32 only; the Python wrappers upcast fp16/bf16 inputs.
 //
 // Threading: single-threaded by default. MS_LLM_AOT_THREADS=n (n > 1) splits rows over n OpenMP
-// threads for calls with at least kMinParallelWork elements. Measured on the 2-vCPU development VM:
-// waking a second thread costs from ~0.1 ms up to a scheduler time slice (several ms) when the other
-// vCPU is busy, which cancels the gain except on the largest calls (cross entropy at 2048 x 32000:
-// about 1.2-1.5x faster when the machine is idle, slower when it is loaded). Vectorisation comes from
-// `#pragma omp simd` (needs -fopenmp or -fopenmp-simd).
+// threads for calls with at least kMinParallelWork elements. Measured on the 2-vCPU development VM
+// (a nested VM where waking the other vCPU is slow): with 2 threads, rms_norm/swiglu at the model
+// shapes ran 1.7-1.9x faster when the other vCPU was idle, but took a flat ~8 ms (vs 0.2-2 ms) when
+// it was busy; cross entropy at 2048 x 32000 ranged from 1.5x faster to 1.3x slower. A training step
+// keeps both vCPUs busy (MindSpore's matmuls use 2 threads), so the default is 1 thread.
+// Vectorisation comes from `#pragma omp simd` (-fopenmp, or -fopenmp-simd in the no-OpenMP build).
 
 #include <cmath>
 #include <cstdint>
