@@ -4,7 +4,7 @@ in PyNative and under mindspore.jit, at the 50M-model shapes.
     python benchmarks/ops.py                  # all ops, MindSpore threads_num(1), kernels' default threads
     python benchmarks/ops.py --ops rms_norm cross_entropy --repeat 20 --ms-threads 2
 
-Timing: median wall time over --repeat calls after --warmup calls. fwd+bwd runs
+Timing: median (or --stat min) wall time over --repeat calls after --warmup calls. fwd+bwd runs
 GradOperation(get_all=True, sens_param=True) with a fixed random output gradient, so it times the op's
 forward and backward only (no extra loss reduction). Every timed call ends by reading one element of
 the result back (.asnumpy()), which waits for the queued work. The last column is max|AOT - composed|
@@ -91,7 +91,7 @@ def _sync(out):
     o.reshape(-1)[:1].asnumpy()
 
 
-def _time(fn, args, warmup, repeat):
+def _time(fn, args, warmup, repeat, stat="median"):
     for _ in range(warmup):
         _sync(fn(*args))
     ts = []
@@ -99,7 +99,7 @@ def _time(fn, args, warmup, repeat):
         t0 = time.perf_counter()
         _sync(fn(*args))
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    return (min(ts) if stat == "min" else statistics.median(ts)) * 1e3
 
 
 def main():
@@ -107,6 +107,9 @@ def main():
     ap.add_argument("--ops", nargs="*", default=None, help="subset of op names")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument(
+        "--stat", choices=["median", "min"], default="median", help="min is robust to other load on the machine"
+    )
     ap.add_argument("--ms-threads", type=int, default=1, help="ms.device_context.cpu.op_tuning.threads_num")
     ap.add_argument("--no-jit", action="store_true")
     ap.add_argument(
@@ -136,7 +139,7 @@ def main():
     print(
         f"MindSpore {ms.__version__}, threads_num={args.ms_threads}, pynative_synchronize={args.sync}, "
         f"kernel OpenMP threads={kthreads}, "
-        f"median of {args.repeat} after {args.warmup} warm-up\n"
+        f"{args.stat} of {args.repeat} after {args.warmup} warm-up\n"
     )
 
     rng = np.random.default_rng(0)
@@ -160,7 +163,10 @@ def main():
                 ff = f
                 if mode == "jit":
                     ff, fb = ms.jit(f), ms.jit(fb)
-                res[impl] = (_time(ff, inputs, args.warmup, args.repeat), _time(fb, inputs, args.warmup, args.repeat))
+                res[impl] = (
+                    _time(ff, inputs, args.warmup, args.repeat, args.stat),
+                    _time(fb, inputs, args.warmup, args.repeat, args.stat),
+                )
                 grads[impl] = [x.asnumpy() for x in fb(*inputs)]
             diff = max(float(np.abs(a - b).max()) for a, b in zip(grads["aot"], grads["composed"]))
             rows.append((name, shape, mode, *res["composed"], *res["aot"], diff))

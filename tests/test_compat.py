@@ -487,6 +487,8 @@ def test_tensor_python_floats_are_float32():
     y = C.tensor([1.5, 2.5])
     assert y.dtype == ms.float32, f"compat.tensor([1.5, 2.5]).dtype is {y.dtype}; torch gives float32"
     np.testing.assert_array_equal(y.asnumpy(), np.array([1.5, 2.5], np.float32))
+    assert C.tensor([[1, 2.5]]).dtype == ms.float32        # mixed ints/floats: float32 too
+    assert C.tensor(np.zeros(2)).dtype == ms.float64       # NumPy arrays keep their dtype (torch too)
 
 
 def test_to_ms_dtype():

@@ -49,7 +49,10 @@ def _back(y: Tensor, dtype) -> Tensor:
 
 # ----------------------------------------------------------------------------- creation
 def tensor(data, dtype=None) -> Tensor:
+    """torch.tensor: Python floats become float32 (torch's default dtype); arrays keep theirs."""
     arr = np.asarray(data)
+    if dtype is None and not isinstance(data, np.ndarray) and arr.dtype == np.float64:
+        arr = arr.astype(np.float32)
     t = Tensor(arr)
     return t if dtype is None else t.astype(to_ms_dtype(dtype))
 

@@ -124,5 +124,7 @@ def load_state_dict(module: nn.Cell, state: Mapping[str, object], strict: bool =
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(f"{source}: key {name!r} has shape {tuple(value.shape)}, "
                              f"model expects {tuple(param.shape)}")
-        param.set_data(value.astype(param.dtype))
+        # astype to the same dtype shares storage: copy, so later in-place updates of either
+        # side never leak into the other (torch's load_state_dict copies too).
+        param.set_data(value.astype(param.dtype).copy())
     return missing, unexpected
