@@ -239,13 +239,16 @@ def test_available_and_cached(aot):
 def test_fresh_cache_concurrent_build(tmp_path):
     """Two processes build into an empty cache at once: both succeed, one library, no temp files."""
     code = (
-        "import sys; from ms_llm.ops.cpu_kernels import build; "
+        "import logging, sys; logging.basicConfig(level=logging.INFO); "
+        "from ms_llm.ops.cpu_kernels import build; "
         "p = build.library_path(); print(p); sys.exit(0 if p else 1)"
     )
     env = dict(os.environ, MS_LLM_CACHE=str(tmp_path), PYTHONPATH=str(REPO))
     env.pop("MS_LLM_DISABLE_AOT", None)
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -256,6 +259,7 @@ def test_fresh_cache_concurrent_build(tmp_path):
     built = list((tmp_path / "kernels").rglob("*.so"))
     assert [str(b) for b in built] == list(paths)
     assert not [f for f in (tmp_path / "kernels").rglob("*.tmp")]
+    assert sum(err.count("AOT kernels: compiling") for _, err in outs) == 1  # the loser of the lock reuses it
 
 
 def test_unavailable_paths_log_reason_and_fall_back(monkeypatch, tmp_path, caplog):
@@ -278,7 +282,8 @@ def test_unavailable_paths_log_reason_and_fall_back(monkeypatch, tmp_path, caplo
         # compiler present but compilation fails
         if HAVE_CXX:
             build._reset_for_tests()
-            monkeypatch.setattr(build, "_BASE_FLAGS", build._BASE_FLAGS + ["-DMSLLM_FORCE_ERROR", "-include", "nonexistent.h"])
+            broken = build._BASE_FLAGS + ["-DMSLLM_FORCE_ERROR", "-include", "nonexistent.h"]
+            monkeypatch.setattr(build, "_BASE_FLAGS", broken)
             assert not ck.available()
             assert "compilation failed" in ck.reason()
             monkeypatch.setattr(build, "_BASE_FLAGS", build._BASE_FLAGS[:-3])
@@ -373,7 +378,8 @@ def test_cross_entropy_nd_and_all_ignored(aot):
     labels = np.array([[1, -100, 16], [-100, 0, 5]], np.int32)
     y = ck.cross_entropy(_t(logits), Tensor(labels)).asnumpy()
     assert y.shape == (2, 3)
-    np.testing.assert_allclose(y.reshape(-1), np_ce(logits.reshape(-1, 17).astype(np.float64), labels.reshape(-1), -100), rtol=1e-5, atol=2e-5)
+    ref = np_ce(logits.reshape(-1, 17).astype(np.float64), labels.reshape(-1), -100)
+    np.testing.assert_allclose(y.reshape(-1), ref, rtol=1e-5, atol=2e-5)
     lab = Tensor(np.full(4, -100, np.int32))
     x = _t(rng.standard_normal((4, 17)))
     assert np.all(ck.cross_entropy(x, lab).asnumpy() == 0)
@@ -459,7 +465,8 @@ def test_non_contiguous_inputs(aot):
     xt = _t(x).transpose(1, 0)
     np.testing.assert_allclose(ck.rms_norm(xt, _t(w)).asnumpy(), np_rms(x.T.astype(np.float64), w, 1e-6), **TOL)
     big = rng.standard_normal((6, 12)).astype(np.float32)
-    np.testing.assert_allclose(ck.swiglu(_t(big)[:, 2:10]).asnumpy(), np_swiglu(big[:, 2:10].astype(np.float64)), **TOL)
+    ref = np_swiglu(big[:, 2:10].astype(np.float64))
+    np.testing.assert_allclose(ck.swiglu(_t(big)[:, 2:10]).asnumpy(), ref, **TOL)
 
 
 class _Block(nn.Cell):

@@ -15,9 +15,8 @@ from ms_llm.compat import is_ascend, is_cpu
 log = logging.getLogger("ms_llm.ops")
 OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy")
 _PATHS: dict = {}
-# Ops whose C++ CPU kernel is used by default; the others measured slower than the composed
-# form under PyNative dispatch (see benchmarks/ops.py) and stay composed on CPU.
-AOT_OPS = ("rms_norm", "swiglu", "cross_entropy")
+# Ops with a C++ CPU kernel (attention: its fused scale + causal mask + softmax).
+AOT_OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy")
 
 
 def aot_enabled() -> bool:

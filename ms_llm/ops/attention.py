@@ -8,6 +8,7 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from ms_llm.compat import F, float32
+from . import cpu_kernels
 from ._dispatch import path_for
 
 _MASK_VALUE = -1e30  # finite so fully-masked rows give a uniform softmax, not NaN
@@ -19,9 +20,24 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = N
     h // (nh/ng)). ``attention_mask``: optional bool [b or 1, 1, s, s], True = masked out
     (Megatron's convention), used instead of the causal mask. Returns [b, nh, s, d]."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if path_for("attention") == "native":
+    path = path_for("attention")
+    if path == "native":
         return _flash_attention_ascend(q, k, v, scale, attention_mask)
+    if path == "aot" and attention_mask is None:
+        return _causal_attention_aot(q, k, v, scale)
     return causal_attention_composed(q, k, v, scale, attention_mask)
+
+
+def _causal_attention_aot(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    # Same grouped matmuls as the composed form; scale + causal mask + softmax (and its
+    # backward) run as one C++ kernel instead of a broadcast add over [b, nh, s, s] and a softmax.
+    b, nh, s, d = q.shape
+    ng = k.shape[1]
+    dtype = q.dtype
+    q = q.astype(float32).reshape(b, ng, (nh // ng) * s, d)
+    scores = F.matmul(q, k.astype(float32).swapaxes(-1, -2)).reshape(b, nh, s, s)
+    probs = cpu_kernels.causal_softmax(scores, scale).reshape(b, ng, (nh // ng) * s, s)
+    return F.matmul(probs, v.astype(float32)).reshape(b, nh, s, d).astype(dtype)
 
 
 def _causal_mask(s: int) -> Tensor:

@@ -5,6 +5,7 @@ import numpy as np
 from mindspore import Tensor, mint, ops
 
 from ms_llm.compat import F, float32
+from . import cpu_kernels
 from ._dispatch import path_for
 
 
@@ -22,10 +23,13 @@ def rope_cos_sin(seq_len: int, dim: int, base: float, position_offset: int = 0):
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [..., s, d]; cos/sin: [s, d] (broadcast over leading dims)."""
-    if path_for("rope") == "native" and x.ndim == 4:
+    path = path_for("rope")
+    if path == "native" and x.ndim == 4:
         # Ascend fused kernel; mode 0 is rotate-half. No CPU kernel (RotaryPositionEmbedding).
         return ops.rotary_position_embedding(x, cos.reshape(1, 1, *cos.shape).astype(x.dtype),
                                              sin.reshape(1, 1, *sin.shape).astype(x.dtype), 0)
+    if path == "aot":
+        return cpu_kernels.rope(x, cos, sin, -2)
     return apply_rope_composed(x, cos, sin)
 
 

@@ -1,9 +1,17 @@
 """MindSpore ops backed by the AOT C++ kernels (``ops.Custom(func_type="aot")`` with AOT backward).
 
 Each public function computes in fp32 (fp16/bf16 inputs are upcast and the result is cast back to the
-input dtype) and falls back to the composed form in :mod:`.composed` when :func:`available` is False.
-They work in PyNative and inside ``mindspore.jit`` (the Custom primitives are created on first use,
-outside or inside the traced function; creation is pure Python and needs no tensor values).
+input dtype; cross_entropy always returns fp32) and falls back to the composed form in
+:mod:`.composed` when :func:`available` is False.
+
+They work in PyNative and inside ``mindspore.jit`` (default AST capture): the availability check and
+the Custom primitives are reached through ``constexpr`` helpers, so under jit they are evaluated once
+at compile time (building the library if needed) and the graph holds the primitives as constants.
+Consequence: a jit graph compiled while the kernels were available keeps using them even if
+MS_LLM_DISABLE_AOT is set later in the same process.
+
+Scalar arguments (eps, scale, ignore_index, seq_dim) must be Python numbers (compile-time constants
+under jit); they reach the C++ code as 0-d tensors.
 
 Gradients: rms_norm -> x, weight; swiglu -> x; cross_entropy -> logits; rope -> x (cos/sin are treated
 as constants and get zero gradient); causal_softmax -> scores.
