@@ -13,12 +13,16 @@ def accumulate(acc: Optional[List[Tensor]], grads: Sequence[Tensor]) -> List[Ten
     return [a + g for a, g in zip(acc, grads)]
 
 
+def sum_of_squares(grads: Sequence[Tensor]) -> Tensor:
+    """Sum of squares of all gradients (also used inside the jitted forward/backward graph)."""
+    total = mint.sum(grads[0] * grads[0])
+    for g in grads[1:]:
+        total = total + mint.sum(g * g)
+    return total
+
+
 def global_norm(grads: Sequence[Tensor]) -> float:
-    total = None
-    for g in grads:
-        s = mint.sum(g * g)
-        total = s if total is None else total + s
-    return math.sqrt(float(total.asnumpy())) if total is not None else 0.0
+    return math.sqrt(float(sum_of_squares(grads).asnumpy())) if grads else 0.0
 
 
 def clip_(grads: List[Tensor], max_norm: float, norm: float) -> List[Tensor]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from typing import Dict, Optional
@@ -59,12 +60,7 @@ class Trainer:
                                weight_decay=t.weight_decay)
         self.grad_fn = ms.value_and_grad(self._loss, grad_position=None, weights=self.params)
         resolve_paths()  # pick every op's kernel now, outside any graph capture
-        if t.jit:
-            grad_fn = self.grad_fn
-
-            def fwd_bwd(tokens, labels, loss_mask, inv_tokens):
-                return grad_fn(tokens, labels, loss_mask, inv_tokens)
-            self.grad_fn = ms.jit(fwd_bwd)
+        self.fwd_bwd = self._fwd_bwd_jit() if t.jit else None
         self.step = 0
         self._maybe_resume()
 
@@ -73,6 +69,16 @@ class Trainer:
     def _loss(self, tokens: Tensor, labels: Tensor, loss_mask: Tensor, inv_tokens: Tensor):
         per_token = self.model(tokens, labels=labels)
         return (per_token * loss_mask).sum() * inv_tokens
+
+    def _fwd_bwd_jit(self):
+        """One compiled graph for forward, backward and the gradients' sum of squares (the
+        global norm inside the graph saves a per-tensor PyNative dispatch for each gradient)."""
+        grad_fn = self.grad_fn
+
+        def fwd_bwd(tokens, labels, loss_mask, inv_tokens):
+            loss, grads = grad_fn(tokens, labels, loss_mask, inv_tokens)
+            return loss, grads, gradlib.sum_of_squares(grads)
+        return ms.jit(fwd_bwd)
 
     def _maybe_resume(self) -> None:
         ck = self.cfg.checkpoint
@@ -92,13 +98,19 @@ class Trainer:
         batches = [next(self.data.loader) for _ in range(self.accum_steps)]
         n_tokens = float(sum(b["loss_mask"].sum() for b in batches))
         inv = Tensor(np.float32(1.0 / max(n_tokens, 1.0)))
-        total_loss, grads = 0.0, None
+        total_loss, grads, sumsq = 0.0, None, None
         for b in batches:
-            loss, g = self.grad_fn(Tensor(b["tokens"]), Tensor(b["labels"]),
-                                   Tensor(b["loss_mask"]), inv)
+            args = (Tensor(b["tokens"]), Tensor(b["labels"]), Tensor(b["loss_mask"]), inv)
+            if self.fwd_bwd is not None:
+                loss, g, sumsq = self.fwd_bwd(*args)
+            else:
+                loss, g = self.grad_fn(*args)
             total_loss += float(loss.asnumpy())
             grads = gradlib.accumulate(grads, g)
-        norm = gradlib.global_norm(grads)
+        if len(batches) == 1 and sumsq is not None:
+            norm = math.sqrt(float(sumsq.asnumpy()))
+        else:
+            norm = gradlib.global_norm(grads)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step += 1
         lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,

@@ -1,0 +1,170 @@
+"""MindSpore ops backed by OpenBLAS sgemm (``ops.Custom(func_type="aot")`` with AOT backward).
+
+The kernels live in ``blas_kernels.cpp``, compiled into their own library linked against the PyPI
+package ``scipy-openblas32`` (see :mod:`.build`). :func:`blas_available` is False (reason logged once)
+when that package or the compiler is missing; the functions then run ``mindspore.mint`` matmuls.
+
+Same conventions as :mod:`.functional`: fp32 compute (fp16/bf16 inputs upcast, result cast back),
+works in PyNative and inside ``mindspore.jit`` (availability and primitives reached through
+``constexpr`` helpers, so a jit graph keeps the choice made when it was compiled).
+
+Threads: the GEMMs use OpenBLAS's own pthread pool, by default one thread per CPU of the process'
+affinity mask, or ``OPENBLAS_NUM_THREADS`` (then ``OMP_NUM_THREADS``) if set when the library is
+first loaded. ``MS_LLM_BLAS_THREADS=n`` overrides both (applied when the primitives are created);
+:func:`set_blas_threads` / :func:`blas_threads` change / read it at run time. MindSpore's own
+``threads_num`` does not apply to these kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import mindspore as ms
+from mindspore import mint, ops
+from mindspore.ops import constexpr
+
+from .build import blas_available, blas_library_path
+
+logger = logging.getLogger("ms_llm.ops.cpu_kernels")
+
+_PRIMS: dict = {}
+_TRANS = ((False, False), (False, True), (True, False), (True, True))
+
+
+def _scalar_grad(x):
+    return x * 0
+
+
+def _cdll():
+    return ctypes.CDLL(str(blas_library_path()))
+
+
+def blas_threads() -> int:
+    """Threads OpenBLAS uses for the BLAS kernels (0 if unavailable)."""
+    return int(_cdll().MsLlmBlasGetThreads()) if blas_available() else 0
+
+
+def set_blas_threads(n: int) -> None:
+    """Set OpenBLAS's thread count for the BLAS kernels (process-wide, this OpenBLAS copy only)."""
+    if blas_available():
+        _cdll().MsLlmBlasSetThreads(int(n))
+
+
+def blas_config() -> str:
+    """OpenBLAS build configuration string (core type, threading), '' if unavailable."""
+    if not blas_available():
+        return ""
+    lib = _cdll()
+    lib.MsLlmBlasConfig.restype = ctypes.c_char_p
+    return lib.MsLlmBlasConfig().decode(errors="replace")
+
+
+def _bmm_shape(ta, tb):
+    def shape(a, b, *_):
+        lead = list(a[:-2])
+        m = a[-1] if ta else a[-2]
+        n = b[-2] if tb else b[-1]
+        return lead + [m, n]
+
+    return shape
+
+
+def _make_prims():
+    path = str(blas_library_path())
+    env_threads = os.environ.get("MS_LLM_BLAS_THREADS", "").strip()
+    if env_threads:
+        set_blas_threads(int(env_threads))
+    logger.info("ms_llm BLAS kernels: OpenBLAS threads=%d (%s)", blas_threads(), blas_config())
+
+    def custom(fn, out_shape, out_dtype, bprop=None):
+        return ops.Custom(f"{path}:{fn}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot", bprop=bprop)
+
+    # --- linear: (x [..., K], w [N, K]) -> y [..., N] ; bwd (x, w, dy) -> (dx, dw)
+    lin_bwd = custom("LinearBwd", lambda x, w, dy: (x, w), lambda x, w, dy: (x, w))
+
+    def lin_bprop(x, w, out, dout):
+        dx, dw = lin_bwd(x, w, dout)
+        return dx, dw
+
+    lin_fwd = custom("LinearFwd", lambda x, w: list(x[:-1]) + [w[0]], lambda x, w: x, lin_bprop)
+
+    # --- linear with bias: (x, w, b [N]) -> y ; bwd (x, w, dy) -> (dx, dw, db)
+    linb_bwd = custom("LinearBiasBwd", lambda x, w, dy: (x, w, [w[0]]), lambda x, w, dy: (x, w, w))
+
+    def linb_bprop(x, w, b, out, dout):
+        dx, dw, db = linb_bwd(x, w, dout)
+        return dx, dw, db
+
+    linb_fwd = custom("LinearBiasFwd", lambda x, w, b: list(x[:-1]) + [w[0]], lambda x, w, b: x, linb_bprop)
+
+    prims = {"linear": lin_fwd, "linear_bias": linb_fwd}
+
+    # --- bmm: (a, b, ta, tb) -> c ; bwd (a, b, dc, ta, tb) -> (da, db). One forward primitive per
+    #     transpose combination (the output shape depends on it); the flags also reach the kernel.
+    bmm_bwd = custom("BmmBwd", lambda a, b, dc, ta, tb: (a, b), lambda a, b, dc, ta, tb: (a, b))
+
+    def bmm_bprop(a, b, ta, tb, out, dout):
+        da, db = bmm_bwd(a, b, dout, ta, tb)
+        return da, db, _scalar_grad(ta), _scalar_grad(tb)
+
+    for ta, tb in _TRANS:
+        prims[f"bmm{int(ta)}{int(tb)}"] = custom("BmmFwd", _bmm_shape(ta, tb), lambda a, b, ta_, tb_: a, bmm_bprop)
+    return prims
+
+
+def _ensure_prims():
+    if not blas_available():
+        return False
+    if not _PRIMS:
+        _PRIMS.update(_make_prims())
+    return True
+
+
+@constexpr
+def _blas_enabled():
+    return _ensure_prims()
+
+
+@constexpr
+def _prim(name):
+    return _PRIMS[name]
+
+
+@constexpr
+def _bmm_name(ta, tb):
+    return f"bmm{int(bool(ta))}{int(bool(tb))}"
+
+
+def _f32(t):
+    return t if t.dtype == ms.float32 else t.astype(ms.float32)
+
+
+def linear(x, weight, bias=None):
+    """``x @ weight.T (+ bias)``: x [..., K], weight [N, K], bias [N] or None -> [..., N].
+
+    OpenBLAS sgemm forward and backward (dx = dy W, dW = dy^T x, db = column sums of dy), grads for
+    x, weight and bias. Falls back to ``mint.nn.functional.linear`` when :func:`blas_available` is False.
+    """
+    if not _blas_enabled():
+        return mint.nn.functional.linear(x, weight, bias)
+    dt = x.dtype
+    if bias is None:
+        y = _prim("linear")(_f32(x), _f32(weight))
+    else:
+        y = _prim("linear_bias")(_f32(x), _f32(weight), _f32(bias))
+    return y if dt == ms.float32 else y.astype(dt)
+
+
+def bmm(a, b, transpose_a=False, transpose_b=False):
+    """Batched ``op(a) @ op(b)`` over identical leading dims (no broadcasting), op = transpose of the
+    last two axes when the flag is set: a [..., M, K] (or [..., K, M]), b [..., K, N] (or [..., N, K])
+    -> [..., M, N]. Grads for a and b. Falls back to ``mint.matmul`` when BLAS is unavailable."""
+    if not _blas_enabled():
+        aa = a.swapaxes(-1, -2) if transpose_a else a
+        bb = b.swapaxes(-1, -2) if transpose_b else b
+        return mint.matmul(aa, bb)
+    dt = a.dtype
+    c = _prim(_bmm_name(transpose_a, transpose_b))(_f32(a), _f32(b), int(bool(transpose_a)), int(bool(transpose_b)))
+    return c if dt == ms.float32 else c.astype(dt)
