@@ -9,6 +9,13 @@ GradOperation(get_all=True, sens_param=True) with a fixed random output gradient
 forward and backward only (no extra loss reduction). Every timed call ends by reading one element of
 the result back (.asnumpy()), which waits for the queued work. The last column is max|AOT - composed|
 over the fwd+bwd gradients, as a sanity check.
+
+A second table (ops ``linear`` and ``bmm``) compares MindSpore's matmuls (``mint.nn.functional.linear``,
+``mint.matmul``) with the OpenBLAS-backed AOT kernels (``cpu_kernels.linear`` / ``bmm``, needs the
+scipy-openblas32 package), with GFLOP/s columns (fwd: 2MNK flops, fwd+bwd: 6MNK). The BLAS kernels use
+OpenBLAS's own threads (``cpu_kernels.blas_threads()``), not --ms-threads.
+
+    python benchmarks/ops.py --ops linear bmm --ms-threads 2 --stat min
 """
 
 from __future__ import annotations
@@ -79,6 +86,98 @@ def _cases(rng):
     ]
 
 
+def _matmul_cases(rng):
+    """(name, shape label, MindSpore fn, BLAS fn, inputs, flops of the forward)."""
+    from mindspore import mint
+
+    from ms_llm.ops import cpu_kernels as ck
+
+    def t(*shape):
+        return Tensor(rng.standard_normal(shape).astype(np.float32))
+
+    def ms_linear(x, w):
+        return mint.nn.functional.linear(x, w)
+
+    def blas_linear(x, w):
+        return ck.linear(x, w)
+
+    def ms_mm(a, b):
+        return mint.matmul(a, b)
+
+    def blas_mm(a, b):
+        return ck.bmm(a, b)
+
+    def ms_mm_nt(a, b):
+        return mint.matmul(a, b.swapaxes(-1, -2))
+
+    def blas_mm_nt(a, b):
+        return ck.bmm(a, b, transpose_b=True)
+
+    cases = []
+    for m, k, n in ((2048, 512, 32000), (2048, 512, 2816), (2048, 1408, 512), (2048, 512, 768)):
+        cases.append(
+            ("linear", f"({m},{k})x({n},{k})", ms_linear, blas_linear, lambda m=m, k=k, n=n: [t(m, k), t(n, k)],
+             2.0 * m * n * k)
+        )
+    b, g, r, s, d = 4, 2, 2048, 512, 64
+    cases.append(("bmm", f"({b},{g},{r},{d})x({b},{g},{d},{s})", ms_mm, blas_mm,
+                  lambda: [t(b, g, r, d), t(b, g, d, s)], 2.0 * b * g * r * d * s))
+    cases.append(("bmm", f"({b},{g},{r},{s})x({b},{g},{s},{d})", ms_mm, blas_mm,
+                  lambda: [t(b, g, r, s), t(b, g, s, d)], 2.0 * b * g * r * s * d))
+    cases.append(("bmm_nt", f"({b},{g},{r},{d})x({b},{g},{s},{d})^T", ms_mm_nt, blas_mm_nt,
+                  lambda: [t(b, g, r, d), t(b, g, s, d)], 2.0 * b * g * r * d * s))
+    return cases
+
+
+def _matmul_table(args, rng, modes):
+    from ms_llm.ops import cpu_kernels as ck
+
+    if not ck.blas_available():
+        print(f"\nBLAS kernels unavailable: {ck.blas_reason()}")
+        return
+    from ms_llm.ops.cpu_kernels.blas import blas_config
+
+    print(f"\nBLAS library: {ck.blas_library_path()}\nOpenBLAS threads={ck.blas_threads()} ({blas_config()})\n")
+    grad_all = ops.GradOperation(get_all=True, sens_param=True)
+    rows = []
+    for name, shape, ms_fn, blas_fn, make_args, flops in _matmul_cases(rng):
+        if args.ops and name not in args.ops and not (name == "bmm_nt" and "bmm" in args.ops):
+            continue
+        inputs = make_args()
+        out = ms_fn(*inputs)
+        sens = Tensor(rng.standard_normal(out.shape).astype(np.float32))
+        del out
+        for mode in modes:
+            res, grads = {}, {}
+            for impl, f in (("ms", ms_fn), ("blas", blas_fn)):
+                fb = _fwd_bwd(grad_all(f), sens)
+                ff = f
+                if mode == "jit":
+                    ff, fb = ms.jit(f), ms.jit(fb)
+                res[impl] = (
+                    _time(ff, inputs, args.warmup, args.repeat, args.stat),
+                    _time(fb, inputs, args.warmup, args.repeat, args.stat),
+                )
+                grads[impl] = [x.asnumpy() for x in fb(*inputs)]
+            rel = max(
+                float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30)) for a, b in zip(grads["blas"], grads["ms"])
+            )
+            rows.append((name, shape, mode, *res["ms"], *res["blas"], flops, rel))
+            print(f"  done {name} {shape} {mode}", file=sys.stderr, flush=True)
+
+    print(
+        "| op | shape | mode | MS fwd ms | BLAS fwd ms | MS fwd GFLOP/s | BLAS fwd GFLOP/s | MS fwd+bwd ms "
+        "| BLAS fwd+bwd ms | MS fwd+bwd GFLOP/s | BLAS fwd+bwd GFLOP/s | fwd+bwd speed-up | max rel grad diff |"
+    )
+    print("|" + "---|" * 13)
+    for name, shape, mode, mf, mb, bf, bb, flops, rel in rows:
+        gf = flops / 1e6  # GFLOP/s from ms
+        print(
+            f"| {name} | {shape} | {mode} | {mf:.1f} | {bf:.1f} | {gf / mf:.0f} | {gf / bf:.0f} | {mb:.1f} | {bb:.1f} "
+            f"| {3 * gf / mb:.0f} | {3 * gf / bb:.0f} | {mb / bb:.2f}x | {rel:.1e} |"
+        )
+
+
 def _fwd_bwd(grad_fn, sens):
     def fb(*a):
         return grad_fn(*a, sens)
@@ -146,7 +245,8 @@ def main():
     modes = ["pynative"] + ([] if args.no_jit else ["jit"])
     rows = []
     grad_all = ops.GradOperation(get_all=True, sens_param=True)
-    for name, shape, make, make_args in _cases(rng):
+    cases = [c for c in _cases(rng) if not args.ops or c[0] in args.ops]
+    for name, shape, make, make_args in cases:
         if args.ops and name not in args.ops:
             continue
         inputs = make_args()
@@ -172,6 +272,14 @@ def main():
             rows.append((name, shape, mode, *res["composed"], *res["aot"], diff))
             print(f"  done {name} {mode}", file=sys.stderr, flush=True)
 
+    if rows:
+        _print_aot_table(rows)
+    if not args.ops or {"linear", "bmm"} & set(args.ops):
+        _matmul_table(args, rng, modes)
+    return 0
+
+
+def _print_aot_table(rows):
     hdr = (
         "| op | shape | mode | composed fwd ms | AOT fwd ms | fwd speed-up | composed fwd+bwd ms "
         "| AOT fwd+bwd ms | fwd+bwd speed-up | max abs grad diff |"
@@ -183,7 +291,6 @@ def main():
             f"| {name} | {shape} | {mode} | {cf:.2f} | {af:.2f} | {cf / af:.1f}x | {cb:.2f} | {ab:.2f} "
             f"| {cb / ab:.1f}x | {diff:.1e} |"
         )
-    return 0
 
 
 if __name__ == "__main__":

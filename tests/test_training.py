@@ -101,6 +101,14 @@ def test_same_seed_gives_identical_losses_and_loss_falls(tmp_path):
     assert c[0] != a[0]
 
 
+def test_jit_and_pynative_agree(tmp_path):
+    eager = run_losses(make_cfg(tmp_path, "--training.max_steps", "3", "--training.jit", "false"))
+    graph = run_losses(make_cfg(tmp_path, "--training.max_steps", "3", "--training.jit", "true"))
+    # Same kernels, same fp32 math; graph mode may reorder reductions: rtol 1e-5.
+    np.testing.assert_allclose(graph, eager, rtol=1e-5)
+    assert os.path.isfile(tmp_path / "out" / "loss.png")
+
+
 def test_gradient_accumulation_equals_large_batch(tmp_path):
     big = Trainer(make_cfg(tmp_path, "--training.max_steps", "2",
                            "--training.micro_batch_size", "4", "--training.global_batch_size", "4"))

@@ -154,6 +154,9 @@ class Trainer:
                         print(f"ms-llm: saved checkpoint {path}", flush=True)
         finally:
             logger.close()
+        if is_main and records:
+            from .plot import plot_loss
+            print(f"ms-llm: loss curve {plot_loss(t.output_dir)}", flush=True)
         return records
 
 

@@ -6,9 +6,17 @@
 
 Every function also works when ``available()`` is False: it then runs the composed MindSpore form
 (:mod:`ms_llm.ops.cpu_kernels.composed`). Set ``MS_LLM_DISABLE_AOT=1`` to force that path.
+
+OpenBLAS-backed matmuls live in a separate library that needs the ``scipy-openblas32`` package
+(:mod:`ms_llm.ops.cpu_kernels.blas`):
+
+    if ck.blas_available():       # False (reason logged once) without scipy-openblas32
+        y = ck.linear(x, w, b)    # x [..., K], w [N, K], b [N] or None
+        s = ck.bmm(q, k, transpose_b=True)
 """
 
-from .build import available, library_path, reason
+from .blas import bmm, blas_threads, linear, set_blas_threads
+from .build import available, blas_available, blas_library_path, blas_reason, library_path, reason
 from .functional import causal_softmax, cross_entropy, rms_norm, rope, swiglu
 
 __all__ = [
@@ -20,4 +28,11 @@ __all__ = [
     "cross_entropy",
     "rope",
     "causal_softmax",
+    "blas_available",
+    "blas_library_path",
+    "blas_reason",
+    "blas_threads",
+    "set_blas_threads",
+    "linear",
+    "bmm",
 ]

@@ -8,11 +8,14 @@ Same conventions as :mod:`.functional`: fp32 compute (fp16/bf16 inputs upcast, r
 works in PyNative and inside ``mindspore.jit`` (availability and primitives reached through
 ``constexpr`` helpers, so a jit graph keeps the choice made when it was compiled).
 
-Threads: the GEMMs use OpenBLAS's own pthread pool, by default one thread per CPU of the process'
-affinity mask, or ``OPENBLAS_NUM_THREADS`` (then ``OMP_NUM_THREADS``) if set when the library is
-first loaded. ``MS_LLM_BLAS_THREADS=n`` overrides both (applied when the primitives are created);
-:func:`set_blas_threads` / :func:`blas_threads` change / read it at run time. MindSpore's own
-``threads_num`` does not apply to these kernels.
+Threads: the GEMMs use OpenBLAS's own pthread pool (MindSpore's ``threads_num`` does not apply).
+OpenBLAS sizes it when loaded from ``OPENBLAS_NUM_THREADS``, else ``OMP_NUM_THREADS``, else the CPU
+count -- but ``import mindspore`` does a C-level ``setenv("OMP_NUM_THREADS", "1")`` (invisible in
+``os.environ``), so OpenBLAS would start single-threaded. Hence, when the primitives are created,
+the thread count is set explicitly to, in order: ``MS_LLM_BLAS_THREADS``, ``OPENBLAS_NUM_THREADS``
+(as seen in ``os.environ``), else the number of CPUs in the process' affinity mask.
+:func:`set_blas_threads` / :func:`blas_threads` change / read it at run time. ``OPENBLAS_CORETYPE``
+(kernel selection of this DYNAMIC_ARCH build) is left to OpenBLAS.
 """
 
 from __future__ import annotations
@@ -61,6 +64,21 @@ def blas_config() -> str:
     return lib.MsLlmBlasConfig().decode(errors="replace")
 
 
+def default_blas_threads() -> int:
+    """MS_LLM_BLAS_THREADS, else OPENBLAS_NUM_THREADS, else the CPUs this process may run on."""
+    for var in ("MS_LLM_BLAS_THREADS", "OPENBLAS_NUM_THREADS"):
+        val = os.environ.get(var, "").strip()
+        if val:
+            try:
+                return max(1, int(val))
+            except ValueError:
+                logger.warning("ms_llm BLAS kernels: ignoring %s=%r (not an integer)", var, val)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def _bmm_shape(ta, tb):
     def shape(a, b, *_):
         lead = list(a[:-2])
@@ -73,9 +91,7 @@ def _bmm_shape(ta, tb):
 
 def _make_prims():
     path = str(blas_library_path())
-    env_threads = os.environ.get("MS_LLM_BLAS_THREADS", "").strip()
-    if env_threads:
-        set_blas_threads(int(env_threads))
+    set_blas_threads(default_blas_threads())
     logger.info("ms_llm BLAS kernels: OpenBLAS threads=%d (%s)", blas_threads(), blas_config())
 
     def custom(fn, out_shape, out_dtype, bprop=None):
