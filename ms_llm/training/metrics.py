@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 from typing import Optional
 
@@ -20,13 +21,16 @@ class MetricsLogger:
         self.enabled = enabled
         self.max_steps = max_steps
         self.t0 = time.time()
+        self.start_step = start_step
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self._bar = None
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
             if start_step == 0 and os.path.exists(self.path):
                 os.remove(self.path)  # a fresh run starts a fresh file
-            if progress_bar:
+            # A bar only on a terminal; under msrun stdout is a log file, where each logged line
+            # carries progress and ETA instead.
+            if progress_bar and sys.stderr.isatty():
                 from tqdm import tqdm
                 self._bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step",
                                  dynamic_ncols=True, mininterval=1.0, leave=False)
@@ -50,7 +54,7 @@ class MetricsLogger:
                 f" | learning rate: {lr:.6E} | global batch size: {global_batch_size:5d}"
                 f" | lm loss: {loss:.6E} | grad norm: {grad_norm:.4f}"
                 f" | tokens/s: {record['tokens_per_s']:.1f} | elapsed: {record['elapsed_s']:.1f} s"
-                f" | mem: {record['peak_rss_gb']:.2f} GB |")
+                f" | mem: {record['peak_rss_gb']:.2f} GB | {self._progress(step)} |")
         if self._bar is not None:
             self._bar.write(line)
             self._bar.update(step - self._bar.n)
@@ -58,6 +62,12 @@ class MetricsLogger:
         else:
             print(line, flush=True)
         return record
+
+    def _progress(self, step: int) -> str:
+        done = step - self.start_step
+        left = self.max_steps - step
+        eta = (time.time() - self.t0) / done * left if done > 0 else 0.0
+        return f"{100.0 * step / self.max_steps:.0f}% eta {int(eta // 60)}m{int(eta % 60):02d}s"
 
     def close(self) -> None:
         if self._bar is not None:

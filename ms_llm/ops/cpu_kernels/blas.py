@@ -12,7 +12,7 @@ Threads: the GEMMs use OpenBLAS's own pthread pool (MindSpore's ``threads_num`` 
 OpenBLAS sizes it when loaded from ``OPENBLAS_NUM_THREADS``, else ``OMP_NUM_THREADS``, else the CPU
 count -- but ``import mindspore`` does a C-level ``setenv("OMP_NUM_THREADS", "1")`` (invisible in
 ``os.environ``), so OpenBLAS would start single-threaded. Hence, when the primitives are created,
-the thread count is set explicitly to, in order: ``MS_LLM_BLAS_THREADS``, ``OPENBLAS_NUM_THREADS``
+on first use the thread count is set explicitly to, in order: ``MS_LLM_BLAS_THREADS``, ``OPENBLAS_NUM_THREADS``
 (as seen in ``os.environ``), else the number of CPUs in the process' affinity mask.
 :func:`set_blas_threads` / :func:`blas_threads` change / read it at run time. ``OPENBLAS_CORETYPE``
 (kernel selection of this DYNAMIC_ARCH build) is left to OpenBLAS.
@@ -33,6 +33,7 @@ from .build import blas_available, blas_library_path
 logger = logging.getLogger("ms_llm.ops.cpu_kernels")
 
 _PRIMS: dict = {}
+_THREADS: dict = {"set": False}
 _TRANS = ((False, False), (False, True), (True, False), (True, True))
 
 
@@ -41,7 +42,11 @@ def _scalar_grad(x):
 
 
 def _cdll():
-    return ctypes.CDLL(str(blas_library_path()))
+    lib = ctypes.CDLL(str(blas_library_path()))
+    if not _THREADS["set"]:  # first use: replace OpenBLAS's load-time thread count (see module doc)
+        _THREADS["set"] = True
+        lib.MsLlmBlasSetThreads(default_blas_threads())
+    return lib
 
 
 def blas_threads() -> int:
@@ -91,7 +96,6 @@ def _bmm_shape(ta, tb):
 
 def _make_prims():
     path = str(blas_library_path())
-    set_blas_threads(default_blas_threads())
     logger.info("ms_llm BLAS kernels: OpenBLAS threads=%d (%s)", blas_threads(), blas_config())
 
     def custom(fn, out_shape, out_dtype, bprop=None):
