@@ -658,3 +658,18 @@ def test_manual_seed_reproducible_new_parameter():
     f = new_parameter((2, 2), fill=3.0, dtype="bf16", requires_grad=False)
     assert f.dtype == ms.bfloat16 and not f.requires_grad
     np.testing.assert_array_equal(np_of(f), np.full((2, 2), 3.0, np.float32))
+
+
+@pytest.mark.skipif(not ms.__version__.startswith("2.10."), reason="documents a MindSpore 2.10 bug")
+def test_mindspore_view_copy_bug():
+    """MindSpore 2.10: ``dst.copy_(mint.narrow(buf, 0, 0, n))`` fails. When this test fails,
+    MindSpore fixed it and ``ms_llm.compat.functional.copy_`` can drop its workaround."""
+    from mindspore import mint
+    buf = Tensor(np.arange(30, dtype=np.float32).reshape(3, 10))
+    dst = Tensor(np.zeros((1, 10), np.float32))
+    with pytest.raises(RuntimeError, match="InplaceCopy"):
+        dst.copy_(mint.narrow(buf, 0, 0, 1))
+        dst.asnumpy()
+    from ms_llm.compat import F as CF
+    CF.copy_(dst, mint.narrow(buf, 0, 0, 1))
+    np.testing.assert_array_equal(dst.asnumpy(), np.arange(10, dtype=np.float32)[None])

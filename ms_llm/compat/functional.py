@@ -150,6 +150,18 @@ def split(x: Tensor, split_size_or_sections, dim: int = 0):
     return tuple(out)
 
 
+_VIEW_COPY_BUG = ms.__version__.startswith("2.10.")
+
+
+def copy_(dst: Tensor, src: Tensor) -> Tensor:
+    """torch's ``dst.copy_(src)``. Workaround for a MindSpore 2.10 bug: ``copy_`` from a view that
+    starts at offset 0 of a larger tensor (e.g. ``mint.narrow(buf, 0, 0, n)``) fails with "For
+    'InplaceCopy, an unexpected kernel has been launched ... mem_size" (shown by
+    ``tests/test_compat.py::test_mindspore_view_copy_bug``); copying the source first avoids it."""
+    dst.copy_(src.copy() if _VIEW_COPY_BUG else src)
+    return dst
+
+
 # ----------------------------------------------------------------------------- math
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     (a, b), back = _fp32_on_cpu(a, b)

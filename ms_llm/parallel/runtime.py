@@ -32,4 +32,7 @@ def init_distributed() -> DistInfo:
     init()
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         raise SystemExit(0)
-    return DistInfo(rank=get_rank(), world_size=get_group_size(), launched_by_msrun=True)
+    from .comm import mark_initialized
+    info = DistInfo(rank=get_rank(), world_size=get_group_size(), launched_by_msrun=True)
+    mark_initialized(info.rank, info.world_size)
+    return info

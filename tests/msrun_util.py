@@ -1,0 +1,29 @@
+"""Run a worker script under real msrun from a test, with a free port and a bounded time."""
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(ROOT, "tests", "dist_workers")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_msrun(script: str, nproc: int, log_dir: str, args=(), timeout: int = 300,
+              cluster_time_out: int = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GLOG_v="3", PYTHONPATH=ROOT)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    cmd = ["msrun", "--worker_num", str(nproc), "--local_worker_num", str(nproc),
+           "--master_port", str(free_port()), "--log_dir", log_dir, "--join", "True",
+           "--cluster_time_out", str(cluster_time_out), os.path.join(WORKERS, script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def worker_logs(log_dir: str, nproc: int) -> list:
+    return [open(os.path.join(log_dir, f"worker_{i}.log"), errors="replace").read()
+            for i in range(nproc)]
