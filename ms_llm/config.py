@@ -69,13 +69,15 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     fsdp_size: int = 1
     sequence_parallel: bool = False
+    ddp_bucket_mb: float = 25.0       # data-parallel gradient bucket size
+    ddp_overlap: bool = True          # start bucket all-reduces during backward (PyNative)
 
 
 @dataclass
 class CheckpointConfig:
     save_dir: Optional[str] = None
     save_interval: int = 0            # 0 = only at the end when save_dir is set
-    load: Optional[str] = None        # Hugging Face folder to initialise the model from
+    load: Optional[str] = None        # Hugging Face or Megatron folder to initialise the model
 
 
 @dataclass
@@ -257,13 +259,16 @@ def validate(cfg: RunConfig, source: str) -> None:
         raise ConfigError(f"{source}: training.device must be auto, CPU or Ascend")
     if cfg.data.seq_length <= 0:
         raise ConfigError(f"{source}: data.seq_length must be > 0")
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                "context_parallel_size", "expert_model_parallel_size", "fsdp_size"):
+    if p.tensor_model_parallel_size < 1:
+        raise ConfigError(f"{source}: parallel.tensor_model_parallel_size must be >= 1")
+    for key in ("pipeline_model_parallel_size", "context_parallel_size",
+                "expert_model_parallel_size", "fsdp_size"):
         if getattr(p, key) != 1:
             raise ConfigError(f"{source}: parallel.{key}={getattr(p, key)} is not available yet "
-                              f"(only data parallel over msrun workers; see issues 4, 5, 7)")
-    if p.sequence_parallel:
-        raise ConfigError(f"{source}: parallel.sequence_parallel needs tensor parallel (issue 4)")
+                              f"(data and tensor parallel are; see issues 5 and 7)")
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        raise ConfigError(f"{source}: parallel.sequence_parallel needs "
+                          f"parallel.tensor_model_parallel_size > 1")
     if cfg.quant.recipe is not None:
         raise ConfigError(f"{source}: quant.recipe={cfg.quant.recipe!r} is not available yet "
                           f"(MXFP8 is issue 6)")

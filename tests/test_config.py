@@ -46,7 +46,8 @@ def test_explicit_key_beats_family_default(tmp_path):
     ("model:\n  hidden_size: 96\n  num_attention_heads: 6\n  num_query_groups: 4\n", [],
      "num_query_groups"),
     ("model:\n  family: gpt5\n", [], "gpt5"),
-    ("parallel:\n  tensor_model_parallel_size: 2\n", [], "tensor_model_parallel_size"),
+    ("parallel:\n  pipeline_model_parallel_size: 2\n", [], "pipeline_model_parallel_size"),
+    ("parallel:\n  sequence_parallel: true\n", [], "sequence_parallel"),
 ])
 def test_bad_config_is_one_line_naming_key_and_source(tmp_path, text, override, needle):
     path = write(tmp_path, text)

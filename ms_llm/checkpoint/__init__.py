@@ -1,4 +1,14 @@
-"""Checkpoint formats and conversion (Hugging Face folders now; Megatron layouts: issue 3)."""
-from .pretrained import from_pretrained
+"""Checkpoint formats and conversion: Hugging Face folders, Megatron legacy torch folders
+(``megatron``, ``torch_pickle``), per-family layouts (``layouts``) and ``ms-llm convert``.
+
+``from_pretrained`` is imported on first use, so the converter (``ms-llm convert``) runs without
+importing MindSpore (faster start, smaller memory)."""
 
 __all__ = ["from_pretrained"]
+
+
+def __getattr__(name):
+    if name == "from_pretrained":
+        from .pretrained import from_pretrained
+        return from_pretrained
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,13 @@
-"""Read Hugging Face model folders without torch: ``config.json`` + single or sharded safetensors."""
+"""Read and write Hugging Face model folders without torch: ``config.json`` + single or sharded
+safetensors (``HFReader`` / ``HFWriter`` stream one tensor at a time for the converter)."""
 from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Tuple
+import struct
+from typing import Dict, Optional, Tuple
 
+import ml_dtypes
 import numpy as np
 
 
@@ -61,3 +64,208 @@ def read_hf_weights(path: str) -> Dict[str, np.ndarray]:
 
 def read_hf_folder(path: str) -> Tuple[dict, Dict[str, np.ndarray]]:
     return read_hf_config(path), read_hf_weights(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming safetensors access (used by the converter): tensors are read one at a time and
+# written into pre-planned shards, so a conversion never holds the whole model.
+# --------------------------------------------------------------------------------------------
+
+_ST_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
+              "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+              "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
+              "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+class SafetensorsFile:
+    """Header of one ``.safetensors`` file plus positional reads of single tensors."""
+
+    def __init__(self, path: str):
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100_000_000:
+                raise ValueError(f"{path}: truncated or corrupt safetensors file (header length "
+                                 f"{n}, file size {size})")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.data_start = 8 + n
+        self.tensors: Dict[str, Tuple[np.dtype, tuple, int, int]] = {}
+        end = 0
+        for name, t in header.items():
+            if t.get("dtype") not in _ST_DTYPES:
+                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype "
+                                 f"{t.get('dtype')!r}")
+            dt, shape = _ST_DTYPES[t["dtype"]], tuple(int(s) for s in t["shape"])
+            b, e = (int(x) for x in t["data_offsets"])
+            if e - b != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
+                raise ValueError(f"{path}: tensor {name!r} byte range does not match its shape")
+            self.tensors[name] = (dt, shape, b, e)
+            end = max(end, e)
+        if self.data_start + end > size:
+            raise ValueError(f"{path}: truncated (tensors need {self.data_start + end} bytes, the "
+                             f"file has {size})")
+
+    def get(self, name: str) -> np.ndarray:
+        dt, shape, b, e = self.tensors[name]
+        out = np.empty(shape, dtype=dt)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < e - b:
+                got = os.preadv(fd, [view[done:]], self.data_start + b + done)
+                if got <= 0:
+                    raise ValueError(f"{self.path}: truncated while reading {name!r}")
+                done += got
+        finally:
+            os.close(fd)
+        return out
+
+
+class HFReader:
+    """A Hugging Face folder opened for streaming: config plus per-tensor reads."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.config = read_hf_config(path)
+        self.files = [SafetensorsFile(f) for f in safetensors_files(path)]
+        self._where: Dict[str, SafetensorsFile] = {}
+        for f in self.files:
+            for name in f.tensors:
+                if name in self._where:
+                    raise ValueError(f"{f.path}: tensor {name!r} also appears in "
+                                     f"{self._where[name].path}")
+                self._where[name] = f
+
+    def names(self) -> list:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._where[name].tensors[name][0]
+
+    def shape(self, name: str) -> tuple:
+        return self._where[name].tensors[name][1]
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise KeyError(f"{self.path}: missing tensor {name!r}")
+        return self._where[name].get(name)
+
+
+def parse_size(text) -> int:
+    """``"5GB"`` -> 5e9 bytes (HF's ``max_shard_size`` convention; ``GiB`` is binary)."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper()
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6,
+             "GB": 10**9, "TB": 10**12, "B": 1}
+    for u, mult in units.items():
+        if s.endswith(u):
+            num = s[: -len(u)].strip()
+            break
+    else:
+        num, mult = s, 1
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"max_shard_size: cannot parse {text!r} (e.g. 5GB, 500MB)") from None
+    if value <= 0:
+        raise ValueError(f"max_shard_size: must be positive, got {text!r}")
+    return int(value * mult)
+
+
+class HFWriter:
+    """Write a HF folder from a known list of ``(name, shape, dtype)``: shards are planned up
+    front (HF's greedy rule: a new shard when the next tensor would pass ``max_shard_size``),
+    each shard's header is written first and ``add`` writes each tensor at its planned offset,
+    in any order. Single shard -> ``model.safetensors``; else ``model-0000k-of-0000n`` + index.
+    """
+
+    def __init__(self, path: str, specs, max_shard_size="5GB", config: Optional[dict] = None):
+        self.path = path
+        limit = parse_size(max_shard_size)
+        shards, cur, cur_size = [], [], 0
+        for name, shape, dtype in specs:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            if cur and cur_size + nbytes > limit:
+                shards.append(cur)
+                cur, cur_size = [], 0
+            cur.append((name, tuple(int(s) for s in shape), np.dtype(dtype), nbytes))
+            cur_size += nbytes
+        if cur:
+            shards.append(cur)
+        n = len(shards)
+        self.files = ["model.safetensors"] if n == 1 else \
+            [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        self.plan: Dict[str, Tuple[int, int, tuple, np.dtype]] = {}
+        os.makedirs(path, exist_ok=True)
+        self._fds = []
+        total = 0
+        for k, shard in enumerate(shards):
+            header, off = {"__metadata__": {"format": "pt"}}, 0
+            for name, shape, dtype, nbytes in shard:
+                header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape),
+                                "data_offsets": [off, off + nbytes]}
+                off += nbytes
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * ((-len(blob)) % 8)
+            fd = os.open(os.path.join(path, self.files[k]), os.O_CREAT | os.O_TRUNC | os.O_WRONLY,
+                         0o644)
+            os.write(fd, struct.pack("<Q", len(blob)) + blob)
+            os.ftruncate(fd, 8 + len(blob) + off)
+            self._fds.append(fd)
+            for name, shape, dtype, nbytes in shard:
+                self.plan[name] = (k, 8 + len(blob) + header[name]["data_offsets"][0], shape,
+                                   dtype)
+            total += off
+        self.total_size = total
+        self._written = set()
+        self.config = config
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if name not in self.plan:
+            raise KeyError(f"{self.path}: tensor {name!r} is not in the planned output")
+        k, offset, shape, dtype = self.plan[name]
+        if tuple(array.shape) != shape or array.dtype != dtype:
+            raise ValueError(f"{self.path}: tensor {name!r} is {array.dtype}{list(array.shape)}, "
+                             f"planned {dtype}{list(shape)}")
+        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fds[k], data[done:], offset + done)
+        self._written.add(name)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        missing = [n for n in self.plan if n not in self._written]
+        if missing:
+            raise RuntimeError(f"{self.path}: tensors never written: {missing[:5]}")
+        if len(self.files) > 1:
+            index = {"metadata": {"total_size": self.total_size},
+                     "weight_map": {n: self.files[self.plan[n][0]] for n in sorted(self.plan)}}
+            with open(os.path.join(self.path, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+                f.write("\n")
+        if self.config is not None:
+            with open(os.path.join(self.path, "config.json"), "w") as f:
+                json.dump(self.config, f, indent=2, sort_keys=True)
+                f.write("\n")
+
+    def abort(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []

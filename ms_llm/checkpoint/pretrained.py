@@ -1,4 +1,5 @@
-"""``from_pretrained``: build a GPTModel from a Hugging Face folder (Megatron folders: issue 3)."""
+"""``from_pretrained``: build a GPTModel from a Hugging Face folder or a Megatron (legacy torch
+format) folder of any tp / pp / vpp / ep layout."""
 from __future__ import annotations
 
 import logging
@@ -13,17 +14,23 @@ from ms_llm.models.families import config_from_hf
 from ms_llm.models.gpt import GPTModel
 from .hf_io import read_hf_config, read_hf_weights
 from .hf_mapping import hf_to_mcore
+from .megatron import is_megatron_dir
 
 log = logging.getLogger("ms_llm.checkpoint")
 
 
 def from_pretrained(path: str, dtype: Optional[str] = None,
                     config: Optional[TransformerConfig] = None) -> GPTModel:
-    """Load a Hugging Face folder (``config.json`` + safetensors, fp32/bf16/fp16) into a GPTModel.
+    """Load a Hugging Face folder (``config.json`` + safetensors, fp32/bf16/fp16) or a Megatron
+    checkpoint folder (``latest_checkpointed_iteration.txt`` + ``iter_*/mp_rank_*``) into a
+    GPTModel.
 
     ``dtype`` is the parameter dtype (default float32, which also is the only compute dtype with
     kernels everywhere on CPU); ``config`` overrides the architecture read from config.json.
+    A Megatron folder keeps its padded vocabulary (``padded_vocab_size`` = its embedding rows).
     """
+    if is_megatron_dir(path):
+        return _from_megatron(path, dtype, config)
     hf_cfg = read_hf_config(path)
     cfg = config or config_from_hf(hf_cfg, source=os.path.join(path, "config.json"))
     if dtype is not None:
@@ -36,4 +43,37 @@ def from_pretrained(path: str, dtype: Optional[str] = None,
     model = GPTModel(cfg)
     load_state_dict(model, mcore, strict=True, source=path)
     log.info("loaded %s: %d parameters", path, model.num_parameters())
+    return model
+
+
+def _from_megatron(path: str, dtype: Optional[str],
+                   config: Optional[TransformerConfig]) -> GPTModel:
+    """Merge the tp / ep shards and pipeline stages of a Megatron folder one layer at a time
+    into the global (tp = pp = 1) Megatron-Core keys GPTModel uses."""
+    from .convert import MegatronSource  # the converter's streaming reader
+    src = MegatronSource(path, None)
+    try:
+        if src.spec.num_experts:
+            raise ValueError(f"{path}: a {src.model_type} (MoE) checkpoint; MoE models arrive "
+                             f"with issue 7 (the weights convert already: ms-llm convert)")
+        cfg = config or config_from_hf(src.config, source=os.path.join(path, "config.json"))
+        cfg = cfg.replace(padded_vocab_size=src.lay.padded_vocab)
+        if dtype is not None:
+            to_ms_dtype(dtype)
+            cfg = cfg.replace(params_dtype=dtype)
+        model = GPTModel(cfg)
+        f32 = lambda x: np.asarray(x, dtype=np.float32)  # noqa: E731  (exact for fp16/bf16)
+        sd = {"embedding.word_embeddings.weight": f32(src.embedding(padded=True)),
+              "decoder.final_layernorm.weight": f32(src.final_norm())}
+        out = src.output(padded=True)
+        if out is not None:
+            sd["output_layer.weight"] = f32(out)
+        for i in range(src.spec.num_layers):
+            for k, v in src.layer(i).items():
+                sd[f"decoder.layers.{i}.{k}"] = f32(v)
+        load_state_dict(model, sd, strict=True, source=path)
+    finally:
+        src.close()
+    log.info("loaded Megatron checkpoint %s (tp=%d pp=%d ep=%d): %d parameters", path,
+             src.lay.tp, src.lay.pp, src.lay.ep, model.num_parameters())
     return model

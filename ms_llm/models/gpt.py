@@ -63,6 +63,11 @@ class GPTModel(nn.Module):
         else:
             self.output_layer = None
         self._rope_cache = {}
+        # The LM head as three swappable steps; ms_llm.parallel.parallelize replaces them with
+        # vocabulary-parallel versions (the model itself stays parallelism-free).
+        self.compute_logits = lm_logits
+        self.finalize_logits = identity
+        self.loss_fn = hot.cross_entropy
 
     def rotary_cos_sin(self, seq_len: int):
         if seq_len not in self._rope_cache:
@@ -77,7 +82,15 @@ class GPTModel(nn.Module):
         h = self.decoder(h, cos, sin, attention_mask)
         weight = (self.output_layer.weight if self.output_layer is not None
                   else self.embedding.word_embeddings.weight)
-        logits = F.linear(h, weight).astype(float32)
+        logits = self.compute_logits(h, weight)
         if labels is None:
-            return logits
-        return hot.cross_entropy(logits, labels)
+            return self.finalize_logits(logits)
+        return self.loss_fn(logits, labels)
+
+
+def lm_logits(h: Tensor, weight: Tensor) -> Tensor:
+    return F.linear(h, weight).astype(float32)
+
+
+def identity(x: Tensor) -> Tensor:
+    return x

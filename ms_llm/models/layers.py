@@ -48,9 +48,10 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 attention_mask: Optional[Tensor] = None) -> Tensor:
-        b, s, _ = x.shape
         ng, r, d = self.ng, self.nh // self.ng, self.d
-        qkv = self.linear_qkv(x).reshape(b, s, ng, (r + 2) * d)
+        qkv = self.linear_qkv(x)
+        b, s = qkv.shape[0], qkv.shape[1]  # the full sequence, also under sequence parallel
+        qkv = qkv.reshape(b, s, ng, (r + 2) * d)
         q, k, v = F.split(qkv, [r * d, d, d], -1)
         q = q.reshape(b, s, ng * r, d)
         if self.q_layernorm is not None:
@@ -79,7 +80,7 @@ class MLP(nn.Module):
         if self.config.swiglu:
             h = hot.swiglu(h)
         elif self.config.gated_linear_unit:
-            gate, up = F.split(h, [self.config.ffn_hidden_size] * 2, -1)
+            gate, up = F.split(h, [h.shape[-1] // 2] * 2, -1)
             h = F.gelu(gate) * up
         else:
             h = F.silu(h) if self.config.activation_func == "silu" else F.gelu(h)

@@ -1,0 +1,13 @@
+"""Low-precision training: OCP MX formats and MXFP8 module replacement (issue 6).
+
+``to_mx``/``MXTensor`` (``mx``), the differentiable ``mx_linear`` (``mx_linear``), the MXFP8
+modules (``modules``), ``apply_quantization`` for the run config's ``quant:`` section (``apply``)
+and the Ascend-native vs emulated choice (``_dispatch``).
+"""
+from .mx import BLOCK_SIZE, ELEM_FORMATS, MXTensor, fake_quantize, to_mx
+from .mx_linear import mx_linear
+from .modules import MXFP8GroupedLinear, MXFP8Linear
+from .apply import apply_quantization, register_replacement
+
+__all__ = ["BLOCK_SIZE", "ELEM_FORMATS", "MXTensor", "fake_quantize", "to_mx", "mx_linear",
+           "MXFP8Linear", "MXFP8GroupedLinear", "apply_quantization", "register_replacement"]

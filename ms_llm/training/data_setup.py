@@ -8,7 +8,6 @@ from ms_llm.config import ConfigError, RunConfig
 from ms_llm.data import (BatchIterator, PretrainDataset, Tokenizer, ensure_default_corpus,
                          load_tokenizer, tokenize_corpus)
 from ms_llm.models.config import TransformerConfig
-from ms_llm.parallel.runtime import DistInfo
 
 log = logging.getLogger("ms_llm.train")
 
@@ -26,7 +25,7 @@ def padded_vocab(vocab_size: int, divisible_by: int) -> int:
     return -(-vocab_size // divisible_by) * divisible_by
 
 
-def build_data(cfg: RunConfig, dist: DistInfo) -> TrainData:
+def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
     d = cfg.data
     corpus, tok_path = d.corpus, d.tokenizer
     if corpus == "embedded" or tok_path == "embedded":
@@ -50,5 +49,5 @@ def build_data(cfg: RunConfig, dist: DistInfo) -> TrainData:
                           f"than the tokenizer's vocabulary ({tokenizer.vocab_size})")
     dataset = PretrainDataset(tokens, d.seq_length)
     loader = BatchIterator(dataset, cfg.training.micro_batch_size, cfg.training.seed,
-                           dp_rank=dist.rank, dp_size=dist.world_size)
+                           dp_rank=dp_rank, dp_size=dp_size)
     return TrainData(tokenizer, loader, int(len(tokens)), model_cfg)

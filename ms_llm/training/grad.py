@@ -21,8 +21,38 @@ def sum_of_squares(grads: Sequence[Tensor]) -> Tensor:
     return total
 
 
-def global_norm(grads: Sequence[Tensor]) -> float:
-    return math.sqrt(float(sum_of_squares(grads).asnumpy())) if grads else 0.0
+def global_norm(grads: Sequence[Tensor], params: Sequence = None, tp_group=None) -> float:
+    """L2 norm of the full (unsharded) gradient: tensor-parallel shards' squares are summed over
+    the tp group; replicated parameters count once."""
+    if not grads:
+        return 0.0
+    if tp_group is None or tp_group.size == 1:
+        return math.sqrt(float(sum_of_squares(grads).asnumpy()))
+    from ms_llm.parallel import comm
+    sharded = [g for g, p in zip(grads, params) if getattr(p, "tensor_model_parallel", False)]
+    replicated = [g for g, p in zip(grads, params)
+                  if not getattr(p, "tensor_model_parallel", False)]
+    sq = sum_of_squares(sharded).reshape(1) if sharded else mint.zeros((1,))
+    comm.all_reduce(sq, group=tp_group)
+    total = float(sq.asnumpy()[0])
+    if replicated:
+        total += float(sum_of_squares(replicated).asnumpy())
+    return math.sqrt(total)
+
+
+def reduce_partial_tp_grads(params: Sequence, grads: List[Tensor], tp_group) -> List[Tensor]:
+    """Sum over the tp group the gradients of replicated parameters that each rank sees only in
+    part (norm weights under sequence parallel, QK-norm weights under tensor parallel)."""
+    if tp_group is None or tp_group.size == 1:
+        return grads
+    from ms_llm.parallel import comm
+    out = list(grads)
+    for i, p in enumerate(params):
+        if getattr(p, "tp_partial_grad", False):
+            g = out[i].copy()
+            comm.all_reduce(g, group=tp_group)
+            out[i] = g
+    return out
 
 
 def clip_(grads: List[Tensor], max_norm: float, norm: float) -> List[Tensor]:

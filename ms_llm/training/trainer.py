@@ -16,7 +16,11 @@ from ms_llm.compat import manual_seed, setup_device, float32
 from ms_llm.config import ConfigError, RunConfig
 from ms_llm.models import GPTModel, from_pretrained
 from ms_llm.ops._dispatch import resolve_paths
+from ms_llm.parallel import comm
+from ms_llm.parallel.data_parallel import GradBuckets
+from ms_llm.parallel.parallelize import parallelize
 from ms_llm.parallel.runtime import DistInfo, init_distributed
+from ms_llm.parallel.state import initialize_model_parallel
 from . import grad as gradlib
 from .checkpointing import find_latest, load_training_state, save_training_state
 from .data_setup import build_data
@@ -40,22 +44,39 @@ class Trainer:
         self.cfg = cfg
         self.dist = dist or DistInfo()
         t = cfg.training
-        if self.dist.world_size > 1:
-            raise ConfigError("launch: more than one worker needs data parallel, which arrives "
-                              "with the distributed runtime (issue 4); run with NPROC=1")
-        mb_total = t.micro_batch_size * self.dist.world_size
+        p = cfg.parallel
+        try:
+            self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size)
+        except ValueError as e:
+            raise ConfigError(f"launch with {self.dist.world_size} worker(s): {e}") from None
+        self.tp_group, self.dp_group = self.pstate.group("tp"), self.pstate.group("dp")
+        if self.tp_group.size > 1 and t.jit:
+            raise ConfigError("training.jit=true cannot be combined with "
+                              "parallel.tensor_model_parallel_size > 1 (tensor-parallel "
+                              "collectives use PyNative custom backward); set "
+                              "--training.jit false")
+        if cfg.checkpoint.save_dir and self.tp_group.size > 1:
+            raise ConfigError("checkpoint.save_dir: saving tensor-parallel runs needs the "
+                              "distributed checkpoint (issue 5); unset it or use tp=1")
+        mb_total = t.micro_batch_size * self.dp_group.size
         if t.global_batch_size % mb_total:
             raise ConfigError(f"training.global_batch_size ({t.global_batch_size}) must be a "
                               f"multiple of micro_batch_size x data-parallel size ({mb_total})")
         self.accum_steps = t.global_batch_size // mb_total
         manual_seed(t.seed)
         np.random.seed(t.seed)
-        self.data = build_data(cfg, self.dist)
+        self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
         cfg.model = self.data.model_config
         self.model = build_model(cfg)
+        try:
+            parallelize(self.model, self.pstate, sequence_parallel=p.sequence_parallel)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.model.set_train(True)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
+        self.grad_sync = GradBuckets(self.params, self.dp_group, bucket_mb=p.ddp_bucket_mb,
+                                     overlap=p.ddp_overlap and not t.jit)
         self.optimizer = AdamW(named, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                weight_decay=t.weight_decay)
         self.grad_fn = ms.value_and_grad(self._loss, grad_position=None, weights=self.params)
@@ -96,28 +117,35 @@ class Trainer:
     def train_step(self) -> Dict[str, float]:
         t = self.cfg.training
         batches = [next(self.data.loader) for _ in range(self.accum_steps)]
-        n_tokens = float(sum(b["loss_mask"].sum() for b in batches))
-        inv = Tensor(np.float32(1.0 / max(n_tokens, 1.0)))
-        total_loss, grads, sumsq = 0.0, None, None
-        for b in batches:
+        n_local = Tensor(np.array([sum(b["loss_mask"].sum() for b in batches)], np.float32))
+        comm.all_reduce(n_local, group=self.dp_group)   # loss tokens of the global batch
+        inv = Tensor(np.float32(1.0 / max(float(n_local.asnumpy()[0]), 1.0)))
+        total_loss, grads, sumsq = None, None, None
+        for i, b in enumerate(batches):
             args = (Tensor(b["tokens"]), Tensor(b["labels"]), Tensor(b["loss_mask"]), inv)
+            self.grad_sync.begin_micro_batch(is_last=i == len(batches) - 1)
             if self.fwd_bwd is not None:
                 loss, g, sumsq = self.fwd_bwd(*args)
             else:
                 loss, g = self.grad_fn(*args)
-            total_loss += float(loss.asnumpy())
-            grads = gradlib.accumulate(grads, g)
-        if len(batches) == 1 and sumsq is not None:
+            total_loss = loss if total_loss is None else total_loss + loss
+            if not self.grad_sync.overlap:
+                grads = gradlib.accumulate(grads, g)
+        grads = self.grad_sync.finish() if self.grad_sync.overlap else self.grad_sync.reduce(grads)
+        grads = gradlib.reduce_partial_tp_grads(self.params, grads, self.tp_group)
+        comm.all_reduce(total_loss, group=self.dp_group)
+        total_loss = float(total_loss.asnumpy())
+        if len(batches) == 1 and sumsq is not None and self.dist.world_size == 1:
             norm = math.sqrt(float(sumsq.asnumpy()))
         else:
-            norm = gradlib.global_norm(grads)
+            norm = gradlib.global_norm(grads, self.params, self.tp_group)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step += 1
         lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,
                    decay_steps=t.lr_decay_steps or t.max_steps, style=t.lr_decay_style)
         self.optimizer.step(grads, lr)
         return {"loss": total_loss, "grad_norm": norm, "lr": lr,
-                "tokens": sum(int(b["tokens"].size) for b in batches)}
+                "tokens": sum(int(b["tokens"].size) for b in batches) * self.dp_group.size}
 
     def fit(self) -> list:
         t, ck = self.cfg.training, self.cfg.checkpoint

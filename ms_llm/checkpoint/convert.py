@@ -1,0 +1,388 @@
+"""``ms-llm convert``: HF <-> Megatron (legacy torch format) and Megatron re-sharding, torch-free.
+
+Flags follow MindSpeed-LLM's ``convert_ckpt_v2.py`` so commands carry over::
+
+    ms-llm convert --load-model-type hf --save-model-type mg --model-type-hf qwen3 \\
+        --load-dir IN --save-dir OUT --target-tensor-parallel-size 2 \\
+        --target-pipeline-parallel-size 1 --target-expert-parallel-size 1 [--moe-grouped-gemm] \\
+        [--num-layers-per-virtual-pipeline-stage N] [--num-layer-list a,b] [--noop-layers i,j] \\
+        [--params-dtype bf16] [--make-vocab-size-divisible-by N] [--max-shard-size 5GB]
+
+Conversion streams one decoder layer at a time (source tensors are read lazily, every output
+file is written as it goes), so ``--save-layer-by-layer`` is the only mode and the flag is
+accepted for compatibility. The output goes to ``<save-dir>.tmp-<pid>`` and is renamed to
+``--save-dir`` at the end: a failed run leaves no folder that looks complete.
+
+mg -> hf needs the HF ``config.json``: hf -> mg stores it beside the Megatron checkpoint, and
+without it the config is rebuilt from the checkpoint's ``args`` (``megatron.hf_config_from_args``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from typing import Dict, List, Optional
+
+import ml_dtypes
+import numpy as np
+
+from . import layouts as L
+from .hf_io import HFReader, HFWriter, read_hf_config
+from .megatron import (MegatronReader, MegatronWriter, hf_config_from_args, make_args,
+                       write_hf_config)
+from .torch_pickle import ForbiddenGlobalError, TorchFormatError
+
+DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16),
+          "fp16": np.dtype(np.float16), "float32": np.dtype(np.float32),
+          "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
+_HF_TO_TYPE = {"llama": "llama2", "qwen2": "qwen25", "qwen3": "qwen3", "qwen3_moe": "qwen3-moe"}
+
+
+class ConvertError(ValueError):
+    """Bad arguments or input for the converter (reported as one line)."""
+
+
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConvertError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _ArgParser(prog="ms-llm convert", allow_abbrev=False,
+                   description="Convert checkpoints between Hugging Face and Megatron layouts.")
+    p.add_argument("--load-model-type", choices=["hf", "mg"], required=True)
+    p.add_argument("--save-model-type", choices=["hf", "mg"], required=True)
+    p.add_argument("--load-dir", required=True)
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--model-type-hf", default=None, choices=sorted(L.MODEL_TYPES))
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-expert-parallel-size", type=int, default=1)
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.add_argument("--num-layer-list", default=None)
+    p.add_argument("--noop-layers", default=None)
+    p.add_argument("--moe-grouped-gemm", action="store_true")
+    p.add_argument("--params-dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None)
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--save-layer-by-layer", action="store_true",
+                   help="accepted for compatibility; conversion always streams layer by layer")
+    p.add_argument("--lora-load", default=None)
+    p.add_argument("--lora-r", type=int, default=None)
+    p.add_argument("--lora-alpha", type=int, default=None)
+    p.add_argument("--lora-target-modules", nargs="*", default=None)
+    return p
+
+
+def _int_list(text: Optional[str], flag: str) -> Optional[List[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ConvertError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Sources: full (tp = ep = 1) tensors, one layer at a time
+# --------------------------------------------------------------------------------------------
+
+class HFSource:
+    def __init__(self, path: str, model_type_hf: Optional[str]):
+        self.reader = HFReader(path)
+        self.config = self.reader.config
+        self.model_type = model_type_hf or _infer_type(self.config, path)
+        self.spec = L.spec_from_hf_config(self.config, self.model_type,
+                                          os.path.join(path, "config.json"))
+        self._used = set()
+        expected = {n: s for n, s in L.hf_names(self.spec)}
+        for name, shape in expected.items():
+            if name not in self.reader:
+                raise ConvertError(f"{path}: missing tensor {name!r} for --model-type-hf "
+                                   f"{self.model_type}")
+            if tuple(self.reader.shape(name)) != shape:
+                raise ConvertError(f"{path}: tensor {name!r} has shape "
+                                   f"{list(self.reader.shape(name))}, config.json implies "
+                                   f"{list(shape)}")
+        extra = [n for n in self.reader.names() if n not in expected
+                 and not n.endswith("rotary_emb.inv_freq")
+                 and not (self.spec.tied and n == "lm_head.weight")]
+        if extra:
+            raise ConvertError(f"{path}: tensors {sorted(extra)[:3]} do not belong to a "
+                               f"{self.model_type} model (wrong --model-type-hf?)")
+
+    def dtype(self) -> np.dtype:
+        return self.reader.dtype("model.embed_tokens.weight")
+
+    def embedding(self) -> np.ndarray:
+        return self.reader.get("model.embed_tokens.weight")
+
+    def final_norm(self) -> np.ndarray:
+        return self.reader.get("model.norm.weight")
+
+    def output(self) -> Optional[np.ndarray]:
+        return None if self.spec.tied else self.reader.get("lm_head.weight")
+
+    def layer(self, i: int) -> Dict:
+        return L.hf_layer_to_full(self.spec, self.reader.get, i)
+
+    def close(self) -> None:
+        pass
+
+
+def _infer_type(cfg: dict, path: str) -> str:
+    mt = cfg.get("model_type")
+    if mt not in _HF_TO_TYPE:
+        raise ConvertError(f"{path}: cannot infer --model-type-hf from model_type {mt!r}; pass it")
+    return _HF_TO_TYPE[mt]
+
+
+class MegatronSource:
+    def __init__(self, path: str, model_type_hf: Optional[str]):
+        self.reader = MegatronReader(path)
+        try:
+            cfg_path = os.path.join(path, "config.json")
+            a = self.reader.args
+            if os.path.isfile(cfg_path):
+                self.config = read_hf_config(path)
+                self.model_type = model_type_hf or _infer_type(self.config, path)
+            else:
+                if not isinstance(a, argparse.Namespace):
+                    raise ConvertError(f"{path}: no config.json beside the checkpoint and no args "
+                                       f"in it to rebuild one from")
+                self.model_type = model_type_hf or getattr(a, "model_type_hf", None)
+                if not self.model_type:
+                    raise ConvertError(f"{path}: pass --model-type-hf (no config.json here)")
+                self.config = hf_config_from_args(a, self.model_type)
+            self.spec = L.spec_from_hf_config(self.config, self.model_type, cfg_path)
+            self.lay = self.reader.layout(self.spec)
+            self._mg_of_hf = [m for p, c, ids in self.lay.chunks() for m in ids
+                              if self.lay.hf_layer(m) is not None]
+            self._where = {m: (p, c, j) for p, c, ids in self.lay.chunks()
+                           for j, m in enumerate(ids)}
+        except BaseException:
+            self.reader.close()
+            raise
+
+    def dtype(self) -> np.dtype:
+        return self.reader.dtype()
+
+    def _vocab(self, key: str, p: int, c: int, padded: bool) -> np.ndarray:
+        parts = [self.reader.tensor(t, p, 0, c, key) for t in range(self.lay.tp)]
+        full = np.concatenate(parts, axis=0)
+        return full if padded else full[: self.spec.vocab]
+
+    def embedding(self, padded: bool = False) -> np.ndarray:
+        return self._vocab("embedding.word_embeddings.weight", 0, 0, padded)
+
+    def final_norm(self) -> np.ndarray:
+        p, c = self.lay.last_chunk()
+        return self.reader.tensor(0, p, 0, c, "decoder.final_layernorm.weight")
+
+    def output(self, padded: bool = False) -> Optional[np.ndarray]:
+        if self.spec.tied:
+            return None
+        p, c = self.lay.last_chunk()
+        return self._vocab("output_layer.weight", p, c, padded)
+
+    def layer(self, i: int) -> Dict:
+        p, c, j = self._where[self._mg_of_hf[i]]
+        pre = f"decoder.layers.{j}."
+        return L.merge_layer(self.spec, self.lay,
+                             lambda t, e, key: self.reader.tensor(t, p, e, c, pre + key), i)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Sinks
+# --------------------------------------------------------------------------------------------
+
+def _cast(x: np.ndarray, dtype: Optional[np.dtype]) -> np.ndarray:
+    """Round floating tensors to ``dtype`` once (via float32, which holds fp16/bf16 exactly)."""
+    if dtype is None or x.dtype == dtype:
+        return x
+    if x.dtype not in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16):
+        return x
+    return (x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)).astype(dtype)
+
+
+class MegatronSink:
+    def __init__(self, path: str, spec: L.ModelSpec, lay: L.ParallelLayout, hf_cfg: dict,
+                 dtype: np.dtype, cast: Optional[np.dtype], model_type_hf: str):
+        self.spec, self.lay, self.cast = spec, lay, cast
+        args = make_args(spec, lay, hf_cfg, dtype, model_type_hf)
+        self.w = MegatronWriter(path, lay, args)
+        write_hf_config(path, hf_cfg)
+        self._where = {}
+        for p, c, ids in lay.chunks():
+            for j, m in enumerate(ids):
+                h = lay.hf_layer(m)
+                if h is not None:
+                    self._where[h] = (p, c, j)
+        self._emb = None
+
+    def _all(self, p: int, c: int, key: str, shards: List[Optional[np.ndarray]]) -> None:
+        for t in range(self.lay.tp):
+            for e in range(self.lay.ep):
+                self.w.add(t, p, e, c, key, None if shards is None else _cast(shards[t],
+                                                                             self.cast))
+
+    def embedding(self, w: np.ndarray) -> None:
+        shards = L.vocab_shards(w, self.lay)
+        self._all(0, 0, "embedding.word_embeddings.weight", shards)
+        if self.spec.tied and self.lay.pp > 1:
+            self._emb = shards  # Megatron's last stage keeps its own copy as output_layer.weight
+
+    def layer(self, i: int, full: Dict) -> None:
+        p, c, j = self._where[i]
+        for (t, e), sd in L.shard_layer(self.spec, self.lay, full, i).items():
+            for key, v in sd.items():
+                self.w.add(t, p, e, c, f"decoder.layers.{j}.{key}",
+                           None if v is None else _cast(v, self.cast))
+
+    def final(self, norm: np.ndarray, output: Optional[np.ndarray]) -> None:
+        p, c = self.lay.last_chunk()
+        self._all(p, c, "decoder.final_layernorm.weight", [norm] * self.lay.tp)
+        if output is not None:
+            self._all(p, c, "output_layer.weight", L.vocab_shards(output, self.lay))
+        elif self._emb is not None:
+            self._all(p, c, "output_layer.weight", self._emb)
+        self._all(p, c, "output_layer._extra_state", None)
+
+    def close(self) -> None:
+        self.w.close()
+
+    def abort(self) -> None:
+        self.w.abort()
+
+
+class HFSink:
+    def __init__(self, path: str, spec: L.ModelSpec, hf_cfg: dict, dtype: np.dtype,
+                 max_shard_size: str):
+        self.spec, self.dtype = spec, dtype
+        cfg = dict(hf_cfg)
+        cfg["torch_dtype"] = dtype.name
+        self.w = HFWriter(path, [(n, s, dtype) for n, s in L.hf_names(spec)], max_shard_size,
+                          cfg)
+
+    def _add(self, name: str, x: np.ndarray) -> None:
+        if x.dtype != self.dtype:
+            x = _cast(x, self.dtype)
+        if x.dtype != self.dtype:
+            raise ConvertError(f"tensor {name} is {x.dtype}, the output is {self.dtype}")
+        self.w.add(name, x)
+
+    def embedding(self, w: np.ndarray) -> None:
+        self._add("model.embed_tokens.weight", w)
+
+    def layer(self, i: int, full: Dict) -> None:
+        for name, x in L.full_layer_to_hf(self.spec, full, i).items():
+            self._add(name, x)
+
+    def final(self, norm: np.ndarray, output: Optional[np.ndarray]) -> None:
+        self._add("model.norm.weight", norm)
+        if output is not None:
+            self._add("lm_head.weight", output)
+
+    def close(self) -> None:
+        self.w.close()
+
+    def abort(self) -> None:
+        self.w.abort()
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+
+def convert(opts: argparse.Namespace, progress=None) -> str:
+    """Run one conversion described by parsed CLI options; returns the output folder."""
+    if opts.lora_load or opts.lora_r or opts.lora_target_modules:
+        raise ConvertError("--lora-load/--lora-r/--lora-target-modules: merging LoRA weights is "
+                           "not supported by ms-llm convert")
+    if opts.expert_tensor_parallel_size not in (None, opts.target_tensor_parallel_size):
+        raise ConvertError("--expert-tensor-parallel-size: only the default (= tensor-parallel "
+                           "size) is supported")
+    if opts.save_model_type == "hf" and opts.load_model_type == "hf":
+        raise ConvertError("hf -> hf is not a conversion; copy the folder")
+    if not os.path.isdir(opts.load_dir):
+        raise ConvertError(f"--load-dir {opts.load_dir}: no such directory")
+    save = os.path.abspath(opts.save_dir)
+    if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
+        raise ConvertError(f"--save-dir {opts.save_dir}: exists and is not empty")
+    if os.path.realpath(opts.load_dir) == os.path.realpath(save):
+        raise ConvertError("--save-dir must differ from --load-dir")
+
+    src = HFSource(opts.load_dir, opts.model_type_hf) if opts.load_model_type == "hf" else \
+        MegatronSource(opts.load_dir, opts.model_type_hf)
+    tmp = f"{save.rstrip(os.sep)}.tmp-{os.getpid()}"
+    sink = None
+    try:
+        spec = src.spec
+        cast = DTYPES[opts.params_dtype] if opts.params_dtype else None
+        out_dtype = cast or src.dtype()
+        if opts.save_model_type == "mg":
+            lay = L.ParallelLayout(
+                tp=opts.target_tensor_parallel_size, pp=opts.target_pipeline_parallel_size,
+                ep=opts.target_expert_parallel_size,
+                vpp_layers=opts.num_layers_per_virtual_pipeline_stage,
+                num_layer_list=_int_list(opts.num_layer_list, "--num-layer-list"),
+                noop_layers=tuple(_int_list(opts.noop_layers, "--noop-layers") or ()),
+                grouped_gemm=opts.moe_grouped_gemm,
+                padded_vocab=L.padded_vocab_size(spec.vocab, opts.make_vocab_size_divisible_by,
+                                                 opts.target_tensor_parallel_size))
+            if opts.moe_grouped_gemm and not spec.num_experts:
+                raise ConvertError("--moe-grouped-gemm needs a MoE model")
+            lay.validate(spec, where="target layout")
+            os.makedirs(tmp)
+            sink = MegatronSink(tmp, spec, lay, src.config, out_dtype, cast, src.model_type)
+        else:
+            os.makedirs(tmp)
+            sink = HFSink(tmp, spec, src.config, out_dtype, opts.max_shard_size)
+        sink.embedding(src.embedding())
+        for i in range(spec.num_layers):
+            sink.layer(i, src.layer(i))
+            if progress:
+                progress(i + 1, spec.num_layers)
+        sink.final(src.final_norm(), src.output())
+        sink.close()
+        sink = None
+        if os.path.isdir(save):
+            os.rmdir(save)
+        os.rename(tmp, save)
+        return save
+    except BaseException:
+        if sink is not None:
+            sink.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        src.close()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """CLI entry (``ms-llm convert``): 0 on success; one ``ms-llm convert: ...`` line and 2 on
+    bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        return 0
+    try:
+        opts = parser.parse_args(argv)
+        out = convert(opts)
+    except (ConvertError, ValueError, KeyError, FileNotFoundError, NotADirectoryError,
+            TorchFormatError, ForbiddenGlobalError, RuntimeError, OSError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"ms-llm convert: {' '.join(str(msg).split())}", file=sys.stderr)
+        return 2
+    print(f"ms-llm convert: wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Differentiable collectives for use inside models (Megatron's ``mappings.py``).
+
+Each pair is the other's backward: copy <-> all-reduce, all-gather <-> reduce-scatter,
+all-to-all <-> its reverse. MindSpore's own autograd through collectives is unreliable on CPU
+(wrong gradients through ``all_gather`` and in-place ``all_reduce``, see the notes), so every
+backward here is explicit. PyNative only (``compat.autograd.Function``).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from mindspore import Tensor, mint
+
+from ms_llm.compat import F
+from ms_llm.compat.autograd import Function
+from . import comm
+
+
+def _all_reduce(x: Tensor, group) -> Tensor:
+    out = x.copy()
+    comm.all_reduce(out, group=group)
+    return out
+
+
+def _gather(x: Tensor, dim: int, group) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in group-rank order."""
+    if group.size == 1:
+        return x
+    dim = dim % x.ndim
+    front = x.swapaxes(0, dim).contiguous() if dim else x
+    out = mint.zeros((front.shape[0] * group.size,) + tuple(front.shape[1:]), dtype=x.dtype)
+    comm.all_gather_into_tensor(out, front, group=group)
+    return out.swapaxes(0, dim).contiguous() if dim else out
+
+
+def _reduce_scatter(x: Tensor, dim: int, group) -> Tensor:
+    if group.size == 1:
+        return x
+    dim = dim % x.ndim
+    if x.shape[dim] % group.size:
+        raise ValueError(f"reduce-scatter: dim {dim} of size {x.shape[dim]} is not divisible by "
+                         f"the group size {group.size}")
+    front = x.swapaxes(0, dim).contiguous() if dim else x
+    out = mint.zeros((front.shape[0] // group.size,) + tuple(front.shape[1:]), dtype=x.dtype)
+    comm.reduce_scatter_tensor(out, front, group=group)
+    return out.swapaxes(0, dim).contiguous() if dim else out
+
+
+def _split(x: Tensor, dim: int, group) -> Tensor:
+    if group.size == 1:
+        return x
+    n = x.shape[dim] // group.size
+    return mint.narrow(x, dim, group.rank * n, n).contiguous()
+
+
+class _CopyToGroup(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group), None
+
+
+class _ReduceFromGroup(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherFromGroup(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, ctx.dim, ctx.group), None, None
+
+
+class _ScatterToGroup(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSequenceParallel(Function):
+    """All-gather along the sequence; backward reduce-scatters (Megatron SP)."""
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallel(Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.group), None, None
+
+
+class _AllToAll(Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (list(out_splits), list(in_splits)), group
+        out = mint.zeros((sum(out_splits),) + tuple(x.shape[1:]), dtype=x.dtype)
+        comm.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        dx = mint.zeros((sum(in_splits),) + tuple(g.shape[1:]), dtype=g.dtype)
+        comm.all_to_all_single(dx, g.contiguous(), in_splits, out_splits, group=ctx.group)
+        return dx, None, None, None
+
+
+def _trivial(group) -> bool:
+    return group is None or group.size == 1
+
+
+def copy_to_group(x: Tensor, group) -> Tensor:
+    """Identity forward; all-reduce of the gradient (the input of a column-parallel layer)."""
+    return x if _trivial(group) else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: Tensor, group) -> Tensor:
+    """All-reduce forward; identity backward (the output of a row-parallel layer)."""
+    return x if _trivial(group) else _ReduceFromGroup.apply(x, group)
+
+
+def gather_from_group(x: Tensor, group, dim: int = -1) -> Tensor:
+    return x if _trivial(group) else _GatherFromGroup.apply(x, dim, group)
+
+
+def scatter_to_group(x: Tensor, group, dim: int = -1) -> Tensor:
+    return x if _trivial(group) else _ScatterToGroup.apply(x, dim, group)
+
+
+def gather_from_sequence_parallel(x: Tensor, group, dim: int = 1) -> Tensor:
+    return x if _trivial(group) else _GatherFromSequenceParallel.apply(x, dim, group)
+
+
+def reduce_scatter_to_sequence_parallel(x: Tensor, group, dim: int = 1) -> Tensor:
+    return x if _trivial(group) else _ReduceScatterToSequenceParallel.apply(x, dim, group)
+
+
+def all_to_all(x: Tensor, group, output_split_sizes: Sequence[int],
+               input_split_sizes: Sequence[int]) -> Tensor:
+    """Differentiable ``all_to_all_single`` along dim 0 (backward sends the gradients back)."""
+    if _trivial(group):
+        return x
+    return _AllToAll.apply(x, list(output_split_sizes), list(input_split_sizes), group)

@@ -1,0 +1,107 @@
+"""Data-parallel gradient synchronisation in buckets, overlapped with backward (Megatron DDP).
+
+Parameters are grouped into buckets of ~``bucket_mb`` in reverse registration order (roughly the
+order backward produces their gradients). In PyNative, a gradient hook on every parameter adds the
+micro-batch gradient into that parameter's accumulator; on the last micro-batch of a step, when a
+bucket's last gradient arrives, the bucket is flattened and its all-reduce starts asynchronously
+while backward continues. ``finish()`` waits and hands back the reduced gradients. Under
+``mindspore.jit`` hooks do not run, so ``reduce(grads)`` does the same bucketed all-reduce after
+backward. The loss is pre-divided by the global token count, so the reduction is a sum.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+from mindspore import Parameter, Tensor, mint
+
+from ms_llm.compat import float32
+from . import comm
+
+
+class GradBuckets:
+    def __init__(self, params: Sequence[Parameter], group: comm.ProcessGroup,
+                 bucket_mb: float = 25.0, overlap: bool = True):
+        self.params = list(params)
+        self.group = group
+        self.enabled = group.size > 1
+        self.overlap = overlap and self.enabled
+        cap = max(1, int(bucket_mb * 2 ** 20 / 4))
+        self.buckets: List[List[int]] = []
+        current, size = [], 0
+        for i in reversed(range(len(self.params))):
+            current.append(i)
+            size += int(np.prod(self.params[i].shape))
+            if size >= cap:
+                self.buckets.append(current)
+                current, size = [], 0
+        if current:
+            self.buckets.append(current)
+        self.bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self._acc: List[Optional[Tensor]] = [None] * len(self.params)
+        self._pending = [0] * len(self.buckets)
+        self._works: list = []
+        self._last = False
+        self._active = False
+        if self.overlap:
+            for i, p in enumerate(self.params):
+                p.register_hook(self._hook(i))
+
+    # --------------------------------------------------------------- overlapped (PyNative)
+    def begin_micro_batch(self, is_last: bool) -> None:
+        """Call before each micro-batch's forward/backward of a step."""
+        self._active, self._last = self.overlap, is_last
+        if is_last:
+            self._pending = [len(b) for b in self.buckets]
+
+    def _hook(self, i: int):
+        def hook(grad):
+            if not self._active:
+                return grad
+            self._acc[i] = grad if self._acc[i] is None else self._acc[i] + grad
+            if self._last:
+                b = self.bucket_of[i]
+                self._pending[b] -= 1
+                if self._pending[b] == 0:
+                    self._launch(b)
+            return grad
+        return hook
+
+    def _launch(self, b: int) -> None:
+        idx = self.buckets[b]
+        flat = mint.cat([self._acc[i].astype(float32).reshape(-1) for i in idx])
+        self._works.append((b, flat, comm.all_reduce(flat, group=self.group, async_op=True)))
+
+    def finish(self) -> List[Tensor]:
+        """Wait for every bucket and return the reduced, accumulated gradients (param order)."""
+        if not self._works or len(self._works) != len(self.buckets):
+            raise RuntimeError("data parallel: not every gradient bucket was reduced; was "
+                               "begin_micro_batch(is_last=True) called before the last backward?")
+        out: List[Optional[Tensor]] = [None] * len(self.params)
+        for b, flat, work in self._works:
+            work.wait()
+            self._unflatten(b, flat, out)
+        self._works, self._acc, self._active = [], [None] * len(self.params), False
+        return out
+
+    # --------------------------------------------------------------- after backward (jit)
+    def reduce(self, grads: Sequence[Tensor]) -> List[Tensor]:
+        if not self.enabled:
+            return list(grads)
+        out: List[Optional[Tensor]] = [None] * len(self.params)
+        works = []
+        for b, idx in enumerate(self.buckets):
+            flat = mint.cat([grads[i].astype(float32).reshape(-1) for i in idx])
+            works.append((b, flat, comm.all_reduce(flat, group=self.group, async_op=True)))
+        for b, flat, work in works:
+            work.wait()
+            self._unflatten(b, flat, out)
+        return out
+
+    def _unflatten(self, b: int, flat: Tensor, out: list) -> None:
+        offset = 0
+        for i in self.buckets[b]:
+            p = self.params[i]
+            n = int(np.prod(p.shape))
+            out[i] = mint.narrow(flat, 0, offset, n).reshape(p.shape).astype(p.dtype)
+            offset += n

@@ -1,0 +1,89 @@
+"""``apply_quantization(model, quant_cfg)``: swap the modules the ``quant:`` section selects for
+their MXFP8 versions. Call it right after building the model and before anything wraps or shards
+it (FSDP, tensor parallel, ``mindspore.jit``), so those see the new modules.
+
+Selection (HyperParallel's rules): candidates are modules of exactly a registered type
+(``nn.Linear`` -> ``MXFP8Linear``; parallel linears and MoE experts register themselves with
+``register_replacement``). ``apply_modules`` / ``ignored_modules`` are ``fnmatch`` globs over
+module names (``*`` crosses dots). Defaults: every candidate under ``decoder.layers.``, never the
+output layer nor an MoE router. A pattern matching no candidate, an empty selection or a selected
+module whose dims are not multiples of 32 is an error naming it.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Callable, Dict, List, Sequence
+
+from mindspore import nn as ms_nn
+
+from ms_llm.compat import nn
+from .modules import MXFP8Linear
+from .mx import check_scale_mode, elem_format
+from ._dispatch import resolve_mx_path
+
+log = logging.getLogger("ms_llm.quant")
+RECIPES = ("mxfp8",)
+DEFAULT_APPLY = ("decoder.layers.*",)
+ALWAYS_IGNORED = ("output_layer", "*.router", "*.router.*")
+_REPLACEMENTS: Dict[type, Callable] = {nn.Linear: MXFP8Linear.from_float}
+
+
+def register_replacement(cls: type, factory: Callable) -> None:
+    """Make modules of exactly ``cls`` candidates; ``factory(module, scale_mode=, elem_dtype=,
+    name=)`` builds the MXFP8 module reusing ``module``'s Parameters."""
+    _REPLACEMENTS[cls] = factory
+
+
+def _match(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _set_child(root: ms_nn.Cell, name: str, new: ms_nn.Cell) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root
+    for part in parent_name.split(".") if parent_name else []:
+        parent = parent._cells[part]  # Cell children, CellList entries ("0", "1", ...) included
+    parent.insert_child_to_cell(child, new)
+
+
+def apply_quantization(model: ms_nn.Cell, quant_cfg) -> List[str]:
+    """Replace the selected modules in place; returns their names (empty when ``recipe`` is
+    unset). ``quant_cfg`` is ``RunConfig.quant`` (recipe, scale_mode, apply_modules,
+    ignored_modules; optional elem_dtype, default float8_e4m3fn)."""
+    recipe = getattr(quant_cfg, "recipe", None)
+    if recipe is None:
+        return []
+    if recipe not in RECIPES:
+        raise ValueError(f"quant.recipe: unknown recipe {recipe!r} (expected one of {RECIPES})")
+    try:
+        scale_mode = check_scale_mode(quant_cfg.scale_mode)
+        elem = elem_format(getattr(quant_cfg, "elem_dtype", None) or "float8_e4m3fn").name
+    except ValueError as e:
+        raise ValueError(f"quant.{e}") from None
+    apply = list(quant_cfg.apply_modules or DEFAULT_APPLY)
+    ignored = list(quant_cfg.ignored_modules or [])
+
+    candidates = [(n, c) for n, c in model.cells_and_names() if n and type(c) in _REPLACEMENTS]
+    names = [n for n, _ in candidates]
+    example = f" (candidates look like '{names[0]}')" if names else " (the model has none)"
+    for key, patterns in (("apply_modules", apply), ("ignored_modules", ignored)):
+        for p in patterns:
+            if not any(fnmatch.fnmatchcase(n, p) for n in names):
+                raise ValueError(f"quant.{key}: pattern {p!r} matches no replaceable module"
+                                 f"{example}")
+    selected = [(n, c) for n, c in candidates
+                if _match(n, apply) and not _match(n, ignored) and not _match(n, ALWAYS_IGNORED)]
+    if not selected:
+        raise ValueError(f"quant: apply_modules {apply} minus ignored_modules {ignored} selects "
+                         f"no module")
+    path = resolve_mx_path()
+    # Build every replacement first (dims are checked here), then swap: an error leaves the
+    # model untouched rather than half-converted.
+    built = [(n, _REPLACEMENTS[type(c)](c, scale_mode=scale_mode, elem_dtype=elem, name=n))
+             for n, c in selected]
+    for n, new in built:
+        _set_child(model, n, new)
+    log.info("quant: %s (%s, scale_mode=%s, %s path) replaced %d modules: %s", recipe, elem,
+             scale_mode, path, len(built), ", ".join(n for n, _ in built))
+    return [n for n, _ in built]

@@ -1,0 +1,114 @@
+"""MXFP8 modules built from existing ones, reusing their weight and bias Parameter objects.
+
+Reusing the Parameters (not copying them) keeps optimizer state, checkpoints, tied references and
+state-dict keys unchanged: replacing ``decoder.layers.0.mlp.linear_fc1`` by an ``MXFP8Linear``
+leaves ``decoder.layers.0.mlp.linear_fc1.weight`` the same object under the same key.
+
+Tensor-parallel variants: ``ms_llm.parallel`` has no Column/RowParallelLinear yet (issue 4). They
+will subclass ``MXFP8Linear`` overriding only ``_local_linear``'s surroundings (the collectives
+around the local GEMM), and register themselves with ``ms_llm.quant.apply.register_replacement``
+so ``apply_quantization`` picks them up; the local GEMM is the same ``mx_linear``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from mindspore import Parameter, Tensor, mint
+
+from ms_llm.compat import nn
+from .mx import BLOCK_SIZE, check_scale_mode, elem_format
+from .mx_linear import make_function
+
+
+def _check_dims(name: str, **dims: int) -> None:
+    bad = {k: v for k, v in dims.items() if v % BLOCK_SIZE}
+    if bad:
+        raise ValueError(f"quant: module '{name}' has " +
+                         ", ".join(f"{k}={v}" for k, v in dims.items()) +
+                         f"; MXFP8 needs every one to be a multiple of {BLOCK_SIZE} "
+                         f"(add it to quant.ignored_modules)")
+
+
+class MXFP8Linear(nn.Module):
+    """``y = x W^T + b`` with MXFP8 GEMMs in forward and backward (``mx_linear``)."""
+
+    def __init__(self, weight: Parameter, bias: Optional[Parameter] = None, *,
+                 scale_mode: str = "floor", elem_dtype: str = "float8_e4m3fn", name: str = ""):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        _check_dims(name or type(self).__name__, in_features=self.in_features,
+                    out_features=self.out_features)
+        self.weight = weight
+        self.bias = bias
+        self.scale_mode = check_scale_mode(scale_mode)
+        self.elem_dtype = elem_format(elem_dtype).name
+        self.mx_fn = make_function(self.elem_dtype, self.scale_mode, bias is not None)
+
+    @classmethod
+    def from_float(cls, linear: nn.Cell, *, scale_mode: str = "floor",
+                   elem_dtype: str = "float8_e4m3fn", name: str = "") -> "MXFP8Linear":
+        """Wrap ``linear``'s own ``weight`` ([out, in]) and ``bias`` Parameters."""
+        return cls(linear.weight, getattr(linear, "bias", None), scale_mode=scale_mode,
+                   elem_dtype=elem_dtype, name=name)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        y = self.mx_fn(x2, self.weight, self.bias) if self.bias is not None \
+            else self.mx_fn(x2, self.weight)
+        return y.reshape(*lead, self.out_features)
+
+    def extend_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}, {self.elem_dtype}, scale_mode={self.scale_mode}"
+
+
+class MXFP8GroupedLinear(nn.Module):
+    """MoE experts as one grouped MXFP8 GEMM: ``weight [E, out, in]``; ``forward(x, sizes)``
+    takes tokens sorted by expert and ``tokens_per_expert`` (Python ints: static shapes).
+
+    Each expert's slice goes through ``mx_linear``'s recipe on its own tokens (blocks never span
+    two experts, as in CANN's grouped MX quantization). The source module contract (for the MoE
+    layer of issue 7): a ``weight`` Parameter of shape ``[E, out, in]``, optional ``bias``
+    ``[E, out]``, and ``forward(x, tokens_per_expert)``.
+    """
+
+    def __init__(self, weight: Parameter, bias: Optional[Parameter] = None, *,
+                 scale_mode: str = "floor", elem_dtype: str = "float8_e4m3fn", name: str = ""):
+        super().__init__()
+        if weight.ndim != 3:
+            raise ValueError(f"quant: module '{name}': grouped experts need a weight of shape "
+                             f"[experts, out, in], got {tuple(weight.shape)}")
+        self.num_experts, self.out_features, self.in_features = weight.shape
+        _check_dims(name or type(self).__name__, in_features=self.in_features,
+                    out_features=self.out_features)
+        self.weight = weight
+        self.bias = bias
+        self.scale_mode = check_scale_mode(scale_mode)
+        self.elem_dtype = elem_format(elem_dtype).name
+        self.mx_fn = make_function(self.elem_dtype, self.scale_mode, bias is not None)
+
+    @classmethod
+    def from_float(cls, module: nn.Cell, *, scale_mode: str = "floor",
+                   elem_dtype: str = "float8_e4m3fn", name: str = "") -> "MXFP8GroupedLinear":
+        return cls(module.weight, getattr(module, "bias", None), scale_mode=scale_mode,
+                   elem_dtype=elem_dtype, name=name)
+
+    def forward(self, x: Tensor, tokens_per_expert: Sequence[int]) -> Tensor:
+        sizes = [int(s) for s in tokens_per_expert]
+        if len(sizes) != self.num_experts or sum(sizes) != x.shape[0]:
+            raise ValueError(f"MXFP8GroupedLinear: tokens_per_expert {sizes} does not match "
+                             f"{self.num_experts} experts and {x.shape[0]} tokens")
+        outs, start = [], 0
+        for e, n in enumerate(sizes):
+            if n == 0:
+                continue
+            xe = mint.narrow(x, 0, start, n)
+            start += n
+            if self.bias is not None:
+                outs.append(self.mx_fn(xe, self.weight[e], self.bias[e]))
+            else:
+                outs.append(self.mx_fn(xe, self.weight[e]))
+        if not outs:
+            return mint.zeros((0, self.out_features), dtype=x.dtype)
+        return mint.cat(outs, 0)

@@ -1,0 +1,31 @@
+"""Worker for tests/test_parallel_training.py: runs several short trainings in one msrun job
+(one job start costs ~15 s here) and has rank 0 write each run's losses and grad norms as JSON.
+
+argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], where RUN_SPEC is "name:--key=value,--key=value".
+"""
+import json
+import sys
+
+from ms_llm.compat import setup_device
+
+setup_device("CPU")
+from ms_llm.config import load_config  # noqa: E402
+from ms_llm.parallel.runtime import init_distributed  # noqa: E402
+from ms_llm.training.trainer import Trainer  # noqa: E402
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from parallel_common import BASE, CONFIG  # noqa: E402
+
+info = init_distributed()
+results = {}
+for spec in sys.argv[2:]:
+    name, _, extra = spec.partition(":")
+    overrides = BASE + [a for a in extra.split(",") if a]
+    cfg = load_config(CONFIG, overrides)
+    records = Trainer(cfg, info).fit()
+    results[name] = {"loss": [r["loss"] for r in records],
+                     "grad_norm": [r["grad_norm"] for r in records]}
+    print(f"RUN {name} DONE", flush=True)
+if info.rank == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump(results, f)
