@@ -62,7 +62,8 @@ def bench_quant(repeat: int) -> None:
     t = Tensor(x)
     gb = x.nbytes / 1e9
     rows = [("numpy baseline (codes + scales)", _median_time(lambda: numpy_to_mx(x), repeat)),
-            ("ms_llm to_mx (codes + scales)", _median_time(lambda: to_mx(t).qdata.asnumpy(), repeat)),
+            ("ms_llm to_mx (codes + scales)",
+             _median_time(lambda: to_mx(t).qdata.asnumpy(), repeat)),
             ("ms_llm fake_quantize (training path)",
              _median_time(lambda: fake_quantize(t).asnumpy(), repeat))]
     base = rows[0][1]

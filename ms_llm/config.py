@@ -71,6 +71,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     ddp_bucket_mb: float = 25.0       # data-parallel gradient bucket size
     ddp_overlap: bool = True          # start bucket all-reduces during backward (PyNative)
+    collective_timeout_s: float = 600.0  # abort a worker stuck this long in one collective
 
 
 @dataclass

@@ -14,13 +14,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_msrun(script: str, nproc: int, log_dir: str, args=(), timeout: int = 300,
-              cluster_time_out: int = 60) -> subprocess.CompletedProcess:
+def msrun_command(script: str, nproc: int, log_dir: str, args=(), cluster_time_out: int = 60):
     env = dict(os.environ, GLOG_v="3", PYTHONPATH=ROOT)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     cmd = ["msrun", "--worker_num", str(nproc), "--local_worker_num", str(nproc),
            "--master_port", str(free_port()), "--log_dir", log_dir, "--join", "True",
            "--cluster_time_out", str(cluster_time_out), os.path.join(WORKERS, script), *args]
+    return cmd, env
+
+
+def run_msrun(script: str, nproc: int, log_dir: str, args=(), timeout: int = 300,
+              cluster_time_out: int = 60) -> subprocess.CompletedProcess:
+    cmd, env = msrun_command(script, nproc, log_dir, args, cluster_time_out)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -81,7 +81,8 @@ def spec_cases(rng) -> np.ndarray:
         r[7] = bad
         rows.append(r)
     # fp32 subnormal inputs (MindSpore's kernels may treat them as zero: the code must not care)
-    rows.append(np.concatenate([[2.0 ** -127], 2.0 ** -np.arange(128, 149), -2.0 ** -np.arange(140, 150)]))
+    rows.append(np.concatenate([[2.0 ** -127], 2.0 ** -np.arange(128, 149),
+                                -2.0 ** -np.arange(140, 150)]))
     rows.append(np.concatenate([[2.0 ** -118], rng.uniform(-2 ** -126, 2 ** -126, 31)]))
     rows.append(np.concatenate([[1e-38], rng.uniform(-2 ** -126, 2 ** -126, 31)]))
     return np.array(rows, np.float64).astype(np.float32)
@@ -124,7 +125,8 @@ def test_to_mx_matches_spec_reference(elem, mode):
     _check(x, elem, mode, -1, f"{elem}/{mode}/axis-1")
     _check(np.ascontiguousarray(x.T), elem, mode, 0, f"{elem}/{mode}/axis0")
     # 3-d, middle axis, length not divisible by 32 (padded, never truncated)
-    y = (rng.standard_normal((3, 100, 5)) * 10.0 ** rng.uniform(-3, 3, (3, 1, 5))).astype(np.float32)
+    y = rng.standard_normal((3, 100, 5)) * 10.0 ** rng.uniform(-3, 3, (3, 1, 5))
+    y = y.astype(np.float32)
     _check(y, elem, mode, 1, f"{elem}/{mode}/3d-axis1")
     assert to_mx(y, elem_dtype=elem, axis=1).scale.shape == (3, 4, 5)
 

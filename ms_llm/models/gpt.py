@@ -57,7 +57,7 @@ class GPTModel(nn.Module):
         self.embedding = LanguageModelEmbedding(config)
         self.decoder = TransformerBlock(config, mlp_factory)
         if config.untie_embeddings_and_output_weights:
-            self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False,
+            self.output_layer = hot.Linear(config.hidden_size, config.padded_vocab_size, bias=False,
                                           init_std=config.init_method_std,
                                           dtype=config.params_dtype)
         else:
@@ -89,7 +89,7 @@ class GPTModel(nn.Module):
 
 
 def lm_logits(h: Tensor, weight: Tensor) -> Tensor:
-    return F.linear(h, weight).astype(float32)
+    return hot.linear(h, weight).astype(float32)
 
 
 def identity(x: Tensor) -> Tensor:

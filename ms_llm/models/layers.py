@@ -36,14 +36,14 @@ class SelfAttention(nn.Module):
         c = config
         self.nh, self.ng, self.d = c.num_attention_heads, c.num_query_groups, c.kv_channels
         qkv_out = (self.nh + 2 * self.ng) * self.d
-        self.linear_qkv = nn.Linear(c.hidden_size, qkv_out, bias=c.add_bias_linear or c.add_qkv_bias,
+        self.linear_qkv = hot.Linear(c.hidden_size, qkv_out, bias=c.add_bias_linear or c.add_qkv_bias,
                                     init_std=c.init_method_std, dtype=c.params_dtype)
         if c.qk_layernorm:
             self.q_layernorm = RMSNorm(self.d, c.layernorm_epsilon, c.params_dtype)
             self.k_layernorm = RMSNorm(self.d, c.layernorm_epsilon, c.params_dtype)
         else:
             self.q_layernorm = self.k_layernorm = None
-        self.linear_proj = nn.Linear(self.nh * self.d, c.hidden_size, bias=c.add_bias_linear,
+        self.linear_proj = hot.Linear(self.nh * self.d, c.hidden_size, bias=c.add_bias_linear,
                                      init_std=output_init_std(c), dtype=c.params_dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
@@ -70,9 +70,9 @@ class MLP(nn.Module):
         c = config
         self.config = c
         fc1_out = c.ffn_hidden_size * (2 if c.gated_linear_unit else 1)
-        self.linear_fc1 = nn.Linear(c.hidden_size, fc1_out, bias=c.add_bias_linear,
+        self.linear_fc1 = hot.Linear(c.hidden_size, fc1_out, bias=c.add_bias_linear,
                                     init_std=c.init_method_std, dtype=c.params_dtype)
-        self.linear_fc2 = nn.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.add_bias_linear,
+        self.linear_fc2 = hot.Linear(c.ffn_hidden_size, c.hidden_size, bias=c.add_bias_linear,
                                     init_std=output_init_std(c), dtype=c.params_dtype)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -13,10 +13,10 @@ from mindspore.ops import constexpr
 from ms_llm.compat import is_ascend, is_cpu
 
 log = logging.getLogger("ms_llm.ops")
-OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy")
+OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear")
 _PATHS: dict = {}
 # Ops with a C++ CPU kernel (attention: its fused scale + causal mask + softmax).
-AOT_OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy")
+AOT_OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear")
 
 
 def aot_enabled() -> bool:
@@ -27,12 +27,20 @@ def aot_enabled() -> bool:
     return bool(cpu_kernels.available())
 
 
+def blas_enabled() -> bool:
+    """True when the OpenBLAS-backed matmul kernels can be used (needs scipy-openblas32)."""
+    if not aot_enabled():
+        return False
+    from . import cpu_kernels
+    return bool(cpu_kernels.blas_available())
+
+
 def resolve_paths() -> dict:
     if not _PATHS:
         aot = aot_enabled()
         for op in OPS:
-            _PATHS[op] = "native" if is_ascend() else ("aot" if aot and op in AOT_OPS
-                                                       else "composed")
+            ok = blas_enabled() if op == "linear" else aot and op in AOT_OPS
+            _PATHS[op] = "native" if is_ascend() else ("aot" if ok else "composed")
             log.info("ms_llm.ops.%s uses the %s path", op, _PATHS[op])
     return dict(_PATHS)
 

@@ -10,6 +10,7 @@ from mindspore import Tensor, ops
 from ms_llm.compat import F, float32
 from . import cpu_kernels
 from ._dispatch import path_for
+from .linear import bmm
 
 _MASK_VALUE = -1e30  # finite so fully-masked rows give a uniform softmax, not NaN
 
@@ -35,9 +36,9 @@ def _causal_attention_aot(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tens
     ng = k.shape[1]
     dtype = q.dtype
     q = q.astype(float32).reshape(b, ng, (nh // ng) * s, d)
-    scores = F.matmul(q, k.astype(float32).swapaxes(-1, -2)).reshape(b, nh, s, s)
+    scores = bmm(q, k.astype(float32), transpose_b=True).reshape(b, nh, s, s)
     probs = cpu_kernels.causal_softmax(scores, scale).reshape(b, ng, (nh // ng) * s, s)
-    return F.matmul(probs, v.astype(float32)).reshape(b, nh, s, d).astype(dtype)
+    return bmm(probs, v.astype(float32)).reshape(b, nh, s, d).astype(dtype)
 
 
 def _causal_mask(s: int) -> Tensor:

@@ -21,7 +21,12 @@ unchanged in unit tests.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -42,9 +47,65 @@ def _log_once(op: str, how: str) -> None:
         log.info("ms_llm.parallel.%s: %s", op, how)
 
 
+class _WatchedDist:
+    """``mindspore.mint.distributed`` with every call under the collective watchdog."""
+
+    def __getattr__(self, name):
+        import mindspore.mint.distributed as dist
+        fn = getattr(dist, name)
+
+        def call(*args, **kwargs):
+            with _watched(name):
+                return fn(*args, **kwargs)
+        return call
+
+
+_DIST = _WatchedDist()
+
+
 def _dist():
-    import mindspore.mint.distributed as dist
-    return dist
+    return _DIST
+
+
+# ----------------------------------------------------------------------------- watchdog
+_WATCH = {"timeout": None, "op": None, "since": None, "thread": None}
+
+
+def set_collective_timeout(seconds: Optional[float]) -> None:
+    """Abort this process (exit code 124) when one collective blocks longer than ``seconds``.
+
+    msrun notices a worker that exits or dies (its cluster time-out), but not a live worker stuck
+    in a collective its peers never join (mismatched calls, a peer stuck elsewhere). This watchdog
+    turns such a hang into an exit, which msrun then propagates to the whole job."""
+    _WATCH["timeout"] = seconds
+    if seconds and _WATCH["thread"] is None:
+        t = threading.Thread(target=_watchdog, name="ms_llm-collective-watchdog", daemon=True)
+        _WATCH["thread"] = t
+        t.start()
+
+
+def _watchdog() -> None:
+    while True:
+        time.sleep(min(5.0, max(0.5, (_WATCH["timeout"] or 5.0) / 4)))
+        since, limit = _WATCH["since"], _WATCH["timeout"]
+        if since is not None and limit and time.time() - since > limit:
+            sys.stderr.write(f"ms_llm: rank {_STATE['rank']}: collective {_WATCH['op']} did not "
+                             f"complete within {limit:.0f} s (parallel.collective_timeout_s); "
+                             f"aborting\n")
+            sys.stderr.flush()
+            os._exit(124)
+
+
+@contextlib.contextmanager
+def _watched(op: str):
+    if not _WATCH["timeout"] or _WATCH["since"] is not None:
+        yield
+        return
+    _WATCH["op"], _WATCH["since"] = op, time.time()
+    try:
+        yield
+    finally:
+        _WATCH["since"] = None
 
 
 # ----------------------------------------------------------------------------- groups
@@ -127,9 +188,10 @@ class Work:
 
     def wait(self) -> bool:
         if not self._done:
-            for h in self._handles:
-                if h is not None:
-                    h.wait()
+            with _watched("wait"):
+                for h in self._handles:
+                    if h is not None:
+                        h.wait()
             if self._then is not None:
                 self._then()
             self._done = True

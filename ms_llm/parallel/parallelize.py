@@ -10,7 +10,8 @@ import functools
 
 from mindspore import Tensor
 
-from ms_llm.compat import F, float32
+from ms_llm import ops as hot
+from ms_llm.compat import float32
 from ms_llm.models.gpt import GPTModel
 from . import autograd as pa
 from .state import ParallelState
@@ -34,7 +35,7 @@ def _tp_logits(h: Tensor, weight: Tensor, group, sequence_parallel: bool) -> Ten
         h = pa.gather_from_sequence_parallel(h, group, 1)
     else:
         h = pa.copy_to_group(h, group)
-    return F.linear(h, weight).astype(float32)
+    return hot.linear(h, weight).astype(float32)
 
 
 def _mark_partial(module) -> None:

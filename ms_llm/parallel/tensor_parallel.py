@@ -15,6 +15,7 @@ import numpy as np
 from mindspore import Parameter, Tensor
 
 from ms_llm.compat import F, float32, int32, nn
+from ms_llm import ops as hot
 from ms_llm.ops import IGNORE_INDEX
 from . import autograd as pa
 
@@ -63,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
             x = pa.gather_from_sequence_parallel(x, self.group, 1)
         else:
             x = pa.copy_to_group(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = hot.linear(x, self.weight, self.bias)
         return pa.gather_from_group(y, self.group, -1) if self.gather_output else y
 
 
@@ -85,7 +86,7 @@ class RowParallelLinear(nn.Module):
             self.bias.tp_partial_grad = True
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight)
+        y = hot.linear(x, self.weight)
         if self.sequence_parallel:
             y = pa.reduce_scatter_to_sequence_parallel(y, self.group, 1)
         else:

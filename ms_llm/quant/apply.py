@@ -3,11 +3,13 @@ their MXFP8 versions. Call it right after building the model and before anything
 it (FSDP, tensor parallel, ``mindspore.jit``), so those see the new modules.
 
 Selection (HyperParallel's rules): candidates are modules of exactly a registered type
-(``nn.Linear`` -> ``MXFP8Linear``; parallel linears and MoE experts register themselves with
-``register_replacement``). ``apply_modules`` / ``ignored_modules`` are ``fnmatch`` globs over
-module names (``*`` crosses dots). Defaults: every candidate under ``decoder.layers.``, never the
-output layer nor an MoE router. A pattern matching no candidate, an empty selection or a selected
-module whose dims are not multiples of 32 is an error naming it.
+(``compat.nn.Linear`` and ``ms_llm.ops.Linear`` -> ``MXFP8Linear``; parallel linears and MoE
+experts register themselves with ``register_replacement``). Exact types, not subclasses: a
+subclass may add communication or change semantics that a plain MXFP8Linear would drop.
+``apply_modules`` / ``ignored_modules`` are ``fnmatch`` globs over module names (``*`` crosses
+dots). Defaults: every candidate under ``decoder.layers.``, never the output layer nor an MoE
+router. A pattern matching no candidate, an empty selection or a selected module whose dims are
+not multiples of 32 is an error naming it.
 """
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ RECIPES = ("mxfp8",)
 DEFAULT_APPLY = ("decoder.layers.*",)
 ALWAYS_IGNORED = ("output_layer", "*.router", "*.router.*")
 _REPLACEMENTS: Dict[type, Callable] = {nn.Linear: MXFP8Linear.from_float}
+try:  # the model's linears: compat.nn.Linear on ms_llm.ops' fast matmul path, same Parameters
+    from ms_llm.ops.linear import Linear as _OpsLinear
+    _REPLACEMENTS[_OpsLinear] = MXFP8Linear.from_float
+except ImportError:  # pragma: no cover - older tree without ms_llm.ops.linear
+    pass
 
 
 def register_replacement(cls: type, factory: Callable) -> None:

@@ -1,26 +1,28 @@
-"""OCP Microscaling (MX) v1.0 formats, emulated bit-exactly with MindSpore integer/fp32 ops.
+"""OCP Microscaling (MX) v1.0 formats, emulated bit-exactly with MindSpore fp32 ops.
 
 MindSpore's CPU backend can neither create nor cast fp8 tensors and has no E8M0 type, so element
-codes and scales are computed by bit manipulation of fp32 and kept as uint8 (notes section 9).
+codes and scales are kept as uint8 and values are computed in fp32 (notes section 9).
 
 Quantization of one block of 32 values ``V`` (along ``axis``):
 
 * ``scale_mode="floor"`` (the OCP spec): ``e = floor(log2(max|V|)) - emax_elem`` (8 for E4M3, 15
-  for E5M2), clamped to E8M0's range [-127, 127]. ``floor(log2)`` is read from the exponent bits,
-  never from ``log2`` (MindSpore's ``log2`` is approximate and gets e.g. 2^-126 wrong).
+  for E5M2), clamped to E8M0's range [-127, 127]. ``floor(log2)`` is exact: MindSpore's ``log2``
+  is approximate (it gets e.g. 2^-126 wrong), so its floor is corrected against an exact table of
+  powers of two.
 * ``scale_mode="rceil"`` (cuBLAS / TransformerEngine): ``e`` = the smallest integer with
   ``2^e * max_elem >= max|V|``. Both element maxima are ``1.75 * 2^emax``, so with
-  ``max|V| = m * 2^E`` (``1 <= m < 2``, exact from the bits) ``e = E - emax + (m > 1.75)``: exact,
-  no division, no ``log2``.
+  ``max|V| = m * 2^E`` (``1 <= m < 2``) ``e = E - emax + (max|V| > 1.75 * 2^E)``: an exact
+  comparison, no division, no ``log2``.
 * Elements: ``V / 2^e`` rounded to nearest-even at the element's precision (subnormals included)
   and saturated to the element's max. An all-zero block gets the smallest scale (2^-127, byte 0);
-  a block holding NaN or Inf gets the NaN scale (byte 0xFF) and the element NaN code.
+  a block holding NaN or Inf gets the NaN scale (byte 0xFF) and the element's NaN code.
 
-fp32 subnormal inputs are handled with integer arithmetic: MindSpore's multi-threaded CPU kernels
-treat subnormal operands as zero (DAZ) in some cases and not in others (measured: it depends on
-the tensor size), so no float op ever receives a subnormal. Dequantized values below the smallest
-fp32 normal (2^-126) are flushed to signed zero, always, for the same reason (the codes themselves
-are exact; see ``MXTensor.dequantize``).
+Denormals: MindSpore's multi-threaded CPU kernels treat fp32-subnormal operands as zero (DAZ) in
+some calls and not in others (measured: it depends on the tensor size). ``to_mx`` therefore reads
+subnormal inputs from their bits (exact); the jit-able ``fake_quantize`` does so only with
+``exact_subnormals=True`` (PyNative). Dequantized values below the smallest fp32 normal (2^-126)
+are flushed to signed zero, always, so results never depend on which thread ran a kernel (the
+codes themselves are exact; see ``MXTensor.dequantize``).
 """
 from __future__ import annotations
 
@@ -87,7 +89,6 @@ def check_scale_mode(scale_mode: str) -> str:
 # expanded with ``ops.tile``.
 _SUB_LIMIT = 2.0 ** -126            # smallest fp32 normal
 _POW2 = Tensor(np.ldexp(np.float32(1.0), np.arange(-127, 128)).astype(np.float32))  # [k + 127]
-_EXP_MASK = 0x7F800000
 
 
 def _pow2_int(k: Tensor) -> Tensor:
@@ -178,7 +179,7 @@ def _quantize_blocks(xb: Tensor, fmt: ElemFormat, scale_mode: str, exact_subnorm
     a = mint.where(bad, Tensor(1.0, ms.float32), mint.clamp(amax, min=_SUB_LIMIT))
     big_e = _floor_log2(a)                   # zero/subnormal amax -> -126 -> e clamps to -127
     e = big_e - fmt.emax
-    if scale_mode == "rceil":                # amax / max_elem > 2^(E - emax)  <=>  amax > 1.75 * 2^E
+    if scale_mode == "rceil":   # amax / max_elem > 2^(E - emax)  <=>  amax > 1.75 * 2^E
         e = e + (a > _pow2_int(big_e) * 1.75).astype(ms.int32)
     e = mint.clamp(e, -127, 127)
     # y = |x| / 2^e by one exact multiply (2^-e is normal: e <= 120 for finite fp32 inputs).
@@ -206,7 +207,8 @@ def _quantize_blocks(xb: Tensor, fmt: ElemFormat, scale_mode: str, exact_subnorm
 def _encode(q: Tensor, sgn: Tensor, bad: Tensor, fmt: ElemFormat) -> Tensor:
     """fp8 codes (float 0..255) of the exact magnitudes ``q`` (PyNative: reads bits): normals from
     q's fp32 bits (``(bits >> (23 - m)) - ((127 - bias) << m)``, exact in fp32), subnormals as
-    ``q / 2^(emin - m)``; ``max`` picks the right one (each is below the other outside its range)."""
+    ``q / 2^(emin - m)``; ``max`` picks the right one (each is below the other outside its
+    range)."""
     m = fmt.mbits
     normal = q.view(ms.int32).astype(ms.float32) * float(2.0 ** (m - 23)) - \
         float((127 - fmt.bias) << m)

@@ -45,6 +45,8 @@ class Trainer:
         self.dist = dist or DistInfo()
         t = cfg.training
         p = cfg.parallel
+        if self.dist.world_size > 1:
+            comm.set_collective_timeout(p.collective_timeout_s)
         try:
             self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size)
         except ValueError as e:
