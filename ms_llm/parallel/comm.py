@@ -228,7 +228,7 @@ def all_reduce(tensor: Tensor, op: str = "sum", group: Optional[ProcessGroup] = 
     op = _op(op)
     if op == "avg":
         h = _dist().all_reduce(tensor, op="sum", group=g.name, async_op=async_op)
-        return _finish(Work([h] if async_op else [], lambda: F.copy_(tensor, tensor / g.size)),
+        return _finish(Work([h] if async_op else [], lambda: tensor.copy_(tensor / g.size)),
                        async_op)
     h = _dist().all_reduce(tensor, op=op, group=g.name, async_op=async_op)
     return _finish(Work([h] if async_op else []), async_op)
@@ -261,7 +261,7 @@ def all_gather_into_tensor(output: Tensor, input: Tensor, group: Optional[Proces
     _log_once("all_gather_into_tensor", "CPU: list all_gather + cat")
     parts = [mint.zeros(input.shape, dtype=input.dtype) for _ in range(g.size)]
     h = _dist().all_gather(parts, input, group=g.name, async_op=async_op)
-    return _finish(Work([h] if async_op else [], lambda: F.copy_(output, mint.cat(parts, 0))),
+    return _finish(Work([h] if async_op else [], lambda: output.copy_(mint.cat(parts, 0))),
                    async_op)
 
 
@@ -355,8 +355,10 @@ def all_to_all_single(output: Tensor, input: Tensor,
         n = int(matrix[root, g.rank])
         if n:
             received.append(mint.narrow(buf, 0, 0, n))
-    if received:
-        F.copy_(output, mint.cat(received, 0) if len(received) > 1 else received[0])
+    if len(received) > 1:
+        output.copy_(mint.cat(received, 0))
+    elif received:
+        F.copy_(output, received[0])   # a narrow() view: needs compat's copy_ workaround
     return _finish(Work(), async_op)
 
 
