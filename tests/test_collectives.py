@@ -27,3 +27,5 @@ def test_collectives_match_numpy(tmp_path, nproc):
             assert "send_recv" in done
         if rank in (0, nproc - 1):
             assert "subgroup_all_reduce" in done
+        for name in ("grad_copy_to_group", "grad_gather_from_group", "grad_all_to_all"):
+            assert name in done, (rank, name)
