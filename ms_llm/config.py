@@ -72,6 +72,10 @@ class ParallelConfig:
     ddp_bucket_mb: float = 25.0       # data-parallel gradient bucket size
     ddp_overlap: bool = True          # start bucket all-reduces during backward (PyNative)
     collective_timeout_s: float = 600.0  # abort a worker stuck this long in one collective
+    fsdp_modules: List[str] = field(
+        default_factory=lambda: ["decoder.layers.*", "embedding", "output_layer"])
+    reshard_after_forward: bool = True
+    fsdp_prefetch: int = 1            # how many next units' all-gathers to start early
 
 
 @dataclass
@@ -263,10 +267,15 @@ def validate(cfg: RunConfig, source: str) -> None:
     if p.tensor_model_parallel_size < 1:
         raise ConfigError(f"{source}: parallel.tensor_model_parallel_size must be >= 1")
     for key in ("pipeline_model_parallel_size", "context_parallel_size",
-                "expert_model_parallel_size", "fsdp_size"):
+                "expert_model_parallel_size"):
         if getattr(p, key) != 1:
             raise ConfigError(f"{source}: parallel.{key}={getattr(p, key)} is not available yet "
-                              f"(data and tensor parallel are; see issues 5 and 7)")
+                              f"(data, tensor and fully-sharded data parallel are; see issue 7)")
+    if p.fsdp_size < 1:
+        raise ConfigError(f"{source}: parallel.fsdp_size must be >= 1")
+    if p.fsdp_size > 1 and t.jit:
+        raise ConfigError(f"{source}: parallel.fsdp_size > 1 needs training.jit false (FSDP "
+                          f"gathers use PyNative custom backward)")
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         raise ConfigError(f"{source}: parallel.sequence_parallel needs "
                           f"parallel.tensor_model_parallel_size > 1")

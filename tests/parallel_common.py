@@ -9,3 +9,67 @@ BASE = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hid
         "4", "--training.global_batch_size", "8", "--training.max_steps", "10",
         "--training.log_interval", "1", "--training.progress_bar", "false",
         "--training.lr_warmup_steps", "2", "--training.output_dir", "/tmp/ms_llm_parallel_test"]
+
+# FSDP acceptance sizes: every dim-0 uneven on 3 and 4 ranks (257 vocab rows, 200 ffn rows...).
+AWKWARD = ["--model.num_layers", "3", "--model.hidden_size", "96", "--model.ffn_hidden_size",
+           "200", "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
+           "--model.kv_channels", "24", "--model.padded_vocab_size", "257",
+           "--model.untie_embeddings_and_output_weights", "true",
+           "--data.seq_length", "16", "--training.micro_batch_size", "2",
+           "--training.global_batch_size", "12", "--training.max_steps", "5",
+           "--training.log_interval", "1", "--training.progress_bar", "false",
+           "--training.jit", "false", "--training.lr_warmup_steps", "2",
+           "--training.output_dir", "/tmp/ms_llm_fsdp_test"]
+
+
+def small_data_overrides(root: str = "/tmp/ms_llm_fsdp_test/data") -> list:
+    """A 12-word WordLevel tokenizer and a small corpus, so a 257-row vocabulary is legal (the
+    batches themselves come from SyntheticLoader). Written atomically; safe to call from every
+    rank."""
+    import json
+    import os
+    tok, corpus = os.path.join(root, "tokenizer.json"), os.path.join(root, "corpus.txt")
+    if not (os.path.isfile(tok) and os.path.isfile(corpus)):
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        os.makedirs(root, exist_ok=True)
+        words = ["<eos>", "<unk>"] + [f"w{i}" for i in range(10)]
+        t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        t.pre_tokenizer = pre_tokenizers.Whitespace()
+        t.add_special_tokens(["<eos>"])
+        tmp = f"{tok}.{os.getpid()}.tmp"
+        t.save(tmp)
+        os.replace(tmp, tok)
+        tmp = f"{corpus}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write("\n\n".join(" ".join(f"w{(i * j) % 10}" for j in range(40))
+                                 for i in range(50)))
+        os.replace(tmp, corpus)
+    return ["--data.tokenizer", tok, "--data.corpus", corpus]
+
+
+class SyntheticLoader:
+    """Deterministic token batches over the whole 257-token vocabulary, sharded like
+    BatchIterator: global batch = micro_batch_size x dp_size samples per call."""
+
+    def __init__(self, cfg, dp_rank: int, dp_size: int):
+        import numpy as np
+        self.np, self.cfg = np, cfg
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed_samples = 0
+
+    def __next__(self):
+        np, c = self.np, self.cfg
+        mbs, s = c.training.micro_batch_size, c.data.seq_length
+        start = self.consumed_samples + self.dp_rank * mbs
+        rows = [np.random.default_rng(1000 + i).integers(0, 257, s + 1) for i in
+                range(start, start + mbs)]
+        self.consumed_samples += mbs * self.dp_size
+        ids = np.stack(rows).astype(np.int32)
+        return {"tokens": ids[:, :-1], "labels": ids[:, 1:],
+                "loss_mask": np.ones((mbs, s), np.float32)}
+
+    def state_dict(self):
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state):
+        self.consumed_samples = int(state["consumed_samples"])

@@ -128,3 +128,18 @@ def load_state_dict(module: nn.Cell, state: Mapping[str, object], strict: bool =
         # side never leak into the other (torch's load_state_dict copies too).
         param.set_data(value.astype(param.dtype).copy())
     return missing, unexpected
+
+
+def shadow_parameter(module: nn.Cell, name: str, value) -> None:
+    """Make ``module.<name>`` read as ``value`` (e.g. an all-gathered full weight) while the
+    registered Parameter (e.g. this rank's shard) stays what optimizers and state dicts see.
+
+    torch's FSDP2 swaps a module's parameter for its unsharded tensor with ``setattr``; MindSpore's
+    ``Cell.__setattr__`` refuses a plain Tensor under a registered Parameter name, and Cell keeps
+    parameters outside the instance dict, so an instance-dict entry shadows the Parameter for
+    attribute reads until ``unshadow_parameter`` removes it."""
+    module.__dict__[name] = value
+
+
+def unshadow_parameter(module: nn.Cell, name: str) -> None:
+    module.__dict__.pop(name, None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>", "[SEP]")
 _PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>")
@@ -25,12 +25,38 @@ def file_sha256(path: str) -> str:
 
 
 class Tokenizer:
-    """Common interface. Subclasses set ``path``, ``vocab_size``, ``eod`` and ``pad``."""
+    """Common interface. Subclasses set ``path``, ``vocab_size``, ``eod`` and ``pad``.
+
+    ``chat_template`` (Jinja text from ``tokenizer_config.json`` next to the tokenizer file, or
+    ``None``) drives ``apply_chat_template``; ``eos_token``/``bos_token`` are the strings the
+    template sees.
+    """
 
     path: str
     vocab_size: int
     eod: int
     pad: int
+    chat_template: Optional[str] = None
+    eos_token: Optional[str] = None
+    bos_token: Optional[str] = None
+    _template_cfg: dict = {}
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
+                            tools: Optional[list] = None, **kwargs: Any) -> str:
+        """Render ``messages`` (``[{"role", "content"}, ...]``) with the tokenizer's Jinja template.
+
+        Same environment as HF ``transformers`` (sandboxed, ``trim_blocks``/``lstrip_blocks``,
+        ``tojson``, ``raise_exception``, ``strftime_now``) so Qwen3 / Llama-3 templates render
+        identically. Returns text; tokenise it with ``encode``.
+        """
+        if not self.chat_template:
+            raise ValueError(f"tokenizer {self.path} has no chat_template (tokenizer_config.json)")
+        from .chat_template import render_chat_template
+
+        ctx = dict(self._template_cfg)
+        ctx.update(kwargs)
+        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    tools=tools, bos_token=self.bos_token or "", eos_token=self.eos_token or "", **ctx)
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -69,6 +95,10 @@ class SentencePieceTokenizer(Tokenizer):
         self.eod = eos
         pad = int(self._sp.pad_id())
         self.pad = pad if pad >= 0 else eos
+        self.eos_token = self._sp.id_to_piece(eos)
+        bos = int(self._sp.bos_id())
+        self.bos_token = self._sp.id_to_piece(bos) if bos >= 0 else None
+        _attach_chat_template(self, _read_tokenizer_config(path))
 
     def encode(self, text: str) -> list[int]:
         return list(self._sp.encode(text))
@@ -87,6 +117,29 @@ def _special_from_config(cfg: dict, key: str) -> Optional[str]:
     return val if isinstance(val, str) else None
 
 
+def _read_tokenizer_config(path: str) -> dict:
+    """``tokenizer_config.json`` beside the tokenizer file, or ``{}`` when absent/unreadable."""
+    cfg_path = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+    if not os.path.isfile(cfg_path):
+        return {}
+    try:
+        with open(cfg_path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _attach_chat_template(tok: Tokenizer, cfg: dict) -> None:
+    """Pick the default chat template: a string, or the ``"default"`` entry of a named list."""
+    tmpl = cfg.get("chat_template")
+    if isinstance(tmpl, list):
+        named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+        tmpl = named.get("default")
+    tok.chat_template = tmpl if isinstance(tmpl, str) else None
+    tok._template_cfg = {}
+
+
 class HFTokenizer(Tokenizer):
     def __init__(self, path: str):
         from tokenizers import Tokenizer as _HFTok
@@ -97,20 +150,16 @@ class HFTokenizer(Tokenizer):
         except Exception as e:
             raise ValueError(f"cannot read tokenizer.json {path}: {str(e).splitlines()[0] if str(e) else e}") from None
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        cfg = {}
-        cfg_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
-        if os.path.isfile(cfg_path):
-            try:
-                with open(cfg_path, encoding="utf-8") as fh:
-                    cfg = json.load(fh)
-            except (OSError, ValueError):
-                cfg = {}
+        cfg = _read_tokenizer_config(path)
         eod = self._lookup(_special_from_config(cfg, "eos_token"), _EOS_CANDIDATES)
         if eod is None:
             raise ValueError(f"tokenizer {path} has no recognisable EOS token (tried {', '.join(_EOS_CANDIDATES)})")
         self.eod = eod
         pad = self._lookup(_special_from_config(cfg, "pad_token"), _PAD_CANDIDATES)
         self.pad = eod if pad is None else pad
+        self.eos_token = self._tok.id_to_token(eod)
+        self.bos_token = _special_from_config(cfg, "bos_token")
+        _attach_chat_template(self, cfg)
 
     def _lookup(self, preferred: Optional[str], candidates: Sequence[str]) -> Optional[int]:
         for tok in ((preferred,) if preferred else ()) + tuple(candidates):

@@ -63,8 +63,9 @@ class GPTModel(nn.Module):
         else:
             self.output_layer = None
         self._rope_cache = {}
-        # The LM head as three swappable steps; ms_llm.parallel.parallelize replaces them with
-        # vocabulary-parallel versions (the model itself stays parallelism-free).
+        # The LM head as swappable steps (tied logits, logits post-processing, loss);
+        # ms_llm.parallel.parallelize replaces them with vocabulary-parallel versions, so the model
+        # itself stays parallelism-free.
         self.compute_logits = lm_logits
         self.finalize_logits = identity
         self.loss_fn = hot.cross_entropy
@@ -80,9 +81,11 @@ class GPTModel(nn.Module):
         cos, sin = self.rotary_cos_sin(input_ids.shape[1])
         h = self.embedding(input_ids)
         h = self.decoder(h, cos, sin, attention_mask)
-        weight = (self.output_layer.weight if self.output_layer is not None
-                  else self.embedding.word_embeddings.weight)
-        logits = self.compute_logits(h, weight)
+        if self.output_layer is not None:
+            # Through the module, so whatever wraps or replaces it (TP, FSDP) takes part.
+            logits = self.output_layer(h).astype(float32)
+        else:
+            logits = self.compute_logits(h, self.embedding.word_embeddings.weight)
         if labels is None:
             return self.finalize_logits(logits)
         return self.loss_fn(logits, labels)

@@ -21,10 +21,10 @@ from . import comm
 
 class GradBuckets:
     def __init__(self, params: Sequence[Parameter], group: comm.ProcessGroup,
-                 bucket_mb: float = 25.0, overlap: bool = True):
+                 bucket_mb: float = 25.0, overlap: bool = True, enabled: bool = True):
         self.params = list(params)
         self.group = group
-        self.enabled = group.size > 1
+        self.enabled = enabled and group.size > 1
         self.overlap = overlap and self.enabled
         cap = max(1, int(bucket_mb * 2 ** 20 / 4))
         self.buckets: List[List[int]] = []

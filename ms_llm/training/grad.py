@@ -21,22 +21,29 @@ def sum_of_squares(grads: Sequence[Tensor]) -> Tensor:
     return total
 
 
-def global_norm(grads: Sequence[Tensor], params: Sequence = None, tp_group=None) -> float:
-    """L2 norm of the full (unsharded) gradient: tensor-parallel shards' squares are summed over
-    the tp group; replicated parameters count once."""
+def global_norm(grads: Sequence[Tensor], params: Sequence = None, tp_group=None,
+                dp_group=None) -> float:
+    """L2 norm of the full (unsharded) gradient. A parameter sharded over tensor parallel
+    (``tensor_model_parallel``) and/or FSDP (``fsdp_sharded``, over the dp group) contributes its
+    squares summed over those groups; replicated parameters count once."""
     if not grads:
         return 0.0
-    if tp_group is None or tp_group.size == 1:
+    if params is None:
         return math.sqrt(float(sum_of_squares(grads).asnumpy()))
     from ms_llm.parallel import comm
-    sharded = [g for g, p in zip(grads, params) if getattr(p, "tensor_model_parallel", False)]
-    replicated = [g for g, p in zip(grads, params)
-                  if not getattr(p, "tensor_model_parallel", False)]
-    sq = sum_of_squares(sharded).reshape(1) if sharded else mint.zeros((1,))
-    comm.all_reduce(sq, group=tp_group)
-    total = float(sq.asnumpy()[0])
-    if replicated:
-        total += float(sum_of_squares(replicated).asnumpy())
+    buckets = {}
+    for g, p in zip(grads, params):
+        key = (bool(getattr(p, "tensor_model_parallel", False)) and tp_group is not None,
+               bool(getattr(p, "fsdp_sharded", False)) and dp_group is not None)
+        buckets.setdefault(key, []).append(g)
+    total = 0.0
+    for (over_tp, over_dp), gs in buckets.items():
+        sq = sum_of_squares(gs).reshape(1)
+        if over_tp:
+            comm.all_reduce(sq, group=tp_group)
+        if over_dp:
+            comm.all_reduce(sq, group=dp_group)
+        total += float(sq.asnumpy()[0])
     return math.sqrt(total)
 
 

@@ -18,6 +18,7 @@ from ms_llm.models import GPTModel, from_pretrained
 from ms_llm.ops._dispatch import resolve_paths
 from ms_llm.parallel import comm
 from ms_llm.parallel.data_parallel import GradBuckets
+from ms_llm.parallel.fsdp import apply_fsdp
 from ms_llm.parallel.parallelize import parallelize
 from ms_llm.parallel.runtime import DistInfo, init_distributed
 from ms_llm.parallel.state import initialize_model_parallel
@@ -74,11 +75,25 @@ class Trainer:
             parallelize(self.model, self.pstate, sequence_parallel=p.sequence_parallel)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        self.fsdp = p.fsdp_size > 1
+        if self.fsdp:
+            if p.fsdp_size != self.dp_group.size:
+                raise ConfigError(f"parallel.fsdp_size ({p.fsdp_size}) must equal the data-"
+                                  f"parallel size ({self.dp_group.size} = workers / tensor "
+                                  f"parallel); hybrid sharding is not supported")
+            try:
+                apply_fsdp(self.model, self.dp_group, modules=p.fsdp_modules,
+                           reshard_after_forward=p.reshard_after_forward,
+                           prefetch=p.fsdp_prefetch)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.model.set_train(True)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
+        # Under FSDP the gathers' backward already reduce-scatters over the dp group.
         self.grad_sync = GradBuckets(self.params, self.dp_group, bucket_mb=p.ddp_bucket_mb,
-                                     overlap=p.ddp_overlap and not t.jit)
+                                     overlap=p.ddp_overlap and not t.jit and not self.fsdp,
+                                     enabled=not self.fsdp)
         self.optimizer = AdamW(named, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                weight_decay=t.weight_decay)
         self.grad_fn = ms.value_and_grad(self._loss, grad_position=None, weights=self.params)
@@ -126,6 +141,8 @@ class Trainer:
         for i, b in enumerate(batches):
             args = (Tensor(b["tokens"]), Tensor(b["labels"]), Tensor(b["loss_mask"]), inv)
             self.grad_sync.begin_micro_batch(is_last=i == len(batches) - 1)
+            if self.fsdp:   # reduce-scatter only on the last micro-batch of the step
+                self.model.set_requires_gradient_sync(i == len(batches) - 1)
             if self.fwd_bwd is not None:
                 loss, g, sumsq = self.fwd_bwd(*args)
             else:
@@ -140,7 +157,7 @@ class Trainer:
         if len(batches) == 1 and sumsq is not None and self.dist.world_size == 1:
             norm = math.sqrt(float(sumsq.asnumpy()))
         else:
-            norm = gradlib.global_norm(grads, self.params, self.tp_group)
+            norm = gradlib.global_norm(grads, self.params, self.tp_group, self.dp_group)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step += 1
         lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,

@@ -1,0 +1,43 @@
+"""Apply ``fully_shard`` to a GPTModel from the config: units chosen by glob, children first."""
+from __future__ import annotations
+
+import fnmatch
+from typing import List, Sequence
+
+from ms_llm.models.gpt import GPTModel
+from .fully_shard import FSDPModule, fully_shard
+
+DEFAULT_UNITS = ("decoder.layers.*", "embedding", "output_layer")
+
+
+def _match(name: str, pattern: str) -> bool:
+    """Glob per dotted component: ``decoder.layers.*`` is each layer, not their submodules."""
+    a, b = name.split("."), pattern.split(".")
+    return len(a) == len(b) and all(fnmatch.fnmatchcase(x, y) for x, y in zip(a, b))
+
+
+def apply_fsdp(model: GPTModel, group, *, modules: Sequence[str] = DEFAULT_UNITS,
+               reshard_after_forward: bool = True, prefetch: int = 1) -> List[FSDPModule]:
+    """Shard ``model`` over ``group``. Each module whose name matches a glob in ``modules``
+    becomes a unit; the root holds the rest. With tied embeddings the embedding stays in the
+    root, because the output head reads its weight again after the embedding's forward."""
+    if group.size == 1:
+        return []
+    tied = model.output_layer is None
+    names = [n for n, _ in model.cells_and_names() if n]
+    chosen = []
+    for pattern in modules:
+        hits = [n for n in names if _match(n, pattern)
+                and not (tied and n == "embedding")]
+        if not hits and not (tied and pattern == "embedding"):
+            raise ValueError(f"parallel.fsdp_modules: pattern {pattern!r} matches no module")
+        chosen += [n for n in hits if n not in chosen]
+    cells = dict(model.cells_and_names())
+    ordered = [n for n in names if n in chosen]            # forward order
+    for n in sorted(ordered, key=lambda n: -n.count(".")):  # children before parents
+        fully_shard(cells[n], group, reshard_after_forward=reshard_after_forward)
+    units = [cells[n] for n in ordered]
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch])
+    fully_shard(model, group, reshard_after_forward=False)
+    return units
