@@ -314,6 +314,14 @@ def test_load_errors_name_tensor_and_path(tmp_path):
         dcp.finalize(d2, 1, {}, world_size=2)
     with pytest.raises(DCPError, match="rank_00000.json: written for step 1 / world size 2"):
         dcp.finalize(d2, 1, {}, world_size=3)
+    # column pieces (tp on dim 1) that overlap on column 2
+    d3 = str(tmp_path / "cols")
+    dcp.write_rank_files(d3, 1, {"w": LocalChunk(np.zeros((4, 3), np.float32), (4, 4), (0, 0))},
+                         rank=0, world_size=2)
+    dcp.write_rank_files(d3, 1, {"w": LocalChunk(np.zeros((4, 2), np.float32), (4, 4), (0, 2))},
+                         rank=1, world_size=2)
+    with pytest.raises(DCPError, match=r"tensor 'w': the piece at \[0, 2\].*overlaps"):
+        dcp.finalize(d3, 1, {}, world_size=2)
     os.remove(os.path.join(d2, ".tmp_iter_0000001", "rank_00001.json"))
     with pytest.raises(DCPError, match="rank_00001.json: missing"):
         dcp.finalize(d2, 1, {}, world_size=2)

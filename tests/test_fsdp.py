@@ -45,7 +45,8 @@ def assert_matches(run, ref, name):
 @pytest.mark.msrun
 @pytest.mark.parametrize("nproc", [2, 3, 4])
 def test_fsdp_matches_single_process(tmp_path, reference, nproc):
-    specs = [f"fsdp{nproc}:--parallel.fsdp_size={nproc}"]
+    mbs = 12 // nproc   # global batch 12 = micro-batch x ranks (same samples as the reference)
+    specs = [f"fsdp{nproc}:--parallel.fsdp_size={nproc},--training.micro_batch_size={mbs}"]
     if nproc == 3:
         specs.append(f"fsdp{nproc}_keep:--parallel.fsdp_size={nproc},"
                      f"--parallel.reshard_after_forward=false,--training.micro_batch_size=4")

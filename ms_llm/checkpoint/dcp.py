@@ -8,7 +8,7 @@ hyper-rectangle and gets it assembled from whatever pieces overlap it.
 Layout (Megatron's tracker and folder names, so existing tooling finds the newest iteration)::
 
     <save_dir>/latest_checkpointed_iteration.txt     "10", written atomically after a complete save
-    <save_dir>/iter_0000010/rank_00000.safetensors   rank 0's real rows (no padding, no empty chunks)
+    <save_dir>/iter_0000010/rank_00000.safetensors   rank 0's real rows (no padding/empty pieces)
     <save_dir>/iter_0000010/rank_00000.json          rank 0's chunk list + file size + crc32
     <save_dir>/iter_0000010/metadata.json            written LAST: its presence marks completeness
 
@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors needs it)
 import numpy as np
 
-from .hf_io import _ST_DTYPES, _ST_NAMES
+from .hf_io import _ST_NAMES
 
 log = logging.getLogger("ms_llm.checkpoint")
 
@@ -274,6 +274,24 @@ def _overlap(a_off, a_sz, b_off, b_sz) -> bool:
                for ao, az, bo, bz in zip(a_off, a_sz, b_off, b_sz))
 
 
+def _check_disjoint(name: str, t: dict) -> None:
+    """No two pieces of a tensor overlap. Row pieces (FSDP: full extent on dims 1..) are
+    checked in O(k log k) after sorting; other layouts pairwise."""
+    chunks, g = t["chunks"], t["global_shape"]
+    bad = None
+    if all(c["sizes"][1:] == g[1:] for c in chunks) and g:
+        rows = sorted(chunks, key=lambda c: c["offsets"][0])
+        bad = next(((a, b) for a, b in zip(rows, rows[1:])
+                    if b["offsets"][0] < a["offsets"][0] + a["sizes"][0]), None)
+    else:
+        bad = next(((a, b) for i, a in enumerate(chunks) for b in chunks[i + 1:]
+                    if _overlap(a["offsets"], a["sizes"], b["offsets"], b["sizes"])), None)
+    if bad:
+        raise DCPError(f"tensor {name!r}: the piece at {bad[1]['offsets']} in {bad[1]['file']} "
+                       f"overlaps the one in {bad[0]['file']} (a replicated tensor must be "
+                       f"written by one rank: LocalChunk.write=False)")
+
+
 def _build_metadata(tmp: str, step: int, world_size: int) -> Tuple[dict, dict]:
     """Read and cross-check all rank json files: returns ``(files, tensors)`` for metadata."""
     files, tensors = {}, {}
@@ -299,14 +317,10 @@ def _build_metadata(tmp: str, step: int, world_size: int) -> Tuple[dict, dict]:
                 raise DCPError(f"tensor {name!r}: rank {r} has {e['dtype']}{e['global_shape']}, "
                                f"another rank {t['dtype']}{t['global_shape']}")
             if e["stored"]:
-                for c in t["chunks"]:
-                    if _overlap(c["offsets"], c["sizes"], e["offsets"], e["sizes"]):
-                        raise DCPError(f"tensor {name!r}: rank {r}'s piece at {e['offsets']} "
-                                       f"overlaps the one in {c['file']} (a replicated tensor "
-                                       f"must be written by one rank: LocalChunk.write=False)")
                 t["chunks"].append({"file": rec["file"], "key": name, "offsets": e["offsets"],
                                     "sizes": e["sizes"]})
     for name, t in tensors.items():
+        _check_disjoint(name, t)
         have = sum(_volume(c["sizes"]) for c in t["chunks"])
         if have != _volume(t["global_shape"]):
             raise DCPError(f"tensor {name!r}: the ranks' pieces cover {have} of "

@@ -172,7 +172,8 @@ class BatchIterator:
     so no sample is dropped. Each step consumes one global batch of ``micro_batch_size * dp_size``
     stream positions; rank ``r`` takes the contiguous slice ``[r*mbs, (r+1)*mbs)`` of it.
     ``consumed_samples`` counts global samples, so resuming (even with another dp_size) continues
-    the same stream.
+    the same stream. ``shuffle=False`` reads the dataset in order (Megatron's
+    ``MegatronPretrainingSampler``), for datasets that carry their own shuffle index.
     """
 
     def __init__(
@@ -183,6 +184,7 @@ class BatchIterator:
         dp_rank: int = 0,
         dp_size: int = 1,
         consumed_samples: int = 0,
+        shuffle: bool = True,
     ):
         if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"bad loader config: micro_batch_size={micro_batch_size} dp_rank={dp_rank} dp_size={dp_size}")
@@ -194,6 +196,7 @@ class BatchIterator:
         self.dp_rank = int(dp_rank)
         self.dp_size = int(dp_size)
         self.consumed_samples = int(consumed_samples)
+        self.shuffle = bool(shuffle)
         self._perm_epoch = -1
         self._perm: Optional[np.ndarray] = None
 
@@ -207,6 +210,8 @@ class BatchIterator:
 
     def _index(self, pos: int) -> int:
         n = len(self.dataset)
+        if not self.shuffle:  # dataset already shuffled (Megatron GPTDataset): sequential sampler
+            return pos % n
         epoch = pos // n
         if epoch != self._perm_epoch:
             self._perm = np.random.RandomState((self.seed + epoch) % (2**32)).permutation(n)

@@ -125,18 +125,32 @@ class GeneralPretrainHandler(BaseHandler):
 
 
 def _segments_from_template(tok: Tokenizer, messages: List[dict], train: List[bool], tools: Optional[list]) -> List[Tuple[str, bool]]:
+    """Cut the rendered conversation into contiguous ``(text, trained)`` pieces."""
     text = tok.apply_chat_template(messages, tools=tools)
     ends = tuple(t for t in ((tok.eos_token,) + _TURN_ENDS) if t)
     segs: List[Tuple[str, bool]] = []
-    cursor = 0
+    done = 0  # end of the last emitted segment
+    search = 0  # where the next reply may start
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
+            # move past this message's own text so a reply that repeats it is not matched there
+            p = text.find(m["content"], search) if m["content"] else -1
+            search = p + len(m["content"]) if p >= 0 else search
             continue
-        content = m["content"]
-        pos = text.find(content, cursor) if content else -1
-        if pos < 0 and content.strip():
-            content = content.strip()
-            pos = text.find(content, cursor)
+        # The generation prompt for this turn ends exactly where the reply may begin.
+        if i:
+            prefix = tok.apply_chat_template(messages[:i], add_generation_prompt=True, tools=tools)
+            if text.startswith(prefix):
+                search = max(search, len(prefix))
+        # Templates may trim the reply or drop its reasoning (Qwen3 does for turns before the last
+        # query): try the reply as is, stripped, then only the answer after "</think>".
+        pos, content = -1, ""
+        for cand in (m["content"], m["content"].strip(), m["content"].split("</think>")[-1].strip()):
+            if cand:
+                pos = text.find(cand, search)
+                if pos >= 0:
+                    content = cand
+                    break
         if pos < 0:
             raise BadSample(f"assistant turn {i} not found in the chat-template rendering")
         end = pos + len(content)
@@ -145,13 +159,13 @@ def _segments_from_template(tok: Tokenizer, messages: List[dict], train: List[bo
                 end += len(t)
                 break
         if train[i]:
-            segs.append((text[cursor:pos], False))
+            segs.append((text[done:pos], False))
             segs.append((text[pos:end], True))
         else:
-            segs.append((text[cursor:end], False))
-        cursor = end
-    if cursor < len(text):
-        segs.append((text[cursor:], False))
+            segs.append((text[done:end], False))
+        done = search = end
+    if done < len(text):
+        segs.append((text[done:], False))
     return segs
 
 
