@@ -82,6 +82,7 @@ class ParallelConfig:
 class CheckpointConfig:
     save_dir: Optional[str] = None
     save_interval: int = 0            # 0 = only at the end when save_dir is set
+    keep_last: Optional[int] = None   # prune older complete checkpoints
     load: Optional[str] = None        # Hugging Face or Megatron folder to initialise the model
 
 

@@ -18,13 +18,27 @@ from ms_llm.training.trainer import Trainer
 RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def reference():
-    cfg = load_config(CONFIG, AWKWARD + small_data_overrides())
+def train_single(extra=()):
+    cfg = load_config(CONFIG, AWKWARD + small_data_overrides() + list(extra))
     trainer = Trainer(cfg)
     trainer.data.loader = SyntheticLoader(cfg, 0, 1)
     recs = trainer.fit()
     return {"loss": [r["loss"] for r in recs], "grad_norm": [r["grad_norm"] for r in recs]}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_single()
+
+
+@pytest.fixture(scope="module")
+def reference6():
+    return train_single(["--training.max_steps", "6", "--training.lr_decay_steps", "6"])
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("fsdp_ckpt"))
 
 
 def run_job(tmp_path, nproc, specs):
@@ -42,14 +56,30 @@ def assert_matches(run, ref, name):
     np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"], rtol=RTOL, err_msg=name)
 
 
+# Order matters: the fsdp=3 job saves the checkpoint the fsdp=2 job resumes from.
 @pytest.mark.msrun
-@pytest.mark.parametrize("nproc", [2, 3, 4])
-def test_fsdp_matches_single_process(tmp_path, reference, nproc):
+@pytest.mark.parametrize("nproc", [3, 2, 4])
+def test_fsdp_matches_single_process(tmp_path, reference, reference6, ckpt_dir, nproc):
     mbs = 12 // nproc   # global batch 12 = micro-batch x ranks (same samples as the reference)
-    specs = [f"fsdp{nproc}:--parallel.fsdp_size={nproc},--training.micro_batch_size={mbs}"]
+    common = f"--parallel.fsdp_size={nproc},--training.micro_batch_size={mbs}"
+    specs = [f"fsdp{nproc}:{common}"]
+    sched = "--training.lr_decay_steps=6"
     if nproc == 3:
-        specs.append(f"fsdp{nproc}_keep:--parallel.fsdp_size={nproc},"
-                     f"--parallel.reshard_after_forward=false,--training.micro_batch_size=4")
+        specs.append(f"fsdp{nproc}_keep:{common},--parallel.reshard_after_forward=false,"
+                     f"--training.micro_batch_size=2")
+        specs.append(f"save3:{common},--training.max_steps=3,{sched},"
+                     f"--checkpoint.save_dir={ckpt_dir}")
+    if nproc == 2:
+        specs.append(f"resume2:{common},--training.max_steps=6,{sched},"
+                     f"--checkpoint.save_dir={ckpt_dir},--training.resume=auto")
     res = run_job(tmp_path, nproc, specs)
     for name, run in res.items():
-        assert_matches(run, reference, name)
+        if name == "save3":
+            np.testing.assert_allclose(run["loss"], reference6["loss"][:3], rtol=RTOL)
+        elif name == "resume2":
+            # Saved at fsdp=3 after 3 steps, resumed at fsdp=2: steps 4-6 continue exactly.
+            assert len(run["loss"]) == 3
+            np.testing.assert_allclose(run["loss"], reference6["loss"][3:], rtol=RTOL)
+            np.testing.assert_allclose(run["grad_norm"], reference6["grad_norm"][3:], rtol=RTOL)
+        else:
+            assert_matches(run, reference, name)

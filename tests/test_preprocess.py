@@ -362,3 +362,23 @@ def test_pack_bins_samples_with_segment_ids(tmp_path, toks):
         expected.append((tuple(p + a), tuple([IGN] * len(p) + a)))
     assert sorted(samples) == sorted(expected)  # every sample exactly once, intact
     assert len(got["input_ids"]) < len(rows)  # packing actually combined samples
+
+
+def test_chat_template_rendering_and_folder_input(tmp_path, toks):
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": " hi "}]
+    assert load_tokenizer(toks["llama3"]).apply_chat_template(msgs, add_generation_prompt=True) == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\ns<|eot_id|><|start_header_id|>user"
+        "<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert load_tokenizer(toks["qwen3"]).apply_chat_template(msgs[1:], add_generation_prompt=True) == (
+        "<|im_start|>user\n hi <|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="no chat_template"):
+        load_tokenizer(toks["plain"]).apply_chat_template(msgs)
+    # a folder input processes its files in name order into one output
+    d = tmp_path / "in"
+    d.mkdir()
+    _jsonl(d / "b.jsonl", [{"text": "two"}])
+    _jsonl(d / "a.jsonl", [{"text": "one"}])
+    (d / "notes.md").write_text("ignored", encoding="utf-8")
+    assert _run("--input", d, "--tokenizer-name-or-path", toks["plain"], "--output-prefix", tmp_path / "f") == 0
+    tok = load_tokenizer(toks["plain"])
+    assert _read(f"{tmp_path}/f_text_document") == [tok.encode("one"), tok.encode("two")]

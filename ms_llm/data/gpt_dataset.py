@@ -98,7 +98,7 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     """Megatron-Core ``_build_shuffle_index``."""
     dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
     first = np.arange(0, num_samples, 1, dtype=dtype)
-    pass
+    rng.shuffle(first)
     if num_samples == total_size:
         return first
     last = np.arange(num_samples, total_size, 1, dtype=dtype)

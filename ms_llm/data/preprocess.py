@@ -161,7 +161,6 @@ def _iter_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[Tuple[Re
         pos = buf.index("[") + 1
         line = 1 + buf.count("\n", 0, pos)
         expect_sep = False
-        consumed = pos
         while True:
             while pos < len(buf) and buf[pos] in " \t\r\n":
                 line += buf[pos] == "\n"
@@ -199,7 +198,6 @@ def _iter_json_array(path: str, chunk_chars: int = 1 << 20) -> Iterator[Tuple[Re
                 continue
             n = len(buf[pos:end].encode("utf-8")) if end - pos < 4096 else end - pos
             yield (line, "obj", obj), n
-            consumed += n
             line += buf.count("\n", pos, end)
             pos = end
             expect_sep = True
@@ -211,7 +209,7 @@ _WORKER: Dict[str, Any] = {}
 
 
 def _init_worker(cfg: dict) -> None:
-    if cfg.get("limit_threads"):
+    if cfg.get("limit_threads"):  # one tokenizer thread per worker: parallelism comes from --workers
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer_for(cfg["tokenizer_type"], cfg["tokenizer_path"], cfg.get("tokenizer_model"))
     _WORKER["handler"] = build_handler(cfg["handler_name"], tok, json_keys=cfg["json_keys"], append_eod=cfg["append_eod"],
@@ -341,11 +339,12 @@ def run_preprocess(args: argparse.Namespace) -> Dict[str, Any]:
     cfg = dict(tokenizer_type=args.tokenizer_type, tokenizer_path=args.tokenizer_name_or_path,
                tokenizer_model=args.tokenizer_model, handler_name=args.handler_name, json_keys=list(args.json_keys),
                append_eod=args.append_eod, seq_length=args.seq_length, map_keys=args.map_keys,
-               limit_threads=args.workers > 1)
+               limit_threads=True)
     writer = _Writer(args, tok, handler.output_keys, handler.instruction)
     total_bytes = sum(os.path.getsize(f) for f in files)
     pool = None
     bar = None
+    saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
     t0 = time.time()
     try:
         try:
@@ -359,6 +358,7 @@ def run_preprocess(args: argparse.Namespace) -> Dict[str, Any]:
             pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(cfg,))
         else:
             _init_worker(dict(cfg, limit_threads=False))
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # restored below; measured faster than 2 rayon threads
         state = {"records": 0, "bytes": 0, "next_log": args.log_interval}
 
         def consume(path: str, results: List[Tuple[int, Any]], nbytes: int) -> None:
@@ -418,6 +418,11 @@ def run_preprocess(args: argparse.Namespace) -> Dict[str, Any]:
             pool = None
         raise
     finally:
+        if pool is None and args.workers == 1:
+            if saved_env is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved_env
         if pool is not None:
             pool.close()
             pool.join()

@@ -31,6 +31,8 @@ def _shard_param(full: Parameter, dim: int, rank: int, size: int,
     p = Parameter(Tensor(np.ascontiguousarray(part)).astype(full.dtype),
                   requires_grad=full.requires_grad)
     p.tensor_model_parallel = True
+    p.tp_dim = dim                      # which dim is split over tp (checkpoint regions)
+    p.tp_glu = rows is not None         # rows are [gate_r; up_r] of a fused [gate; up] weight
     return p
 
 

@@ -1,73 +1,112 @@
-"""Single-process training checkpoints: model, optimizer and loop state, saved atomically.
+"""Training checkpoints on the distributed checkpoint format (``ms_llm.checkpoint.dcp``).
 
-Layout: ``<save_dir>/iter_0000010/{model.safetensors, optimizer.safetensors, state.json}`` and
-``<save_dir>/latest_checkpointed_iteration.txt`` (Megatron's tracker name). A checkpoint is
-built in a hidden temp folder and renamed into place; the tracker is updated only afterwards,
-so an interrupted save never looks complete. (Sharded, reshardable checkpoints: issue 5.)
+Every rank writes the real rows it owns of each parameter and AdamW moment, described as a
+region of the *global* (unsharded) tensor, so a checkpoint saved under one layout (fsdp=3,
+tp=2, dp replicas...) loads under another. A fused gated ``linear_fc1`` is stored as two tensors,
+``<name>:gate`` and ``<name>:up``, because a tensor-parallel rank holds ``[gate_r; up_r]``: rows
+that are not one rectangle of ``[gate; up]`` but are one rectangle of each half.
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
-from typing import Optional
+import logging
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from mindspore import Tensor
 
-from ms_llm.compat import load_state_dict, state_dict
+from ms_llm.checkpoint import dcp
 
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def _iter_dir(save_dir: str, step: int) -> str:
-    return os.path.join(save_dir, f"iter_{step:07d}")
+log = logging.getLogger("ms_llm.train")
 
 
-def save_training_state(save_dir: str, step: int, model, optimizer, data_state: dict) -> str:
-    os.makedirs(save_dir, exist_ok=True)
-    final = _iter_dir(save_dir, step)
-    tmp = os.path.join(save_dir, f".tmp_iter_{step:07d}_{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_file({k: p.asnumpy() for k, p in state_dict(model).items()},
-              os.path.join(tmp, "model.safetensors"))
-    save_file(optimizer.state_dict(), os.path.join(tmp, "optimizer.safetensors"))
-    with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:
-        json.dump({"step": step, "data": data_state}, f)
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    tracker_tmp = os.path.join(save_dir, f".{TRACKER}.tmp")
-    with open(tracker_tmp, "w", encoding="utf-8") as f:
-        f.write(str(step))
-    os.replace(tracker_tmp, os.path.join(save_dir, TRACKER))
-    return final
+def _regions(name: str, p, tp_rank: int, tp_size: int) -> List[Tuple[str, tuple, tuple,
+                                                                    tuple, int, int]]:
+    """(ckpt name, global shape, offsets, sizes, local row start, local row count) per piece of
+    this rank's local tensor."""
+    local_shape = tuple(p.shape)
+    start, length, full_rows = getattr(p, "fsdp_rows", (0, local_shape[0] if local_shape else 0,
+                                                        local_shape[0] if local_shape else 0))
+    tp_local = (full_rows,) + local_shape[1:] if local_shape else ()
+    tp_dim = getattr(p, "tp_dim", None) if getattr(p, "tensor_model_parallel", False) else None
+    if not tp_local:
+        return [(name, (), (), (), 0, 0)]
+    if tp_dim is None or not getattr(p, "tp_glu", False):
+        gshape = list(tp_local)
+        off = [0] * len(gshape)
+        if tp_dim is not None:
+            gshape[tp_dim] *= tp_size
+            off[tp_dim] = tp_rank * tp_local[tp_dim]
+        off[0] += start
+        sizes = [length] + list(tp_local[1:])
+        return [(name, tuple(gshape), tuple(off), tuple(sizes), 0, length)]
+    # Gated fc1 under tp: local rows [0, h) are gate_r, [h, 2h) are up_r.
+    half = full_rows // 2
+    out = []
+    for i, part in enumerate(("gate", "up")):
+        lo, hi = max(start, i * half), min(start + length, (i + 1) * half)
+        n = max(0, hi - lo)
+        gshape = (half * tp_size,) + tuple(tp_local[1:])
+        off = (tp_rank * half + (lo - i * half if n else 0),) + (0,) * (len(gshape) - 1)
+        out.append((f"{name}:{part}", gshape, off, (n,) + tuple(tp_local[1:]),
+                    lo - start if n else 0, n))
+    return out
 
 
-def find_latest(save_dir: Optional[str]) -> Optional[str]:
-    if not save_dir:
-        return None
-    tracker = os.path.join(save_dir, TRACKER)
-    if not os.path.isfile(tracker):
-        return None
-    with open(tracker, encoding="utf-8") as f:
-        text = f.read().strip()
-    try:
-        step = int(text)
-    except ValueError:
-        raise ValueError(f"{tracker}: expected an iteration number, got {text!r}") from None
-    path = _iter_dir(save_dir, step)
-    if not os.path.isfile(os.path.join(path, "state.json")):
-        raise FileNotFoundError(f"{tracker} names iteration {step} but {path} is incomplete")
-    return path
+def _glu_split_always(named_params) -> Dict[str, bool]:
+    """Gated fc1 tensors are always stored split, also without tp, so layouts interchange."""
+    return {n: n.endswith("mlp.linear_fc1.weight") or n.endswith("mlp.linear_fc1.bias")
+            for n, _ in named_params}
 
 
-def load_training_state(path: str, model, optimizer) -> dict:
-    load_state_dict(model, load_file(os.path.join(path, "model.safetensors")), strict=True,
-                    source=os.path.join(path, "model.safetensors"))
-    opt_file = os.path.join(path, "optimizer.safetensors")
-    optimizer.load_state_dict({k: np.asarray(v) for k, v in load_file(opt_file).items()},
-                              source=opt_file)
-    with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
-        return json.load(f)
+def _pieces(named_params, optimizer, pstate, glu: Dict[str, bool]):
+    tp_rank, tp_size = pstate.tp_rank, pstate.sizes.tp
+    for idx, (name, p) in enumerate(named_params):
+        regions = _regions(name, p, tp_rank, tp_size)
+        if glu[name] and len(regions) == 1:          # tp = 1: split [gate; up] too
+            n, gshape, off, sizes, _, length = regions[0]
+            half = gshape[0] // 2
+            regions = []
+            for i, part in enumerate(("gate", "up")):
+                lo, hi = max(off[0], i * half), min(off[0] + sizes[0], (i + 1) * half)
+                k = max(0, hi - lo)
+                regions.append((f"{name}:{part}", (half,) + gshape[1:],
+                                ((lo - i * half) if k else 0,) + off[1:], (k,) + sizes[1:],
+                                (lo - off[0]) if k else 0, k))
+        sharded = getattr(p, "fsdp_sharded", False)
+        tp_sharded = getattr(p, "tensor_model_parallel", False)
+        write = (sharded or pstate.dp_rank == 0) and (tp_sharded or tp_rank == 0) \
+            and pstate.cp_rank == 0
+        for prefix, tensor in (("", p), ("optimizer.exp_avg.", optimizer.exp_avg[idx]),
+                               ("optimizer.exp_avg_sq.", optimizer.exp_avg_sq[idx])):
+            yield idx, prefix, tensor, regions, write
+
+
+def save(save_dir: str, step: int, model_named, optimizer, pstate, state: dict, barrier,
+         rank: int, world: int, keep_last: Optional[int] = None) -> str:
+    glu = _glu_split_always(model_named)
+    local = {}
+    for _, prefix, tensor, regions, write in _pieces(model_named, optimizer, pstate, glu):
+        data = tensor.asnumpy()
+        for cname, gshape, off, sizes, lstart, length in regions:
+            piece = data[lstart:lstart + length] if data.ndim else data
+            local[prefix + cname] = dcp.LocalChunk(piece, gshape, off, write=write)
+    state = dict(state, optimizer_step=optimizer.step_count)
+    return dcp.save_checkpoint(save_dir, step, local, state, rank=rank, world_size=world,
+                               barrier=barrier, keep_last=keep_last,
+                               mesh={"tp": pstate.sizes.tp, "dp": pstate.sizes.dp})
+
+
+def load(path: str, model_named, optimizer, pstate) -> dict:
+    glu = _glu_split_always(model_named)
+    wanted, plan = {}, []
+    for idx, prefix, tensor, regions, _ in _pieces(model_named, optimizer, pstate, glu):
+        for cname, gshape, off, sizes, _, _ in regions:
+            wanted[prefix + cname] = dcp.WantedChunk(gshape, off, sizes, np.float32)
+        plan.append((tensor, [prefix + r[0] for r in regions]))
+    arrays, state = dcp.load_checkpoint(path, wanted)
+    for tensor, names in plan:
+        data = np.concatenate([arrays[n] for n in names], 0) if len(names) > 1 else arrays[names[0]]
+        tensor.set_data(Tensor(np.ascontiguousarray(data).reshape(tensor.shape))
+                        .astype(tensor.dtype))
+    optimizer.step_count = int(state["optimizer_step"])
+    return state

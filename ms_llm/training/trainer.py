@@ -1,6 +1,7 @@
 """The pretraining loop: data -> model -> AdamW, with Megatron-style logging and metrics.jsonl."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -12,6 +13,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor
 
+from ms_llm.checkpoint import dcp
 from ms_llm.compat import manual_seed, setup_device, float32
 from ms_llm.config import ConfigError, RunConfig
 from ms_llm.models import GPTModel, from_pretrained
@@ -23,7 +25,7 @@ from ms_llm.parallel.parallelize import parallelize
 from ms_llm.parallel.runtime import DistInfo, init_distributed
 from ms_llm.parallel.state import initialize_model_parallel
 from . import grad as gradlib
-from .checkpointing import find_latest, load_training_state, save_training_state
+from . import checkpointing as ckpt
 from .data_setup import build_data
 from .lr_schedule import lr_at
 from .metrics import MetricsLogger
@@ -58,9 +60,6 @@ class Trainer:
                               "parallel.tensor_model_parallel_size > 1 (tensor-parallel "
                               "collectives use PyNative custom backward); set "
                               "--training.jit false")
-        if cfg.checkpoint.save_dir and self.tp_group.size > 1:
-            raise ConfigError("checkpoint.save_dir: saving tensor-parallel runs needs the "
-                              "distributed checkpoint (issue 5); unset it or use tp=1")
         mb_total = t.micro_batch_size * self.dp_group.size
         if t.global_batch_size % mb_total:
             raise ConfigError(f"training.global_batch_size ({t.global_batch_size}) must be a "
@@ -118,18 +117,35 @@ class Trainer:
             return loss, grads, gradlib.sum_of_squares(grads)
         return ms.jit(fwd_bwd)
 
+    def _say(self, msg: str) -> None:
+        if self.dist.rank == 0:
+            print(f"ms-llm: {msg}", flush=True)
+
     def _maybe_resume(self) -> None:
         ck = self.cfg.checkpoint
         if self.cfg.training.resume != "auto":
             return
-        latest = find_latest(ck.save_dir)
+        latest = dcp.resolve_resume("auto", ck.save_dir, report=self._say)
         if latest is None:
-            log.info("resume=auto: no complete checkpoint in %s, starting fresh", ck.save_dir)
+            self._say(f"resume=auto: no complete checkpoint in {ck.save_dir}, starting fresh")
             return
-        state = load_training_state(latest, self.model, self.optimizer)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        state = ckpt.load(latest, named, self.optimizer, self.pstate)
         self.step = state["step"]
         self.data.loader.load_state_dict(state["data"])
-        log.info("resumed from %s at step %d", latest, self.step)
+        np.random.set_state(tuple(state["numpy_rng"]))
+        self._say(f"resumed from {latest} at step {self.step}")
+
+    def save(self) -> str:
+        """Collective: every rank writes its rows; rank 0 publishes the checkpoint."""
+        rng = np.random.get_state()
+        state = {"step": self.step, "data": self.data.loader.state_dict(),
+                 "numpy_rng": [rng[0], rng[1].tolist(), rng[2], rng[3], rng[4]],
+                 "model_config": dataclasses.asdict(self.cfg.model)}
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        return ckpt.save(self.cfg.checkpoint.save_dir, self.step, named, self.optimizer,
+                         self.pstate, state, barrier=comm.barrier, rank=self.dist.rank,
+                         world=self.dist.world_size, keep_last=self.cfg.checkpoint.keep_last)
 
     def train_step(self) -> Dict[str, float]:
         t = self.cfg.training
@@ -195,10 +211,7 @@ class Trainer:
                         global_batch_size=t.global_batch_size))
                 if ck.save_dir and ((ck.save_interval and self.step % ck.save_interval == 0)
                                     or self.step == t.max_steps):
-                    if is_main:
-                        path = save_training_state(ck.save_dir, self.step, self.model,
-                                                   self.optimizer, self.data.loader.state_dict())
-                        print(f"ms-llm: saved checkpoint {path}", flush=True)
+                    self._say(f"saved checkpoint {self.save()}")
         finally:
             logger.close()
         if is_main and records:

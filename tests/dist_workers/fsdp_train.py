@@ -21,7 +21,9 @@ for spec in sys.argv[2:]:
     cfg = load_config(CONFIG, AWKWARD + small_data_overrides() +
                       [a for a in extra.split(",") if a])
     trainer = Trainer(cfg, info)
-    trainer.data.loader = SyntheticLoader(cfg, trainer.pstate.dp_rank, trainer.dp_group.size)
+    loader = SyntheticLoader(cfg, trainer.pstate.dp_rank, trainer.dp_group.size)
+    loader.load_state_dict(trainer.data.loader.state_dict())   # keep a resumed position
+    trainer.data.loader = loader
     records = trainer.fit()
     results[name] = {"loss": [r["loss"] for r in records],
                      "grad_norm": [r["grad_norm"] for r in records]}

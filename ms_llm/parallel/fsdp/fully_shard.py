@@ -44,10 +44,11 @@ class _FSDPParam:
         local = data[self.shard.start:self.shard.start + self.shard.length]
         self.param = Parameter(Tensor(local.copy()).astype(param.dtype), name=param.name,
                                requires_grad=param.requires_grad)
-        for flag in ("tensor_model_parallel", "tp_partial_grad"):
-            if getattr(param, flag, False):
-                setattr(self.param, flag, True)
+        for flag in ("tensor_model_parallel", "tp_partial_grad", "tp_dim", "tp_glu"):
+            if hasattr(param, flag):
+                setattr(self.param, flag, getattr(param, flag))
         self.param.fsdp_sharded = True
+        self.param.fsdp_rows = (self.shard.start, self.shard.length, self.full_shape[0])
         setattr(owner, attr, self.param)     # replaces the registered Parameter, same name
         self.prefetched = None               # (Work, padded buffer) of an async all-gather
         self.pending_grad = None             # full-size grads kept while gradient sync is off
