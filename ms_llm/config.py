@@ -88,8 +88,9 @@ class CheckpointConfig:
 
 @dataclass
 class QuantConfig:
-    recipe: Optional[str] = None      # mxfp8 arrives with issue 6
-    scale_mode: str = "floor"
+    recipe: Optional[str] = None      # null | mxfp8
+    scale_mode: str = "floor"         # floor (OCP MX spec) | rceil (cuBLAS/TransformerEngine)
+    elem_dtype: str = "float8_e4m3fn"  # float8_e4m3fn | float8_e5m2
     apply_modules: List[str] = field(default_factory=list)
     ignored_modules: List[str] = field(default_factory=list)
 
@@ -280,8 +281,15 @@ def validate(cfg: RunConfig, source: str) -> None:
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         raise ConfigError(f"{source}: parallel.sequence_parallel needs "
                           f"parallel.tensor_model_parallel_size > 1")
-    if cfg.quant.recipe is not None:
-        raise ConfigError(f"{source}: quant.recipe={cfg.quant.recipe!r} is not available yet "
-                          f"(MXFP8 is issue 6)")
+    q = cfg.quant
+    if q.recipe not in (None, "mxfp8"):
+        raise ConfigError(f"{source}: quant.recipe must be null or 'mxfp8', got {q.recipe!r}")
+    if q.scale_mode not in ("floor", "rceil"):
+        raise ConfigError(f"{source}: quant.scale_mode must be 'floor' or 'rceil'")
+    if q.elem_dtype not in ("float8_e4m3fn", "float8_e5m2"):
+        raise ConfigError(f"{source}: quant.elem_dtype must be float8_e4m3fn or float8_e5m2")
+    if q.recipe and p.tensor_model_parallel_size > 1:
+        raise ConfigError(f"{source}: quant.recipe with tensor parallel is not supported yet "
+                          f"(no column/row-parallel MXFP8 linears)")
     if t.resume == "auto" and not cfg.checkpoint.save_dir:
         raise ConfigError(f"{source}: training.resume=auto needs checkpoint.save_dir")

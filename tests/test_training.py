@@ -149,3 +149,23 @@ def test_plot_writes_png(tmp_path):
     png = plot_loss(str(out))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mxfp8_training_replaces_modules_and_trains(tmp_path, capsys):
+    cfg = make_cfg(tmp_path, "--training.max_steps", "3", "--quant.recipe", "mxfp8")
+    losses = run_losses(cfg)
+    out = capsys.readouterr().out
+    assert "quant mxfp8 (floor) replaced 8 modules" in out
+    assert "decoder.layers.0.self_attention.linear_qkv" in out and "output_layer" not in \
+        out.split("replaced")[1].split("\n")[0]
+    assert all(np.isfinite(losses)) and len(losses) == 3
+    # Quantization changes the numbers, but only slightly at the first step (same weights).
+    ref = run_losses(make_cfg(tmp_path, "--training.max_steps", "1"))
+    assert losses[0] != ref[0] and abs(losses[0] - ref[0]) < 0.05 * ref[0]
+
+
+def test_mxfp8_bad_pattern_is_a_config_error(tmp_path):
+    from ms_llm.config import ConfigError
+    with pytest.raises(ConfigError, match="nothing_here"):
+        Trainer(make_cfg(tmp_path, "--quant.recipe", "mxfp8", "--quant.apply_modules",
+                         "decoder.nothing_here"))

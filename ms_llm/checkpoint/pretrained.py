@@ -13,6 +13,7 @@ from ms_llm.models.config import TransformerConfig
 from ms_llm.models.families import config_from_hf
 from ms_llm.models.gpt import GPTModel
 from .hf_io import read_hf_config, read_hf_weights
+from . import layouts as L
 from .hf_mapping import hf_to_mcore
 from .megatron import is_megatron_dir
 
@@ -39,7 +40,10 @@ def from_pretrained(path: str, dtype: Optional[str] = None,
     hf = read_hf_weights(path)
     # Fuse in fp32: every supported storage dtype converts to fp32 exactly.
     hf32 = {k: np.asarray(v, dtype=np.float32) for k, v in hf.items()}
-    mcore = hf_to_mcore(hf32, cfg, source=path)
+    if cfg.mlp_type == "moe":
+        mcore = _hf_moe_to_mcore(hf32, hf_cfg, cfg, source=path)
+    else:
+        mcore = hf_to_mcore(hf32, cfg, source=path)
     model = GPTModel(cfg)
     load_state_dict(model, mcore, strict=True, source=path)
     log.info("loaded %s: %d parameters", path, model.num_parameters())
@@ -53,9 +57,6 @@ def _from_megatron(path: str, dtype: Optional[str],
     from .convert import MegatronSource  # the converter's streaming reader
     src = MegatronSource(path, None)
     try:
-        if src.spec.num_experts:
-            raise ValueError(f"{path}: a {src.model_type} (MoE) checkpoint; MoE models arrive "
-                             f"with issue 7 (the weights convert already: ms-llm convert)")
         cfg = config or config_from_hf(src.config, source=os.path.join(path, "config.json"))
         cfg = cfg.replace(padded_vocab_size=src.lay.padded_vocab)
         if dtype is not None:
@@ -69,7 +70,10 @@ def _from_megatron(path: str, dtype: Optional[str],
         if out is not None:
             sd["output_layer.weight"] = f32(out)
         for i in range(src.spec.num_layers):
-            for k, v in src.layer(i).items():
+            full = src.layer(i)
+            if cfg.moe_grouped_gemm and src.spec.is_moe(i):
+                full = experts_to_grouped(full, src.spec.num_experts)
+            for k, v in full.items():
                 sd[f"decoder.layers.{i}.{k}"] = f32(v)
         load_state_dict(model, sd, strict=True, source=path)
     finally:
@@ -77,3 +81,45 @@ def _from_megatron(path: str, dtype: Optional[str],
     log.info("loaded Megatron checkpoint %s (tp=%d pp=%d ep=%d): %d parameters", path,
              src.lay.tp, src.lay.pp, src.lay.ep, model.num_parameters())
     return model
+
+
+def _hf_moe_to_mcore(hf: dict, hf_cfg: dict, cfg: TransformerConfig, source: str) -> dict:
+    """HF Qwen3-MoE tensors -> GPTModel keys, through the converter's per-layer layouts
+    (``layouts.hf_layer_to_full``: router, ``local_experts.{e}`` with fused ``[gate; up]``)."""
+    spec = L.spec_from_hf_config(hf_cfg, "qwen3-moe", os.path.join(source, "config.json"))
+    used = set()
+
+    def get(name: str) -> np.ndarray:
+        if name not in hf:
+            raise KeyError(f"{source}: missing tensor {name!r}")
+        used.add(name)
+        return hf[name]
+
+    out = {"embedding.word_embeddings.weight": get("model.embed_tokens.weight"),
+           "decoder.final_layernorm.weight": get("model.norm.weight")}
+    if cfg.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = get("lm_head.weight")
+    elif "lm_head.weight" in hf:
+        used.add("lm_head.weight")
+    for i in range(spec.num_layers):
+        full = L.hf_layer_to_full(spec, get, i)
+        if cfg.moe_grouped_gemm and spec.is_moe(i):
+            full = experts_to_grouped(full, spec.num_experts)
+        out.update({f"decoder.layers.{i}.{k}": v for k, v in full.items()})
+    leftover = sorted(set(hf) - used - {k for k in hf if k.endswith("rotary_emb.inv_freq")})
+    if leftover:
+        raise KeyError(f"{source}: unexpected tensors {leftover[:5]} for this architecture")
+    return out
+
+
+def experts_to_grouped(full: dict, num_experts: int) -> dict:
+    """Per-expert ``local_experts.{e}.linear_fc1/2`` -> Megatron's ``GroupedMLP`` tensors:
+    ``weight1`` = ``stack_e(fc1_e.T)`` ``[E, H, 2F]`` stored ``[H, E*2F]``, ``weight2`` =
+    ``stack_e(fc2_e.T)`` ``[E, F, H]`` stored ``[E*F, H]`` (same memory, Megatron's views)."""
+    out = {k: v for k, v in full.items() if not k.startswith("mlp.experts.local_experts.")}
+    pre = "mlp.experts.local_experts."
+    w1 = np.stack([full[f"{pre}{e}.linear_fc1.weight"].T for e in range(num_experts)])
+    w2 = np.stack([full[f"{pre}{e}.linear_fc2.weight"].T for e in range(num_experts)])
+    out["mlp.experts.weight1"] = np.ascontiguousarray(w1).reshape(w1.shape[1], -1)
+    out["mlp.experts.weight2"] = np.ascontiguousarray(w2).reshape(-1, w2.shape[2])
+    return out

@@ -340,8 +340,8 @@ def run_preprocess(args: argparse.Namespace) -> Dict[str, Any]:
                tokenizer_model=args.tokenizer_model, handler_name=args.handler_name, json_keys=list(args.json_keys),
                append_eod=args.append_eod, seq_length=args.seq_length, map_keys=args.map_keys,
                limit_threads=True)
-    writer = _Writer(args, tok, handler.output_keys, handler.instruction)
     total_bytes = sum(os.path.getsize(f) for f in files)
+    writer = _Writer(args, tok, handler.output_keys, handler.instruction)  # opens temp files: the try below owns them
     pool = None
     bar = None
     saved_env = os.environ.get("TOKENIZERS_PARALLELISM")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 
 @dataclass
@@ -36,7 +36,27 @@ class TransformerConfig:
     hidden_dropout: float = 0.0
     init_method_std: float = 0.02
     params_dtype: str = "float32"                  # storage dtype of parameters
-    mlp_type: str = "dense"                        # pluggable MLP slot; "moe" comes later
+    mlp_type: str = "dense"                        # "dense" or "moe" (ms_llm.models.moe)
+
+    # Mixture of experts (Megatron-Core names; used when mlp_type == "moe").
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None      # expert FFN size; default ffn_hidden_size
+    moe_shared_expert_intermediate_size: Optional[int] = None   # None = no shared experts
+    moe_shared_expert_gate: bool = False           # sigmoid(x . gate_weight) scales them (Qwen2-MoE)
+    moe_router_score_function: str = "softmax"     # "softmax" or "sigmoid"
+    # False: top-k of the logits, softmax over the k (= HF norm_topk_prob true);
+    # True: softmax over all experts, then top-k without renormalising (norm_topk_prob false).
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_load_balancing_type: str = "aux_loss"   # "aux_loss" or "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False    # aux-loss-free balancing (sigmoid router only)
+    moe_router_bias_update_rate: float = 1e-3
+    moe_layer_freq: int = 1                        # layer i is MoE when i % freq == 0
+    moe_layer_pattern: Optional[List[int]] = None  # 1 = MoE, 0 = dense, per layer (overrides freq)
+    moe_grouped_gemm: bool = False                 # experts as weight1/weight2 instead of local_experts
 
     @property
     def swiglu(self) -> bool:
@@ -45,6 +65,8 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:
@@ -67,14 +89,54 @@ class TransformerConfig:
                              "rotary_percent 1.0")
         if self.activation_func not in ("silu", "gelu"):
             raise ValueError(f"model.activation_func: {self.activation_func!r} is not supported")
-        if self.mlp_type != "dense":
-            raise ValueError(f"model.mlp_type: {self.mlp_type!r} is not available yet "
-                             f"(mixture of experts is issue 7)")
+        if self.mlp_type not in ("dense", "moe"):
+            raise ValueError(f"model.mlp_type: {self.mlp_type!r} is not supported "
+                             f"('dense' or 'moe')")
+        if self.mlp_type == "moe":
+            self._validate_moe()
         if self.attention_dropout != 0.0:
             raise ValueError("model.attention_dropout: only 0.0 is supported (fused attention "
                              "kernels here have no dropout); use model.hidden_dropout")
         if self.kv_channels % 2:
             raise ValueError(f"model.kv_channels ({self.kv_channels}) must be even for RoPE")
+
+    def _validate_moe(self) -> None:
+        e, k = self.num_moe_experts, self.moe_router_topk
+        if not e or e < 1:
+            raise ValueError("model.num_moe_experts must be set (>= 1) when model.mlp_type is 'moe'")
+        if not 1 <= k <= e:
+            raise ValueError(f"model.moe_router_topk ({k}) must be in [1, num_moe_experts={e}]")
+        if not self.swiglu:
+            raise ValueError("model.mlp_type 'moe': experts are SwiGLU only "
+                             "(gated_linear_unit true, activation_func 'silu')")
+        if self.add_bias_linear:
+            raise ValueError("model.mlp_type 'moe': expert linears have no bias "
+                             "(add_bias_linear must be false)")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"model.moe_router_score_function: "
+                             f"{self.moe_router_score_function!r} is not 'softmax' or 'sigmoid'")
+        if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
+            raise ValueError(f"model.moe_router_load_balancing_type: "
+                             f"{self.moe_router_load_balancing_type!r} is not supported "
+                             f"('aux_loss' or 'none')")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError("model.moe_router_enable_expert_bias needs "
+                             "moe_router_score_function 'sigmoid' (as in Megatron-Core)")
+        if self.moe_layer_freq < 1:
+            raise ValueError(f"model.moe_layer_freq ({self.moe_layer_freq}) must be >= 1")
+        pat = self.moe_layer_pattern
+        if pat is not None and (len(pat) != self.num_layers or any(v not in (0, 1) for v in pat)):
+            raise ValueError(f"model.moe_layer_pattern {pat} must hold one 0/1 per layer "
+                             f"(num_layers={self.num_layers})")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Megatron's ``--moe-layer-freq``: an int N makes layers 0, N, 2N, ... MoE; the list form
+        (``moe_layer_pattern``) says it per layer."""
+        if self.mlp_type != "moe":
+            return False
+        if self.moe_layer_pattern is not None:
+            return bool(self.moe_layer_pattern[layer_idx])
+        return layer_idx % self.moe_layer_freq == 0
 
     def replace(self, **changes) -> "TransformerConfig":
         return dataclasses.replace(self, **changes)

@@ -12,9 +12,14 @@ FAMILIES: Dict[str, dict] = {
                    rotary_base=1000000.0),
     "qwen3": dict(qk_layernorm=True, add_qkv_bias=False, layernorm_epsilon=1e-6,
                   rotary_base=1000000.0),
+    # Qwen3 attention + dropless MoE MLPs (num_moe_experts etc. come from the config).
+    "qwen3-moe": dict(qk_layernorm=True, add_qkv_bias=False, layernorm_epsilon=1e-6,
+                      rotary_base=1000000.0, mlp_type="moe"),
 }
-ALIASES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen25", "qwen2.5": "qwen25"}
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen25", "qwen3": "qwen3"}
+ALIASES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen25", "qwen2.5": "qwen25",
+           "qwen3_moe": "qwen3-moe"}
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen25", "qwen3": "qwen3",
+                   "qwen3_moe": "qwen3-moe"}
 
 
 def family_defaults(name: str) -> dict:
@@ -25,7 +30,7 @@ def family_defaults(name: str) -> dict:
 
 
 def config_from_hf(hf: dict, source: str = "config.json") -> TransformerConfig:
-    """Translate a Hugging Face ``config.json`` dict (Llama, Qwen2/2.5, Qwen3)."""
+    """Translate a Hugging Face ``config.json`` dict (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE)."""
     model_type = hf.get("model_type")
     if model_type not in _HF_MODEL_TYPES:
         raise ValueError(f"{source}: model_type {model_type!r} is not supported; "
@@ -38,6 +43,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> TransformerConfig:
     bias = bool(hf.get("attention_bias", False))
     if family == "llama" and bias:
         raise ValueError(f"{source}: attention_bias=true (an o_proj bias) is not supported")
+    moe = _moe_fields_from_hf(hf, source) if family == "qwen3-moe" else {}
     return TransformerConfig(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
@@ -48,10 +54,35 @@ def config_from_hf(hf: dict, source: str = "config.json") -> TransformerConfig:
         padded_vocab_size=hf["vocab_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        qk_layernorm=family == "qwen3",
+        qk_layernorm=family in ("qwen3", "qwen3-moe"),
         rotary_base=float(hf.get("rope_theta", 10000.0)),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         add_qkv_bias=family == "qwen25",  # Qwen2/2.5 always have q/k/v biases
         add_bias_linear=False,
         activation_func="silu" if hf.get("hidden_act", "silu") == "silu" else "gelu",
+        **moe,
     )
+
+
+def _moe_fields_from_hf(hf: dict, source: str) -> dict:
+    """Qwen3-MoE (``Qwen3MoeSparseMoeBlock``): softmax router, top-k, ``norm_topk_prob``
+    renormalises the k weights (= Megatron's top-k-then-softmax, ``moe_router_pre_softmax``
+    false); layer i is sparse when ``(i + 1) % decoder_sparse_step == 0`` and i is not in
+    ``mlp_only_layers``."""
+    try:
+        experts, topk = int(hf["num_experts"]), int(hf["num_experts_per_tok"])
+        moe_ffn = int(hf["moe_intermediate_size"])
+    except KeyError as e:
+        raise ValueError(f"{source}: missing key {e.args[0]!r} (needed for qwen3_moe)") from None
+    layers = int(hf["num_hidden_layers"])
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    pattern = [int(i not in dense and experts > 0 and (i + 1) % step == 0) for i in range(layers)]
+    if not any(pattern):
+        raise ValueError(f"{source}: no sparse layer (decoder_sparse_step={step}, "
+                         f"mlp_only_layers={sorted(dense)}); load it as a dense model")
+    return dict(mlp_type="moe", num_moe_experts=experts, moe_router_topk=topk,
+                moe_ffn_hidden_size=moe_ffn,
+                moe_router_pre_softmax=not bool(hf.get("norm_topk_prob", False)),
+                moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)),
+                moe_layer_pattern=pattern)

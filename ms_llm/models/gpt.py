@@ -14,6 +14,7 @@ from ms_llm import ops as hot
 from ms_llm.compat import F, float32, nn
 from .config import TransformerConfig
 from .layers import RMSNorm, TransformerLayer
+from .moe import aux_loss as moe_aux_loss, moe_mlp_factory
 
 MLPFactory = Callable[[TransformerConfig, int], nn.Module]
 
@@ -54,6 +55,8 @@ class GPTModel(nn.Module):
     def __init__(self, config: TransformerConfig, mlp_factory: Optional[MLPFactory] = None):
         super().__init__()
         self.config = config
+        if mlp_factory is None and config.mlp_type == "moe":
+            mlp_factory = moe_mlp_factory
         self.embedding = LanguageModelEmbedding(config)
         self.decoder = TransformerBlock(config, mlp_factory)
         if config.untie_embeddings_and_output_weights:
@@ -69,6 +72,13 @@ class GPTModel(nn.Module):
         self.compute_logits = lm_logits
         self.finalize_logits = identity
         self.loss_fn = hot.cross_entropy
+
+    def aux_loss(self) -> Optional[Tensor]:
+        """The MoE routers' auxiliary losses of the last forward (``None`` for a dense model);
+        the trainer adds it to the language-model loss inside the differentiated function."""
+        if self.config.mlp_type != "moe":
+            return None
+        return moe_aux_loss(self)
 
     def rotary_cos_sin(self, seq_len: int):
         if seq_len not in self._rope_cache:

@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Sequence
 from mindspore import nn as ms_nn
 
 from ms_llm.compat import nn
+from ms_llm.ops.linear import Linear as OpsLinear
 from .modules import MXFP8Linear
 from .mx import check_scale_mode, elem_format
 from ._dispatch import resolve_mx_path
@@ -28,12 +29,9 @@ log = logging.getLogger("ms_llm.quant")
 RECIPES = ("mxfp8",)
 DEFAULT_APPLY = ("decoder.layers.*",)
 ALWAYS_IGNORED = ("output_layer", "*.router", "*.router.*")
-_REPLACEMENTS: Dict[type, Callable] = {nn.Linear: MXFP8Linear.from_float}
-try:  # the model's linears: compat.nn.Linear on ms_llm.ops' fast matmul path, same Parameters
-    from ms_llm.ops.linear import Linear as _OpsLinear
-    _REPLACEMENTS[_OpsLinear] = MXFP8Linear.from_float
-except ImportError:  # pragma: no cover - older tree without ms_llm.ops.linear
-    pass
+# The model's linears are ms_llm.ops.Linear (compat.nn.Linear on the fast matmul path).
+_REPLACEMENTS: Dict[type, Callable] = {nn.Linear: MXFP8Linear.from_float,
+                                       OpsLinear: MXFP8Linear.from_float}
 
 
 def register_replacement(cls: type, factory: Callable) -> None:

@@ -19,6 +19,7 @@ from ms_llm.config import ConfigError, RunConfig
 from ms_llm.models import GPTModel, from_pretrained
 from ms_llm.ops._dispatch import resolve_paths
 from ms_llm.parallel import comm
+from ms_llm.quant import apply_quantization
 from ms_llm.parallel.data_parallel import GradBuckets
 from ms_llm.parallel.fsdp import apply_fsdp
 from ms_llm.parallel.parallelize import parallelize
@@ -70,6 +71,14 @@ class Trainer:
         self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
         cfg.model = self.data.model_config
         self.model = build_model(cfg)
+        if cfg.quant.recipe:   # replace modules before any sharding sees them
+            try:
+                names = apply_quantization(self.model, cfg.quant)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if self.dist.rank == 0:
+                print(f"ms-llm: quant {cfg.quant.recipe} ({cfg.quant.scale_mode}) replaced "
+                      f"{len(names)} modules: {', '.join(names)}", flush=True)
         try:
             parallelize(self.model, self.pstate, sequence_parallel=p.sequence_parallel)
         except ValueError as e:

@@ -1,0 +1,160 @@
+"""Dropless MoE kernels: token permutation by expert and the grouped matmul over experts.
+
+The routed rows (token ``t``'s ``j``-th choice is *slot* ``t*k + j``) are sorted by expert, so each
+expert's rows are one contiguous block and the experts' FFNs become one grouped matmul over the
+blocks; the combine gathers the rows back to slot order and sums each token's ``k`` rows weighted
+by its routing probabilities. No token is dropped and no capacity is assumed.
+
+The block sizes (``tokens_per_expert``) are data dependent, so they are brought to the host once
+per layer (``E`` integers): the grouped matmul's CPU forms and Ascend's ``gmm`` take them as a list.
+This is also why the MoE layer runs in PyNative only (``mindspore.jit`` cannot compile shapes that
+depend on the routing).
+
+Grouped matmul forms (``impl``), measured by ``benchmarks/moe_layer.py``:
+
+* ``"loop"``: ``split`` the sorted rows per expert, one matmul per non-empty expert, ``cat``.
+  No padding; experts that received no token issue no matmul (their weights get zero gradient).
+* ``"padded_bmm"``: gather the rows into ``[E, max_tokens, K]`` (zero rows pad the short experts),
+  one batched matmul, gather the real rows back. One kernel, but ``E * max_tokens`` rows of work.
+* ``"native"``: MindSpore's grouped-matmul kernel (``gmm``), Ascend only. **Untested here** (no
+  Ascend device in this project's CI); selected only on Ascend.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple, Union
+
+import numpy as np
+from mindspore import Tensor, mint, ops
+
+from ms_llm.compat import F, int32, is_ascend, is_cpu
+from .linear import bmm, linear
+
+Weights = Union[Tensor, Sequence[Tensor]]
+IMPLS = ("loop", "padded_bmm", "native")
+# Chosen from benchmarks/moe_layer.py on the 2-core CPU (see its table): the loop form wins at
+# every measured size because it does no padded work and no weight stacking.
+CPU_DEFAULT_IMPL = "loop"
+
+
+def sort_by_expert(top_indices: Tensor, num_experts: int) -> Tuple[Tensor, Tensor, List[int]]:
+    """Order the routed slots by expert.
+
+    ``top_indices``: ``[T, k]`` expert ids. Returns ``(sorted_slots, restore, tokens_per_expert)``:
+    ``sorted_slots[i]`` is the slot (``t*k + j``) that lands on row ``i`` of the permuted tensor
+    (expert-major, slot order inside an expert, so the result is deterministic);
+    ``restore[s]`` is the permuted row of slot ``s`` (the inverse permutation);
+    ``tokens_per_expert`` is a host list of ``E`` block sizes.
+    """
+    n = top_indices.shape[0] * top_indices.shape[1]
+    if num_experts * n >= 2 ** 31:
+        raise ValueError(f"sort_by_expert: {num_experts} experts x {n} routed slots overflow the "
+                         f"int32 sort key")
+    flat = top_indices.reshape(-1).astype(int32)
+    # Unique keys (expert-major, then slot) make any sort stable.
+    keys = flat * n + ops.arange(0, n, 1, dtype=int32)
+    _, sorted_slots = ops.sort(keys)
+    sorted_slots = sorted_slots.astype(int32)
+    restore = ops.argsort(sorted_slots).astype(int32)
+    counts = ops.bincount(flat, minlength=num_experts) if is_cpu() else \
+        mint.bincount(flat, minlength=num_experts)
+    tokens_per_expert = [int(c) for c in counts.asnumpy()[:num_experts]]
+    return sorted_slots, restore, tokens_per_expert
+
+
+def permute(tokens: Tensor, sorted_slots: Tensor, topk: int) -> Tensor:
+    """``[T, H]`` tokens -> ``[T*k, H]`` rows in expert order (a token routed to k experts appears
+    k times; the gather's gradient sums the k copies back)."""
+    return F.embedding(sorted_slots // topk, tokens)  # a row gather with the bf16-on-CPU fallback
+
+
+def unpermute(expert_out: Tensor, restore: Tensor, probs: Tensor) -> Tensor:
+    """Inverse of ``permute`` plus the weighted combine: ``[T*k, H]`` expert rows ->
+    ``sum_j probs[t, j] * row(t*k + j)``, ``[T, H]``. ``probs`` is ``[T, k]``."""
+    t, k = probs.shape
+    rows = F.embedding(restore, expert_out).reshape(t, k, expert_out.shape[-1])
+    return F.sum(rows * probs.astype(rows.dtype).reshape(t, k, 1), 1)
+
+
+def _stacked(weight: Weights) -> Tensor:
+    if isinstance(weight, Tensor):
+        return weight
+    # cat of [1, ...] views: ops.stack's type inference rejects a mix of Parameters that did and
+    # did not take part in an earlier backward ("Ref[Tensor] vs Tensor", MindSpore 2.10).
+    return F.cat([w.reshape(1, *w.shape) for w in weight], 0)
+
+
+def grouped_matmul(x: Tensor, weight: Weights, tokens_per_expert: Sequence[int], *,
+                   transpose_b: bool = False, impl: str = "auto") -> Tensor:
+    """Per expert block ``e`` of the sorted rows ``x`` (``[N, K]``), ``x_e @ W_e``.
+
+    ``weight`` is a ``[E, K, M]`` tensor (``[E, M, K]`` with ``transpose_b``, i.e. torch/Megatron
+    ``Linear`` weights) or a sequence of ``E`` 2-D weights in the same per-expert layout.
+    Returns ``[N, M]`` in the same row order.
+    """
+    sizes = [int(s) for s in tokens_per_expert]
+    n_exp = weight.shape[0] if isinstance(weight, Tensor) else len(weight)
+    if len(sizes) != n_exp:
+        raise ValueError(f"grouped_matmul: {len(sizes)} group sizes for {n_exp} experts")
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"grouped_matmul: group sizes add up to {sum(sizes)}, x has "
+                         f"{x.shape[0]} rows")
+    if impl == "auto":
+        impl = "native" if is_ascend() else CPU_DEFAULT_IMPL
+    if impl == "loop":
+        return _gmm_loop(x, weight, sizes, transpose_b)
+    if impl == "padded_bmm":
+        return _gmm_padded(x, weight, sizes, transpose_b)
+    if impl == "native":
+        return _gmm_native(x, weight, sizes, transpose_b)
+    raise ValueError(f"grouped_matmul: impl {impl!r} is not one of {('auto',) + IMPLS}")
+
+
+def _gmm_loop(x: Tensor, weight: Weights, sizes: List[int], transpose_b: bool) -> Tensor:
+    pieces = F.split(x, sizes, 0)
+    outs = []
+    for e, (xe, size) in enumerate(zip(pieces, sizes)):
+        if size == 0:
+            continue
+        w = weight[e]
+        if transpose_b:
+            outs.append(linear(xe, w))
+        else:  # [K, M] weight: the batched kernel with a batch of one keeps the fast BLAS path
+            outs.append(bmm(xe.reshape(1, *xe.shape), w.reshape(1, *w.shape))[0])
+    return outs[0] if len(outs) == 1 else F.cat(outs, 0)
+
+
+def padded_indices(sizes: List[int]) -> Tuple[np.ndarray, np.ndarray, int]:
+    """Host-side index maps of the padded form: ``pad[e*cap + r]`` is the sorted row feeding slot
+    ``r`` of expert ``e`` (``N`` = the appended zero row for padding); ``unpad[i]`` is the padded
+    slot of sorted row ``i``."""
+    n, cap = int(sum(sizes)), max(1, max(sizes))
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    pad = np.full((len(sizes), cap), n, dtype=np.int32)
+    unpad = np.empty(n, dtype=np.int32)
+    for e, (off, size) in enumerate(zip(offsets, sizes)):  # E iterations, vectorised inside
+        pad[e, :size] = np.arange(off, off + size, dtype=np.int32)
+        unpad[off:off + size] = e * cap + np.arange(size, dtype=np.int32)
+    return pad.reshape(-1), unpad, cap
+
+
+def _gmm_padded(x: Tensor, weight: Weights, sizes: List[int], transpose_b: bool) -> Tensor:
+    pad, unpad, cap = padded_indices(sizes)
+    w = _stacked(weight)
+    xz = F.cat([x, F.zeros(1, x.shape[1], dtype=x.dtype)], 0)
+    xp = F.embedding(Tensor(pad), xz).reshape(len(sizes), cap, x.shape[1])
+    y = bmm(xp, w, transpose_b=transpose_b)
+    return F.embedding(Tensor(unpad), y.reshape(len(sizes) * cap, y.shape[-1]))
+
+
+def _gmm_native(x: Tensor, weight: Weights, sizes: List[int], transpose_b: bool) -> Tensor:
+    """UNTESTED (needs an Ascend device): MindSpore's grouped matmul ``gmm`` with ``group_type=0``
+    (rows grouped), ``group_list`` the cumulative block ends, weights ``[E, K, M]``."""
+    if not is_ascend():
+        raise RuntimeError("grouped_matmul impl 'native' needs an Ascend device (the CPU backend "
+                           "has no GroupedMatmul kernel); use 'loop' or 'padded_bmm'")
+    from mindspore.ops.function.math_func import gmm  # Ascend-only kernel behind it
+    w = _stacked(weight)
+    if transpose_b:
+        w = w.swapaxes(1, 2)
+    ends = np.cumsum(sizes).astype(np.int64).tolist()
+    return gmm([x], [w], group_list=ends, group_type=0)[0]
