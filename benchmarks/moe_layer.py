@@ -16,7 +16,8 @@ Rows (same sorted input, same weights; max |diff| to the baseline is printed as 
 
 Routing is either ``balanced`` (every expert gets about T*k/E rows) or ``skewed`` (Zipf-like:
 expert e gets a share proportional to 1/(e+1); the last expert gets none), which is what makes
-padding expensive. Timing: min (or --stat median) over --repeat after --warmup; each call ends with ``.asnumpy()``.
+padding expensive. Timing: min (or --stat median) over --repeat after --warmup, the forms
+taking turns; each call ends with ``.asnumpy()``.
 Tokens/s counts the T input tokens (each routed to k experts).
 """
 from __future__ import annotations
@@ -67,7 +68,6 @@ def main(argv=None) -> None:
     from ms_llm.compat import F
     from ms_llm.models import TransformerConfig
     from ms_llm.models.moe import GroupedMLP, SequentialMLP
-    from ms_llm.ops import moe as moe_ops
     from ms_llm.ops._dispatch import resolve_paths
     paths = resolve_paths()
 
@@ -121,26 +121,28 @@ def main(argv=None) -> None:
                      ("grouped padded_bmm", *seq_form("padded_bmm")),
                      ("GroupedMLP loop", *grouped_form("loop")),
                      ("GroupedMLP padded_bmm", *grouped_form("padded_bmm"))]
-            base_ms, base_out = None, None
+            # Round-robin over the forms, so load from other processes hits all of them alike.
+            grads = []
             for name, fn, params in forms:
                 def loss(inp, fn=fn):
                     return (fn(inp) * dy).sum()
-                grad = ms.value_and_grad(loss, 0, params)
-                times = []
-                for i in range(args.warmup + args.repeat):
+                grads.append(ms.value_and_grad(loss, 0, params))
+            times = [[] for _ in forms]
+            for i in range(args.warmup + args.repeat):
+                for j, grad in enumerate(grads):
                     t0 = time.perf_counter()
-                    val, (gx, _) = grad(x)
+                    _, (gx, _) = grad(x)
                     gx.asnumpy()
                     if i >= args.warmup:
-                        times.append(time.perf_counter() - t0)
-                    out = fn(x).asnumpy() if i == 0 else None
-                    if out is not None:
-                        base_out = out if base_out is None else base_out
-                        diff = float(np.abs(out - base_out).max())
-                t = min(times) if args.stat == "min" else statistics.median(times)
-                base_ms = t if base_ms is None else base_ms
+                        times[j].append(time.perf_counter() - t0)
+            base_out = forms[0][1](x).asnumpy()
+            base_t = None
+            for (name, fn, _), ts in zip(forms, times):
+                diff = float(np.abs(fn(x).asnumpy() - base_out).max())
+                t = min(ts) if args.stat == "min" else statistics.median(ts)
+                base_t = t if base_t is None else base_t
                 print(f"| {e} | {kind} | {min(sizes)}/{max(sizes)} | {name} | {t * 1e3:.1f} | "
-                      f"{args.tokens / t:.0f} | {base_ms / t:.2f}x | {diff:.1e} |", flush=True)
+                      f"{args.tokens / t:.0f} | {base_t / t:.2f}x | {diff:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -281,6 +281,9 @@ def validate(cfg: RunConfig, source: str) -> None:
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         raise ConfigError(f"{source}: parallel.sequence_parallel needs "
                           f"parallel.tensor_model_parallel_size > 1")
+    if cfg.model.mlp_type == "moe" and t.jit:
+        raise ConfigError(f"{source}: model.mlp_type 'moe' needs training.jit false (expert "
+                          f"block sizes depend on the routing)")
     q = cfg.quant
     if q.recipe not in (None, "mxfp8"):
         raise ConfigError(f"{source}: quant.recipe must be null or 'mxfp8', got {q.recipe!r}")

@@ -164,14 +164,3 @@ def test_moe_resharding_between_expert_layouts(moe_hf):
         assert list(fa[r]) == list(fc[r]), r
         for k, v in fa[r].items():
             assert (v is None and fc[r][k] is None) or same(v, fc[r][k]), (r, k)
-
-
-def test_moe_from_pretrained_is_refused_until_issue_7(moe_hf):
-    root, _ = moe_hf
-    from ms_llm.models import from_pretrained
-    mg = root / "mg_seq"
-    if not mg.exists():
-        run("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", root / "hf",
-            "--save-dir", mg)
-    with pytest.raises(ValueError, match="issue 7"):
-        from_pretrained(str(mg))

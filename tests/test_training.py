@@ -169,3 +169,17 @@ def test_mxfp8_bad_pattern_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="nothing_here"):
         Trainer(make_cfg(tmp_path, "--quant.recipe", "mxfp8", "--quant.apply_modules",
                          "decoder.nothing_here"))
+
+
+def test_moe_training_runs_with_aux_loss(tmp_path):
+    moe = ["--model.mlp_type", "moe", "--model.num_moe_experts", "4", "--model.moe_router_topk",
+           "2", "--model.moe_ffn_hidden_size", "64", "--model.moe_aux_loss_coeff", "0.01",
+           "--training.jit", "false"]
+    trainer = Trainer(make_cfg(tmp_path, "--training.max_steps", "4", *moe))
+    losses = [r["loss"] for r in trainer.fit()]
+    assert len(losses) == 4 and all(np.isfinite(losses)) and losses[-1] < losses[0]
+    aux = trainer.model.aux_loss()
+    assert aux is not None and float(aux.asnumpy()) > 0
+    from ms_llm.config import ConfigError
+    with pytest.raises(ConfigError, match="training.jit false"):
+        make_cfg(tmp_path, *moe[:-2], "--training.jit", "true")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import struct
+from array import array
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -69,8 +70,9 @@ class IndexedDatasetBuilder:
         dtype_code(self.dtype)
         self._tmp_bin = bin_file + ".tmp"
         self._fh = open(self._tmp_bin, "wb")
-        self.sequence_lengths: list = []
-        self.document_indices: list = [0]
+        # int64 arrays, not lists: 16 bytes per document instead of ~70 (the only state that grows)
+        self.sequence_lengths = array("q")
+        self.document_indices = array("q", [0])
         self._finalized = False
 
     def add_item(self, seq) -> None:
@@ -88,6 +90,19 @@ class IndexedDatasetBuilder:
         self.sequence_lengths.extend(int(x) for x in lengths)
         self.document_indices.append(len(self.sequence_lengths))
 
+    def add_items(self, flat, lengths) -> None:
+        """Bulk ``add_item`` + ``end_document`` per item: ``flat`` is the concatenation of items
+        of ``lengths``; zero-length items are skipped (no empty documents)."""
+        arr = np.asarray(flat, dtype=self.dtype)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if int(lengths.sum()) != arr.size:
+            raise ValueError(f"add_items: lengths sum to {int(lengths.sum())} but {arr.size} elements given")
+        lengths = lengths[lengths > 0]
+        self._fh.write(arr.tobytes(order="C"))
+        base = len(self.sequence_lengths)
+        self.sequence_lengths.frombytes(lengths.tobytes())
+        self.document_indices.frombytes(np.arange(base + 1, base + 1 + len(lengths), dtype=np.int64).tobytes())
+
     def end_document(self) -> None:
         self.document_indices.append(len(self.sequence_lengths))
 
@@ -97,8 +112,8 @@ class IndexedDatasetBuilder:
         if other.dtype != self.dtype:
             raise ValueError(f"{idx_path(prefix)}: dtype {other.dtype} differs from builder dtype {self.dtype}")
         offset = len(self.sequence_lengths)
-        self.sequence_lengths.extend(int(x) for x in other.sequence_lengths)
-        self.document_indices.extend(int(x) + offset for x in other.document_indices[1:])
+        self.sequence_lengths.frombytes(np.asarray(other.sequence_lengths, dtype=np.int64).tobytes())
+        self.document_indices.frombytes((np.asarray(other.document_indices[1:], dtype=np.int64) + offset).tobytes())
         del other
         with open(bin_path(prefix), "rb") as src:
             while True:
@@ -111,13 +126,14 @@ class IndexedDatasetBuilder:
         """Write the index. With ``commit=False`` both files stay under temp names until
         ``commit()``, so several datasets can be made visible together at the very end."""
         self._fh.close()
-        lengths = np.asarray(self.sequence_lengths, dtype=np.int32)
-        if len(self.sequence_lengths) and int(max(self.sequence_lengths)) > np.iinfo(np.int32).max:
+        lengths64 = np.frombuffer(self.sequence_lengths, dtype=np.int64) if len(self.sequence_lengths) else np.zeros(0, np.int64)
+        if len(lengths64) and int(lengths64.max()) > np.iinfo(np.int32).max:
             raise ValueError("a sequence is longer than int32 allows")
+        lengths = lengths64.astype(np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         if len(lengths) > 1:
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        docs = np.asarray(self.document_indices, dtype=np.int64)
+        docs = np.frombuffer(self.document_indices, dtype=np.int64).copy()
         tmp_idx = idx_file + ".tmp"
         with open(tmp_idx, "wb") as fh:
             fh.write(INDEX_HEADER)

@@ -36,7 +36,8 @@ from .layers import MLP, output_init_std
 
 
 JIT_UNSUPPORTED = ("mlp_type 'moe' runs in PyNative only: the dropless expert blocks have "
-                   "data-dependent sizes that mindspore.jit cannot compile (set training.jit false)")
+                   "data-dependent sizes that mindspore.jit cannot compile "
+                   "(set training.jit false)")
 
 
 def _probe() -> int:
@@ -320,6 +321,8 @@ def hf_load_balancing_loss(model: nn.Module) -> Tensor:
 
 
 def update_expert_bias(model: nn.Module) -> None:
-    """Apply the aux-loss-free bias update of every router (no-op without expert bias)."""
-    for layer in moe_layers(model):
-        layer.router.update_expert_bias()
+    """Apply the aux-loss-free bias update of every router in ``model`` (a model, a layer or a
+    router; no-op without expert bias)."""
+    for _, cell in model.cells_and_names():
+        if isinstance(cell, TopKRouter):
+            cell.update_expert_bias()

@@ -17,6 +17,7 @@ from ms_llm.checkpoint import dcp
 from ms_llm.compat import manual_seed, setup_device, float32
 from ms_llm.config import ConfigError, RunConfig
 from ms_llm.models import GPTModel, from_pretrained
+from ms_llm.models.moe import update_expert_bias
 from ms_llm.ops._dispatch import resolve_paths
 from ms_llm.parallel import comm
 from ms_llm.quant import apply_quantization
@@ -71,6 +72,10 @@ class Trainer:
         self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
         cfg.model = self.data.model_config
         self.model = build_model(cfg)
+        self.moe = cfg.model.mlp_type == "moe"
+        if self.moe and self.dist.world_size > 1:
+            raise ConfigError("model.mlp_type moe runs single-process for now (expert parallel "
+                              "is not built yet)")
         if cfg.quant.recipe:   # replace modules before any sharding sees them
             try:
                 names = apply_quantization(self.model, cfg.quant)
@@ -114,7 +119,13 @@ class Trainer:
     # micro-batch gradients equal the gradient of the global per-token mean.
     def _loss(self, tokens: Tensor, labels: Tensor, loss_mask: Tensor, inv_tokens: Tensor):
         per_token = self.model(tokens, labels=labels)
-        return (per_token * loss_mask).sum() * inv_tokens
+        loss = (per_token * loss_mask).sum() * inv_tokens
+        aux = self.model.aux_loss() if self.moe else None
+        if aux is not None:
+            # Each rank's MoE auxiliary loss covers its own micro-batch while gradients are
+            # summed over micro-batches and data-parallel ranks: average it accordingly.
+            loss = loss + aux / (self.accum_steps * self.dp_group.size)
+        return loss
 
     def _fwd_bwd_jit(self):
         """One compiled graph for forward, backward and the gradients' sum of squares (the
@@ -188,6 +199,8 @@ class Trainer:
         lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,
                    decay_steps=t.lr_decay_steps or t.max_steps, style=t.lr_decay_style)
         self.optimizer.step(grads, lr)
+        if self.moe:
+            update_expert_bias(self.model)
         return {"loss": total_loss, "grad_norm": norm, "lr": lr,
                 "tokens": sum(int(b["tokens"].size) for b in batches) * self.dp_group.size}
 
