@@ -1,18 +1,18 @@
-"""``ms-llm`` console entry: ``train``, ``plot``, ``convert`` (``preprocess`` and ``generate`` are
-announced and refuse to run until their issues land)."""
+"""``ms-llm`` console entry: ``train``, ``plot``, ``convert``, ``preprocess`` (``generate`` is
+announced and refuses to run until it is built)."""
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import List, Optional
 
-_LATER = {"preprocess": "the data pipeline (issue 8)", "generate": "text generation"}
+_LATER = {"generate": "text generation"}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="ms-llm", description=__doc__)
-    parser.add_argument("command", choices=["train", "plot", "convert", *_LATER])
+    parser.add_argument("command", choices=["train", "plot", "convert", "preprocess", *_LATER])
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -32,6 +32,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"ms-llm plot: {e}", file=sys.stderr)
             return 2
         return 0
+    if command == "preprocess":
+        from ms_llm.data.preprocess import main as preprocess_main
+        return preprocess_main(rest)
     if command == "convert":
         from ms_llm.checkpoint.convert import main as convert_main
         return convert_main(rest)

@@ -35,6 +35,15 @@ class DataConfig:
     embedded_vocab_size: int = 4096
     make_vocab_size_divisible_by: int = 128
     cache_dir: Optional[str] = None
+    # Megatron indexed datasets written by `ms-llm preprocess` (instead of `corpus`):
+    # "prefix" or "w1,prefix1,w2,prefix2" (Megatron's --data-path), blended by weight.
+    data_path: Optional[List[str]] = None
+    split: str = "100,0,0"
+    data_cache_path: Optional[str] = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False    # packed documents do not attend to each other
+    eod_mask_loss: bool = False
+    dataset_type: str = "pretrain"        # pretrain | sft (instruction data with prompt masking)
 
 
 @dataclass
@@ -266,6 +275,8 @@ def validate(cfg: RunConfig, source: str) -> None:
         raise ConfigError(f"{source}: training.device must be auto, CPU or Ascend")
     if cfg.data.seq_length <= 0:
         raise ConfigError(f"{source}: data.seq_length must be > 0")
+    if cfg.data.dataset_type not in ("pretrain", "sft"):
+        raise ConfigError(f"{source}: data.dataset_type must be 'pretrain' or 'sft'")
     if p.tensor_model_parallel_size < 1:
         raise ConfigError(f"{source}: parallel.tensor_model_parallel_size must be >= 1")
     for key in ("pipeline_model_parallel_size", "context_parallel_size",

@@ -183,3 +183,24 @@ def test_moe_training_runs_with_aux_loss(tmp_path):
     from ms_llm.config import ConfigError
     with pytest.raises(ConfigError, match="training.jit false"):
         make_cfg(tmp_path, *moe[:-2], "--training.jit", "true")
+
+
+def test_training_on_preprocessed_indexed_data(tmp_path):
+    """text -> ms-llm preprocess -> Megatron .bin/.idx -> training via data.data_path, with
+    packed-document attention masks (data.reset_attention_mask)."""
+    import json as _json
+    from ms_llm.cli import main as cli
+    from ms_llm.data import ensure_default_corpus
+    corpus, tok = ensure_default_corpus()
+    src = tmp_path / "docs.jsonl"
+    with open(corpus) as f, open(src, "w") as out:
+        for i, line in zip(range(300), f):
+            out.write(_json.dumps({"text": _json.loads(line)["text"]}) + "\n")
+    prefix = str(tmp_path / "ds")
+    assert cli(["preprocess", "--input", str(src), "--tokenizer-type", "SentencePiece",
+                "--tokenizer-model", tok, "--output-prefix", prefix, "--append-eod",
+                "--workers", "1"]) == 0
+    losses = run_losses(make_cfg(tmp_path, "--training.max_steps", "3", "--data.data_path",
+                                 prefix + "_text_document", "--data.reset_attention_mask", "true",
+                                 "--data.reset_position_ids", "true", "--training.jit", "true"))
+    assert len(losses) == 3 and all(np.isfinite(losses))

@@ -36,10 +36,15 @@ def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
         tokenizer = load_tokenizer(tok_path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.tokenizer: {e}") from None
-    try:
-        tokens = tokenize_corpus(corpus, tokenizer, text_key=d.json_key)
-    except FileNotFoundError as e:
-        raise ConfigError(f"data.corpus: {e}") from None
+    tokens = None
+    if d.data_path:
+        dataset = _indexed_dataset(cfg, tokenizer)
+    else:
+        try:
+            tokens = tokenize_corpus(corpus, tokenizer, text_key=d.json_key)
+        except FileNotFoundError as e:
+            raise ConfigError(f"data.corpus: {e}") from None
+        dataset = PretrainDataset(tokens, d.seq_length)
     model_cfg = cfg.model
     if cfg.checkpoint.load is None and "padded_vocab_size" not in cfg.model_overrides:
         model_cfg = model_cfg.replace(
@@ -47,7 +52,27 @@ def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
     elif model_cfg.padded_vocab_size < tokenizer.vocab_size and cfg.checkpoint.load is None:
         raise ConfigError(f"model.padded_vocab_size ({model_cfg.padded_vocab_size}) is smaller "
                           f"than the tokenizer's vocabulary ({tokenizer.vocab_size})")
-    dataset = PretrainDataset(tokens, d.seq_length)
+    # Megatron's pretraining samples are already shuffled by the dataset's own indices.
+    shuffle = not (d.data_path and d.dataset_type == "pretrain")
     loader = BatchIterator(dataset, cfg.training.micro_batch_size, cfg.training.seed,
-                           dp_rank=dp_rank, dp_size=dp_size)
-    return TrainData(tokenizer, loader, int(len(tokens)), model_cfg)
+                           dp_rank=dp_rank, dp_size=dp_size, shuffle=shuffle)
+    n_tokens = int(len(tokens)) if tokens is not None else len(dataset) * d.seq_length
+    return TrainData(tokenizer, loader, n_tokens, model_cfg)
+
+
+def _indexed_dataset(cfg: RunConfig, tokenizer: Tokenizer):
+    """Megatron indexed datasets (``ms-llm preprocess`` output) as pretraining or SFT data."""
+    from ms_llm.data.gpt_dataset import build_pretrain_dataset
+    from ms_llm.data.sft import open_sft_dataset
+    d, t = cfg.data, cfg.training
+    try:
+        if d.dataset_type == "sft":
+            return open_sft_dataset(d.data_path[0], d.seq_length, tokenizer.pad)
+        return build_pretrain_dataset(
+            d.data_path, d.seq_length, t.max_steps * t.global_batch_size, seed=t.seed,
+            eod=tokenizer.eod, split=d.split, cache_dir=d.data_cache_path,
+            reset_position_ids=d.reset_position_ids,
+            reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss,
+            create_attention_mask=d.reset_attention_mask)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.data_path: {e}") from None

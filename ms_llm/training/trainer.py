@@ -117,8 +117,9 @@ class Trainer:
 
     # The loss of one micro-batch, pre-divided by the global batch's loss-token count so summed
     # micro-batch gradients equal the gradient of the global per-token mean.
-    def _loss(self, tokens: Tensor, labels: Tensor, loss_mask: Tensor, inv_tokens: Tensor):
-        per_token = self.model(tokens, labels=labels)
+    def _loss(self, tokens: Tensor, labels: Tensor, loss_mask: Tensor, inv_tokens: Tensor,
+              attention_mask: Optional[Tensor] = None):
+        per_token = self.model(tokens, labels=labels, attention_mask=attention_mask)
         loss = (per_token * loss_mask).sum() * inv_tokens
         aux = self.model.aux_loss() if self.moe else None
         if aux is not None:
@@ -132,8 +133,8 @@ class Trainer:
         global norm inside the graph saves a per-tensor PyNative dispatch for each gradient)."""
         grad_fn = self.grad_fn
 
-        def fwd_bwd(tokens, labels, loss_mask, inv_tokens):
-            loss, grads = grad_fn(tokens, labels, loss_mask, inv_tokens)
+        def fwd_bwd(tokens, labels, loss_mask, inv_tokens, attention_mask=None):
+            loss, grads = grad_fn(tokens, labels, loss_mask, inv_tokens, attention_mask)
             return loss, grads, gradlib.sum_of_squares(grads)
         return ms.jit(fwd_bwd)
 
@@ -176,6 +177,8 @@ class Trainer:
         total_loss, grads, sumsq = None, None, None
         for i, b in enumerate(batches):
             args = (Tensor(b["tokens"]), Tensor(b["labels"]), Tensor(b["loss_mask"]), inv)
+            if "attention_mask" in b:   # packed documents (data.reset_attention_mask)
+                args += (Tensor(b["attention_mask"]),)
             self.grad_sync.begin_micro_batch(is_last=i == len(batches) - 1)
             if self.fsdp:   # reduce-scatter only on the last micro-batch of the step
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)

@@ -39,5 +39,6 @@ def apply_fsdp(model: GPTModel, group, *, modules: Sequence[str] = DEFAULT_UNITS
     units = [cells[n] for n in ordered]
     for i, unit in enumerate(units):
         unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch])
+        unit.set_modules_to_backward_prefetch(units[max(0, i - prefetch):i][::-1])
     fully_shard(model, group, reshard_after_forward=False)
     return units

@@ -7,7 +7,8 @@ the gather is a custom-backward function whose backward pads the gradient with a
 reduce-scatters it, so a unit's gradients are reduced as soon as its backward is done.
 ``reshard_after_forward`` runs the unit's forward under non-reentrant recompute: the gathered
 weights are dropped after forward and gathered again for backward (the recomputed forward).
-Forward prefetch starts the next unit's all-gather asynchronously before this unit computes.
+Forward prefetch starts the next unit's all-gather asynchronously before this unit computes;
+backward prefetch starts the previous unit's all-gather when this unit's backward is done.
 Runs in PyNative (custom backward); the trainer refuses ``training.jit`` with FSDP.
 """
 from __future__ import annotations
@@ -99,6 +100,8 @@ class _GatherParam(Function):
     @staticmethod
     def backward(ctx, grad):
         fp, unit = ctx.fp, ctx.unit
+        if fp is unit.fparams[0]:
+            unit.prefetch_for_backward()
         return fp.reduce_grad(grad, unit.reduce_dtype(fp), unit.requires_grad_sync), None, None
 
 
@@ -110,6 +113,7 @@ class _FSDPState:
         self.mp_policy = mp_policy
         self.requires_grad_sync = True
         self.forward_prefetch: List["FSDPModule"] = []
+        self.backward_prefetch: List["FSDPModule"] = []
         self.fparams: List[_FSDPParam] = []
         for owner_name, owner in module.cells_and_names():
             if owner is not module and isinstance(owner, FSDPModule):
@@ -121,6 +125,17 @@ class _FSDPState:
                 if id(p) in ignored or getattr(p, "fsdp_sharded", False):
                     continue
                 self.fparams.append(_FSDPParam(owner, attr, p, group))
+
+    def prefetch_for_backward(self) -> None:
+        """Start the all-gathers of the units whose backward comes next. Only units that
+        reshard after forward gather again (in their recomputed forward) and can use them."""
+        for unit in self.backward_prefetch:
+            st = unit._fsdp_state
+            if not st.reshard_after_forward:
+                continue
+            for fp in st.fparams:
+                if fp.prefetched is None:
+                    fp.prefetched = fp.start_gather(st.param_dtype(fp))
 
     def param_dtype(self, fp: _FSDPParam):
         return to_ms_dtype(self.mp_policy.param_dtype) or fp.param.dtype
@@ -196,9 +211,9 @@ class FSDPModule:
         self._fsdp_state.forward_prefetch = list(modules)
 
     def set_modules_to_backward_prefetch(self, modules: Sequence["FSDPModule"]) -> None:
-        raise NotImplementedError("backward prefetch is not implemented: with "
-                                  "reshard_after_forward the recomputed forward gathers each "
-                                  "unit again just before its backward")
+        """Units whose all-gather starts when this unit's backward has produced its first
+        reduced gradient (i.e. before their recomputed forward needs the weights)."""
+        self._fsdp_state.backward_prefetch = list(modules)
 
 
 def fully_shard(module, mesh: Optional[comm.ProcessGroup] = None, *,
