@@ -29,7 +29,7 @@ def aot_enabled() -> bool:
 
 def blas_enabled() -> bool:
     """True when the OpenBLAS-backed matmul kernels can be used (needs scipy-openblas32)."""
-    if not aot_enabled():
+    if not aot_enabled() or os.environ.get("MS_LLM_DISABLE_BLAS", "0") == "1":
         return False
     from . import cpu_kernels
     return bool(cpu_kernels.blas_available())
