@@ -302,8 +302,5 @@ def validate(cfg: RunConfig, source: str) -> None:
         raise ConfigError(f"{source}: quant.scale_mode must be 'floor' or 'rceil'")
     if q.elem_dtype not in ("float8_e4m3fn", "float8_e5m2"):
         raise ConfigError(f"{source}: quant.elem_dtype must be float8_e4m3fn or float8_e5m2")
-    if q.recipe and p.tensor_model_parallel_size > 1:
-        raise ConfigError(f"{source}: quant.recipe with tensor parallel is not supported yet "
-                          f"(no column/row-parallel MXFP8 linears)")
     if t.resume == "auto" and not cfg.checkpoint.save_dir:
         raise ConfigError(f"{source}: training.resume=auto needs checkpoint.save_dir")

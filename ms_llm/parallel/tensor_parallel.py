@@ -17,6 +17,7 @@ from mindspore import Parameter, Tensor
 from ms_llm.compat import F, float32, int32, nn
 from ms_llm import ops as hot
 from ms_llm.ops import IGNORE_INDEX
+from ms_llm.quant.modules import apply_mx_matmul, mx_matmul_like
 from . import autograd as pa
 
 
@@ -60,13 +61,17 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = full.in_features, full.out_features // size
         self.weight = _shard_param(full.weight, 0, rank, size, rows)
         self.bias = None if full.bias is None else _shard_param(full.bias, 0, rank, size, rows)
+        # An MXFP8-quantized source keeps its recipe on the shard (quantization runs first).
+        self.mx = mx_matmul_like(full, self.in_features, self.out_features,
+                                 self.bias is not None, "ColumnParallelLinear")
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sequence_parallel:
             x = pa.gather_from_sequence_parallel(x, self.group, 1)
         else:
             x = pa.copy_to_group(x, self.group)
-        y = hot.linear(x, self.weight, self.bias)
+        y = apply_mx_matmul(self.mx, x, self.weight, self.bias) if self.mx is not None \
+            else hot.linear(x, self.weight, self.bias)
         return pa.gather_from_group(y, self.group, -1) if self.gather_output else y
 
 
@@ -86,9 +91,12 @@ class RowParallelLinear(nn.Module):
         self.bias = full.bias
         if self.bias is not None and sequence_parallel:
             self.bias.tp_partial_grad = True
+        self.mx = mx_matmul_like(full, self.in_features, self.out_features, False,
+                                 "RowParallelLinear")
 
     def forward(self, x: Tensor) -> Tensor:
-        y = hot.linear(x, self.weight)
+        y = apply_mx_matmul(self.mx, x, self.weight) if self.mx is not None \
+            else hot.linear(x, self.weight)
         if self.sequence_parallel:
             y = pa.reduce_scatter_to_sequence_parallel(y, self.group, 1)
         else:

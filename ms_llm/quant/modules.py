@@ -112,3 +112,21 @@ class MXFP8GroupedLinear(nn.Module):
         if not outs:
             return mint.zeros((0, self.out_features), dtype=x.dtype)
         return mint.cat(outs, 0)
+
+
+def mx_matmul_like(module: nn.Cell, local_in: int, local_out: int, has_bias: bool,
+                   name: str = ""):
+    """For a tensor-parallel layer built from ``module``: the MXFP8 matmul cell to use on its
+    local shard ([local_out, local_in]) if ``module`` was replaced by quantization (which runs
+    before sharding), else None. The local dims must stay multiples of 32 (clear error)."""
+    if not isinstance(module, MXFP8Linear):
+        return None
+    _check_dims(name or type(module).__name__, in_features=local_in, out_features=local_out)
+    return make_function(module.elem_dtype, module.scale_mode, has_bias)
+
+
+def apply_mx_matmul(fn, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = fn(x2, weight, bias) if bias is not None else fn(x2, weight)
+    return y.reshape(*lead, weight.shape[0])
