@@ -343,25 +343,38 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
         else:
             os.makedirs(tmp)
             sink = HFSink(tmp, spec, src.config, out_dtype, opts.max_shard_size)
-        sink.embedding(src.embedding())
-        for i in range(spec.num_layers):
-            sink.layer(i, src.layer(i))
-            if progress:
-                progress(i + 1, spec.num_layers)
-        sink.final(src.final_norm(), src.output())
-        sink.close()
-        sink = None
-        if os.path.isdir(save):
-            os.rmdir(save)
-        os.rename(tmp, save)
-        return save
+        return stream_to_sink(src, sink, tmp, save, progress=progress)
     except BaseException:
-        if sink is not None:
-            sink.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         src.close()
+
+
+def stream_to_sink(src, sink, tmp: str, out: str, *, progress=None, check=None) -> str:
+    """Copy ``src`` into ``sink`` one layer at a time (memory stays near one layer), then
+    publish the folder ``tmp`` as ``out`` by renaming it. On any failure the sink is aborted and
+    ``tmp`` removed, so ``out`` is either complete or absent. ``check()`` runs before the sink
+    is closed (e.g. to reject source tensors that nothing consumed)."""
+    try:
+        sink.embedding(src.embedding())
+        n = src.spec.num_layers
+        for i in range(n):
+            sink.layer(i, src.layer(i))
+            if progress:
+                progress(i + 1, n)
+        sink.final(src.final_norm(), src.output())
+        if check is not None:
+            check()
+        sink.close()
+    except BaseException:
+        sink.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.isdir(out):
+        os.rmdir(out)
+    os.rename(tmp, out)
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:

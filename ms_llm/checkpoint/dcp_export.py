@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from . import layouts as L
-from .convert import DTYPES, HFSink, MegatronSink
+from .convert import DTYPES, HFSink, MegatronSink, stream_to_sink
 from .dcp import DCPError, DCPReader
 from .megatron import hf_config_from_args
 
@@ -133,24 +133,9 @@ def _prepare(path: str, out_dir: str, hf_config, config, model_type_hf):
         raise
 
 
-def _run(reader: DCPReader, src: _Source, sink, tmp: str, out: str) -> str:
+def _run(reader: DCPReader, src: "_Source", sink, tmp: str, out: str) -> str:
     try:
-        sink.embedding(src.embedding())
-        for i in range(src.spec.num_layers):
-            sink.layer(i, src.layer(i))
-        sink.final(src.final_norm(), src.output())
-        src.check_all_used()
-        sink.close()
-        sink = None
-        if os.path.isdir(out):
-            os.rmdir(out)
-        os.rename(tmp, out)
-        return out
-    except BaseException:
-        if sink is not None:
-            sink.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return stream_to_sink(src, sink, tmp, out, check=src.check_all_used)
     finally:
         reader.close()
 

@@ -7,11 +7,10 @@ backward here is explicit. PyNative only (``compat.autograd.Function``).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 from mindspore import Tensor, mint
 
-from ms_llm.compat import F
 from ms_llm.compat.autograd import Function
 from . import comm
 

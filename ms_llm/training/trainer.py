@@ -14,7 +14,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 from ms_llm.checkpoint import dcp
-from ms_llm.compat import manual_seed, setup_device, float32
+from ms_llm.compat import manual_seed, setup_device
 from ms_llm.config import ConfigError, RunConfig
 from ms_llm.models import GPTModel, from_pretrained
 from ms_llm.models.moe import update_expert_bias
