@@ -26,7 +26,6 @@ def small_data_overrides(root: str = "/tmp/ms_llm_fsdp_test/data") -> list:
     """A 12-word WordLevel tokenizer and a small corpus, so a 257-row vocabulary is legal (the
     batches themselves come from SyntheticLoader). Written atomically; safe to call from every
     rank."""
-    import json
     import os
     tok, corpus = os.path.join(root, "tokenizer.json"), os.path.join(root, "corpus.txt")
     if not (os.path.isfile(tok) and os.path.isfile(corpus)):

@@ -36,7 +36,6 @@ from .torch_pickle import ForbiddenGlobalError, TorchFormatError
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16),
           "fp16": np.dtype(np.float16), "float32": np.dtype(np.float32),
           "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
-_HF_TO_TYPE = {"llama": "llama2", "qwen2": "qwen25", "qwen3": "qwen3", "qwen3_moe": "qwen3-moe"}
 
 
 class ConvertError(ValueError):
@@ -134,9 +133,9 @@ class HFSource:
 
 def _infer_type(cfg: dict, path: str) -> str:
     mt = cfg.get("model_type")
-    if mt not in _HF_TO_TYPE:
+    if mt not in L.HF_MODEL_TYPE_DEFAULTS:
         raise ConvertError(f"{path}: cannot infer --model-type-hf from model_type {mt!r}; pass it")
-    return _HF_TO_TYPE[mt]
+    return L.HF_MODEL_TYPE_DEFAULTS[mt]
 
 
 class MegatronSource:

@@ -117,8 +117,7 @@ def _prepare(path: str, out_dir: str, hf_config, config, model_type_hf):
                 hf_config, model_type_hf = hf_config_from_transformer_config(config,
                                                                              model_type_hf)
         if model_type_hf is None:
-            mt = {"llama": "llama2", "qwen2": "qwen25", "qwen3": "qwen3"}.get(
-                hf_config.get("model_type"))
+            mt = L.HF_MODEL_TYPE_DEFAULTS.get(hf_config.get("model_type"))
             if mt is None:
                 raise DCPError(f"export: cannot infer model_type_hf from model_type "
                                f"{hf_config.get('model_type')!r}; pass it")

@@ -36,6 +36,9 @@ MODEL_TYPES = {  # --model-type-hf -> (family, config.json model_type)
     "qwen3": ("qwen3", "qwen3"), "qwen3-moe": ("qwen3-moe", "qwen3_moe"),
     "qwen3_moe": ("qwen3-moe", "qwen3_moe"),
 }
+# config.json model_type -> the --model-type-hf name used when none is given.
+HF_MODEL_TYPE_DEFAULTS = {"llama": "llama2", "qwen2": "qwen25", "qwen3": "qwen3",
+                          "qwen3_moe": "qwen3-moe"}
 EXTRA = "_extra_state"
 
 

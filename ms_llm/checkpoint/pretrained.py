@@ -14,7 +14,6 @@ from ms_llm.models.families import config_from_hf
 from ms_llm.models.gpt import GPTModel
 from .hf_io import read_hf_config, read_hf_weights
 from . import layouts as L
-from .hf_mapping import hf_to_mcore
 from .megatron import is_megatron_dir
 
 log = logging.getLogger("ms_llm.checkpoint")
@@ -40,10 +39,7 @@ def from_pretrained(path: str, dtype: Optional[str] = None,
     hf = read_hf_weights(path)
     # Fuse in fp32: every supported storage dtype converts to fp32 exactly.
     hf32 = {k: np.asarray(v, dtype=np.float32) for k, v in hf.items()}
-    if cfg.mlp_type == "moe":
-        mcore = _hf_moe_to_mcore(hf32, hf_cfg, cfg, source=path)
-    else:
-        mcore = hf_to_mcore(hf32, cfg, source=path)
+    mcore = _hf_to_mcore(hf32, hf_cfg, cfg, source=path)
     model = GPTModel(cfg)
     load_state_dict(model, mcore, strict=True, source=path)
     log.info("loaded %s: %d parameters", path, model.num_parameters())
@@ -83,10 +79,15 @@ def _from_megatron(path: str, dtype: Optional[str],
     return model
 
 
-def _hf_moe_to_mcore(hf: dict, hf_cfg: dict, cfg: TransformerConfig, source: str) -> dict:
-    """HF Qwen3-MoE tensors -> GPTModel keys, through the converter's per-layer layouts
-    (``layouts.hf_layer_to_full``: router, ``local_experts.{e}`` with fused ``[gate; up]``)."""
-    spec = L.spec_from_hf_config(hf_cfg, "qwen3-moe", os.path.join(source, "config.json"))
+def _hf_to_mcore(hf: dict, hf_cfg: dict, cfg: TransformerConfig, source: str) -> dict:
+    """HF tensors -> GPTModel keys through the converter's per-layer layouts (one mapping for
+    loading and converting: ``layouts.hf_layer_to_full`` fuses QKV per query group, ``[gate;
+    up]``, and routes MoE experts)."""
+    model_type = L.HF_MODEL_TYPE_DEFAULTS.get(hf_cfg.get("model_type"))
+    if model_type is None:
+        raise ValueError(f"{os.path.join(source, 'config.json')}: model_type "
+                         f"{hf_cfg.get('model_type')!r} is not supported")
+    spec = L.spec_from_hf_config(hf_cfg, model_type, os.path.join(source, "config.json"))
     used = set()
 
     def get(name: str) -> np.ndarray:
