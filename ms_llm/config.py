@@ -105,6 +105,13 @@ class QuantConfig:
 
 
 @dataclass
+class MoEConfig:
+    """How MoE layers run (their architecture is in ``model``)."""
+    dispatcher: str = "alltoall"      # alltoall | megamoe (pipelined all-to-all + expert GEMMs)
+    expert_groups: int = 2            # megamoe: local experts are split into this many groups
+
+
+@dataclass
 class RunConfig:
     model: TransformerConfig
     model_family: Optional[str]
@@ -113,17 +120,18 @@ class RunConfig:
     parallel: ParallelConfig
     checkpoint: CheckpointConfig
     quant: QuantConfig
+    moe: MoEConfig = field(default_factory=MoEConfig)
     model_overrides: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = {s: dataclasses.asdict(getattr(self, s))
-             for s in ("data", "training", "parallel", "checkpoint", "quant")}
+             for s in ("data", "training", "parallel", "checkpoint", "quant", "moe")}
         d["model"] = {"family": self.model_family, **dataclasses.asdict(self.model)}
         return d
 
 
 _SECTIONS = {"data": DataConfig, "training": TrainingConfig, "parallel": ParallelConfig,
-             "checkpoint": CheckpointConfig, "quant": QuantConfig}
+             "checkpoint": CheckpointConfig, "quant": QuantConfig, "moe": MoEConfig}
 _MODEL_FIELDS = {f.name: f for f in fields(TransformerConfig)}
 
 
@@ -279,11 +287,29 @@ def validate(cfg: RunConfig, source: str) -> None:
         raise ConfigError(f"{source}: data.dataset_type must be 'pretrain' or 'sft'")
     if p.tensor_model_parallel_size < 1:
         raise ConfigError(f"{source}: parallel.tensor_model_parallel_size must be >= 1")
-    for key in ("pipeline_model_parallel_size", "context_parallel_size",
-                "expert_model_parallel_size"):
+    for key in ("pipeline_model_parallel_size", "context_parallel_size"):
         if getattr(p, key) != 1:
             raise ConfigError(f"{source}: parallel.{key}={getattr(p, key)} is not available yet "
-                              f"(data, tensor and fully-sharded data parallel are; see issue 7)")
+                              f"(data, tensor, expert and fully-sharded data parallel are)")
+    ep = p.expert_model_parallel_size
+    if ep < 1:
+        raise ConfigError(f"{source}: parallel.expert_model_parallel_size must be >= 1")
+    moe = cfg.model.mlp_type == "moe"
+    if ep > 1 and not moe:
+        raise ConfigError(f"{source}: parallel.expert_model_parallel_size={ep} needs "
+                          f"model.mlp_type moe")
+    if moe and cfg.model.num_moe_experts % ep:
+        raise ConfigError(f"{source}: model.num_moe_experts ({cfg.model.num_moe_experts}) is not "
+                          f"divisible by parallel.expert_model_parallel_size ({ep})")
+    if moe and p.tensor_model_parallel_size > 1:
+        raise ConfigError(f"{source}: model.mlp_type moe with parallel.tensor_model_parallel_size"
+                          f" > 1 is not supported (expert tensor parallel is not built); use "
+                          f"expert and data parallel")
+    if cfg.moe.dispatcher not in ("alltoall", "megamoe"):
+        raise ConfigError(f"{source}: moe.dispatcher must be 'alltoall' or 'megamoe', got "
+                          f"{cfg.moe.dispatcher!r}")
+    if cfg.moe.expert_groups < 1:
+        raise ConfigError(f"{source}: moe.expert_groups must be >= 1")
     if p.fsdp_size < 1:
         raise ConfigError(f"{source}: parallel.fsdp_size must be >= 1")
     if p.fsdp_size > 1 and t.jit:

@@ -72,3 +72,39 @@ class SyntheticLoader:
 
     def load_state_dict(self, state):
         self.consumed_samples = int(state["consumed_samples"])
+
+
+# A tiny MoE run (8 experts, top-2, aux loss), micro-batch 2 everywhere so that the 1-, 2- and
+# 4-worker runs see the same micro-batches (the aux loss is per micro-batch, so it must).
+MOE = ["--training.jit", "false", "--model.mlp_type", "moe", "--model.num_moe_experts", "8",
+       "--model.moe_router_topk", "2", "--model.moe_ffn_hidden_size", "32",
+       "--model.moe_aux_loss_coeff", "0.01", "--training.micro_batch_size", "2",
+       "--training.max_steps", "5"]
+# Sigmoid router with aux-loss-free expert bias; experts 2 and 7 get bias -10 so they never
+# win a top-2 slot (scores are in (0, 1)): the all-to-alls carry zero-row splits.
+MOE_DEAD = ["--model.moe_router_score_function", "sigmoid",
+            "--model.moe_router_enable_expert_bias", "true", "--model.moe_aux_loss_coeff", "0"]
+DEAD_EXPERTS = (2, 7)
+
+
+def kill_experts(trainer, experts=DEAD_EXPERTS) -> None:
+    """Give ``experts`` a routing bias of -10 in every router of ``trainer.model``."""
+    import numpy as np
+    from mindspore import Tensor
+    from ms_llm.models.moe import moe_layers
+    for layer in moe_layers(trainer.model):
+        bias = layer.router.expert_bias.asnumpy().copy()
+        bias[list(experts)] = -10.0
+        layer.router.expert_bias.set_data(Tensor(bias))
+
+
+def run_record(trainer) -> dict:
+    """Losses, grad norms and (MoE) the last forward's routed-slot counts per layer."""
+    from ms_llm.models.moe import moe_layers
+    records = trainer.fit()
+    out = {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records]}
+    layers = moe_layers(trainer.model)
+    if layers:
+        out["expert_counts"] = [[int(c) for c in layer.router.stats[1].asnumpy()]
+                                for layer in layers]
+    return out

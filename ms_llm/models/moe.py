@@ -22,7 +22,7 @@ router keeps the differentiable loss of its last forward, and ``aux_loss(model)`
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 from mindspore import Tensor
@@ -135,13 +135,17 @@ class TopKRouter(nn.Module):
         if self.training and self.expert_bias is not None:
             self.local_tokens_per_expert += counts.asnumpy().astype(np.float64)
 
-    def update_expert_bias(self) -> None:
+    def update_expert_bias(self, reduce_counts: Optional[Callable[[np.ndarray], np.ndarray]]
+                           = None) -> None:
         """Megatron's ``get_updated_expert_bias``: ``bias += rate * sign(mean(count) - count)``
-        over the tokens routed since the last update; call after each optimizer step (with the
-        counts summed over data-parallel ranks first when there are several)."""
+        over the tokens routed since the last update; call after each optimizer step.
+        ``reduce_counts`` sums the counts over the ranks that share this router (data parallel),
+        so every replica applies the same update."""
         if self.expert_bias is None:
             return
         counts = self.local_tokens_per_expert
+        if reduce_counts is not None:
+            counts = reduce_counts(counts)
         step = np.sign(counts.mean() - counts) * self.config.moe_router_bias_update_rate
         bias = self.expert_bias.asnumpy().astype(np.float64) + step
         self.expert_bias.set_data(Tensor(bias.astype(np.float32)).astype(self.expert_bias.dtype))
@@ -162,6 +166,13 @@ class MoELocalTokenDispatcher:
         self.num_experts, self.topk = num_experts, topk
         self._restore: Optional[Tensor] = None
         self._probs: Optional[Tensor] = None
+
+    def run(self, hidden_states: Tensor, probs: Tensor, top_indices: Tensor,
+            experts: nn.Module) -> Tensor:
+        """Megatron's MoELayer body: permute -> experts -> unpermute. A fused dispatcher
+        (MegaMoE) overrides this to interleave communication with the experts' compute."""
+        permuted, tokens_per_expert = self.token_permutation(hidden_states, probs, top_indices)
+        return self.token_unpermutation(experts(permuted, tokens_per_expert))
 
     def token_permutation(self, hidden_states: Tensor, probs: Tensor,
                           top_indices: Tensor) -> Tuple[Tensor, List[int]]:
@@ -202,12 +213,24 @@ class SequentialMLP(nn.Module):
         self.gmm_impl = "auto"   # see ms_llm.ops.moe.grouped_matmul
 
     def forward(self, x: Tensor, tokens_per_expert: List[int]) -> Tensor:
-        fc1 = [e.linear_fc1.weight for e in self.local_experts]
-        fc2 = [e.linear_fc2.weight for e in self.local_experts]
+        fc1, fc2, _ = self.expert_weights()
         h = moe_ops.grouped_matmul(x, fc1, tokens_per_expert, transpose_b=True, impl=self.gmm_impl)
         h = hot.swiglu(h)
         return moe_ops.grouped_matmul(h, fc2, tokens_per_expert, transpose_b=True,
                                       impl=self.gmm_impl)
+
+    def expert_weights(self) -> Tuple[List[Tensor], List[Tensor], bool]:
+        """Per local expert ``(fc1 [2F, H], fc2 [H, F], transpose_b=True)`` (Linear layout)."""
+        return ([e.linear_fc1.weight for e in self.local_experts],
+                [e.linear_fc2.weight for e in self.local_experts], True)
+
+    def weight_params(self) -> List[Tensor]:
+        fc1, fc2, _ = self.expert_weights()
+        return fc1 + fc2
+
+    def grads_to_params(self, d_fc1: List[Tensor], d_fc2: List[Tensor]) -> List[Tensor]:
+        """Per-expert weight gradients in ``weight_params()`` order."""
+        return list(d_fc1) + list(d_fc2)
 
 
 class GroupedMLP(nn.Module):
@@ -224,12 +247,22 @@ class GroupedMLP(nn.Module):
         self.gmm_impl = "auto"
 
     def forward(self, x: Tensor, tokens_per_expert: List[int]) -> Tensor:
-        e, hdim = self.num_local_experts, self.weight1.shape[0]
-        w1 = self.weight1.reshape(e, hdim, -1)
-        w2 = self.weight2.reshape(e, -1, hdim)
+        w1, w2, _ = self.expert_weights()
         h = moe_ops.grouped_matmul(x, w1, tokens_per_expert, impl=self.gmm_impl)
         h = hot.swiglu(h)
         return moe_ops.grouped_matmul(h, w2, tokens_per_expert, impl=self.gmm_impl)
+
+    def expert_weights(self) -> Tuple[Tensor, Tensor, bool]:
+        """``(w1 [E, H, 2F], w2 [E, F, H], transpose_b=False)`` views of the flat weights."""
+        e, hdim = self.num_local_experts, self.weight1.shape[0]
+        return self.weight1.reshape(e, hdim, -1), self.weight2.reshape(e, -1, hdim), False
+
+    def weight_params(self) -> List[Tensor]:
+        return [self.weight1, self.weight2]
+
+    def grads_to_params(self, d_w1: List[Tensor], d_w2: List[Tensor]) -> List[Tensor]:
+        return [F.cat([g.reshape(1, *g.shape) for g in d_w1], 0).reshape(self.weight1.shape),
+                F.cat([g.reshape(1, *g.shape) for g in d_w2], 0).reshape(self.weight2.shape)]
 
 
 class SharedExpertMLP(MLP):
@@ -271,10 +304,7 @@ class MoELayer(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         probs, top_indices = self.router(x)
         self.last_top_indices = top_indices
-        permuted, tokens_per_expert = self.token_dispatcher.token_permutation(x, probs,
-                                                                              top_indices)
-        out = self.experts(permuted, tokens_per_expert)
-        y = self.token_dispatcher.token_unpermutation(out)
+        y = self.token_dispatcher.run(x, probs, top_indices, self.experts)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.reshape(shape)
@@ -320,9 +350,10 @@ def hf_load_balancing_loss(model: nn.Module) -> Tensor:
     return F.sum(counts * score) * (layers[0].router.num_experts / float(n * n))
 
 
-def update_expert_bias(model: nn.Module) -> None:
+def update_expert_bias(model: nn.Module,
+                       reduce_counts: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> None:
     """Apply the aux-loss-free bias update of every router in ``model`` (a model, a layer or a
-    router; no-op without expert bias)."""
+    router; no-op without expert bias); ``reduce_counts`` as in ``TopKRouter``."""
     for _, cell in model.cells_and_names():
         if isinstance(cell, TopKRouter):
-            cell.update_expert_bias()
+            cell.update_expert_bias(reduce_counts)

@@ -160,3 +160,101 @@ def _gmm_native(x: Tensor, weight: Weights, sizes: List[int], transpose_b: bool)
         w = w.swapaxes(1, 2)
     ends = np.cumsum(sizes).astype(np.int64).tolist()
     return gmm([x], [w], group_list=ends, group_type=0)[0]
+
+
+# ----------------------------------------------------------------------------- explicit expert FFN
+# Forward and backward of the SwiGLU expert FFN written out GEMM by GEMM, for pipelines that
+# schedule the backward themselves (MegaMoE: each expert group's backward GEMMs run while the
+# next group's gradient all-to-all is in flight). Plain MoE layers use autograd instead.
+
+def matmul(a: Tensor, b: Tensor, transpose_a: bool = False, transpose_b: bool = False) -> Tensor:
+    """2-D ``op(a) @ op(b)`` on the fast path (OpenBLAS on CPU)."""
+    if is_cpu():
+        from .cpu_kernels import blas
+        return blas.bmm(a.reshape(1, *a.shape), b.reshape(1, *b.shape),
+                        transpose_a, transpose_b)[0]
+    aa = a.swapaxes(0, 1) if transpose_a else a
+    bb = b.swapaxes(0, 1) if transpose_b else b
+    return mint.matmul(aa, bb)
+
+
+def swiglu_backward(h: Tensor, d_act: Tensor) -> Tensor:
+    """Gradient of ``silu(gate) * up`` (``h = [gate, up]``) with respect to ``h``."""
+    gate, up = mint.chunk(h, 2, -1)
+    s = mint.sigmoid(gate)
+    silu = gate * s
+    d_gate = d_act * up * (s * (1 + gate * (1 - s)))
+    return mint.cat([d_gate, d_act * silu], -1)
+
+
+def _blocks(x: Tensor, sizes: Sequence[int]) -> List[Tensor]:
+    return list(F.split(x, [int(s) for s in sizes], 0)) if len(sizes) > 1 else [x]
+
+
+def expert_ffn_forward(x: Tensor, w1: Weights, w2: Weights, sizes: Sequence[int],
+                       transpose_b: bool) -> Tuple[Tensor, Tensor]:
+    """``y = swiglu(x_e W1_e) W2_e`` per expert block; returns ``(y, h)`` with ``h`` the fc1
+    output kept for backward. Weights as in ``grouped_matmul`` (``transpose_b``: Linear layout
+    ``[M, K]``)."""
+    from .swiglu import swiglu
+    hs, ys = [], []
+    for e, xe in enumerate(_blocks(x, sizes)):
+        if int(sizes[e]) == 0:
+            continue
+        h = matmul(xe, w1[e], transpose_b=transpose_b)
+        hs.append(h)
+        ys.append(matmul(swiglu(h), w2[e], transpose_b=transpose_b))
+    if not ys:
+        out_dim = w2[0].shape[0] if transpose_b else w2[0].shape[1]
+        mid = w1[0].shape[0] if transpose_b else w1[0].shape[1]
+        return (mint.zeros((0, out_dim), dtype=x.dtype), mint.zeros((0, mid), dtype=x.dtype))
+    return (ys[0], hs[0]) if len(ys) == 1 else (F.cat(ys, 0), F.cat(hs, 0))
+
+
+def expert_ffn_backward_data(dy: Tensor, h: Tensor, w1: Weights, w2: Weights,
+                             sizes: Sequence[int], transpose_b: bool) -> Tuple[Tensor, Tensor]:
+    """Activation gradients of ``expert_ffn_forward``: ``(dx, dh)`` (``dh`` feeds the weight
+    gradients). Split from the weight gradients so a pipeline can send ``dx`` first and compute
+    ``dW`` while it travels."""
+    live = [e for e, s in enumerate(sizes) if int(s)]
+    live_sizes = [int(sizes[e]) for e in live]
+    if not live:
+        in_dim = w1[0].shape[1] if transpose_b else w1[0].shape[0]
+        return mint.zeros((0, in_dim), dtype=dy.dtype), h
+    dys, hs = _blocks(dy, live_sizes), _blocks(h, live_sizes)
+    dxs, dhs = [], []
+    for i, e in enumerate(live):
+        d_a = matmul(dys[i], w2[e], transpose_b=not transpose_b)
+        dh = swiglu_backward(hs[i], d_a)
+        dhs.append(dh)
+        dxs.append(matmul(dh, w1[e], transpose_b=not transpose_b))
+    if len(dxs) == 1:
+        return dxs[0], dhs[0]
+    return F.cat(dxs, 0), F.cat(dhs, 0)
+
+
+def expert_ffn_backward_weight(dy: Tensor, x: Tensor, h: Tensor, dh: Tensor, w1: Weights,
+                               w2: Weights, sizes: Sequence[int], transpose_b: bool
+                               ) -> Tuple[List[Tensor], List[Tensor]]:
+    """Weight gradients ``([dW1_e], [dW2_e])`` in the weights' own layout; an expert without
+    rows gets zeros."""
+    from .swiglu import swiglu
+    live = [e for e, s in enumerate(sizes) if int(s)]
+    live_sizes = [int(sizes[e]) for e in live]
+    dw1, dw2 = [F.zeros_like(w) for w in _each(w1)], [F.zeros_like(w) for w in _each(w2)]
+    if not live:
+        return dw1, dw2
+    dys, xs, hs, dhs = (_blocks(t, live_sizes) for t in (dy, x, h, dh))
+    for i, e in enumerate(live):
+        a = swiglu(hs[i])
+        if transpose_b:     # Linear layout: W1 [2F, H], W2 [H, F]
+            dw2[e] = matmul(dys[i], a, transpose_a=True)
+            dw1[e] = matmul(dhs[i], xs[i], transpose_a=True)
+        else:               # W1 [H, 2F], W2 [F, H]
+            dw2[e] = matmul(a, dys[i], transpose_a=True)
+            dw1[e] = matmul(xs[i], dhs[i], transpose_a=True)
+    return dw1, dw2
+
+
+def _each(w: Weights) -> List[Tensor]:
+    return [w[e] for e in range(w.shape[0])] if isinstance(w, Tensor) else list(w)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from mindspore import Tensor, mint
 
 from ms_llm.compat.autograd import Function
@@ -120,18 +122,18 @@ class _ReduceScatterToSequenceParallel(Function):
 
 class _AllToAll(Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (list(out_splits), list(in_splits)), group
-        out = mint.zeros((sum(out_splits),) + tuple(x.shape[1:]), dtype=x.dtype)
-        comm.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    def forward(ctx, x, matrix, group):
+        ctx.matrix, ctx.group = matrix, group
+        out = mint.zeros((int(matrix[:, group.rank].sum()),) + tuple(x.shape[1:]), dtype=x.dtype)
+        comm.all_to_all_v(out, x, matrix, group=group)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        out_splits, in_splits = ctx.splits
-        dx = mint.zeros((sum(in_splits),) + tuple(g.shape[1:]), dtype=g.dtype)
-        comm.all_to_all_single(dx, g.contiguous(), in_splits, out_splits, group=ctx.group)
-        return dx, None, None, None
+        m, group = ctx.matrix, ctx.group
+        dx = mint.zeros((int(m[group.rank].sum()),) + tuple(g.shape[1:]), dtype=g.dtype)
+        comm.all_to_all_v(dx, g.contiguous(), m.T, group=group)
+        return dx, None, None
 
 
 def _trivial(group) -> bool:
@@ -165,8 +167,16 @@ def reduce_scatter_to_sequence_parallel(x: Tensor, group, dim: int = 1) -> Tenso
 
 
 def all_to_all(x: Tensor, group, output_split_sizes: Sequence[int],
-               input_split_sizes: Sequence[int]) -> Tensor:
-    """Differentiable ``all_to_all_single`` along dim 0 (backward sends the gradients back)."""
+               input_split_sizes: Sequence[int], split_matrix=None) -> Tensor:
+    """Differentiable ``all_to_all_single`` along dim 0 (backward sends the gradients back).
+    ``split_matrix`` (``[i, j]`` = rows rank i sends to rank j), when the caller already has it,
+    saves the exchange of split sizes."""
     if _trivial(group):
         return x
-    return _AllToAll.apply(x, list(output_split_sizes), list(input_split_sizes), group)
+    if split_matrix is None:
+        split_matrix = comm.exchange_split_sizes(list(input_split_sizes), group)
+    m = np.asarray(split_matrix, np.int64)
+    if [int(v) for v in m[:, group.rank]] != [int(v) for v in output_split_sizes]:
+        raise ValueError(f"all_to_all: output_split_sizes {list(output_split_sizes)} disagree "
+                         f"with what the peers send {m[:, group.rank].tolist()}")
+    return _AllToAll.apply(x, m, group)

@@ -55,6 +55,7 @@ class _WatchedDist:
         fn = getattr(dist, name)
 
         def call(*args, **kwargs):
+            _drain_comm_thread()
             with _watched(name):
                 return fn(*args, **kwargs)
         return call
@@ -185,6 +186,7 @@ class Work:
 
     def __init__(self, handles: Sequence = (), then: Optional[Callable[[], None]] = None):
         self._handles, self._then, self._done = list(handles), then, False
+        self.timing: Optional[Tuple[float, float]] = None   # known for thread-run collectives
 
     def wait(self) -> bool:
         if not self._done:
@@ -281,7 +283,20 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: str = "sum",
         _log_once("reduce_scatter_tensor", "native kernel")
         h = _dist().reduce_scatter_tensor(output, input, op=op, group=g.name, async_op=async_op)
         return _finish(Work([h] if async_op else []), async_op)
+    if _CPU_REDUCE_SCATTER == "scatter":
+        _log_once("reduce_scatter_tensor", "CPU: one scatter per root + local combine")
+        return _reduce_scatter_by_scatter(output, input, op, g, async_op)
     _log_once("reduce_scatter_tensor", "CPU: all_reduce on a copy + narrow (2x traffic)")
+    return _reduce_scatter_by_all_reduce(output, input, op, g, async_op)
+
+
+# The CPU composition reduce_scatter_tensor uses; benchmarks/collectives.py measures both.
+_CPU_REDUCE_SCATTER = "scatter"
+
+
+def _reduce_scatter_by_all_reduce(output: Tensor, input: Tensor, op: str, g: ProcessGroup,
+                                  async_op: bool) -> Optional[Work]:
+    """All-reduce a copy of the whole input, keep this rank's slice (2(W-1)/W x N bytes sent)."""
     buf = input.copy()
     n = output.shape[0]
     h = _dist().all_reduce(buf, op="sum" if op == "avg" else op, group=g.name, async_op=async_op)
@@ -292,12 +307,43 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: str = "sum",
     return _finish(Work([h] if async_op else [], then), async_op)
 
 
-def _split_matrix(splits: Sequence[int], g: ProcessGroup) -> np.ndarray:
-    """Every rank's input split sizes, gathered: row i = what rank i sends to each rank."""
+_COMBINE = {"sum": lambda a, b: a + b, "avg": lambda a, b: a + b, "prod": lambda a, b: a * b,
+            "max": lambda a, b: mint.maximum(a, b), "min": lambda a, b: mint.minimum(a, b)}
+
+
+def _reduce_scatter_by_scatter(output: Tensor, input: Tensor, op: str, g: ProcessGroup,
+                               async_op: bool) -> Optional[Work]:
+    """Rank j's slice of every rank's input reaches rank j through one ``scatter`` rooted at each
+    rank (W calls; the slices are views, not copies); rank j then combines the W slices in rank
+    order. Each rank sends (W-1)/W x N bytes, what a native reduce-scatter moves."""
+    n, w = output.shape[0], g.size
+    chunks = [mint.narrow(input, 0, j * n, n) for j in range(w)]
+    bufs, handles = [], []
+    for root in range(w):
+        buf = mint.zeros(output.shape, dtype=output.dtype)
+        bufs.append(buf)
+        handles.append(_dist().scatter(buf, chunks if root == g.rank else [],
+                                       src=g.global_rank(root), group=g.name, async_op=async_op))
+
+    def then():
+        acc = bufs[0]
+        for b in bufs[1:]:
+            acc = _COMBINE[op](acc, b)
+        F.copy_(output, acc / w if op == "avg" else acc)
+    return _finish(Work(handles if async_op else [], then), async_op)
+
+
+def exchange_split_sizes(splits: Sequence[int], group: Optional[ProcessGroup] = None
+                         ) -> np.ndarray:
+    """Every rank's split sizes (or any integer vector of one length, e.g. per-expert counts),
+    gathered: row i = group rank i's vector (one ``all_gather``)."""
+    g = _group(group)
+    if g.size == 1:
+        return np.asarray([list(splits)], np.int64)
     mine = Tensor(np.asarray(splits, np.int32))
-    rows = [Tensor(np.zeros(g.size, np.int32)) for _ in range(g.size)]
+    rows = [Tensor(np.zeros(len(splits), np.int32)) for _ in range(g.size)]
     _dist().all_gather(rows, mine, group=g.name)
-    return np.stack([r.asnumpy() for r in rows])
+    return np.stack([r.asnumpy() for r in rows]).astype(np.int64)
 
 
 def all_to_all_single(output: Tensor, input: Tensor,
@@ -313,26 +359,67 @@ def all_to_all_single(output: Tensor, input: Tensor,
         [input.shape[0] // w] * w
     out_splits = list(output_split_sizes) if output_split_sizes is not None else \
         [output.shape[0] // w] * w
-    if sum(in_splits) != input.shape[0] or len(in_splits) != w:
-        raise ValueError(f"all_to_all_single: input_split_sizes {in_splits} do not match input "
-                         f"dim 0 ({input.shape[0]}) and group size {w}")
-    if sum(out_splits) != output.shape[0] or len(out_splits) != w:
-        raise ValueError(f"all_to_all_single: output_split_sizes {out_splits} do not match "
-                         f"output dim 0 ({output.shape[0]}) and group size {w}")
+    _check_splits(output, input, out_splits, in_splits, w)
     if w == 1:
         F.copy_(output, input)
         return _finish(Work(), async_op)
+    matrix = exchange_split_sizes(in_splits, g) if is_cpu() else None
+    if matrix is not None and [int(v) for v in matrix[:, g.rank]] != out_splits:
+        raise ValueError(f"all_to_all_single: output_split_sizes {out_splits} on rank "
+                         f"{get_rank()} disagree with what the peers send "
+                         f"{matrix[:, g.rank].tolist()}")
+    return _all_to_all(output, input, out_splits, in_splits, matrix, g, async_op)
+
+
+def all_to_all_v(output: Tensor, input: Tensor, split_matrix: np.ndarray,
+                 group: Optional[ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
+    """``all_to_all_single`` when every rank already knows the whole ``split_matrix``
+    (``[i, j]`` = rows group rank i sends to group rank j), e.g. an expert-parallel dispatcher
+    that exchanged its per-expert counts once for several all-to-alls: no size exchange here.
+
+    ``async_op=True`` overlaps the exchange with the caller's compute: native asynchronous
+    collectives on Ascend; on CPU the composition runs on one background communication thread
+    (MindSpore's CPU collectives block the calling thread even with ``async_op``). Collectives
+    issued from the main thread first wait for that thread's queue, so every rank still issues
+    its collectives in one order."""
+    g = _group(group)
+    m = np.asarray(split_matrix, np.int64)
+    if m.shape != (g.size, g.size):
+        raise ValueError(f"all_to_all_v: split_matrix has shape {m.shape}, expected "
+                         f"({g.size}, {g.size})")
+    in_splits, out_splits = [int(v) for v in m[g.rank]], [int(v) for v in m[:, g.rank]]
+    _check_splits(output, input, out_splits, in_splits, g.size)
+    if g.size == 1:
+        F.copy_(output, input)
+        return _finish(Work(), async_op)
+    return _all_to_all(output, input, out_splits, in_splits, m, g, async_op)
+
+
+def _check_splits(output: Tensor, input: Tensor, out_splits, in_splits, w: int) -> None:
+    if sum(in_splits) != input.shape[0] or len(in_splits) != w:
+        raise ValueError(f"all_to_all: input_split_sizes {in_splits} do not match input "
+                         f"dim 0 ({input.shape[0]}) and group size {w}")
+    if sum(out_splits) != output.shape[0] or len(out_splits) != w:
+        raise ValueError(f"all_to_all: output_split_sizes {out_splits} do not match "
+                         f"output dim 0 ({output.shape[0]}) and group size {w}")
+
+
+def _all_to_all(output, input, out_splits, in_splits, matrix, g: ProcessGroup,
+                async_op: bool) -> Optional[Work]:
     if not is_cpu():
         _log_once("all_to_all_single", "native kernel")
         h = _dist().all_to_all_single(output, input, out_splits, in_splits, group=g.name,
                                       async_op=async_op)
         return _finish(Work([h] if async_op else []), async_op)
     _log_once("all_to_all_single", "CPU: one scatter per root, rows padded to the root's max")
-    matrix = _split_matrix(in_splits, g)
-    if [int(v) for v in matrix[:, g.rank]] != out_splits:
-        raise ValueError(f"all_to_all_single: output_split_sizes {out_splits} on rank "
-                         f"{get_rank()} disagree with what the peers send "
-                         f"{matrix[:, g.rank].tolist()}")
+    if async_op:
+        return _submit(lambda: _all_to_all_cpu(output, input, in_splits, matrix, g))
+    _all_to_all_cpu(output, input, in_splits, matrix, g)
+    return None
+
+
+def _all_to_all_cpu(output, input, in_splits, matrix: np.ndarray, g: ProcessGroup) -> None:
+    w = g.size
     tail = tuple(input.shape[1:])
     offsets = np.concatenate([[0], np.cumsum(in_splits)])
     received = []
@@ -359,7 +446,56 @@ def all_to_all_single(output: Tensor, input: Tensor,
         output.copy_(mint.cat(received, 0))
     elif received:
         F.copy_(output, received[0])   # a narrow() view: needs compat's copy_ workaround
-    return _finish(Work(), async_op)
+
+
+# ----------------------------------------------------------------------------- comm thread
+_COMM = {"executor": None, "pending": [], "local": threading.local()}
+
+
+class _ThreadWork(Work):
+    """A collective running on the communication thread; ``wait()`` joins it (and re-raises
+    its error in the caller)."""
+
+    def __init__(self, future):
+        super().__init__()
+        self._future = future
+        self.timing: Optional[Tuple[float, float]] = None   # perf_counter start/end on the thread
+
+    def wait(self) -> bool:
+        if not self._done:
+            with _watched("wait"):
+                self.timing = self._future.result()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or self._future.done()
+
+
+def _submit(fn: Callable[[], None]) -> Work:
+    if _COMM["executor"] is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def mark():
+            _COMM["local"].comm_thread = True
+        _COMM["executor"] = ThreadPoolExecutor(1, thread_name_prefix="ms_llm-comm",
+                                               initializer=mark)
+
+    def timed():
+        t0 = time.perf_counter()
+        fn()
+        return t0, time.perf_counter()
+    fut = _COMM["executor"].submit(timed)
+    _COMM["pending"] = [f for f in _COMM["pending"] if not f.done()] + [fut]
+    return _ThreadWork(fut)
+
+
+def _drain_comm_thread() -> None:
+    """Called before any collective on a non-communication thread: finish queued ones first."""
+    if _COMM["pending"] and not getattr(_COMM["local"], "comm_thread", False):
+        pending, _COMM["pending"] = _COMM["pending"], []
+        for fut in pending:
+            fut.result()
 
 
 def broadcast(tensor: Tensor, src: int, group: Optional[ProcessGroup] = None,

@@ -105,3 +105,39 @@ class GradBuckets:
             n = int(np.prod(p.shape))
             out[i] = mint.narrow(flat, 0, offset, n).reshape(p.shape).astype(p.dtype)
             offset += n
+
+
+class PartitionedGradSync:
+    """Several ``GradBuckets`` over disjoint parameter sets, each reduced over its own group
+    (dense parameters over data parallel, expert parameters over expert-data parallel), behind
+    the ``GradBuckets`` interface in the trainer's parameter order. Overlap with backward only
+    when every part has peers to reduce with (a one-rank part has no hooks that would
+    accumulate its gradients); otherwise every part reduces after backward."""
+
+    def __init__(self, parts: Sequence[tuple], overlap: bool = True, **kwargs):
+        """``parts``: ``(param indices, params, group, enabled)``; ``kwargs`` go to every
+        ``GradBuckets``."""
+        parts = [p for p in parts if p[0]]
+        overlap = overlap and all(on and group.size > 1 for _, _, group, on in parts)
+        self.parts = [(list(idx), GradBuckets(params, group, overlap=overlap, enabled=on,
+                                              **kwargs))
+                      for idx, params, group, on in parts]
+        self.n = sum(len(idx) for idx, _ in self.parts)
+        self.overlap = overlap
+
+    def begin_micro_batch(self, is_last: bool) -> None:
+        for _, b in self.parts:
+            b.begin_micro_batch(is_last)
+
+    def _stitch(self, per_part) -> List[Tensor]:
+        out: List[Optional[Tensor]] = [None] * self.n
+        for (idx, _), grads in zip(self.parts, per_part):
+            for i, g in zip(idx, grads):
+                out[i] = g
+        return out
+
+    def finish(self) -> List[Tensor]:
+        return self._stitch([b.finish() for _, b in self.parts])
+
+    def reduce(self, grads: Sequence[Tensor]) -> List[Tensor]:
+        return self._stitch([b.reduce([grads[i] for i in idx]) for idx, b in self.parts])

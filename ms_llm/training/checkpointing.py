@@ -38,6 +38,10 @@ def _regions(name: str, p, tp_rank: int, tp_size: int) -> List[Tuple[str, tuple,
             off[tp_dim] = tp_rank * tp_local[tp_dim]
         off[0] += start
         sizes = [length] + list(tp_local[1:])
+        if hasattr(p, "expert_shard"):     # grouped expert weights split over expert parallel
+            dim, ep_rank, ep_size = p.expert_shard
+            gshape[dim] *= ep_size
+            off[dim] += ep_rank * tp_local[dim]
         return [(name, tuple(gshape), tuple(off), tuple(sizes), 0, length)]
     # Gated fc1 under tp: local rows [0, h) are gate_r, [h, 2h) are up_r.
     half = full_rows // 2
@@ -58,10 +62,22 @@ def _glu_split_always(named_params) -> Dict[str, bool]:
             for n, _ in named_params}
 
 
+def _global_name(name: str, p) -> str:
+    """Checkpoint name of a parameter: an expert kept under expert parallel is stored under its
+    global expert index (``local_experts.{global}``), whatever this rank calls it."""
+    if not hasattr(p, "expert_index"):
+        return name
+    local, glob = p.expert_index
+    key = f"local_experts.{local}."
+    if key not in name:
+        raise ValueError(f"checkpoint: expert parameter {name} has no '{key}' component")
+    return name.replace(key, f"local_experts.{glob}.", 1)
+
+
 def _pieces(named_params, optimizer, pstate, glu: Dict[str, bool]):
     tp_rank, tp_size = pstate.tp_rank, pstate.sizes.tp
     for idx, (name, p) in enumerate(named_params):
-        regions = _regions(name, p, tp_rank, tp_size)
+        regions = _regions(_global_name(name, p), p, tp_rank, tp_size)
         if glu[name] and len(regions) == 1:          # tp = 1: split [gate; up] too
             n, gshape, off, sizes, _, length = regions[0]
             half = gshape[0] // 2
@@ -74,7 +90,9 @@ def _pieces(named_params, optimizer, pstate, glu: Dict[str, bool]):
                                 (lo - off[0]) if k else 0, k))
         sharded = getattr(p, "fsdp_sharded", False)
         tp_sharded = getattr(p, "tensor_model_parallel", False)
-        write = (sharded or pstate.dp_rank == 0) and (tp_sharded or tp_rank == 0) \
+        # Experts differ across the ep ranks and repeat across expert-data-parallel replicas.
+        expert = getattr(p, "expert_parallel", False) and pstate.dp_rank < pstate.sizes.ep
+        write = (sharded or pstate.dp_rank == 0 or expert) and (tp_sharded or tp_rank == 0) \
             and pstate.cp_rank == 0
         for prefix, tensor in (("", p), ("optimizer.exp_avg.", optimizer.exp_avg[idx]),
                                ("optimizer.exp_avg_sq.", optimizer.exp_avg_sq[idx])):
@@ -93,7 +111,8 @@ def save(save_dir: str, step: int, model_named, optimizer, pstate, state: dict, 
     state = dict(state, optimizer_step=optimizer.step_count)
     return dcp.save_checkpoint(save_dir, step, local, state, rank=rank, world_size=world,
                                barrier=barrier, keep_last=keep_last,
-                               mesh={"tp": pstate.sizes.tp, "dp": pstate.sizes.dp})
+                               mesh={"tp": pstate.sizes.tp, "dp": pstate.sizes.dp,
+                                     "ep": pstate.sizes.ep})
 
 
 def load(path: str, model_named, optimizer, pstate) -> dict:

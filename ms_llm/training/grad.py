@@ -35,10 +35,11 @@ def host_sum_of_squares(grads: Sequence[Tensor]) -> float:
 
 
 def global_norm(grads: Sequence[Tensor], params: Sequence = None, tp_group=None,
-                dp_group=None) -> float:
+                dp_group=None, ep_group=None) -> float:
     """L2 norm of the full (unsharded) gradient. A parameter sharded over tensor parallel
-    (``tensor_model_parallel``) and/or FSDP (``fsdp_sharded``, over the dp group) contributes its
-    squares summed over those groups; replicated parameters count once."""
+    (``tensor_model_parallel``), FSDP (``fsdp_sharded``, over the dp group) and/or expert
+    parallel (``expert_parallel``, over the ep group) contributes its squares summed over those
+    groups; replicated parameters count once."""
     if not grads:
         return 0.0
     if params is None:
@@ -47,15 +48,18 @@ def global_norm(grads: Sequence[Tensor], params: Sequence = None, tp_group=None,
     buckets = {}
     for g, p in zip(grads, params):
         key = (bool(getattr(p, "tensor_model_parallel", False)) and tp_group is not None,
-               bool(getattr(p, "fsdp_sharded", False)) and dp_group is not None)
+               bool(getattr(p, "fsdp_sharded", False)) and dp_group is not None,
+               bool(getattr(p, "expert_parallel", False)) and ep_group is not None)
         buckets.setdefault(key, []).append(g)
     total = 0.0
-    for (over_tp, over_dp), gs in buckets.items():
+    for (over_tp, over_dp, over_ep), gs in sorted(buckets.items()):
         sq = Tensor(np.array([host_sum_of_squares(gs)], np.float32))
         if over_tp:
             comm.all_reduce(sq, group=tp_group)
         if over_dp:
             comm.all_reduce(sq, group=dp_group)
+        if over_ep:
+            comm.all_reduce(sq, group=ep_group)
         total += float(sq.asnumpy()[0])
     return math.sqrt(total)
 

@@ -21,7 +21,8 @@ from ms_llm.models.moe import update_expert_bias
 from ms_llm.ops._dispatch import resolve_paths
 from ms_llm.parallel import comm
 from ms_llm.quant import apply_quantization
-from ms_llm.parallel.data_parallel import GradBuckets
+from ms_llm.parallel.data_parallel import PartitionedGradSync
+from ms_llm.parallel.expert_parallel import apply_expert_parallel
 from ms_llm.parallel.fsdp import apply_fsdp
 from ms_llm.parallel.parallelize import parallelize
 from ms_llm.parallel.runtime import DistInfo, init_distributed
@@ -53,7 +54,8 @@ class Trainer:
         if self.dist.world_size > 1:
             comm.set_collective_timeout(p.collective_timeout_s)
         try:
-            self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size)
+            self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
+                                                    ep=p.expert_model_parallel_size)
         except ValueError as e:
             raise ConfigError(f"launch with {self.dist.world_size} worker(s): {e}") from None
         self.tp_group, self.dp_group = self.pstate.group("tp"), self.pstate.group("dp")
@@ -73,9 +75,6 @@ class Trainer:
         cfg.model = self.data.model_config
         self.model = build_model(cfg)
         self.moe = cfg.model.mlp_type == "moe"
-        if self.moe and self.dist.world_size > 1:
-            raise ConfigError("model.mlp_type moe runs single-process for now (expert parallel "
-                              "is not built yet)")
         if cfg.quant.recipe:   # replace modules before any sharding sees them
             try:
                 names = apply_quantization(self.model, cfg.quant)
@@ -88,6 +87,14 @@ class Trainer:
             parallelize(self.model, self.pstate, sequence_parallel=p.sequence_parallel)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        expert_params = []
+        if self.moe:    # experts split over the ep group; the all-to-all / MegaMoE dispatcher
+            try:
+                expert_params = apply_expert_parallel(
+                    self.model, self.pstate.group("ep"), dispatcher=cfg.moe.dispatcher,
+                    expert_groups=cfg.moe.expert_groups)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.fsdp = p.fsdp_size > 1
         if self.fsdp:
             if p.fsdp_size != self.dp_group.size:
@@ -97,16 +104,21 @@ class Trainer:
             try:
                 apply_fsdp(self.model, self.dp_group, modules=p.fsdp_modules,
                            reshard_after_forward=p.reshard_after_forward,
-                           prefetch=p.fsdp_prefetch)
+                           prefetch=p.fsdp_prefetch, ignored_params=expert_params)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self.model.set_train(True)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
-        # Under FSDP the gathers' backward already reduce-scatters over the dp group.
-        self.grad_sync = GradBuckets(self.params, self.dp_group, bucket_mb=p.ddp_bucket_mb,
-                                     overlap=p.ddp_overlap and not t.jit and not self.fsdp,
-                                     enabled=not self.fsdp)
+        # Dense gradients are summed over data parallel (under FSDP the gathers' backward
+        # already reduce-scatters them); expert gradients over expert-data parallel.
+        is_expert = [getattr(q, "expert_parallel", False) for q in self.params]
+        parts = [([i for i, e in enumerate(is_expert) if e == want],
+                  [q for q, e in zip(self.params, is_expert) if e == want], group, on)
+                 for want, group, on in ((False, self.dp_group, not self.fsdp),
+                                         (True, self.pstate.group("edp"), True))]
+        self.grad_sync = PartitionedGradSync(parts, bucket_mb=p.ddp_bucket_mb,
+                                             overlap=p.ddp_overlap and not t.jit)
         self.optimizer = AdamW(named, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                weight_decay=t.weight_decay)
         self.grad_fn = ms.value_and_grad(self._loss, grad_position=None, weights=self.params)
@@ -196,16 +208,25 @@ class Trainer:
         if len(batches) == 1 and sumsq is not None and self.dist.world_size == 1:
             norm = math.sqrt(float(sumsq.asnumpy()))
         else:
-            norm = gradlib.global_norm(grads, self.params, self.tp_group, self.dp_group)
+            norm = gradlib.global_norm(grads, self.params, self.tp_group, self.dp_group,
+                                       self.pstate.group("ep"))
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step += 1
         lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,
                    decay_steps=t.lr_decay_steps or t.max_steps, style=t.lr_decay_style)
         self.optimizer.step(grads, lr)
         if self.moe:
-            update_expert_bias(self.model)
+            update_expert_bias(self.model, self._sum_over_dp)
         return {"loss": total_loss, "grad_norm": norm, "lr": lr,
                 "tokens": sum(int(b["tokens"].size) for b in batches) * self.dp_group.size}
+
+    def _sum_over_dp(self, counts: np.ndarray) -> np.ndarray:
+        """Routed-token counts summed over the data-parallel replicas of the routers."""
+        if self.dp_group.size == 1:
+            return counts
+        t = Tensor(counts.astype(np.float32))
+        comm.all_reduce(t, group=self.dp_group)
+        return t.asnumpy().astype(np.float64)
 
     def fit(self) -> list:
         t, ck = self.cfg.training, self.cfg.checkpoint

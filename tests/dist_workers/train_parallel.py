@@ -1,7 +1,8 @@
 """Worker for tests/test_parallel_training.py: runs several short trainings in one msrun job
 (one job start costs ~15 s here) and has rank 0 write each run's losses and grad norms as JSON.
 
-argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], where RUN_SPEC is "name:--key=value,--key=value".
+argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], where RUN_SPEC is "name:--key=value,--key=value"
+(``@dead`` among them: kill parallel_common.DEAD_EXPERTS before training).
 """
 import json
 import sys
@@ -14,17 +15,18 @@ from ms_llm.parallel.runtime import init_distributed  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from parallel_common import BASE, CONFIG  # noqa: E402
+from parallel_common import BASE, CONFIG, kill_experts, run_record  # noqa: E402
 
 info = init_distributed()
 results = {}
 for spec in sys.argv[2:]:
     name, _, extra = spec.partition(":")
-    overrides = BASE + [a for a in extra.split(",") if a]
-    cfg = load_config(CONFIG, overrides)
-    records = Trainer(cfg, info).fit()
-    results[name] = {"loss": [r["loss"] for r in records],
-                     "grad_norm": [r["grad_norm"] for r in records]}
+    args = [a for a in extra.split(",") if a]
+    cfg = load_config(CONFIG, BASE + [a for a in args if not a.startswith("@")])
+    trainer = Trainer(cfg, info)
+    if "@dead" in args:
+        kill_experts(trainer)
+    results[name] = run_record(trainer)
     print(f"RUN {name} DONE", flush=True)
 if info.rank == 0:
     with open(sys.argv[1], "w") as f:

@@ -1,0 +1,250 @@
+"""MegaMoE: one pipelined expert FFN that overlaps the all-to-alls with the experts' GEMMs.
+
+The local experts are split into ``G`` groups. Tokens are permuted so that, for each group, the
+rows bound for every ep rank are contiguous; each group then has its own (smaller) all-to-all.
+
+Forward, for g = 0..G-1::
+
+    dispatch(g+1) in flight            # all_to_all_v(async_op=True)
+    wait dispatch(g); regroup; GEMM1 -> SwiGLU -> GEMM2 for group g's experts
+    combine(g) in flight               # reverse all-to-all, waited at the end
+
+Backward, the same interleaving: the gradient all-to-all of group g+1 travels while group g's
+activation-gradient GEMMs run; group g's input gradient is sent back first and its weight-gradient
+GEMMs run while it travels. The whole pipeline is one custom-backward function
+(``compat.autograd.Function``), so the backward order is ours, not autograd's.
+
+Dropless (no capacity); rows, counts and results are those of the plain all-to-all dispatcher,
+only the order of independent work changes. With ``G = 1`` it is the plain schedule.
+
+On Ascend the asynchronous all-to-alls are native hccl ones. On CPU they run on
+``parallel.comm``'s communication thread; whether that hides time depends on free cores (on a
+2-core machine with two busy workers there is little room: ``benchmarks/moe.py`` measures it).
+A ``Timeline`` records every span (compute, comm, exposed wait) for the figure and the
+hidden-fraction figure.
+"""
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+import numpy as np
+from mindspore import Tensor, mint, ops
+
+from ms_llm.compat import F
+from ms_llm.compat.autograd import Function
+from ms_llm.models.moe import MoELocalTokenDispatcher
+from ms_llm.ops import moe as moe_ops
+from . import comm
+from .expert_parallel import _non_identity, regroup_index
+
+
+class Timeline:
+    """Spans ``(rank, phase, kind, group, t0, t1)`` with ``perf_counter`` times; ``kind`` is
+    ``compute``, ``comm`` (on the communication thread) or ``wait`` (main thread blocked)."""
+
+    def __init__(self):
+        self.events: List[dict] = []
+        self.enabled = True
+
+    def add(self, phase: str, kind: str, group: int, t0: float, t1: float, name: str = ""):
+        if self.enabled:
+            self.events.append({"rank": comm.get_rank(), "phase": phase, "kind": kind,
+                                "group": group, "name": name, "t0": t0, "t1": t1})
+
+    def clear(self) -> None:
+        self.events = []
+
+    def hidden_fraction(self) -> Optional[float]:
+        """1 - exposed wait / total all-to-all time (None without timed comm spans)."""
+        comm_t = sum(e["t1"] - e["t0"] for e in self.events if e["kind"] == "comm")
+        wait_t = sum(e["t1"] - e["t0"] for e in self.events if e["kind"] == "wait")
+        return None if comm_t <= 0 else max(0.0, 1.0 - wait_t / comm_t)
+
+
+class _Plan:
+    """Host-side layout of one forward: per expert group, the split matrix of its all-to-all,
+    the local experts it holds, their row counts and the regroup index."""
+
+    def __init__(self, counts: np.ndarray, rank: int, groups: List[np.ndarray]):
+        w, n_exp = counts.shape
+        n_local = n_exp // w
+        self.groups = groups
+        self.matrices, self.sizes, self.index, self.inverse = [], [], [], []
+        for g in groups:
+            cols = np.array([j * n_local + l for j in range(w) for l in g])
+            m = counts[:, cols].reshape(w, w, len(g)).sum(-1)              # [src, dst]
+            blocks = counts[:, rank * n_local + g]                         # [src, local e]
+            idx = _non_identity(regroup_index(blocks))
+            self.matrices.append(m)
+            self.sizes.append([int(v) for v in blocks.sum(0)])
+            self.index.append(idx)
+            self.inverse.append(None if idx is None else np.argsort(idx).astype(np.int32))
+
+    def send_rows(self, rank: int) -> List[int]:
+        return [int(m[rank].sum()) for m in self.matrices]
+
+    def recv_rows(self, rank: int) -> List[int]:
+        return [int(m[:, rank].sum()) for m in self.matrices]
+
+
+def _rows(x: Tensor, index: Optional[np.ndarray]) -> Tensor:
+    return x if index is None else F.embedding(Tensor(index), x)
+
+
+def _pick(w, ids):
+    return [w[int(i)] for i in ids]
+
+
+class _Pipeline(Function):
+    @staticmethod
+    def forward(ctx, permuted, plan, group, experts, timeline, *params):
+        r = group.rank
+        w1, w2, tb = experts.expert_weights()
+        segments = _split(permuted, plan.send_rows(r))
+        recv_rows = plan.recv_rows(r)
+        n_groups = len(plan.groups)
+        pending = {}
+
+        def start(g):
+            buf = mint.zeros((recv_rows[g],) + tuple(permuted.shape[1:]), dtype=permuted.dtype)
+            pending[g] = (buf, comm.all_to_all_v(buf, segments[g], plan.matrices[g], group,
+                                                 async_op=True))
+
+        start(0)
+        saved, outs, combines = [], [], []
+        for g, ids in enumerate(plan.groups):
+            if g + 1 < n_groups:
+                start(g + 1)
+            buf, work = pending.pop(g)
+            _wait(work, timeline, "fwd", "dispatch", g)
+            t0 = time.perf_counter()
+            x = _rows(buf, plan.index[g])
+            y, h = moe_ops.expert_ffn_forward(x, _pick(w1, ids), _pick(w2, ids), plan.sizes[g], tb)
+            y_src = _rows(y, plan.inverse[g])
+            if timeline is not None:
+                timeline.add("fwd", "compute", g, t0, time.perf_counter(), "gemm1+swiglu+gemm2")
+            saved.append((x, h))
+            out = mint.zeros((segments[g].shape[0],) + tuple(y.shape[1:]), dtype=y.dtype)
+            combines.append((g, comm.all_to_all_v(out, y_src, plan.matrices[g].T, group,
+                                                  async_op=True)))
+            outs.append(out)
+        for g, work in combines:
+            _wait(work, timeline, "fwd", "combine", g)
+        ctx.plan, ctx.group, ctx.experts, ctx.timeline, ctx.saved = (plan, group, experts,
+                                                                      timeline, saved)
+        return _cat(outs, permuted)
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan, group, experts, timeline = ctx.plan, ctx.group, ctx.experts, ctx.timeline
+        r = group.rank
+        w1, w2, tb = experts.expert_weights()
+        n_local = len(_each(w1))
+        d_segments = _split(dout.contiguous(), plan.send_rows(r))
+        recv_rows = plan.recv_rows(r)
+        pending = {}
+
+        def start(g):   # the combine's backward: gradients travel to the experts
+            buf = mint.zeros((recv_rows[g],) + tuple(dout.shape[1:]), dtype=dout.dtype)
+            pending[g] = (buf, comm.all_to_all_v(buf, d_segments[g], plan.matrices[g], group,
+                                                 async_op=True))
+
+        dw1, dw2 = [None] * n_local, [None] * n_local
+        d_outs, sends = [], []
+        start(0)
+        for g, ids in enumerate(plan.groups):
+            if g + 1 < len(plan.groups):
+                start(g + 1)
+            buf, work = pending.pop(g)
+            _wait(work, timeline, "bwd", "grad dispatch", g)
+            x, h = ctx.saved[g]
+            t0 = time.perf_counter()
+            dy = _rows(buf, plan.index[g])
+            g_w1, g_w2 = _pick(w1, ids), _pick(w2, ids)
+            dx, dh = moe_ops.expert_ffn_backward_data(dy, h, g_w1, g_w2, plan.sizes[g], tb)
+            dx_src = _rows(dx, plan.inverse[g])
+            t1 = time.perf_counter()
+            d_in = mint.zeros((d_segments[g].shape[0],) + tuple(dx.shape[1:]), dtype=dx.dtype)
+            sends.append((g, comm.all_to_all_v(d_in, dx_src, plan.matrices[g].T, group,
+                                               async_op=True)))
+            d_outs.append(d_in)
+            # Weight gradients while the input gradient travels back.
+            gw1, gw2 = moe_ops.expert_ffn_backward_weight(dy, x, h, dh, g_w1, g_w2,
+                                                          plan.sizes[g], tb)
+            for k, e in enumerate(ids):
+                dw1[int(e)], dw2[int(e)] = gw1[k], gw2[k]
+            if timeline is not None:
+                timeline.add("bwd", "compute", g, t0, t1, "dgrad")
+                timeline.add("bwd", "compute", g, t1, time.perf_counter(), "wgrad")
+        for g, work in sends:
+            _wait(work, timeline, "bwd", "grad combine", g)
+        ctx.saved = None
+        dx_all = _cat(d_outs, dout)
+        return (dx_all, None, None, None, None) + tuple(experts.grads_to_params(dw1, dw2))
+
+
+def _wait(work, timeline: Optional[Timeline], phase: str, name: str, g: int) -> None:
+    t0 = time.perf_counter()
+    work.wait()
+    if timeline is not None:
+        timeline.add(phase, "wait", g, t0, time.perf_counter(), name)
+        if work.timing is not None:
+            timeline.add(phase, "comm", g, work.timing[0], work.timing[1], name)
+
+
+def _split(x: Tensor, rows: List[int]) -> List[Tensor]:
+    if len(rows) == 1:
+        return [x]
+    offsets = np.concatenate([[0], np.cumsum(rows)])
+    return [mint.narrow(x, 0, int(offsets[i]), n).contiguous() for i, n in enumerate(rows)]
+
+
+def _cat(parts: List[Tensor], like: Tensor) -> Tensor:
+    parts = [p for p in parts if p.shape[0]]
+    if not parts:
+        return mint.zeros((0,) + tuple(like.shape[1:]), dtype=like.dtype)
+    return parts[0] if len(parts) == 1 else mint.cat(parts, 0)
+
+
+def _each(w) -> list:
+    return [w[e] for e in range(w.shape[0])] if isinstance(w, Tensor) else list(w)
+
+
+class MegaMoEDispatcher(MoELocalTokenDispatcher):
+    """``moe.dispatcher: megamoe``: routes like the all-to-all dispatcher, runs the experts
+    in ``expert_groups`` pipelined groups (``run`` replaces permute -> experts -> unpermute)."""
+
+    def __init__(self, num_experts: int, topk: int, group: comm.ProcessGroup,
+                 expert_groups: int = 2, timeline: Optional[Timeline] = None):
+        super().__init__(num_experts, topk)
+        if num_experts % group.size:
+            raise ValueError(f"num_moe_experts ({num_experts}) is not divisible by "
+                             f"parallel.expert_model_parallel_size ({group.size})")
+        self.group = group
+        self.num_local_experts = num_experts // group.size
+        if expert_groups < 1:
+            raise ValueError(f"moe.expert_groups must be >= 1, got {expert_groups}")
+        n_groups = min(expert_groups, self.num_local_experts)
+        self.groups = [g for g in np.array_split(np.arange(self.num_local_experts), n_groups)]
+        self.timeline = timeline
+        # Sort position of every global expert: group-major, then destination rank, then the
+        # expert inside the group, so each (group, destination) block is contiguous.
+        w, n_local = group.size, self.num_local_experts
+        order = [j * n_local + int(l) for g in self.groups for j in range(w) for l in g]
+        self._position = np.empty(num_experts, np.int32)
+        self._position[order] = np.arange(num_experts, dtype=np.int32)
+        self._order = np.asarray(order)
+
+    def run(self, hidden_states: Tensor, probs: Tensor, top_indices: Tensor, experts) -> Tensor:
+        position = ops.gather(Tensor(self._position), top_indices.reshape(-1), 0)
+        sorted_slots, restore, per_position = moe_ops.sort_by_expert(
+            position.reshape(top_indices.shape), self.num_experts)
+        counts = np.zeros(self.num_experts, np.int64)
+        counts[self._order] = per_position                      # back to global expert order
+        all_counts = comm.exchange_split_sizes(counts.tolist(), self.group)   # [W, E]
+        plan = _Plan(all_counts, self.group.rank, self.groups)
+        permuted = moe_ops.permute(hidden_states, sorted_slots, self.topk)
+        out = _Pipeline.apply(permuted, plan, self.group, experts, self.timeline,
+                              *experts.weight_params())
+        return moe_ops.unpermute(out, restore, probs)
