@@ -1,4 +1,4 @@
-"""Data and tensor parallel training under real msrun match the single-process run.
+"""Data, tensor and expert parallel training under real msrun match the single-process run.
 
 Tolerance: rtol 1e-5 on loss and gradient norm over 10 AdamW steps (fp32). Parallel runs sum the
 same terms in another order (all-reduce, sharded matmuls), so they differ from the single-process
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from msrun_util import run_msrun, worker_logs
-from parallel_common import BASE, CONFIG
+from parallel_common import (BASE, CONFIG, DEAD_EXPERTS, MOE, MOE_DEAD, kill_experts,
+                             run_record)
 
 from ms_llm.config import load_config
 from ms_llm.training.trainer import Trainer
@@ -37,6 +38,50 @@ def reference_mx():
     return {"loss": [r["loss"] for r in recs], "grad_norm": [r["grad_norm"] for r in recs]}
 
 
+MOE_GROUPED = ["--model.moe_grouped_gemm", "true"]
+
+
+@pytest.fixture(scope="module")
+def reference_moe():
+    """Single process, 4 micro-batches of 2 (the micro-batches the dp=2 and dp=4 runs see)."""
+    out = {}
+    for key, extra in (("moe", []), ("dead", MOE_DEAD), ("grouped", MOE_GROUPED)):
+        trainer = Trainer(load_config(CONFIG, BASE + MOE + extra))
+        if extra is MOE_DEAD:
+            kill_experts(trainer)
+        out[key] = run_record(trainer)
+    return out
+
+
+def spec(name, *arg_lists, flags=()):
+    args = [a for lst in arg_lists for a in lst]
+    return name + ":" + ",".join([f"{a}={b}" for a, b in zip(args[::2], args[1::2])] +
+                                 list(flags))
+
+
+def ep(n):
+    return ["--parallel.expert_model_parallel_size", str(n)]
+
+
+MEGA = ["--moe.dispatcher", "megamoe"]
+SAVE_AT_3 = ["--training.max_steps", "3", "--training.lr_decay_steps", "5"]
+
+
+def assert_moe(run, ref, name):
+    """Expert parallel computes every row exactly as one process does; only the order of fp32
+    sums differs (weight gradients summed over ranks, norms over shards), hence rtol 1e-5."""
+    assert len(run["loss"]) == 5, name
+    np.testing.assert_allclose(run["loss"], ref["loss"], rtol=RTOL, err_msg=name)
+    np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"], rtol=RTOL, err_msg=name)
+
+
+def assert_dead_experts_skipped(run, name):
+    for counts in run["expert_counts"]:          # rank 0's last forward, per MoE layer
+        assert all(counts[e] == 0 for e in DEAD_EXPERTS), (name, counts)
+        live = [c for e, c in enumerate(counts) if e not in DEAD_EXPERTS]
+        assert min(live) > 0 and max(live) > min(live), (name, counts)   # uneven, non-empty
+
+
 def run_job(tmp_path, nproc, specs):
     out = tmp_path / "result.json"
     r = run_msrun("train_parallel.py", nproc, str(tmp_path / "logs"), [str(out), *specs],
@@ -53,8 +98,18 @@ def assert_matches(run, ref, name):
 
 
 @pytest.mark.msrun
-def test_two_workers_tp_sp_dp(tmp_path, reference, reference_mx):
+def test_two_workers_tp_sp_dp_ep(tmp_path, reference, reference_mx, reference_moe):
     res = run_job(tmp_path, 2, [
+        spec("ep2", MOE, ep(2)),
+        spec("ep2_megamoe", MOE, ep(2), MEGA),
+        spec("ep2_dead", MOE, MOE_DEAD, ep(2), flags=["@dead"]),
+        spec("ep2_dead_megamoe", MOE, MOE_DEAD, ep(2), MEGA, flags=["@dead"]),
+        # 3 of the 5 steps (same LR schedule), saved; resumed below in this process (ep=1).
+        spec("ep2_grouped_fsdp2", MOE, MOE_GROUPED, ep(2), SAVE_AT_3,
+             ["--parallel.fsdp_size", "2", "--checkpoint.save_dir", str(tmp_path / "ck_g")]),
+        spec("ep2_dead_save", MOE, MOE_DEAD, ep(2), SAVE_AT_3,
+             ["--checkpoint.save_dir", str(tmp_path / "ck_d")], flags=["@dead"]),
+        spec("dp2_ep1_megamoe", MOE, MEGA),
         "tp2_mxfp8:" + ",".join(f"{a}={b}" for a, b in zip(MX[::2], MX[1::2])) +
         ",--parallel.tensor_model_parallel_size=2",
         "tp2:--training.jit=false,--parallel.tensor_model_parallel_size=2",
@@ -63,6 +118,29 @@ def test_two_workers_tp_sp_dp(tmp_path, reference, reference_mx):
         "dp2_overlap:--training.jit=false",
         "dp2_jit_accum:--training.jit=true,--training.micro_batch_size=2",
     ])
+    ref = reference_moe
+    assert_moe(res.pop("ep2"), ref["moe"], "ep2")
+    assert_moe(res.pop("ep2_megamoe"), ref["moe"], "ep2_megamoe")
+    assert_moe(res.pop("dp2_ep1_megamoe"), ref["moe"], "dp2_ep1_megamoe")
+    # Distributed checkpoints of expert-parallel runs (global expert names, grouped weights
+    # stored as rows, the routers' expert_bias) resume in one process: steps 4-5 continue the
+    # uninterrupted run.
+    for name, key, extra in (("ep2_grouped_fsdp2", "grouped", MOE_GROUPED),
+                             ("ep2_dead_save", "dead", MOE_DEAD)):
+        run = res.pop(name)
+        for k in ("loss", "grad_norm"):
+            np.testing.assert_allclose(run[k], ref[key][k][:3], rtol=RTOL, err_msg=name)
+        ck = str(tmp_path / ("ck_g" if key == "grouped" else "ck_d"))
+        resumed = run_record(Trainer(load_config(CONFIG, BASE + MOE + extra + [
+            "--checkpoint.save_dir", ck, "--training.resume", "auto"])))
+        for k in ("loss", "grad_norm"):
+            np.testing.assert_allclose(resumed[k], ref[key][k][3:], rtol=RTOL,
+                                       err_msg=f"{name} resumed")
+    for name in ("ep2_dead", "ep2_dead_megamoe"):
+        run = res.pop(name)
+        assert_dead_experts_skipped(run, name)
+        assert_moe(run, ref["dead"], name)
+    assert_dead_experts_skipped(ref["dead"], "single-process dead")
     mx = res.pop("tp2_mxfp8")
     # MXFP8 column/row-parallel shards quantize the same 32-blocks as the full layers (local
     # dims are multiples of 32), so only fp32 summation order differs; but an order difference
@@ -79,8 +157,15 @@ def test_two_workers_tp_sp_dp(tmp_path, reference, reference_mx):
 
 
 @pytest.mark.msrun
-def test_four_workers_tp2_dp2(tmp_path, reference):
+def test_four_workers_tp2_dp2_ep4(tmp_path, reference, reference_moe):
     res = run_job(tmp_path, 4, [
         "tp2_dp2:--training.jit=false,--parallel.tensor_model_parallel_size=2",
+        spec("ep4", MOE, ep(4)),
+        spec("ep4_dead_megamoe", MOE, MOE_DEAD, ep(4), MEGA, flags=["@dead"]),
+        spec("ep2_edp2_grouped", MOE, MOE_GROUPED, ep(2)),
     ])
     assert_matches(res["tp2_dp2"], reference, "tp2_dp2")
+    assert_moe(res["ep4"], reference_moe["moe"], "ep4")
+    assert_dead_experts_skipped(res["ep4_dead_megamoe"], "ep4_dead_megamoe")
+    assert_moe(res["ep4_dead_megamoe"], reference_moe["dead"], "ep4_dead_megamoe")
+    assert_moe(res["ep2_edp2_grouped"], reference_moe["grouped"], "ep2_edp2_grouped")

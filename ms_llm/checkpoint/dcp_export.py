@@ -30,6 +30,9 @@ def hf_config_from_transformer_config(config, model_type_hf: Optional[str] = Non
     """HF ``config.json`` for a ``TransformerConfig`` (family guessed from its switches:
     QK-norm -> qwen3, QKV bias -> qwen25, else llama2, unless ``model_type_hf`` says)."""
     c = config
+    if c.mlp_type != "dense":
+        raise DCPError("export: MoE checkpoints cannot be exported yet (only dense models); "
+                       "the training checkpoint itself resumes under any ep/fsdp layout")
     mt = model_type_hf or ("qwen3" if c.qk_layernorm else "qwen25" if c.add_qkv_bias
                            else "llama2")
     if not c.swiglu or c.add_bias_linear:

@@ -412,17 +412,22 @@ def _all_to_all(output, input, out_splits, in_splits, matrix, g: ProcessGroup,
                                       async_op=async_op)
         return _finish(Work([h] if async_op else []), async_op)
     _log_once("all_to_all_single", "CPU: one scatter per root, rows padded to the root's max")
-    if async_op:
-        return _submit(lambda: _all_to_all_cpu(output, input, in_splits, matrix, g))
-    _all_to_all_cpu(output, input, in_splits, matrix, g)
+    calls, assemble = _all_to_all_cpu_plan(output, input, in_splits, matrix, g)
+    if async_op and os.environ.get("MS_LLM_COMM_THREAD", "1") != "0":
+        return _submit(calls, then=assemble)
+    calls()
+    assemble()
     return None
 
 
-def _all_to_all_cpu(output, input, in_splits, matrix: np.ndarray, g: ProcessGroup) -> None:
+def _all_to_all_cpu_plan(output, input, in_splits, matrix: np.ndarray, g: ProcessGroup):
+    """The scatter-per-root composition as ``(calls, assemble)``: every buffer is made here,
+    ``calls()`` only issues the ``scatter`` kernels (what the communication thread runs), and
+    ``assemble()`` writes ``output`` from the received buffers (on the caller's thread)."""
     w = g.size
     tail = tuple(input.shape[1:])
     offsets = np.concatenate([[0], np.cumsum(in_splits)])
-    received = []
+    rounds = []
     for root in range(w):
         pad = int(matrix[root].max())
         if pad == 0:
@@ -434,18 +439,23 @@ def _all_to_all_cpu(output, input, in_splits, matrix: np.ndarray, g: ProcessGrou
                 if in_splits[j] < pad:
                     filler = mint.zeros((pad - in_splits[j],) + tail, dtype=input.dtype)
                     piece = mint.cat([piece, filler], 0) if in_splits[j] else filler
-                chunks.append(piece)
+                chunks.append(piece.contiguous())
         else:
             chunks = [mint.zeros((pad,) + tail, dtype=input.dtype) for _ in range(w)]
-        buf = mint.zeros((pad,) + tail, dtype=input.dtype)
-        _dist().scatter(buf, chunks, src=g.global_rank(root), group=g.name)
-        n = int(matrix[root, g.rank])
-        if n:
-            received.append(mint.narrow(buf, 0, 0, n))
-    if len(received) > 1:
-        output.copy_(mint.cat(received, 0))
-    elif received:
-        F.copy_(output, received[0])   # a narrow() view: needs compat's copy_ workaround
+        rounds.append((root, chunks, mint.zeros((pad,) + tail, dtype=input.dtype)))
+
+    def calls():
+        for root, chunks, buf in rounds:
+            _dist().scatter(buf, chunks, src=g.global_rank(root), group=g.name)
+
+    def assemble():
+        received = [mint.narrow(buf, 0, 0, int(matrix[root, g.rank]))
+                    for root, _, buf in rounds if matrix[root, g.rank]]
+        if len(received) > 1:
+            output.copy_(mint.cat(received, 0))
+        elif received:
+            F.copy_(output, received[0])   # a narrow() view: needs compat's copy_ workaround
+    return calls, assemble
 
 
 # ----------------------------------------------------------------------------- comm thread
@@ -456,8 +466,8 @@ class _ThreadWork(Work):
     """A collective running on the communication thread; ``wait()`` joins it (and re-raises
     its error in the caller)."""
 
-    def __init__(self, future):
-        super().__init__()
+    def __init__(self, future, then: Optional[Callable[[], None]] = None):
+        super().__init__(then=then)
         self._future = future
         self.timing: Optional[Tuple[float, float]] = None   # perf_counter start/end on the thread
 
@@ -465,6 +475,8 @@ class _ThreadWork(Work):
         if not self._done:
             with _watched("wait"):
                 self.timing = self._future.result()
+            if self._then is not None:
+                self._then()
             self._done = True
         return True
 
@@ -472,7 +484,10 @@ class _ThreadWork(Work):
         return self._done or self._future.done()
 
 
-def _submit(fn: Callable[[], None]) -> Work:
+def _submit(fn: Callable[[], None], then: Optional[Callable[[], None]] = None) -> Work:
+    """Run the collective kernels ``fn`` on the communication thread; ``then`` runs on the
+    caller's thread in ``wait()``. Only kernel launches cross threads: buffers are made and read
+    by the caller (MindSpore's PyNative executor is not safe for concurrent tensor ops)."""
     if _COMM["executor"] is None:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -487,7 +502,7 @@ def _submit(fn: Callable[[], None]) -> Work:
         return t0, time.perf_counter()
     fut = _COMM["executor"].submit(timed)
     _COMM["pending"] = [f for f in _COMM["pending"] if not f.done()] + [fut]
-    return _ThreadWork(fut)
+    return _ThreadWork(fut, then)
 
 
 def _drain_comm_thread() -> None:

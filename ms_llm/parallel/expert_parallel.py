@@ -98,16 +98,19 @@ def _shard_experts(layer: MoELayer, rank: int, size: int) -> List[Parameter]:
     n_local = n // size
     first = rank * n_local
     if isinstance(experts, GroupedMLP):
-        f2 = experts.weight1.shape[1] // n               # 2F columns per expert in weight1
-        f = experts.weight2.shape[0] // n                # F rows per expert in weight2
-        w1 = experts.weight1.asnumpy()[:, first * f2:(first + n_local) * f2]
-        w2 = experts.weight2.asnumpy()[first * f:(first + n_local) * f]
+        # weight1 [H, E*2F] and weight2 [E*F, H] are *viewed* [E, H, 2F] / [E, F, H]: expert e
+        # is the e-th contiguous block of memory (for weight1 not a column slice).
         kept = []
-        for attr, data, dim in (("weight1", w1, 1), ("weight2", w2, 0)):
+        for attr in ("weight1", "weight2"):
             old = getattr(experts, attr)
-            p = Parameter(Tensor(np.ascontiguousarray(data)).astype(old.dtype), name=old.name,
-                          requires_grad=old.requires_grad)
-            p.expert_shard = (dim, rank, size)     # global tensor = ep shards along dim
+            flat = old.asnumpy().reshape(n, -1)[first:first + n_local]
+            local_shape = (old.shape[0], old.shape[1] // size) if attr == "weight1" else \
+                (old.shape[0] // size, old.shape[1])
+            p = Parameter(Tensor(np.ascontiguousarray(flat).reshape(local_shape)).astype(
+                old.dtype), name=old.name, requires_grad=old.requires_grad)
+            if hasattr(old, "dcp_row_width"):
+                p.dcp_row_width = old.dcp_row_width
+            p.expert_shard = (rank, size)       # memory block ``rank`` of ``size``
             setattr(experts, attr, p)
             kept.append(p)
         experts.num_local_experts = n_local

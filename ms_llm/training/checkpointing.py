@@ -26,6 +26,11 @@ def _regions(name: str, p, tp_rank: int, tp_size: int) -> List[Tuple[str, tuple,
     local_shape = tuple(p.shape)
     start, length, full_rows = getattr(p, "fsdp_rows", (0, local_shape[0] if local_shape else 0,
                                                         local_shape[0] if local_shape else 0))
+    width = getattr(p, "dcp_row_width", None)
+    if width:   # stored as rows of ``width``: dim-0 shards stay row blocks of that view
+        per_row = int(np.prod(local_shape[1:])) // width
+        start, length, full_rows = start * per_row, length * per_row, full_rows * per_row
+        local_shape = (int(np.prod(local_shape)) // width, width)
     tp_local = (full_rows,) + local_shape[1:] if local_shape else ()
     tp_dim = getattr(p, "tp_dim", None) if getattr(p, "tensor_model_parallel", False) else None
     if not tp_local:
@@ -38,10 +43,10 @@ def _regions(name: str, p, tp_rank: int, tp_size: int) -> List[Tuple[str, tuple,
             off[tp_dim] = tp_rank * tp_local[tp_dim]
         off[0] += start
         sizes = [length] + list(tp_local[1:])
-        if hasattr(p, "expert_shard"):     # grouped expert weights split over expert parallel
-            dim, ep_rank, ep_size = p.expert_shard
-            gshape[dim] *= ep_size
-            off[dim] += ep_rank * tp_local[dim]
+        if hasattr(p, "expert_shard"):     # grouped expert weights: one block of rows per ep rank
+            ep_rank, ep_size = p.expert_shard
+            gshape[0] *= ep_size
+            off[0] += ep_rank * tp_local[0]
         return [(name, tuple(gshape), tuple(off), tuple(sizes), 0, length)]
     # Gated fc1 under tp: local rows [0, h) are gate_r, [h, 2h) are up_r.
     half = full_rows // 2
@@ -75,7 +80,10 @@ def _global_name(name: str, p) -> str:
 
 
 def _pieces(named_params, optimizer, pstate, glu: Dict[str, bool]):
+    """Per model tensor: its regions, and the AdamW moments of the trainable ones (buffers such
+    as the routers' ``expert_bias`` have none)."""
     tp_rank, tp_size = pstate.tp_rank, pstate.sizes.tp
+    slot = {id(p): i for i, p in enumerate(optimizer.params)}
     for idx, (name, p) in enumerate(named_params):
         regions = _regions(_global_name(name, p), p, tp_rank, tp_size)
         if glu[name] and len(regions) == 1:          # tp = 1: split [gate; up] too
@@ -94,8 +102,11 @@ def _pieces(named_params, optimizer, pstate, glu: Dict[str, bool]):
         expert = getattr(p, "expert_parallel", False) and pstate.dp_rank < pstate.sizes.ep
         write = (sharded or pstate.dp_rank == 0 or expert) and (tp_sharded or tp_rank == 0) \
             and pstate.cp_rank == 0
-        for prefix, tensor in (("", p), ("optimizer.exp_avg.", optimizer.exp_avg[idx]),
-                               ("optimizer.exp_avg_sq.", optimizer.exp_avg_sq[idx])):
+        tensors = [("", p)]
+        if id(p) in slot:
+            tensors += [("optimizer.exp_avg.", optimizer.exp_avg[slot[id(p)]]),
+                        ("optimizer.exp_avg_sq.", optimizer.exp_avg_sq[slot[id(p)]])]
+        for prefix, tensor in tensors:
             yield idx, prefix, tensor, regions, write
 
 
@@ -103,8 +114,11 @@ def save(save_dir: str, step: int, model_named, optimizer, pstate, state: dict, 
          rank: int, world: int, keep_last: Optional[int] = None) -> str:
     glu = _glu_split_always(model_named)
     local = {}
-    for _, prefix, tensor, regions, write in _pieces(model_named, optimizer, pstate, glu):
+    for idx, prefix, tensor, regions, write in _pieces(model_named, optimizer, pstate, glu):
         data = tensor.asnumpy()
+        width = getattr(model_named[idx][1], "dcp_row_width", None)
+        if width:
+            data = data.reshape(-1, width)
         for cname, gshape, off, sizes, lstart, length in regions:
             piece = data[lstart:lstart + length] if data.ndim else data
             local[prefix + cname] = dcp.LocalChunk(piece, gshape, off, write=write)

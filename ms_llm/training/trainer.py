@@ -162,12 +162,16 @@ class Trainer:
         if latest is None:
             self._say(f"resume=auto: no complete checkpoint in {ck.save_dir}, starting fresh")
             return
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        state = ckpt.load(latest, named, self.optimizer, self.pstate)
+        state = ckpt.load(latest, self._checkpointed(), self.optimizer, self.pstate)
         self.step = state["step"]
         self.data.loader.load_state_dict(state["data"])
         np.random.set_state(tuple(state["numpy_rng"]))
         self._say(f"resumed from {latest} at step {self.step}")
+
+    def _checkpointed(self) -> list:
+        """Every parameter (trainable ones with their AdamW state, plus buffers such as the
+        routers' expert_bias)."""
+        return list(self.model.named_parameters())
 
     def save(self) -> str:
         """Collective: every rank writes its rows; rank 0 publishes the checkpoint."""
@@ -175,8 +179,8 @@ class Trainer:
         state = {"step": self.step, "data": self.data.loader.state_dict(),
                  "numpy_rng": [rng[0], rng[1].tolist(), rng[2], rng[3], rng[4]],
                  "model_config": dataclasses.asdict(self.cfg.model)}
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        return ckpt.save(self.cfg.checkpoint.save_dir, self.step, named, self.optimizer,
+        return ckpt.save(self.cfg.checkpoint.save_dir, self.step, self._checkpointed(),
+                         self.optimizer,
                          self.pstate, state, barrier=comm.barrier, rank=self.dist.rank,
                          world=self.dist.world_size, keep_last=self.cfg.checkpoint.keep_last)
 
