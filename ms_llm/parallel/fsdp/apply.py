@@ -32,7 +32,7 @@ def apply_fsdp(model: GPTModel, group, *, modules: Sequence[str] = DEFAULT_UNITS
     for pattern in modules:
         hits = [n for n in names if _match(n, pattern)
                 and not (tied and n == "embedding")]
-        if not hits and not (tied and pattern == "embedding"):
+        if not hits and not (tied and pattern in ("embedding", "output_layer")):
             raise ValueError(f"parallel.fsdp_modules: pattern {pattern!r} matches no module")
         chosen += [n for n in hits if n not in chosen]
     cells = dict(model.cells_and_names())

@@ -45,7 +45,8 @@ class _FSDPParam:
         local = data[self.shard.start:self.shard.start + self.shard.length]
         self.param = Parameter(Tensor(local.copy()).astype(param.dtype), name=param.name,
                                requires_grad=param.requires_grad)
-        for flag in ("tensor_model_parallel", "tp_partial_grad", "tp_dim", "tp_glu"):
+        for flag in ("tensor_model_parallel", "tp_partial_grad", "tp_dim", "tp_glu",
+                     "dcp_row_width", "expert_parallel", "expert_index", "expert_shard"):
             if hasattr(param, flag):
                 setattr(self.param, flag, getattr(param, flag))
         self.param.fsdp_sharded = True
@@ -122,7 +123,7 @@ class _FSDPState:
                 continue
             for attr, p in list(owner.parameters_and_names(expand=False)):
                 attr = attr.rsplit(".", 1)[-1]
-                if id(p) in ignored or getattr(p, "fsdp_sharded", False):
+                if id(p) in ignored or getattr(p, "fsdp_sharded", False) or not p.requires_grad:
                     continue
                 self.fparams.append(_FSDPParam(owner, attr, p, group))
 
