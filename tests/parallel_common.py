@@ -89,7 +89,6 @@ DEAD_EXPERTS = (2, 7)
 
 def kill_experts(trainer, experts=DEAD_EXPERTS) -> None:
     """Give ``experts`` a routing bias of -10 in every router of ``trainer.model``."""
-    import numpy as np
     from mindspore import Tensor
     from ms_llm.models.moe import moe_layers
     for layer in moe_layers(trainer.model):

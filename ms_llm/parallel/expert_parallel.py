@@ -25,7 +25,6 @@ from mindspore import Parameter, Tensor
 
 from ms_llm.compat import F, nn
 from ms_llm.models.moe import GroupedMLP, MoELayer, MoELocalTokenDispatcher, moe_layers
-from ms_llm.ops import moe as moe_ops
 from . import autograd as pa
 from . import comm
 
