@@ -137,7 +137,7 @@ def draw_timeline(paths, out_png: str) -> str:
         for e in ev:
             ax.barh(y, (e["t1"] - e["t0"]) * 1e3, left=(e["t0"] - t0) * 1e3, height=0.6,
                     color=colors[e["kind"]], edgecolor="black", linewidth=0.3)
-            ax.text((e["t0"] - t0) * 1e3, y, f"{e['phase']} g{e['group']}", fontsize=5,
+            ax.text((e["t0"] - t0) * 1e3, y, f"{e['phase']} {e['group']}", fontsize=5,
                     va="center")
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels([lab for lab, _, _ in lanes], fontsize=7)

@@ -109,6 +109,7 @@ class MoEConfig:
     """How MoE layers run (their architecture is in ``model``)."""
     dispatcher: str = "alltoall"      # alltoall | megamoe (pipelined all-to-all + expert GEMMs)
     expert_groups: int = 2            # megamoe: local experts are split into this many groups
+    token_chunks: int = 1             # megamoe: and the tokens into this many chunks
 
 
 @dataclass
@@ -308,8 +309,8 @@ def validate(cfg: RunConfig, source: str) -> None:
     if cfg.moe.dispatcher not in ("alltoall", "megamoe"):
         raise ConfigError(f"{source}: moe.dispatcher must be 'alltoall' or 'megamoe', got "
                           f"{cfg.moe.dispatcher!r}")
-    if cfg.moe.expert_groups < 1:
-        raise ConfigError(f"{source}: moe.expert_groups must be >= 1")
+    if cfg.moe.expert_groups < 1 or cfg.moe.token_chunks < 1:
+        raise ConfigError(f"{source}: moe.expert_groups and moe.token_chunks must be >= 1")
     if p.fsdp_size < 1:
         raise ConfigError(f"{source}: parallel.fsdp_size must be >= 1")
     if p.fsdp_size > 1 and t.jit:

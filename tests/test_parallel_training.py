@@ -64,6 +64,7 @@ def ep(n):
 
 
 MEGA = ["--moe.dispatcher", "megamoe"]
+CHUNKS = ["--moe.expert_groups", "4", "--moe.token_chunks", "3"]   # 4 x 3 or 2 x 3 stages
 SAVE_AT_3 = ["--training.max_steps", "3", "--training.lr_decay_steps", "5"]
 
 
@@ -103,7 +104,7 @@ def test_two_workers_tp_sp_dp_ep(tmp_path, reference, reference_mx, reference_mo
         spec("ep2", MOE, ep(2)),
         spec("ep2_megamoe", MOE, ep(2), MEGA),
         spec("ep2_dead", MOE, MOE_DEAD, ep(2), flags=["@dead"]),
-        spec("ep2_dead_megamoe", MOE, MOE_DEAD, ep(2), MEGA, flags=["@dead"]),
+        spec("ep2_dead_megamoe", MOE, MOE_DEAD, ep(2), MEGA, CHUNKS, flags=["@dead"]),
         # 3 of the 5 steps (same LR schedule), saved; resumed below in this process (ep=1).
         spec("ep2_grouped_fsdp2", MOE, MOE_GROUPED, ep(2), SAVE_AT_3,
              ["--parallel.fsdp_size", "2", "--checkpoint.save_dir", str(tmp_path / "ck_g")]),
@@ -161,7 +162,7 @@ def test_four_workers_tp2_dp2_ep4(tmp_path, reference, reference_moe):
     res = run_job(tmp_path, 4, [
         "tp2_dp2:--training.jit=false,--parallel.tensor_model_parallel_size=2",
         spec("ep4", MOE, ep(4)),
-        spec("ep4_dead_megamoe", MOE, MOE_DEAD, ep(4), MEGA, flags=["@dead"]),
+        spec("ep4_dead_megamoe", MOE, MOE_DEAD, ep(4), MEGA, CHUNKS, flags=["@dead"]),
         spec("ep2_edp2_grouped", MOE, MOE_GROUPED, ep(2)),
     ])
     assert_matches(res["tp2_dp2"], reference, "tp2_dp2")

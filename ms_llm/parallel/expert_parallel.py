@@ -128,7 +128,8 @@ def _shard_experts(layer: MoELayer, rank: int, size: int) -> List[Parameter]:
 
 
 def apply_expert_parallel(model, group: comm.ProcessGroup, *, dispatcher: str = "alltoall",
-                          expert_groups: int = 2, timeline=None) -> List[Parameter]:
+                          expert_groups: int = 2, token_chunks: int = 1,
+                          timeline=None) -> List[Parameter]:
     """Shard every MoE layer's experts over ``group`` and install the token dispatcher.
     Returns the expert parameters this rank keeps (empty when ``group`` has one rank)."""
     if dispatcher not in DISPATCHERS:
@@ -144,7 +145,8 @@ def apply_expert_parallel(model, group: comm.ProcessGroup, *, dispatcher: str = 
         if dispatcher == "megamoe":
             from .megamoe import MegaMoEDispatcher
             layer.token_dispatcher = MegaMoEDispatcher(c.num_moe_experts, c.moe_router_topk,
-                                                       group, expert_groups, timeline=timeline)
+                                                       group, expert_groups, token_chunks,
+                                                       timeline=timeline)
         elif group.size > 1:
             layer.token_dispatcher = MoEAlltoAllTokenDispatcher(c.num_moe_experts,
                                                                 c.moe_router_topk, group)

@@ -1,9 +1,11 @@
 """MegaMoE: one pipelined expert FFN that overlaps the all-to-alls with the experts' GEMMs.
 
-The local experts are split into ``G`` groups. Tokens are permuted so that, for each group, the
-rows bound for every ep rank are contiguous; each group then has its own (smaller) all-to-all.
+The local experts are split into ``G`` groups and the tokens into ``C`` chunks; a stage is one
+(chunk, group) pair (C x G stages, so a rank with a single local expert still pipelines). Tokens
+are permuted so that, for each stage, the rows bound for every ep rank are contiguous; each stage
+then has its own (smaller) all-to-all.
 
-Forward, for g = 0..G-1::
+Forward, for stage g = 0..CG-1::
 
     dispatch(g+1) in flight            # all_to_all_v(async_op=True)
     wait dispatch(g); regroup; GEMM1 -> SwiGLU -> GEMM2 for group g's experts
@@ -47,7 +49,7 @@ class Timeline:
         self.events: List[dict] = []
         self.enabled = True
 
-    def add(self, phase: str, kind: str, group: int, t0: float, t1: float, name: str = ""):
+    def add(self, phase: str, kind: str, group, t0: float, t1: float, name: str = ""):
         if self.enabled:
             self.events.append({"rank": comm.get_rank(), "phase": phase, "kind": kind,
                                 "group": group, "name": name, "t0": t0, "t1": t1})
@@ -63,23 +65,28 @@ class Timeline:
 
 
 class _Plan:
-    """Host-side layout of one forward: per expert group, the split matrix of its all-to-all,
-    the local experts it holds, their row counts and the regroup index."""
+    """Host-side layout of one forward. A *stage* is (token chunk c, expert group g): its split
+    matrix, the local experts it feeds, their row counts and the regroup index."""
 
-    def __init__(self, counts: np.ndarray, rank: int, groups: List[np.ndarray]):
-        w, n_exp = counts.shape
+    def __init__(self, counts: np.ndarray, rank: int, groups: List[np.ndarray], chunks: int):
+        w = counts.shape[0]
+        n_exp = counts.shape[1] // chunks
         n_local = n_exp // w
-        self.groups = groups
+        counts = counts.reshape(w, chunks, n_exp)
+        self.stage_ids, self.labels = [], []
         self.matrices, self.sizes, self.index, self.inverse = [], [], [], []
-        for g in groups:
-            cols = np.array([j * n_local + l for j in range(w) for l in g])
-            m = counts[:, cols].reshape(w, w, len(g)).sum(-1)              # [src, dst]
-            blocks = counts[:, rank * n_local + g]                         # [src, local e]
-            idx = _non_identity(regroup_index(blocks))
-            self.matrices.append(m)
-            self.sizes.append([int(v) for v in blocks.sum(0)])
-            self.index.append(idx)
-            self.inverse.append(None if idx is None else np.argsort(idx).astype(np.int32))
+        for c in range(chunks):
+            for gi, g in enumerate(groups):
+                cols = np.array([j * n_local + l for j in range(w) for l in g])
+                m = counts[:, c, cols].reshape(w, w, len(g)).sum(-1)       # [src, dst]
+                blocks = counts[:, c, rank * n_local + g]                  # [src, local e]
+                idx = _non_identity(regroup_index(blocks))
+                self.stage_ids.append(g)
+                self.labels.append(f"c{c}g{gi}" if chunks > 1 else f"g{gi}")
+                self.matrices.append(m)
+                self.sizes.append([int(v) for v in blocks.sum(0)])
+                self.index.append(idx)
+                self.inverse.append(None if idx is None else np.argsort(idx).astype(np.int32))
 
     def send_rows(self, rank: int) -> List[int]:
         return [int(m[rank].sum()) for m in self.matrices]
@@ -103,7 +110,7 @@ class _Pipeline(Function):
         w1, w2, tb = experts.expert_weights()
         segments = _split(permuted, plan.send_rows(r))
         recv_rows = plan.recv_rows(r)
-        n_groups = len(plan.groups)
+        n_groups = len(plan.stage_ids)
         pending = {}
 
         def start(g):
@@ -113,24 +120,25 @@ class _Pipeline(Function):
 
         start(0)
         saved, outs, combines = [], [], []
-        for g, ids in enumerate(plan.groups):
+        for g, ids in enumerate(plan.stage_ids):
             if g + 1 < n_groups:
                 start(g + 1)
             buf, work = pending.pop(g)
-            _wait(work, timeline, "fwd", "dispatch", g)
+            _wait(work, timeline, "fwd", "dispatch", plan.labels[g])
             t0 = time.perf_counter()
             x = _rows(buf, plan.index[g])
             y, h = moe_ops.expert_ffn_forward(x, _pick(w1, ids), _pick(w2, ids), plan.sizes[g], tb)
             y_src = _rows(y, plan.inverse[g])
             if timeline is not None:
-                timeline.add("fwd", "compute", g, t0, time.perf_counter(), "gemm1+swiglu+gemm2")
+                timeline.add("fwd", "compute", plan.labels[g], t0, time.perf_counter(),
+                             "gemm1+swiglu+gemm2")
             saved.append((x, h))
             out = mint.zeros((segments[g].shape[0],) + tuple(y.shape[1:]), dtype=y.dtype)
             combines.append((g, comm.all_to_all_v(out, y_src, plan.matrices[g].T, group,
                                                   async_op=True)))
             outs.append(out)
         for g, work in combines:
-            _wait(work, timeline, "fwd", "combine", g)
+            _wait(work, timeline, "fwd", "combine", plan.labels[g])
         ctx.plan, ctx.group, ctx.experts, ctx.timeline, ctx.saved = (plan, group, experts,
                                                                       timeline, saved)
         return _cat(outs, permuted)
@@ -153,11 +161,11 @@ class _Pipeline(Function):
         dw1, dw2 = [None] * n_local, [None] * n_local
         d_outs, sends = [], []
         start(0)
-        for g, ids in enumerate(plan.groups):
-            if g + 1 < len(plan.groups):
+        for g, ids in enumerate(plan.stage_ids):
+            if g + 1 < len(plan.stage_ids):
                 start(g + 1)
             buf, work = pending.pop(g)
-            _wait(work, timeline, "bwd", "grad dispatch", g)
+            _wait(work, timeline, "bwd", "grad dispatch", plan.labels[g])
             x, h = ctx.saved[g]
             t0 = time.perf_counter()
             dy = _rows(buf, plan.index[g])
@@ -172,19 +180,21 @@ class _Pipeline(Function):
             # Weight gradients while the input gradient travels back.
             gw1, gw2 = moe_ops.expert_ffn_backward_weight(dy, x, h, dh, g_w1, g_w2,
                                                           plan.sizes[g], tb)
-            for k, e in enumerate(ids):
-                dw1[int(e)], dw2[int(e)] = gw1[k], gw2[k]
+            for k, e in enumerate(ids):     # an expert recurs once per token chunk
+                e = int(e)
+                dw1[e] = gw1[k] if dw1[e] is None else dw1[e] + gw1[k]
+                dw2[e] = gw2[k] if dw2[e] is None else dw2[e] + gw2[k]
             if timeline is not None:
-                timeline.add("bwd", "compute", g, t0, t1, "dgrad")
-                timeline.add("bwd", "compute", g, t1, time.perf_counter(), "wgrad")
+                timeline.add("bwd", "compute", plan.labels[g], t0, t1, "dgrad")
+                timeline.add("bwd", "compute", plan.labels[g], t1, time.perf_counter(), "wgrad")
         for g, work in sends:
-            _wait(work, timeline, "bwd", "grad combine", g)
+            _wait(work, timeline, "bwd", "grad combine", plan.labels[g])
         ctx.saved = None
         dx_all = _cat(d_outs, dout)
         return (dx_all, None, None, None, None) + tuple(experts.grads_to_params(dw1, dw2))
 
 
-def _wait(work, timeline: Optional[Timeline], phase: str, name: str, g: int) -> None:
+def _wait(work, timeline: Optional[Timeline], phase: str, name: str, g: str) -> None:
     t0 = time.perf_counter()
     work.wait()
     if timeline is not None:
@@ -216,7 +226,8 @@ class MegaMoEDispatcher(MoELocalTokenDispatcher):
     in ``expert_groups`` pipelined groups (``run`` replaces permute -> experts -> unpermute)."""
 
     def __init__(self, num_experts: int, topk: int, group: comm.ProcessGroup,
-                 expert_groups: int = 2, timeline: Optional[Timeline] = None):
+                 expert_groups: int = 2, token_chunks: int = 1,
+                 timeline: Optional[Timeline] = None):
         super().__init__(num_experts, topk)
         if num_experts % group.size:
             raise ValueError(f"num_moe_experts ({num_experts}) is not divisible by "
@@ -225,6 +236,9 @@ class MegaMoEDispatcher(MoELocalTokenDispatcher):
         self.num_local_experts = num_experts // group.size
         if expert_groups < 1:
             raise ValueError(f"moe.expert_groups must be >= 1, got {expert_groups}")
+        if token_chunks < 1:
+            raise ValueError(f"moe.token_chunks must be >= 1, got {token_chunks}")
+        self.token_chunks = token_chunks
         n_groups = min(expert_groups, self.num_local_experts)
         self.groups = [g for g in np.array_split(np.arange(self.num_local_experts), n_groups)]
         self.timeline = timeline
@@ -237,13 +251,19 @@ class MegaMoEDispatcher(MoELocalTokenDispatcher):
         self._order = np.asarray(order)
 
     def run(self, hidden_states: Tensor, probs: Tensor, top_indices: Tensor, experts) -> Tensor:
-        position = ops.gather(Tensor(self._position), top_indices.reshape(-1), 0)
-        sorted_slots, restore, per_position = moe_ops.sort_by_expert(
-            position.reshape(top_indices.shape), self.num_experts)
-        counts = np.zeros(self.num_experts, np.int64)
-        counts[self._order] = per_position                      # back to global expert order
-        all_counts = comm.exchange_split_sizes(counts.tolist(), self.group)   # [W, E]
-        plan = _Plan(all_counts, self.group.rank, self.groups)
+        n_tok, n_exp = top_indices.shape[0], self.num_experts
+        chunks = max(1, min(self.token_chunks, n_tok))
+        # Sort key: token chunk, then the expert's position (group, destination, expert).
+        key = ops.gather(Tensor(self._position), top_indices.reshape(-1), 0).reshape(
+            top_indices.shape)
+        if chunks > 1:
+            chunk_of = (np.arange(n_tok) * chunks // n_tok).astype(np.int32) * n_exp
+            key = key + Tensor(chunk_of.reshape(-1, 1))
+        sorted_slots, restore, per_key = moe_ops.sort_by_expert(key, chunks * n_exp)
+        counts = np.zeros((chunks, n_exp), np.int64)
+        counts[:, self._order] = np.asarray(per_key).reshape(chunks, n_exp)  # global expert order
+        all_counts = comm.exchange_split_sizes(counts.reshape(-1).tolist(), self.group)
+        plan = _Plan(all_counts, self.group.rank, self.groups, chunks)
         permuted = moe_ops.permute(hidden_states, sorted_slots, self.topk)
         out = _Pipeline.apply(permuted, plan, self.group, experts, self.timeline,
                               *experts.weight_params())

@@ -92,7 +92,7 @@ class Trainer:
             try:
                 expert_params = apply_expert_parallel(
                     self.model, self.pstate.group("ep"), dispatcher=cfg.moe.dispatcher,
-                    expert_groups=cfg.moe.expert_groups)
+                    expert_groups=cfg.moe.expert_groups, token_chunks=cfg.moe.token_chunks)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self.fsdp = p.fsdp_size > 1
