@@ -179,7 +179,14 @@ def matmul(a: Tensor, b: Tensor, transpose_a: bool = False, transpose_b: bool = 
 
 
 def swiglu_backward(h: Tensor, d_act: Tensor) -> Tensor:
-    """Gradient of ``silu(gate) * up`` (``h = [gate, up]``) with respect to ``h``."""
+    """Gradient of ``silu(gate) * up`` (``h = [gate, up]``) with respect to ``h``: the C++
+    kernel autograd uses on CPU, composed ops elsewhere."""
+    from ._dispatch import path_for
+    if path_for("swiglu") == "aot":
+        from .cpu_kernels.functional import swiglu_grad
+        g = swiglu_grad(h, d_act)
+        if g is not None:
+            return g.astype(h.dtype)
     gate, up = mint.chunk(h, 2, -1)
     s = mint.sigmoid(gate)
     silu = gate * s
@@ -192,61 +199,62 @@ def _blocks(x: Tensor, sizes: Sequence[int]) -> List[Tensor]:
 
 
 def expert_ffn_forward(x: Tensor, w1: Weights, w2: Weights, sizes: Sequence[int],
-                       transpose_b: bool) -> Tuple[Tensor, Tensor]:
-    """``y = swiglu(x_e W1_e) W2_e`` per expert block; returns ``(y, h)`` with ``h`` the fc1
-    output kept for backward. Weights as in ``grouped_matmul`` (``transpose_b``: Linear layout
-    ``[M, K]``)."""
+                       transpose_b: bool) -> Tuple[Tensor, Tuple[List[Tensor], List[Tensor]]]:
+    """``y = swiglu(x_e W1_e) W2_e`` per expert block; returns ``(y, saved)`` with ``saved`` the
+    per-block fc1 outputs ``h`` and activations ``a`` kept for backward. Weights as in
+    ``grouped_matmul`` (``transpose_b``: Linear layout ``[M, K]``)."""
     from .swiglu import swiglu
-    hs, ys = [], []
+    hs, acts, ys = [], [], []
     for e, xe in enumerate(_blocks(x, sizes)):
         if int(sizes[e]) == 0:
             continue
         h = matmul(xe, w1[e], transpose_b=transpose_b)
+        a = swiglu(h)
         hs.append(h)
-        ys.append(matmul(swiglu(h), w2[e], transpose_b=transpose_b))
+        acts.append(a)
+        ys.append(matmul(a, w2[e], transpose_b=transpose_b))
     if not ys:
         out_dim = w2[0].shape[0] if transpose_b else w2[0].shape[1]
-        mid = w1[0].shape[0] if transpose_b else w1[0].shape[1]
-        return (mint.zeros((0, out_dim), dtype=x.dtype), mint.zeros((0, mid), dtype=x.dtype))
-    return (ys[0], hs[0]) if len(ys) == 1 else (F.cat(ys, 0), F.cat(hs, 0))
+        return mint.zeros((0, out_dim), dtype=x.dtype), (hs, acts)
+    return (ys[0] if len(ys) == 1 else F.cat(ys, 0)), (hs, acts)
 
 
-def expert_ffn_backward_data(dy: Tensor, h: Tensor, w1: Weights, w2: Weights,
-                             sizes: Sequence[int], transpose_b: bool) -> Tuple[Tensor, Tensor]:
-    """Activation gradients of ``expert_ffn_forward``: ``(dx, dh)`` (``dh`` feeds the weight
-    gradients). Split from the weight gradients so a pipeline can send ``dx`` first and compute
-    ``dW`` while it travels."""
+def expert_ffn_backward_data(dy: Tensor, saved, w1: Weights, w2: Weights,
+                             sizes: Sequence[int], transpose_b: bool
+                             ) -> Tuple[Tensor, List[Tensor]]:
+    """Activation gradients of ``expert_ffn_forward``: ``(dx, [dh per block])`` (``dh`` feeds
+    the weight gradients). Split from the weight gradients so a pipeline can send ``dx`` first
+    and compute ``dW`` while it travels."""
+    hs, _ = saved
     live = [e for e, s in enumerate(sizes) if int(s)]
     live_sizes = [int(sizes[e]) for e in live]
     if not live:
         in_dim = w1[0].shape[1] if transpose_b else w1[0].shape[0]
-        return mint.zeros((0, in_dim), dtype=dy.dtype), h
-    dys, hs = _blocks(dy, live_sizes), _blocks(h, live_sizes)
+        return mint.zeros((0, in_dim), dtype=dy.dtype), []
+    dys = _blocks(dy, live_sizes)
     dxs, dhs = [], []
     for i, e in enumerate(live):
         d_a = matmul(dys[i], w2[e], transpose_b=not transpose_b)
         dh = swiglu_backward(hs[i], d_a)
         dhs.append(dh)
         dxs.append(matmul(dh, w1[e], transpose_b=not transpose_b))
-    if len(dxs) == 1:
-        return dxs[0], dhs[0]
-    return F.cat(dxs, 0), F.cat(dhs, 0)
+    return (dxs[0] if len(dxs) == 1 else F.cat(dxs, 0)), dhs
 
 
-def expert_ffn_backward_weight(dy: Tensor, x: Tensor, h: Tensor, dh: Tensor, w1: Weights,
+def expert_ffn_backward_weight(dy: Tensor, x: Tensor, saved, dhs: List[Tensor], w1: Weights,
                                w2: Weights, sizes: Sequence[int], transpose_b: bool
                                ) -> Tuple[List[Tensor], List[Tensor]]:
     """Weight gradients ``([dW1_e], [dW2_e])`` in the weights' own layout; an expert without
     rows gets zeros."""
-    from .swiglu import swiglu
+    _, acts = saved
     live = [e for e, s in enumerate(sizes) if int(s)]
     live_sizes = [int(sizes[e]) for e in live]
     dw1, dw2 = [F.zeros_like(w) for w in _each(w1)], [F.zeros_like(w) for w in _each(w2)]
     if not live:
         return dw1, dw2
-    dys, xs, hs, dhs = (_blocks(t, live_sizes) for t in (dy, x, h, dh))
+    dys, xs = _blocks(dy, live_sizes), _blocks(x, live_sizes)
     for i, e in enumerate(live):
-        a = swiglu(hs[i])
+        a = acts[i]
         if transpose_b:     # Linear layout: W1 [2F, H], W2 [H, F]
             dw2[e] = matmul(dys[i], a, transpose_a=True)
             dw1[e] = matmul(dhs[i], xs[i], transpose_a=True)

@@ -127,12 +127,13 @@ class _Pipeline(Function):
             _wait(work, timeline, "fwd", "dispatch", plan.labels[g])
             t0 = time.perf_counter()
             x = _rows(buf, plan.index[g])
-            y, h = moe_ops.expert_ffn_forward(x, _pick(w1, ids), _pick(w2, ids), plan.sizes[g], tb)
+            y, kept = moe_ops.expert_ffn_forward(x, _pick(w1, ids), _pick(w2, ids), plan.sizes[g],
+                                              tb)
             y_src = _rows(y, plan.inverse[g])
             if timeline is not None:
                 timeline.add("fwd", "compute", plan.labels[g], t0, time.perf_counter(),
                              "gemm1+swiglu+gemm2")
-            saved.append((x, h))
+            saved.append((x, kept))
             out = mint.zeros((segments[g].shape[0],) + tuple(y.shape[1:]), dtype=y.dtype)
             combines.append((g, comm.all_to_all_v(out, y_src, plan.matrices[g].T, group,
                                                   async_op=True)))
@@ -166,11 +167,11 @@ class _Pipeline(Function):
                 start(g + 1)
             buf, work = pending.pop(g)
             _wait(work, timeline, "bwd", "grad dispatch", plan.labels[g])
-            x, h = ctx.saved[g]
+            x, kept = ctx.saved[g]
             t0 = time.perf_counter()
             dy = _rows(buf, plan.index[g])
             g_w1, g_w2 = _pick(w1, ids), _pick(w2, ids)
-            dx, dh = moe_ops.expert_ffn_backward_data(dy, h, g_w1, g_w2, plan.sizes[g], tb)
+            dx, dh = moe_ops.expert_ffn_backward_data(dy, kept, g_w1, g_w2, plan.sizes[g], tb)
             dx_src = _rows(dx, plan.inverse[g])
             t1 = time.perf_counter()
             d_in = mint.zeros((d_segments[g].shape[0],) + tuple(dx.shape[1:]), dtype=dx.dtype)
@@ -178,7 +179,7 @@ class _Pipeline(Function):
                                                async_op=True)))
             d_outs.append(d_in)
             # Weight gradients while the input gradient travels back.
-            gw1, gw2 = moe_ops.expert_ffn_backward_weight(dy, x, h, dh, g_w1, g_w2,
+            gw1, gw2 = moe_ops.expert_ffn_backward_weight(dy, x, kept, dh, g_w1, g_w2,
                                                           plan.sizes[g], tb)
             for k, e in enumerate(ids):     # an expert recurs once per token chunk
                 e = int(e)

@@ -104,6 +104,7 @@ def _make_prims():
     return {
         "rms_norm": rms_fwd,
         "swiglu": swiglu_fwd,
+        "swiglu_bwd": swiglu_bwd,
         "cross_entropy": ce_fwd,
         "causal_softmax": cs_fwd,
         "rope": rope_fwd,
@@ -151,6 +152,14 @@ def swiglu(x):
     dt = x.dtype
     y = _prim("swiglu")(_f32(x))
     return y if dt == ms.float32 else y.astype(dt)
+
+
+def swiglu_grad(x, dy):
+    """Gradient of ``swiglu`` with respect to x for output gradient dy (the kernel autograd uses),
+    for pipelines that run their own backward."""
+    if not _aot_enabled():
+        return None
+    return _prim("swiglu_bwd")(_f32(x), _f32(dy))
 
 
 def cross_entropy(logits, labels, ignore_index=-100):
