@@ -7,7 +7,10 @@ composition is built on (on CPU there is no native all_gather_into_tensor, reduc
 all_to_all_single kernel, so the baseline is the primitive that moves the same data):
 
 * all_gather_into_tensor vs raw list ``all_gather`` (+ our ``cat``)
-* reduce_scatter_tensor vs raw ``all_reduce`` of the full tensor (+ our copy and narrow)
+* reduce_scatter_tensor vs raw ``all_reduce`` of the full tensor (the bandwidth it must beat)
+* the two CPU reduce-scatter compositions against each other: one ``scatter`` per root + local
+  sum ((W-1)/W x N bytes sent per rank) vs ``all_reduce`` + narrow (2(W-1)/W x N); the faster
+  one is ``comm._CPU_REDUCE_SCATTER``
 * all_to_all_single (scatter per root) vs raw list ``all_gather`` of the full input (the
   gather-and-select composition it replaces, which moves (W-1)x more bytes)
 """
@@ -36,6 +39,7 @@ def worker(sizes, repeat: int) -> None:
 
     info = init_distributed()
     w, r = info.world_size, info.rank
+    world = comm.world_group()
 
     def timed(fn):
         fn()
@@ -60,6 +64,10 @@ def worker(sizes, repeat: int) -> None:
              "list all_gather", lambda: raw.all_gather(parts, shard)),
             ("reduce_scatter_tensor", lambda: comm.reduce_scatter_tensor(out_shard, full),
              "all_reduce", lambda: raw.all_reduce(full.copy())),
+            ("rs by scatter", lambda: comm._reduce_scatter_by_scatter(
+                out_shard, full, "sum", world, False),
+             "rs by all_reduce", lambda: comm._reduce_scatter_by_all_reduce(
+                 out_shard, full, "sum", world, False)),
             ("all_to_all_single", lambda: comm.all_to_all_single(out_full, full),
              "all_gather of input", lambda: raw.all_gather(
                  [mint.zeros((n,), dtype=ms.float32) for _ in range(w)], full)),

@@ -5,7 +5,7 @@ import fnmatch
 from typing import List, Sequence
 
 from ms_llm.models.gpt import GPTModel
-from .fully_shard import FSDPModule, fully_shard
+from .fully_shard import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 DEFAULT_UNITS = ("decoder.layers.*", "embedding", "output_layer")
 
@@ -18,12 +18,17 @@ def _match(name: str, pattern: str) -> bool:
 
 def apply_fsdp(model: GPTModel, group, *, modules: Sequence[str] = DEFAULT_UNITS,
                reshard_after_forward: bool = True, prefetch: int = 1,
-               ignored_params: Sequence = ()) -> List[FSDPModule]:
+               ignored_params: Sequence = (),
+               mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> List[FSDPModule]:
     """Shard ``model`` over ``group``. Each module whose name matches a glob in ``modules``
     becomes a unit; the root holds the rest. With tied embeddings the embedding stays in the
     root, because the output head reads its weight again after the embedding's forward.
     ``ignored_params`` stay whole and local (e.g. expert weights, sharded over expert parallel
-    instead and reduced over the expert-data-parallel group by the caller)."""
+    instead and reduced over the expert-data-parallel group by the caller).
+
+    As torchtitan does, the last unit in forward order keeps its gathered weights after forward
+    (its backward comes first, so resharding would only gather it again at once), and the root
+    prefetches the first units' all-gathers."""
     if group.size == 1:
         return []
     tied = model.output_layer is None
@@ -38,11 +43,13 @@ def apply_fsdp(model: GPTModel, group, *, modules: Sequence[str] = DEFAULT_UNITS
     cells = dict(model.cells_and_names())
     ordered = [n for n in names if n in chosen]            # forward order
     for n in sorted(ordered, key=lambda n: -n.count(".")):  # children before parents
-        fully_shard(cells[n], group, reshard_after_forward=reshard_after_forward,
-                    ignored_params=ignored_params)
+        fully_shard(cells[n], group, reshard_after_forward=reshard_after_forward
+                    and n != ordered[-1], mp_policy=mp_policy, ignored_params=ignored_params)
     units = [cells[n] for n in ordered]
     for i, unit in enumerate(units):
         unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch])
         unit.set_modules_to_backward_prefetch(units[max(0, i - prefetch):i][::-1])
-    fully_shard(model, group, reshard_after_forward=False, ignored_params=ignored_params)
+    fully_shard(model, group, reshard_after_forward=False, mp_policy=mp_policy,
+                ignored_params=ignored_params)
+    model.set_modules_to_forward_prefetch(units[:prefetch])
     return units
