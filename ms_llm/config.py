@@ -85,6 +85,8 @@ class ParallelConfig:
         default_factory=lambda: ["decoder.layers.*", "embedding", "output_layer"])
     reshard_after_forward: bool = True
     fsdp_prefetch: int = 1            # how many next units' all-gathers to start early
+    fsdp_param_dtype: Optional[str] = None   # MixedPrecisionPolicy: dtype of gathered weights
+    fsdp_reduce_dtype: Optional[str] = None  # and of the gradient reduce-scatter (None = fp32)
 
 
 @dataclass
@@ -313,6 +315,12 @@ def validate(cfg: RunConfig, source: str) -> None:
         raise ConfigError(f"{source}: moe.expert_groups and moe.token_chunks must be >= 1")
     if p.fsdp_size < 1:
         raise ConfigError(f"{source}: parallel.fsdp_size must be >= 1")
+    for key in ("fsdp_param_dtype", "fsdp_reduce_dtype"):
+        value = getattr(p, key)
+        if value is not None and value.lower() not in ("float32", "fp32", "bfloat16", "bf16",
+                                                       "float16", "fp16"):
+            raise ConfigError(f"{source}: parallel.{key} must be null, float32, bfloat16 or "
+                              f"float16, got {value!r}")
     if p.fsdp_size > 1 and t.jit:
         raise ConfigError(f"{source}: parallel.fsdp_size > 1 needs training.jit false (FSDP "
                           f"gathers use PyNative custom backward)")

@@ -443,8 +443,8 @@ def _all_to_all_cpu_plan(output, input, in_splits, matrix: np.ndarray, g: Proces
                     filler = mint.zeros((pad - in_splits[j],) + tail, dtype=input.dtype)
                     piece = mint.cat([piece, filler], 0) if in_splits[j] else filler
                 chunks.append(piece.contiguous())
-        else:
-            chunks = [mint.zeros((pad,) + tail, dtype=input.dtype) for _ in range(w)]
+        else:   # ignored off the root, but the kernel wants a list: one buffer, W references
+            chunks = [mint.zeros((pad,) + tail, dtype=input.dtype)] * w
         rounds.append((root, chunks, mint.zeros((pad,) + tail, dtype=input.dtype)))
 
     def calls():

@@ -23,7 +23,7 @@ from ms_llm.parallel import comm
 from ms_llm.quant import apply_quantization
 from ms_llm.parallel.data_parallel import PartitionedGradSync
 from ms_llm.parallel.expert_parallel import apply_expert_parallel
-from ms_llm.parallel.fsdp import apply_fsdp
+from ms_llm.parallel.fsdp import MixedPrecisionPolicy, apply_fsdp
 from ms_llm.parallel.parallelize import parallelize
 from ms_llm.parallel.runtime import DistInfo, init_distributed
 from ms_llm.parallel.state import initialize_model_parallel
@@ -104,7 +104,9 @@ class Trainer:
             try:
                 apply_fsdp(self.model, self.dp_group, modules=p.fsdp_modules,
                            reshard_after_forward=p.reshard_after_forward,
-                           prefetch=p.fsdp_prefetch, ignored_params=expert_params)
+                           prefetch=p.fsdp_prefetch, ignored_params=expert_params,
+                           mp_policy=MixedPrecisionPolicy(param_dtype=p.fsdp_param_dtype,
+                                                          reduce_dtype=p.fsdp_reduce_dtype))
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         self.model.set_train(True)

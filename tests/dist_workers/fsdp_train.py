@@ -2,9 +2,7 @@
 3 layers) on synthetic tokens, trained with the given overrides; rank 0 writes losses and grad
 norms as JSON. argv: OUT_JSON RUN_SPEC [RUN_SPEC ...] (see train_parallel.py).
 
-Worker-only options inside a RUN_SPEC: ``--test.reduce_dtype=bf16`` sets every FSDP unit's
-MixedPrecisionPolicy(reduce_dtype=...) after the Trainer applied FSDP (the config has no key
-for it). The spec ``unit_reduce`` runs no training: it shards one Linear(6 -> 5 rows, uneven)
+The spec ``unit_reduce`` runs no training: it shards one Linear(6 -> 5 rows, uneven)
 with reduce_dtype bf16 and fp32, back-propagates a rank-specific loss, and every rank writes its
 reduced shard gradients to OUT_JSON.rank<R> for the test's NumPy reference."""
 import json
@@ -21,7 +19,7 @@ from mindspore import Tensor  # noqa: E402
 from ms_llm.compat import nn  # noqa: E402
 from ms_llm.config import load_config  # noqa: E402
 from ms_llm.parallel import comm  # noqa: E402
-from ms_llm.parallel.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
+from ms_llm.parallel.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from ms_llm.parallel.runtime import init_distributed  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
@@ -58,15 +56,9 @@ for spec in sys.argv[2:]:
         unit_reduce(sys.argv[1], info.rank)
         continue
     args = [a for a in extra.split(",") if a]
-    test_opts = dict(a[len("--test."):].split("=", 1) for a in args if a.startswith("--test."))
     cfg = load_config(CONFIG, AWKWARD + small_data_overrides() +
-                      [a for a in args if not a.startswith("--test.")])
+                      args)
     trainer = Trainer(cfg, info)
-    if "reduce_dtype" in test_opts:
-        policy = MixedPrecisionPolicy(reduce_dtype=test_opts["reduce_dtype"])
-        for _, cell in trainer.model.cells_and_names():
-            if isinstance(cell, FSDPModule):
-                cell._fsdp_state.mp_policy = policy
     loader = SyntheticLoader(cfg, trainer.pstate.dp_rank, trainer.dp_group.size)
     loader.load_state_dict(trainer.data.loader.state_dict())   # keep a resumed position
     trainer.data.loader = loader
