@@ -95,6 +95,9 @@ LAYOUTS = {
     "fsdp=4": (4, ["--parallel.fsdp_size", "4"]),
     "dp=2": (2, []),
     "fsdp=2:keep": (2, ["--parallel.fsdp_size", "2", "--parallel.reshard_after_forward", "false"]),
+    # MixedPrecisionPolicy(param_dtype=bf16): half the all-gather bytes (numerics change: the
+    # units compute with bf16-rounded weights, as torch FSDP2's bf16 policy does).
+    "fsdp=2:bf16": (2, ["--parallel.fsdp_size", "2", "--parallel.fsdp_param_dtype", "bf16"]),
 }
 
 
