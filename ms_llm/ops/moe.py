@@ -249,7 +249,8 @@ def expert_ffn_backward_weight(dy: Tensor, x: Tensor, saved, dhs: List[Tensor], 
     _, acts = saved
     live = [e for e, s in enumerate(sizes) if int(s)]
     live_sizes = [int(sizes[e]) for e in live]
-    dw1, dw2 = [F.zeros_like(w) for w in _each(w1)], [F.zeros_like(w) for w in _each(w2)]
+    dw1 = [F.zeros_like(w) for w in per_expert(w1)]
+    dw2 = [F.zeros_like(w) for w in per_expert(w2)]
     if not live:
         return dw1, dw2
     dys, xs = _blocks(dy, live_sizes), _blocks(x, live_sizes)
@@ -264,5 +265,6 @@ def expert_ffn_backward_weight(dy: Tensor, x: Tensor, saved, dhs: List[Tensor], 
     return dw1, dw2
 
 
-def _each(w: Weights) -> List[Tensor]:
+def per_expert(w: Weights) -> List[Tensor]:
+    """Expert weights as a list, from a ``[E, ...]`` tensor or a sequence."""
     return [w[e] for e in range(w.shape[0])] if isinstance(w, Tensor) else list(w)

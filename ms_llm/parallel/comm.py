@@ -18,6 +18,12 @@ send / recv                ``broadcast`` in a two-rank group           same
 barrier                    ``all_reduce`` of one element               -
 =========================  ==========================================  ==========================
 
+``all_to_all_v`` is ``all_to_all_single`` for callers that already hold every rank's split sizes.
+``async_op=True`` of the CPU all-to-all runs the ``scatter`` kernels on one communication thread
+(MindSpore's CPU collectives block the calling thread even when asked to be asynchronous); every
+buffer is made and read on the caller's thread, and any other collective first waits for that
+thread's queue, so all ranks issue collectives in one order (``MS_LLM_COMM_THREAD=0``: inline).
+
 On Ascend (hccl) every op is the native ``mindspore.mint.distributed`` call. In a single process
 (no msrun) every group has size 1 and every op is a local no-op/copy, so parallel code paths run
 unchanged in unit tests.

@@ -46,7 +46,7 @@ def gather_rows(x: Tensor, index: Optional[np.ndarray]) -> Tensor:
     return x if index is None else F.embedding(Tensor(index), x)
 
 
-def _non_identity(index: np.ndarray) -> Optional[np.ndarray]:
+def drop_identity(index: np.ndarray) -> Optional[np.ndarray]:
     return None if np.array_equal(index, np.arange(index.size)) else index
 
 
@@ -75,7 +75,7 @@ class MoEAlltoAllTokenDispatcher(MoELocalTokenDispatcher):
         matrix = counts.reshape(w, w, n_local).sum(-1)                     # [src, dst]
         blocks = counts[:, r * n_local:(r + 1) * n_local]                  # [src, local e]
         recv = pa.all_to_all(permuted, self.group, matrix[:, r], matrix[r], split_matrix=matrix)
-        index = _non_identity(regroup_index(blocks))
+        index = drop_identity(regroup_index(blocks))
         inverse = None if index is None else np.argsort(index).astype(np.int32)
         self._state = (matrix, inverse)
         return gather_rows(recv, index), [int(v) for v in blocks.sum(0)]

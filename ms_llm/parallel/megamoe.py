@@ -35,10 +35,9 @@ from mindspore import Tensor, mint, ops
 
 from ms_llm.compat import F
 from ms_llm.compat.autograd import Function
-from ms_llm.models.moe import MoELocalTokenDispatcher
 from ms_llm.ops import moe as moe_ops
 from . import comm
-from .expert_parallel import _non_identity, regroup_index
+from .expert_parallel import MoEAlltoAllTokenDispatcher, drop_identity, regroup_index
 
 
 class Timeline:
@@ -80,7 +79,7 @@ class _Plan:
                 cols = np.array([j * n_local + l for j in range(w) for l in g])
                 m = counts[:, c, cols].reshape(w, w, len(g)).sum(-1)       # [src, dst]
                 blocks = counts[:, c, rank * n_local + g]                  # [src, local e]
-                idx = _non_identity(regroup_index(blocks))
+                idx = drop_identity(regroup_index(blocks))
                 self.stage_ids.append(g)
                 self.labels.append(f"c{c}g{gi}" if chunks > 1 else f"g{gi}")
                 self.matrices.append(m)
@@ -149,7 +148,7 @@ class _Pipeline(Function):
         plan, group, experts, timeline = ctx.plan, ctx.group, ctx.experts, ctx.timeline
         r = group.rank
         w1, w2, tb = experts.expert_weights()
-        n_local = len(_each(w1))
+        n_local = len(moe_ops.per_expert(w1))
         d_segments = _split(dout.contiguous(), plan.send_rows(r))
         recv_rows = plan.recv_rows(r)
         pending = {}
@@ -218,23 +217,14 @@ def _cat(parts: List[Tensor], like: Tensor) -> Tensor:
     return parts[0] if len(parts) == 1 else mint.cat(parts, 0)
 
 
-def _each(w) -> list:
-    return [w[e] for e in range(w.shape[0])] if isinstance(w, Tensor) else list(w)
-
-
-class MegaMoEDispatcher(MoELocalTokenDispatcher):
-    """``moe.dispatcher: megamoe``: routes like the all-to-all dispatcher, runs the experts
-    in ``expert_groups`` pipelined groups (``run`` replaces permute -> experts -> unpermute)."""
+class MegaMoEDispatcher(MoEAlltoAllTokenDispatcher):
+    """``moe.dispatcher: megamoe``: the all-to-all dispatcher's routing, with the experts run
+    in pipelined stages (``run`` replaces permute -> experts -> unpermute)."""
 
     def __init__(self, num_experts: int, topk: int, group: comm.ProcessGroup,
                  expert_groups: int = 2, token_chunks: int = 1,
                  timeline: Optional[Timeline] = None):
-        super().__init__(num_experts, topk)
-        if num_experts % group.size:
-            raise ValueError(f"num_moe_experts ({num_experts}) is not divisible by "
-                             f"parallel.expert_model_parallel_size ({group.size})")
-        self.group = group
-        self.num_local_experts = num_experts // group.size
+        super().__init__(num_experts, topk, group)
         if expert_groups < 1:
             raise ValueError(f"moe.expert_groups must be >= 1, got {expert_groups}")
         if token_chunks < 1:
