@@ -137,3 +137,24 @@ def test_real_model_configs(name, total, tol):
 def test_default_config_loads():
     cfg = load_config(os.path.join(CONFIGS, "tiny.yaml"))
     assert cfg.model.qk_layernorm and cfg.data.corpus == "embedded"
+
+
+def test_moe_and_expert_parallel_config_checks():
+    cfg = load_config(os.path.join(CONFIGS, "tiny_moe.yaml"))
+    assert cfg.model.mlp_type == "moe" and cfg.model.num_moe_experts == 8
+    assert cfg.moe.dispatcher == "alltoall" and not cfg.training.jit
+    moe_yaml = os.path.join(CONFIGS, "tiny_moe.yaml")
+    bad = [
+        (os.path.join(CONFIGS, "tiny.yaml"), ["--parallel.expert_model_parallel_size", "2"],
+         "needs model.mlp_type moe"),
+        (moe_yaml, ["--parallel.expert_model_parallel_size", "3"], "not divisible"),
+        (moe_yaml, ["--parallel.tensor_model_parallel_size", "2"], "expert tensor parallel"),
+        (moe_yaml, ["--moe.dispatcher", "deepep"], "moe.dispatcher"),
+        (moe_yaml, ["--moe.token_chunks", "0"], "moe.token_chunks"),
+        (moe_yaml, ["--moe.groups", "2"], "unknown key 'moe.groups'"),
+        (moe_yaml, ["--parallel.fsdp_reduce_dtype", "int8"], "parallel.fsdp_reduce_dtype"),
+    ]
+    for path, overrides, needle in bad:
+        with pytest.raises(ConfigError, match=needle) as e:
+            load_config(path, overrides)
+        assert "\n" not in str(e.value)
