@@ -111,6 +111,7 @@ def test_two_workers_tp_sp_dp_ep(tmp_path, reference, reference_mx, reference_mo
         spec("ep2_dead_save", MOE, MOE_DEAD, ep(2), SAVE_AT_3,
              ["--checkpoint.save_dir", str(tmp_path / "ck_d")], flags=["@dead"]),
         spec("dp2_ep1_megamoe", MOE, MEGA),
+        spec("fsdp2_ep1_megamoe_grouped", MOE, MOE_GROUPED, MEGA, ["--parallel.fsdp_size", "2"]),
         "tp2_mxfp8:" + ",".join(f"{a}={b}" for a, b in zip(MX[::2], MX[1::2])) +
         ",--parallel.tensor_model_parallel_size=2",
         "tp2:--training.jit=false,--parallel.tensor_model_parallel_size=2",
@@ -123,6 +124,8 @@ def test_two_workers_tp_sp_dp_ep(tmp_path, reference, reference_mx, reference_mo
     assert_moe(res.pop("ep2"), ref["moe"], "ep2")
     assert_moe(res.pop("ep2_megamoe"), ref["moe"], "ep2_megamoe")
     assert_moe(res.pop("dp2_ep1_megamoe"), ref["moe"], "dp2_ep1_megamoe")
+    # FSDP shards the experts too at ep=1: MegaMoE's backward must use the gathered weights.
+    assert_moe(res.pop("fsdp2_ep1_megamoe_grouped"), ref["grouped"], "fsdp2_ep1_megamoe_grouped")
     # Distributed checkpoints of expert-parallel runs (global expert names, grouped weights
     # stored as rows, the routers' expert_bias) resume in one process: steps 4-5 continue the
     # uninterrupted run.

@@ -228,9 +228,6 @@ class SequentialMLP(nn.Module):
         fc1, fc2, _ = self.expert_weights()
         return fc1 + fc2
 
-    def grads_to_params(self, d_fc1: List[Tensor], d_fc2: List[Tensor]) -> List[Tensor]:
-        """Per-expert weight gradients in ``weight_params()`` order."""
-        return list(d_fc1) + list(d_fc2)
 
 
 class GroupedMLP(nn.Module):
@@ -262,10 +259,6 @@ class GroupedMLP(nn.Module):
 
     def weight_params(self) -> List[Tensor]:
         return [self.weight1, self.weight2]
-
-    def grads_to_params(self, d_w1: List[Tensor], d_w2: List[Tensor]) -> List[Tensor]:
-        return [F.cat([g.reshape(1, *g.shape) for g in d_w1], 0).reshape(self.weight1.shape),
-                F.cat([g.reshape(1, *g.shape) for g in d_w2], 0).reshape(self.weight2.shape)]
 
 
 class SharedExpertMLP(MLP):

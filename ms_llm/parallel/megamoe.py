@@ -106,6 +106,8 @@ class _Pipeline(Function):
     @staticmethod
     def forward(ctx, permuted, plan, group, experts, timeline, *params):
         r = group.rank
+        # The weights as this forward sees them (under FSDP, gathered ones): backward must use
+        # these, not whatever the module attributes hold by then.
         w1, w2, tb = experts.expert_weights()
         segments = _split(permuted, plan.send_rows(r))
         recv_rows = plan.recv_rows(r)
@@ -139,15 +141,15 @@ class _Pipeline(Function):
             outs.append(out)
         for g, work in combines:
             _wait(work, timeline, "fwd", "combine", plan.labels[g])
-        ctx.plan, ctx.group, ctx.experts, ctx.timeline, ctx.saved = (plan, group, experts,
-                                                                      timeline, saved)
+        ctx.plan, ctx.group, ctx.timeline, ctx.saved = plan, group, timeline, saved
+        ctx.weights, ctx.param_shapes = (w1, w2, tb), [tuple(p.shape) for p in params]
         return _cat(outs, permuted)
 
     @staticmethod
     def backward(ctx, dout):
-        plan, group, experts, timeline = ctx.plan, ctx.group, ctx.experts, ctx.timeline
+        plan, group, timeline = ctx.plan, ctx.group, ctx.timeline
         r = group.rank
-        w1, w2, tb = experts.expert_weights()
+        w1, w2, tb = ctx.weights
         n_local = len(moe_ops.per_expert(w1))
         d_segments = _split(dout.contiguous(), plan.send_rows(r))
         recv_rows = plan.recv_rows(r)
@@ -189,9 +191,18 @@ class _Pipeline(Function):
                 timeline.add("bwd", "compute", plan.labels[g], t1, time.perf_counter(), "wgrad")
         for g, work in sends:
             _wait(work, timeline, "bwd", "grad combine", plan.labels[g])
-        ctx.saved = None
+        ctx.saved = ctx.weights = None
         dx_all = _cat(d_outs, dout)
-        return (dx_all, None, None, None, None) + tuple(experts.grads_to_params(dw1, dw2))
+        return (dx_all, None, None, None, None) + tuple(_param_grads(dw1, dw2, ctx.param_shapes))
+
+
+def _param_grads(dw1: list, dw2: list, shapes: list) -> list:
+    """Per-expert weight gradients in the order of ``experts.weight_params()``: one tensor per
+    expert weight (SequentialMLP), or the two flat GroupedMLP weights (``[E, ...]`` blocks)."""
+    if len(shapes) == 2 * len(dw1):
+        return list(dw1) + list(dw2)
+    stack = [mint.cat([g.reshape(1, *g.shape) for g in d], 0) for d in (dw1, dw2)]
+    return [stack[0].reshape(shapes[0]), stack[1].reshape(shapes[1])]
 
 
 def _wait(work, timeline: Optional[Timeline], phase: str, name: str, g: str) -> None:
