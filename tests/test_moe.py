@@ -27,10 +27,11 @@ from mindspore import Tensor
 from safetensors.numpy import save_file
 
 from ms_llm.checkpoint.pretrained import experts_to_grouped
-from ms_llm.compat import load_state_dict
+from ms_llm.compat import load_state_dict, manual_seed
 from ms_llm.models import GPTModel, TransformerConfig, config_from_hf, from_pretrained
 from ms_llm.models import moe
 from ms_llm.models.layers import MLP
+from ms_llm import ops as hot
 from ms_llm.ops import moe as moe_ops
 
 H, NH, NG, D, E, K, FM, FFN, V, LAYERS = 32, 4, 2, 8, 8, 2, 16, 48, 96, 3
@@ -455,3 +456,40 @@ def test_qwen3_moe_from_megatron_folder(tmp_path, grouped):
     np.testing.assert_allclose(logits[..., :V], ref_logits, atol=1e-4 * np.abs(ref_logits).max())
     for i, (_, top, _) in routing.items():
         np.testing.assert_array_equal(model.decoder.layers[i].mlp.last_top_indices.asnumpy(), top)
+
+
+def test_mxfp8_experts_run_their_own_forward():
+    """quant.recipe mxfp8 replaces the experts' linears; the layer must then call them (a
+    grouped matmul over their raw weights would silently skip the quantization)."""
+    from types import SimpleNamespace
+    from ms_llm.quant import MXFP8Linear, apply_quantization
+    from ms_llm.parallel import comm
+    from ms_llm.parallel.expert_parallel import apply_expert_parallel
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=2,
+                            ffn_hidden_size=64, padded_vocab_size=64, mlp_type="moe",
+                            num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+    manual_seed(0)
+    model = GPTModel(cfg)
+    ids = Tensor(np.random.default_rng(0).integers(0, 64, (2, 8)).astype(np.int32))
+    plain = model(ids).asnumpy()
+    names = apply_quantization(model, SimpleNamespace(recipe="mxfp8", scale_mode="floor",
+                                                      elem_dtype="float8_e4m3fn",
+                                                      apply_modules=[], ignored_modules=[]))
+    assert any(".experts.local_experts.3.linear_fc1" in n for n in names)
+    experts = model.decoder.layers[0].mlp.experts
+    assert type(experts.local_experts[0].linear_fc1) is MXFP8Linear
+    assert not experts.plain_linears()
+    quant = model(ids).asnumpy()
+    x = Tensor(np.random.default_rng(1).standard_normal((10, 64)).astype(np.float32))
+    sizes = [4, 0, 5, 1]
+    got = experts(x, sizes).asnumpy()
+    want, start = [], 0
+    for e, n in enumerate(sizes):   # each quantized expert module on its own rows
+        if n:
+            mod = experts.local_experts[e]
+            want.append(mod.linear_fc2(hot.swiglu(mod.linear_fc1(x[start:start + n]))).asnumpy())
+        start += n
+    np.testing.assert_array_equal(got, np.concatenate(want))
+    assert np.abs(quant - plain).max() > 1e-4          # the experts are really quantized
+    with pytest.raises(ValueError, match="megamoe"):
+        apply_expert_parallel(model, comm.world_group(), dispatcher="megamoe")

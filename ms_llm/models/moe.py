@@ -213,11 +213,27 @@ class SequentialMLP(nn.Module):
         self.gmm_impl = "auto"   # see ms_llm.ops.moe.grouped_matmul
 
     def forward(self, x: Tensor, tokens_per_expert: List[int]) -> Tensor:
+        if not self.plain_linears():
+            return self._module_loop(x, tokens_per_expert)
         fc1, fc2, _ = self.expert_weights()
         h = moe_ops.grouped_matmul(x, fc1, tokens_per_expert, transpose_b=True, impl=self.gmm_impl)
         h = hot.swiglu(h)
         return moe_ops.grouped_matmul(h, fc2, tokens_per_expert, transpose_b=True,
                                       impl=self.gmm_impl)
+
+    def plain_linears(self) -> bool:
+        """False once a converter replaced the experts' linears (e.g. MXFP8): their own forward
+        must then run, not a grouped matmul over their raw weights."""
+        return all(type(m) is hot.Linear for e in self.local_experts
+                   for m in (e.linear_fc1, e.linear_fc2))
+
+    def _module_loop(self, x: Tensor, tokens_per_expert: List[int]) -> Tensor:
+        outs = [e.linear_fc2(hot.swiglu(e.linear_fc1(xe)))
+                for e, xe, n in zip(self.local_experts, F.split(x, list(tokens_per_expert), 0),
+                                    tokens_per_expert) if n]
+        if not outs:
+            return F.zeros(0, x.shape[-1], dtype=x.dtype)
+        return outs[0] if len(outs) == 1 else F.cat(outs, 0)
 
     def expert_weights(self) -> Tuple[List[Tensor], List[Tensor], bool]:
         """Per local expert ``(fc1 [2F, H], fc2 [H, F], transpose_b=True)`` (Linear layout)."""

@@ -144,6 +144,10 @@ def apply_expert_parallel(model, group: comm.ProcessGroup, *, dispatcher: str = 
             kept += _shard_experts(layer, group.rank, group.size)
         if dispatcher == "megamoe":
             from .megamoe import MegaMoEDispatcher
+            if not getattr(layer.experts, "plain_linears", lambda: True)():
+                raise ValueError("moe.dispatcher megamoe runs the expert GEMMs itself and does "
+                                 "not support quantized (MXFP8) experts; use moe.dispatcher "
+                                 "alltoall or add '*.experts.*' to quant.ignored_modules")
             layer.token_dispatcher = MegaMoEDispatcher(c.num_moe_experts, c.moe_router_topk,
                                                        group, expert_groups, token_chunks,
                                                        timeline=timeline)
