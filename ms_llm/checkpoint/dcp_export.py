@@ -3,14 +3,28 @@
 Why here and not in the converter: a dcp checkpoint stores GPTModel (Megatron-Core local-spec)
 keys in pieces; this module assembles one layer at a time through ``DCPReader`` and hands the
 full tensors to the converter's own sinks (``convert.HFSink`` / ``convert.MegatronSink``), so the
-QKV / gate-up / vocab-padding rules live in one place (``layouts``). Optimizer tensors and the
-training state are not exported. Output is written to ``<out>.tmp-<pid>`` and renamed at the end.
+QKV / gate-up / vocab-padding / expert rules live in one place (``layouts``). Optimizer tensors
+and the training state are not exported. Output is written to ``<out>.tmp-<pid>`` and renamed at
+the end.
+
+What the training checkpoint stores differently from the converter's full layer form (and is
+undone in ``_Source.layer``):
+
+* a gated ``linear_fc1`` as ``<name>:gate`` / ``<name>:up`` (``training/checkpointing.py``);
+* grouped experts (``moe_grouped_gemm``): ``mlp.experts.weight1`` as rows of 2F, global shape
+  ``[E*H, 2F]`` (memory view ``[E, H, 2F]`` = expert e's ``linear_fc1.T``), ``weight2``
+  ``[E*F, H]`` (view ``[E, F, H]`` = ``linear_fc2.T``); per-expert weights are already under
+  their global expert index;
+* the router's ``mlp.router.expert_bias`` buffer (aux-loss-free balancing). Qwen3-MoE routes
+  with softmax and has no bias, so an all-zero bias is dropped (top-k of ``s + 0`` is top-k of
+  ``s``: nothing is lost) and a non-zero one is refused (it changes which experts are chosen).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
+from collections import OrderedDict
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -23,18 +37,51 @@ from .megatron import hf_config_from_args
 __all__ = ["export_hf", "export_megatron", "hf_config_from_transformer_config"]
 
 _MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.")
+_EXPERTS = "mlp.experts.local_experts."
+
+
+def _moe_refusals(c) -> Optional[str]:
+    """Why HF Qwen3-MoE (softmax router, top-k, optional renormalisation, no shared experts)
+    cannot express this MoE config, or None. Training-only settings (aux / z-loss
+    coefficients, load-balancing type) do not change the forward and are not checked."""
+    if c.moe_router_score_function != "softmax":
+        return (f"moe_router_score_function {c.moe_router_score_function!r} (HF Qwen3-MoE "
+                f"routes with softmax)")
+    if c.moe_router_enable_expert_bias:
+        return "moe_router_enable_expert_bias (HF Qwen3-MoE has no router bias)"
+    if c.moe_shared_expert_intermediate_size:
+        return "shared experts (moe_shared_expert_intermediate_size; HF Qwen3-MoE has none)"
+    if c.moe_router_topk_scaling_factor not in (None, 1, 1.0):
+        return (f"moe_router_topk_scaling_factor {c.moe_router_topk_scaling_factor} (HF "
+                f"Qwen3-MoE does not scale the routing weights)")
+    if not c.qk_layernorm or c.add_qkv_bias:
+        return "attention without QK-norm or with QKV bias (Qwen3-MoE attention is Qwen3's)"
+    if not any(c.is_moe_layer(i) for i in range(c.num_layers)):
+        return "no MoE layer (moe_layer_freq / moe_layer_pattern); export it as a dense model"
+    return None
 
 
 def hf_config_from_transformer_config(config, model_type_hf: Optional[str] = None
                                       ) -> Tuple[dict, str]:
     """HF ``config.json`` for a ``TransformerConfig`` (family guessed from its switches:
-    QK-norm -> qwen3, QKV bias -> qwen25, else llama2, unless ``model_type_hf`` says)."""
+    MoE -> qwen3-moe, QK-norm -> qwen3, QKV bias -> qwen25, else llama2, unless
+    ``model_type_hf`` says)."""
     c = config
-    if c.mlp_type != "dense":
-        raise DCPError("export: MoE checkpoints cannot be exported yet (only dense models); "
-                       "the training checkpoint itself resumes under any ep/fsdp layout")
-    mt = model_type_hf or ("qwen3" if c.qk_layernorm else "qwen25" if c.add_qkv_bias
-                           else "llama2")
+    moe = c.mlp_type == "moe"
+    if moe:
+        mt = model_type_hf or "qwen3-moe"
+        if L.MODEL_TYPES.get(mt, (None,))[0] != "qwen3-moe":
+            raise DCPError(f"export: model_type_hf {mt!r} cannot hold a MoE model (mlp_type "
+                           f"'moe' exports as qwen3-moe)")
+        why = _moe_refusals(c)
+        if why:
+            raise DCPError(f"export: HF Qwen3-MoE cannot express {why}")
+    else:
+        mt = model_type_hf or ("qwen3" if c.qk_layernorm else "qwen25" if c.add_qkv_bias
+                               else "llama2")
+        if L.MODEL_TYPES.get(mt, (None,))[0] == "qwen3-moe":
+            raise DCPError(f"export: model_type_hf {mt!r} needs a MoE model (mlp_type is "
+                           f"{c.mlp_type!r})")
     if not c.swiglu or c.add_bias_linear:
         raise DCPError("export: only SwiGLU models without linear biases map to HF Llama/Qwen")
     family = L.MODEL_TYPES.get(mt, (None,))[0]
@@ -51,7 +98,42 @@ def hf_config_from_transformer_config(config, model_type_hf: Optional[str] = Non
         rotary_base=c.rotary_base,
         untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights,
         params_dtype=None, bf16=c.params_dtype == "bfloat16", fp16=c.params_dtype == "float16")
-    return hf_config_from_args(args, mt), mt
+    if moe:
+        # The per-layer list form: Megatron's int moe_layer_freq N (layers 0, N, 2N.. sparse)
+        # is not HF's decoder_sparse_step N (layers N-1, 2N-1..), so never pass the int.
+        args.num_experts = c.num_moe_experts
+        args.moe_router_topk = c.moe_router_topk
+        args.moe_ffn_hidden_size = c.moe_ffn_hidden_size
+        args.moe_norm_topk_prob = not c.moe_router_pre_softmax
+        args.moe_layer_freq = [int(c.is_moe_layer(i)) for i in range(c.num_layers)]
+    cfg = hf_config_from_args(args, mt)
+    if moe:
+        cfg["router_aux_loss_coef"] = float(c.moe_aux_loss_coeff or 0.0)
+    return cfg, mt
+
+
+def _layer_shapes(spec: L.ModelSpec, i: int) -> Dict[str, tuple]:
+    """Full-layer keys (converter form, relative to ``decoder.layers.{i}.``) and shapes."""
+    H, d = spec.hidden, spec.head_dim
+    out = {"input_layernorm.weight": (H,),
+           "self_attention.linear_qkv.weight": ((spec.heads + 2 * spec.groups) * d, H),
+           "self_attention.linear_proj.weight": (H, spec.heads * d),
+           "pre_mlp_layernorm.weight": (H,)}
+    if spec.qkv_bias:
+        out["self_attention.linear_qkv.bias"] = ((spec.heads + 2 * spec.groups) * d,)
+    if spec.qk_norm:
+        out["self_attention.q_layernorm.weight"] = (d,)
+        out["self_attention.k_layernorm.weight"] = (d,)
+    if spec.is_moe(i):
+        F = spec.moe_ffn
+        out["mlp.router.weight"] = (spec.num_experts, H)
+        for e in range(spec.num_experts):
+            out[f"{_EXPERTS}{e}.linear_fc1.weight"] = (2 * F, H)
+            out[f"{_EXPERTS}{e}.linear_fc2.weight"] = (H, F)
+    else:
+        out["mlp.linear_fc1.weight"] = (2 * spec.ffn, H)
+        out["mlp.linear_fc2.weight"] = (H, spec.ffn)
+    return out
 
 
 class _Source:
@@ -84,9 +166,72 @@ class _Source:
     def embedding(self) -> np.ndarray:
         return self._vocab("embedding.word_embeddings.weight")
 
+    def has_grouped_experts(self) -> bool:
+        return any(n.endswith(".mlp.experts.weight1") for ns in self.layers.values() for n in ns)
+
     def layer(self, i: int) -> Dict[str, np.ndarray]:
-        pre = f"{self.prefix}decoder.layers.{i}."
-        return {n[len(pre):]: self._get(n[len(self.prefix):]) for n in self.layers[i]}
+        pre = f"decoder.layers.{i}."
+        where = f"{self.r.path}: {self.prefix}{pre}"
+        raw = {n[len(self.prefix) + len(pre):]: self._get(n[len(self.prefix):])
+               for n in self.layers[i]}
+        full = OrderedDict()
+        for key in sorted(raw):
+            base, colon, part = key.partition(":")
+            if not colon:
+                full[key] = raw[key]
+                continue
+            if part not in ("gate", "up"):
+                raise DCPError(f"{where}{key}: unknown split ':{part}' (expected :gate / :up)")
+            if part == "up":
+                continue
+            if base + ":up" not in raw:
+                raise DCPError(f"{where}{base}:gate has no matching ':up' half")
+            full[base] = np.concatenate([raw[key], raw[base + ":up"]], axis=0)
+        for key in raw:
+            if key.endswith(":up") and key[:-3] + ":gate" not in raw:
+                raise DCPError(f"{where}{key} has no matching ':gate' half")
+        self._ungroup(full, where)
+        bias = full.pop("mlp.router.expert_bias", None)
+        if bias is not None and np.any(np.asarray(bias, dtype=np.float32) != 0):
+            raise DCPError(f"{where}mlp.router.expert_bias is non-zero (max |b| "
+                           f"{float(np.abs(np.asarray(bias, np.float32)).max()):.3g}): HF "
+                           f"Qwen3-MoE / the exported qwen3_moe layout have no router bias")
+        want = _layer_shapes(self.spec, i)
+        missing = [k for k in want if k not in full]
+        extra = [k for k in full if k not in want]
+        if missing or extra:
+            what = (f"lacks {missing[:3]}" if missing else "") + \
+                   (" and " if missing and extra else "") + \
+                   (f"has {extra[:3]} with no place in the exported layout" if extra else "")
+            raise DCPError(f"{where}*: layer {what} (config does not match the checkpoint?)")
+        for k, shape in want.items():
+            if tuple(full[k].shape) != shape:
+                raise DCPError(f"{where}{k}: shape {list(full[k].shape)}, the config implies "
+                               f"{list(shape)}")
+        return OrderedDict((k, full[k]) for k in want)
+
+    def _ungroup(self, full: Dict[str, np.ndarray], where: str) -> None:
+        """Grouped-GEMM experts -> per-expert ``local_experts.{e}`` (global ids) in place."""
+        if "mlp.experts.weight1" not in full and "mlp.experts.weight2" not in full:
+            return
+        s = self.spec
+        E, H, F = s.num_experts, s.hidden, s.moe_ffn
+        if not E:
+            raise DCPError(f"{where}mlp.experts.weight1: grouped experts in a model the config "
+                           f"says is dense")
+        for key, shape in (("mlp.experts.weight1", (E * H, 2 * F)),
+                           ("mlp.experts.weight2", (E * F, H))):
+            if key not in full:
+                raise DCPError(f"{where}{key}: missing (the other grouped expert weight is "
+                               f"present)")
+            if tuple(full[key].shape) != shape:
+                raise DCPError(f"{where}{key}: shape {list(full[key].shape)}, the config "
+                               f"implies {list(shape)} ({E} experts, hidden {H}, expert ffn {F})")
+        w1 = full.pop("mlp.experts.weight1").reshape(E, H, 2 * F)
+        w2 = full.pop("mlp.experts.weight2").reshape(E, F, H)
+        for e in range(E):
+            full[f"{_EXPERTS}{e}.linear_fc1.weight"] = np.ascontiguousarray(w1[e].T)
+            full[f"{_EXPERTS}{e}.linear_fc2.weight"] = np.ascontiguousarray(w2[e].T)
 
     def final_norm(self) -> np.ndarray:
         return self._get("decoder.final_layernorm.weight")
@@ -125,7 +270,10 @@ def _prepare(path: str, out_dir: str, hf_config, config, model_type_hf):
                 raise DCPError(f"export: cannot infer model_type_hf from model_type "
                                f"{hf_config.get('model_type')!r}; pass it")
             model_type_hf = mt
-        spec = L.spec_from_hf_config(hf_config, model_type_hf)
+        try:
+            spec = L.spec_from_hf_config(hf_config, model_type_hf, source="export hf_config")
+        except ValueError as e:
+            raise DCPError(str(e)) from None
         out = os.path.abspath(out_dir)
         if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
             raise DCPError(f"export: {out_dir} exists and is not empty")
@@ -155,7 +303,8 @@ def export_hf(path: str, out_dir: str, *, hf_config: Optional[dict] = None, conf
               max_shard_size: str = "5GB", prefix: str = "") -> str:
     """Write the model weights of dcp checkpoint ``path`` as a HF folder (safetensors +
     ``config.json``). The architecture comes from ``hf_config``, else ``config`` (a
-    TransformerConfig), else the checkpoint state's ``hf_config`` / ``model_config``."""
+    TransformerConfig), else the checkpoint state's ``hf_config`` / ``model_config``.
+    MoE checkpoints (either expert layout) export as Qwen3-MoE."""
     reader, spec, hf_cfg, _, out = _prepare(path, out_dir, hf_config, config, model_type_hf)
     tmp = f"{out.rstrip(os.sep)}.tmp-{os.getpid()}"
     sink = None
@@ -171,22 +320,31 @@ def export_hf(path: str, out_dir: str, *, hf_config: Optional[dict] = None, conf
 
 
 def export_megatron(path: str, out_dir: str, *, hf_config: Optional[dict] = None, config=None,
-                    model_type_hf: Optional[str] = None, tp: int = 1, pp: int = 1,
-                    dtype: Optional[str] = None,
+                    model_type_hf: Optional[str] = None, tp: int = 1, pp: int = 1, ep: int = 1,
+                    moe_grouped_gemm: Optional[bool] = None, dtype: Optional[str] = None,
                     make_vocab_size_divisible_by: Optional[int] = None,
                     prefix: str = "") -> str:
     """Write the model weights as a Megatron legacy torch folder (``iter_0000001/mp_rank_*``,
-    the conversion issue's layout) at tensor-parallel ``tp`` and pipeline ``pp``."""
+    the conversion issue's layout) at tensor-parallel ``tp``, pipeline ``pp`` and expert
+    parallel ``ep``. ``moe_grouped_gemm`` picks the expert layout (``weight1``/``weight2`` vs
+    ``local_experts``); by default the checkpoint's own."""
     reader, spec, hf_cfg, mt, out = _prepare(path, out_dir, hf_config, config, model_type_hf)
     tmp = f"{out.rstrip(os.sep)}.tmp-{os.getpid()}"
     sink = None
     try:
         src = _Source(reader, spec, prefix)
-        lay = L.ParallelLayout(tp=tp, pp=pp, padded_vocab=L.padded_vocab_size(
-            spec.vocab, make_vocab_size_divisible_by, tp))
-        lay.validate(spec, where="export_megatron")
-        cast = DTYPES[dtype] if dtype else None
+        grouped = src.has_grouped_experts() if moe_grouped_gemm is None else moe_grouped_gemm
+        if grouped and not spec.num_experts:
+            raise DCPError("export_megatron: moe_grouped_gemm needs a MoE model")
+        lay = L.ParallelLayout(tp=tp, pp=pp, ep=ep, grouped_gemm=bool(grouped),
+                               padded_vocab=L.padded_vocab_size(
+                                   spec.vocab, make_vocab_size_divisible_by, tp))
+        try:
+            lay.validate(spec, where="export_megatron")
+        except ValueError as e:
+            raise DCPError(str(e)) from None
         out_dtype = _out_dtype(reader, prefix, dtype)
+        cast = out_dtype if dtype else None
         os.makedirs(tmp)
         sink = MegatronSink(tmp, spec, lay, hf_cfg, out_dtype, cast, mt)
     except BaseException:
