@@ -164,3 +164,22 @@ def test_moe_resharding_between_expert_layouts(moe_hf):
         assert list(fa[r]) == list(fc[r]), r
         for k, v in fa[r].items():
             assert (v is None and fc[r][k] is None) or same(v, fc[r][k]), (r, k)
+
+
+def test_integer_moe_layer_freq_maps_to_the_same_layers():
+    """Megatron's --moe-layer-freq N makes layers 0, N, 2N... MoE; HF's decoder_sparse_step N
+    would make layers N-1, 2N-1... sparse, so the config must list the dense layers instead."""
+    from argparse import Namespace
+    from ms_llm.checkpoint.megatron import hf_config_from_args
+    from ms_llm.models import config_from_hf
+    args = Namespace(num_layers=5, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                     group_query_attention=True, num_query_groups=2, kv_channels=8,
+                     vocab_size=64, padded_vocab_size=64, max_position_embeddings=128,
+                     norm_epsilon=1e-6, rotary_base=10000.0,
+                     untie_embeddings_and_output_weights=True, params_dtype=None, bf16=False,
+                     fp16=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+                     moe_layer_freq=2)
+    hf = hf_config_from_args(args, "qwen3-moe")
+    assert hf["decoder_sparse_step"] == 1 and hf["mlp_only_layers"] == [1, 3]
+    cfg = config_from_hf(hf)
+    assert [cfg.is_moe_layer(i) for i in range(5)] == [i % 2 == 0 for i in range(5)]

@@ -146,12 +146,12 @@ def hf_config_from_args(args: argparse.Namespace, model_type_hf: str) -> dict:
         cfg["moe_intermediate_size"] = a.get("moe_ffn_hidden_size") or a["ffn_hidden_size"]
         cfg["norm_topk_prob"] = bool(a.get("moe_norm_topk_prob", False))
         freq = a.get("moe_layer_freq", 1)
-        if isinstance(freq, list):
-            cfg["decoder_sparse_step"] = 1
-            cfg["mlp_only_layers"] = [i for i, f in enumerate(freq) if not f]
-        else:
-            cfg["decoder_sparse_step"] = int(freq)
-            cfg["mlp_only_layers"] = []
+        # Megatron: an int N makes layers 0, N, 2N, ... MoE; HF's decoder_sparse_step N makes
+        # layers N-1, 2N-1, ... sparse. Spell the pattern out per layer so both agree.
+        pattern = list(freq) if isinstance(freq, list) else \
+            [int(i % int(freq) == 0) for i in range(int(a["num_layers"]))]
+        cfg["decoder_sparse_step"] = 1
+        cfg["mlp_only_layers"] = [i for i, f in enumerate(pattern) if not f]
     return cfg
 
 
