@@ -21,7 +21,8 @@ torch name             CPU (MindSpore 2.10)                why (CPU failure of t
 ``gelu``               ``ops.gelu(approximate="none")``    GeluExt unregistered
 ``dropout``            ``ops.dropout``                     DropoutExt unregistered
 ``split``              ``mint.narrow`` pieces              2.10 bug: split+transpose grad wrong
-``copy_``              copy the source, then ``copy_``     2.10 bug: copy_ from offset-0 view fails
+``copy_``              clone the source, then ``copy_``    2.10 bug: copy_ from offset-0 view fails
+``clone``              ``x * 1`` (bool: ``Tensor.copy``)   Clone unregistered; Tensor.copy 17x slow
 ``embedding``          ``ops.gather(W, ids, 0)``           Embedding unregistered; no jit bwd
 ``argmax``             ``ops.argmax``                      ArgMaxExt unregistered
 ``topk``               ``ops.topk`` (+ int64 indices)      TopkExt unregistered

@@ -126,7 +126,7 @@ def load_state_dict(module: nn.Cell, state: Mapping[str, object], strict: bool =
                              f"model expects {tuple(param.shape)}")
         # astype to the same dtype shares storage: copy, so later in-place updates of either
         # side never leak into the other (torch's load_state_dict copies too).
-        param.set_data(value.astype(param.dtype).copy())
+        param.set_data(F.clone(value.astype(param.dtype)))
     return missing, unexpected
 
 

@@ -13,12 +13,13 @@ import numpy as np
 
 from mindspore import Tensor, mint
 
+from ms_llm.compat import F
 from ms_llm.compat.autograd import Function
 from . import comm
 
 
 def _all_reduce(x: Tensor, group) -> Tensor:
-    out = x.copy()
+    out = F.clone(x)
     comm.all_reduce(out, group=group)
     return out
 

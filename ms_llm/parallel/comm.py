@@ -306,7 +306,7 @@ _CPU_REDUCE_SCATTER = "scatter"
 def _reduce_scatter_by_all_reduce(output: Tensor, input: Tensor, op: str, g: ProcessGroup,
                                   async_op: bool) -> Optional[Work]:
     """All-reduce a copy of the whole input, keep this rank's slice (2(W-1)/W x N bytes sent)."""
-    buf = input.copy()
+    buf = F.clone(input)
     n = output.shape[0]
     h = _dist().all_reduce(buf, op="sum" if op == "avg" else op, group=g.name, async_op=async_op)
 
@@ -557,7 +557,7 @@ def send(tensor: Tensor, dst: int, group: Optional[ProcessGroup] = None) -> None
     if not is_cpu():
         _dist().send(tensor, dst=dst, group=None if group is None else group.name)
         return
-    broadcast(tensor.copy(), src=get_rank(), group=_pair(get_rank(), dst))
+    broadcast(F.clone(tensor), src=get_rank(), group=_pair(get_rank(), dst))
 
 
 def recv(tensor: Tensor, src: int, group: Optional[ProcessGroup] = None) -> None:

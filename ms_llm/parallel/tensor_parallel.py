@@ -140,7 +140,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, group, vocab_st
     logits = logits.astype(float32)
     vloc = logits.shape[-1]
     lmax = F.stop_gradient(logits.max(axis=-1, keepdims=True))
-    gmax = lmax.copy()
+    gmax = F.clone(lmax)
     from . import comm
     if group.size > 1:
         comm.all_reduce(gmax, op="max", group=group)

@@ -7,6 +7,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 from mindspore import Tensor, mint
 
+from ms_llm.compat import F
+
 
 def accumulate(acc: Optional[List[Tensor]], grads: Sequence[Tensor]) -> List[Tensor]:
     if acc is None:
@@ -73,7 +75,7 @@ def reduce_partial_tp_grads(params: Sequence, grads: List[Tensor], tp_group) -> 
     out = list(grads)
     for i, p in enumerate(params):
         if getattr(p, "tp_partial_grad", False):
-            g = out[i].copy()
+            g = F.clone(out[i])
             comm.all_reduce(g, group=tp_group)
             out[i] = g
     return out

@@ -16,6 +16,8 @@ from typing import List, Sequence
 import numpy as np
 from mindspore import Tensor, mint
 
+from ms_llm.compat import F
+
 from .sharding import RowShard
 
 
@@ -51,7 +53,7 @@ class FlatLayout:
         for i, shape in enumerate(self.full_shapes):
             pieces = [mint.narrow(parts[r], 0, self.offsets[i], sh.length * self.tails[i])
                       for r, sh in enumerate(self.shards[i]) if sh.length]
-            flat = mint.cat(pieces) if len(pieces) > 1 else pieces[0].copy()
+            flat = mint.cat(pieces) if len(pieces) > 1 else F.clone(pieces[0])
             fulls.append(flat.reshape(shape))
         return fulls
 
