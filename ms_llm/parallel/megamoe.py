@@ -5,23 +5,24 @@ The local experts are split into ``G`` groups and the tokens into ``C`` chunks; 
 are permuted so that, for each stage, the rows bound for every ep rank are contiguous; each stage
 then has its own (smaller) all-to-all.
 
-Forward, for stage g = 0..CG-1::
+Forward, for stage s = 0..CG-1::
 
-    dispatch(g+1) in flight            # all_to_all_v(async_op=True)
-    wait dispatch(g); regroup; GEMM1 -> SwiGLU -> GEMM2 for group g's experts
-    combine(g) in flight               # reverse all-to-all, waited at the end
+    dispatch(s+1) in flight            # all_to_all_v(async_op=True)
+    wait dispatch(s); regroup; GEMM1 -> SwiGLU -> GEMM2 for stage s's rows
+    combine(s) in flight               # reverse all-to-all, waited at the end
 
-Backward, the same interleaving: the gradient all-to-all of group g+1 travels while group g's
-activation-gradient GEMMs run; group g's input gradient is sent back first and its weight-gradient
+Backward, the same interleaving: the gradient all-to-all of stage s+1 travels while stage s's
+activation-gradient GEMMs run; stage s's input gradient is sent back first and its weight-gradient
 GEMMs run while it travels. The whole pipeline is one custom-backward function
 (``compat.autograd.Function``), so the backward order is ours, not autograd's.
 
 Dropless (no capacity); rows, counts and results are those of the plain all-to-all dispatcher,
-only the order of independent work changes. With ``G = 1`` it is the plain schedule.
+only the order of independent work changes. With ``C = G = 1`` it is the plain schedule.
 
-On Ascend the asynchronous all-to-alls are native hccl ones. On CPU they run on
-``parallel.comm``'s communication thread; whether that hides time depends on free cores (on a
-2-core machine with two busy workers there is little room: ``benchmarks/moe.py`` measures it).
+On Ascend the asynchronous all-to-alls are native hccl ones (untested here: no device). On CPU
+they run on ``parallel.comm``'s communication thread; whether that hides time depends on free
+cores (on this 2-core machine with two busy workers: 1.13x the ``alltoall`` dispatcher at G=2,
+62% of the all-to-all time hidden; ``benchmarks/moe.py``, ``docs/megamoe.md``).
 A ``Timeline`` records every span (compute, comm, exposed wait) for the figure and the
 hidden-fraction figure.
 """
