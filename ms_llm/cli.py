@@ -1,8 +1,9 @@
-"""``ms-llm`` console entry: ``train``, ``plot``, ``convert``, ``preprocess`` (``generate`` is
-announced and refuses to run until it is built)."""
+"""``ms-llm`` console entry: ``train``, ``plot``, ``convert``, ``export``, ``preprocess``
+(``generate`` is announced and refuses to run until it is built)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -12,7 +13,8 @@ _LATER = {"generate": "text generation"}
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="ms-llm", description=__doc__)
-    parser.add_argument("command", choices=["train", "plot", "convert", "preprocess", *_LATER])
+    parser.add_argument("command", choices=["train", "plot", "convert", "export", "preprocess",
+                                            *_LATER])
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -38,12 +40,50 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "convert":
         from ms_llm.checkpoint.convert import main as convert_main
         return convert_main(rest)
+    if command == "export":
+        return export_main(rest)
     if command in _LATER:
         print(f"ms-llm {command}: not available yet ({_LATER[command]} is not implemented)",
               file=sys.stderr)
         return 2
     parser.parse_args(argv)  # prints the choices error
     return 2
+
+
+def export_main(argv: List[str]) -> int:
+    """``ms-llm export CKPT OUT --format hf|megatron``: a training checkpoint (the distributed
+    format of ``checkpoint.save_dir``, any layout it was saved with) as a Hugging Face folder or
+    a Megatron legacy folder. ``CKPT`` is an ``iter_*`` directory or a save_dir (its newest
+    complete checkpoint)."""
+    p = argparse.ArgumentParser(prog="ms-llm export", description=export_main.__doc__)
+    p.add_argument("checkpoint")
+    p.add_argument("out_dir")
+    p.add_argument("--format", choices=("hf", "megatron"), default="hf")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as saved)")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1, dest="tp")
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1, dest="pp")
+    p.add_argument("--target-expert-parallel-size", type=int, default=1, dest="ep")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, dest="divisible")
+    args = p.parse_args(argv)
+    from ms_llm.checkpoint import dcp, dcp_export
+    try:
+        path = args.checkpoint
+        if not os.path.basename(os.path.normpath(path)).startswith("iter_"):
+            latest = dcp.find_latest_complete(path)
+            if latest is None:
+                raise dcp.DCPError(f"{path}: no complete checkpoint found")
+            path = latest
+        if args.format == "hf":
+            out = dcp_export.export_hf(path, args.out_dir, dtype=args.dtype)
+        else:
+            out = dcp_export.export_megatron(path, args.out_dir, tp=args.tp, pp=args.pp,
+                                             ep=args.ep, dtype=args.dtype,
+                                             make_vocab_size_divisible_by=args.divisible)
+    except (dcp.DCPError, ValueError, FileNotFoundError) as e:
+        print(f"ms-llm export: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
 
 
 if __name__ == "__main__":

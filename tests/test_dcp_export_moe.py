@@ -301,3 +301,34 @@ def test_moe_export_refusals_and_expert_bias(tmp_path):
     with pytest.raises(DCPError, match=r"local_experts|shape"):
         dcp.export_hf(ck, str(tmp_path / "wrong"), config=plain.replace(num_moe_experts=4))
     assert not os.path.exists(tmp_path / "wrong")
+
+
+def test_cli_export_newest_checkpoint(tmp_path):
+    """``ms-llm export SAVE_DIR OUT`` picks the newest complete checkpoint and writes a folder
+    ``from_pretrained`` reproduces the model from (same logits: both fp32, same kernels);
+    bad input is one line on stderr and exit code 2."""
+    import subprocess
+    import sys
+    from ms_llm.cli import main as cli_main
+    from ms_llm.models import from_pretrained
+    cfg, model, _ = _build(CASES["grouped"], seed=7)
+    save_dir = str(tmp_path / "ckpt")
+    _save(model, cfg, save_dir, step=1)
+    _save(model, cfg, save_dir, step=2)
+    ids = np.random.default_rng(0).integers(0, V, (2, 9))
+    want, routes = _run(model, ids)
+    for fmt, extra in (("hf", []), ("megatron", ["--target-tensor-parallel-size", "2",
+                                                 "--target-expert-parallel-size", "2",
+                                                 "--make-vocab-size-divisible-by", "2"])):
+        out = str(tmp_path / fmt)
+        assert cli_main(["export", save_dir, out, "--format", fmt, *extra]) == 0
+        got, got_routes = _run(from_pretrained(out), ids)
+        # Megatron pads the vocabulary to a multiple of 2 x tp (61 -> 64 rows).
+        np.testing.assert_allclose(got[..., :V], want, rtol=0, atol=2e-6, err_msg=fmt)
+        _same_routes(got_routes, routes, fmt)
+    assert os.path.isfile(tmp_path / "megatron" / "iter_0000001" / "mp_rank_01_001" /
+                          "model_optim_rng.pt")
+    r = subprocess.run([sys.executable, "-m", "ms_llm.cli", "export", str(tmp_path / "none"),
+                        str(tmp_path / "x")], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "no complete checkpoint" in r.stderr
