@@ -493,3 +493,48 @@ def test_mxfp8_experts_run_their_own_forward():
     assert np.abs(quant - plain).max() > 1e-4          # the experts are really quantized
     with pytest.raises(ValueError, match="megamoe"):
         apply_expert_parallel(model, comm.world_group(), dispatcher="megamoe")
+
+
+def test_mxfp8_grouped_experts_equal_per_expert_mxfp8():
+    """GroupedMLP under quant.recipe mxfp8 becomes MXFP8GroupedMLP (same Parameters). Each
+    expert's GEMMs must be exactly what the per-expert MXFP8Linear modules of the
+    SequentialMLP layout compute on the same weights (same recipe, same blocks): outputs and
+    gradients bit-identical."""
+    from types import SimpleNamespace
+    from ms_llm.quant import MXFP8GroupedMLP, apply_quantization
+    def quant(pattern):
+        return SimpleNamespace(recipe="mxfp8", scale_mode="floor", elem_dtype="float8_e4m3fn",
+                               apply_modules=[pattern], ignored_modules=[])
+    base = dict(num_layers=1, hidden_size=64, num_attention_heads=2, ffn_hidden_size=64,
+                padded_vocab_size=64, mlp_type="moe", num_moe_experts=4, moe_router_topk=2,
+                moe_ffn_hidden_size=32)
+    manual_seed(0)
+    seq = GPTModel(TransformerConfig(**base)).decoder.layers[0].mlp.experts
+    grouped = GPTModel(TransformerConfig(**base, moe_grouped_gemm=True)).decoder.layers[0]
+    fc1 = [e.linear_fc1.weight.asnumpy() for e in seq.local_experts]      # [2F, H] each
+    fc2 = [e.linear_fc2.weight.asnumpy() for e in seq.local_experts]      # [H, F] each
+    g = grouped.mlp.experts
+    g.weight1.set_data(Tensor(np.ascontiguousarray(np.stack([w.T for w in fc1])).reshape(64, -1)))
+    g.weight2.set_data(Tensor(np.ascontiguousarray(np.stack([w.T for w in fc2])).reshape(-1, 64)))
+    w1_param = g.weight1
+    assert len(apply_quantization(seq, quant("local_experts.*"))) == 8
+    names = apply_quantization(grouped, quant("mlp.experts"))
+    assert names == ["mlp.experts"]
+    experts = grouped.mlp.experts
+    assert type(experts) is MXFP8GroupedMLP and experts.weight1 is w1_param
+    x = Tensor(np.random.default_rng(3).standard_normal((9, 64)).astype(np.float32))
+    dy = Tensor(np.random.default_rng(4).standard_normal((9, 64)).astype(np.float32))
+    sizes = [3, 0, 5, 1]
+    res = []
+    for mod in (seq, experts):
+        params = mod.trainable_params()
+        _, (dx, grads) = ms.value_and_grad(lambda v, m=mod: (m(v, sizes) * dy).sum(), 0,
+                                           params)(x)
+        res.append((mod(x, sizes).asnumpy(), dx.asnumpy(), [gr.asnumpy() for gr in grads]))
+    (y_s, dx_s, g_s), (y_g, dx_g, g_g) = res
+    assert np.abs(y_s).max() > 0
+    np.testing.assert_array_equal(y_g, y_s)
+    np.testing.assert_array_equal(dx_g, dx_s)
+    d_fc1, d_fc2 = g_s[0::2], g_s[1::2]      # sequential params: fc1, fc2 per expert
+    np.testing.assert_array_equal(g_g[0], np.stack([d.T for d in d_fc1]).reshape(64, -1))
+    np.testing.assert_array_equal(g_g[1], np.stack([d.T for d in d_fc2]).reshape(-1, 64))

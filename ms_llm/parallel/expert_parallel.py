@@ -24,7 +24,7 @@ import numpy as np
 from mindspore import Parameter, Tensor
 
 from ms_llm.compat import F, nn
-from ms_llm.models.moe import GroupedMLP, MoELayer, MoELocalTokenDispatcher, moe_layers
+from ms_llm.models.moe import MoELayer, MoELocalTokenDispatcher, moe_layers
 from . import autograd as pa
 from . import comm
 
@@ -96,7 +96,7 @@ def _shard_experts(layer: MoELayer, rank: int, size: int) -> List[Parameter]:
     experts, n = layer.experts, layer.config.num_moe_experts
     n_local = n // size
     first = rank * n_local
-    if isinstance(experts, GroupedMLP):
+    if hasattr(experts, "weight1"):       # GroupedMLP or its MXFP8 replacement
         # weight1 [H, E*2F] and weight2 [E*F, H] are *viewed* [E, H, 2F] / [E, F, H]: expert e
         # is the e-th contiguous block of memory (for weight1 not a column slice).
         kept = []

@@ -20,8 +20,9 @@ from typing import Callable, Dict, List, Sequence
 from mindspore import nn as ms_nn
 
 from ms_llm.compat import nn
+from ms_llm.models.moe import GroupedMLP
 from ms_llm.ops.linear import Linear as OpsLinear
-from .modules import MXFP8Linear
+from .modules import MXFP8GroupedMLP, MXFP8Linear
 from .mx import check_scale_mode, elem_format
 from ._dispatch import resolve_mx_path
 
@@ -31,7 +32,8 @@ DEFAULT_APPLY = ("decoder.layers.*",)
 ALWAYS_IGNORED = ("output_layer", "*.router", "*.router.*")
 # The model's linears are ms_llm.ops.Linear (compat.nn.Linear on the fast matmul path).
 _REPLACEMENTS: Dict[type, Callable] = {nn.Linear: MXFP8Linear.from_float,
-                                       OpsLinear: MXFP8Linear.from_float}
+                                       OpsLinear: MXFP8Linear.from_float,
+                                       GroupedMLP: MXFP8GroupedMLP.from_float}
 
 
 def register_replacement(cls: type, factory: Callable) -> None:

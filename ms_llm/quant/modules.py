@@ -130,3 +130,52 @@ def apply_mx_matmul(fn, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     x2 = x.reshape(-1, x.shape[-1])
     y = fn(x2, weight, bias) if bias is not None else fn(x2, weight)
     return y.reshape(*lead, weight.shape[0])
+
+
+class MXFP8GroupedMLP(nn.Module):
+    """Megatron's ``GroupedMLP`` (``weight1 [H, E*2F]`` viewed ``[E, H, 2F]``, ``weight2
+    [E*F, H]`` viewed ``[E, F, H]``) with each expert's two GEMMs through ``mx_linear``'s MXFP8
+    recipe: 32-blocks along each GEMM's K, never spanning two experts. The Parameters are the
+    original ones (names, optimizer state and checkpoint layout unchanged)."""
+
+    def __init__(self, weight1: Parameter, weight2: Parameter, num_local_experts: int, *,
+                 scale_mode: str = "floor", elem_dtype: str = "float8_e4m3fn", name: str = ""):
+        super().__init__()
+        e = num_local_experts
+        hidden, ffn = weight1.shape[0], weight2.shape[0] // e
+        _check_dims(name or type(self).__name__, hidden_size=hidden, moe_ffn_hidden_size=ffn)
+        self.weight1, self.weight2 = weight1, weight2
+        self.num_local_experts = e
+        self.scale_mode = check_scale_mode(scale_mode)
+        self.elem_dtype = elem_format(elem_dtype).name
+        self.mx_fn = make_function(self.elem_dtype, self.scale_mode, False)
+
+    @classmethod
+    def from_float(cls, module: nn.Cell, *, scale_mode: str = "floor",
+                   elem_dtype: str = "float8_e4m3fn", name: str = "") -> "MXFP8GroupedMLP":
+        return cls(module.weight1, module.weight2, module.num_local_experts,
+                   scale_mode=scale_mode, elem_dtype=elem_dtype, name=name)
+
+    def plain_linears(self) -> bool:
+        """Quantized: fused pipelines that run raw-weight GEMMs (MegaMoE) must refuse it."""
+        return False
+
+    def forward(self, x: Tensor, tokens_per_expert: Sequence[int]) -> Tensor:
+        from ms_llm import ops as hot
+        from ms_llm.compat import F
+        e, hidden = self.num_local_experts, self.weight1.shape[0]
+        sizes = [int(s) for s in tokens_per_expert]
+        if len(sizes) != e or sum(sizes) != x.shape[0]:
+            raise ValueError(f"MXFP8GroupedMLP: tokens_per_expert {sizes} does not match {e} "
+                             f"experts and {x.shape[0]} tokens")
+        w1 = self.weight1.reshape(e, hidden, -1)      # expert i: [H, 2F] = (in, out)
+        w2 = self.weight2.reshape(e, -1, hidden)      # expert i: [F, H]
+        outs = []
+        for i, (xe, n) in enumerate(zip(F.split(x, sizes, 0), sizes)):
+            if n == 0:
+                continue
+            h = self.mx_fn(xe, w1[i].swapaxes(0, 1).contiguous())      # mx_fn wants [out, in]
+            outs.append(self.mx_fn(hot.swiglu(h), w2[i].swapaxes(0, 1).contiguous()))
+        if not outs:
+            return mint.zeros((0, hidden), dtype=x.dtype)
+        return outs[0] if len(outs) == 1 else mint.cat(outs, 0)
