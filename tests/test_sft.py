@@ -92,7 +92,7 @@ def test_packed_row_through_model_equals_separate_documents():
     """End to end: with the packed mask, each document's logits in a GPTModel equal those of the
     document run alone. (RoPE scores depend only on q-k distance, so this holds before the model
     takes position_ids; it fails if any token attends across the boundary.)"""
-    ms = pytest.importorskip("mindspore")
+    import mindspore as ms
     from ms_llm.models import GPTModel, TransformerConfig
 
     cfg = TransformerConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,

@@ -14,6 +14,8 @@ Without a template the "empty" format is used: ``prompt + reply + eod`` per turn
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import json
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -44,7 +46,7 @@ def _get_str(obj: dict, key: str, required: bool = True) -> str:
     return val
 
 
-class BaseHandler:
+class BaseHandler(ABC):
     """Handler interface: ``output_keys`` and ``process(record) -> {key: int array}`` or ``None``
     (nothing to write, e.g. an empty document). Raises ``BadSample`` for malformed records."""
 
@@ -60,11 +62,13 @@ class BaseHandler:
         self.map_keys = dict(map_keys or {})
 
     @property
+    @abstractmethod
     def output_keys(self) -> List[str]:
-        raise NotImplementedError
+        """Names of the arrays ``process`` returns (one indexed dataset each)."""
 
+    @abstractmethod
     def process(self, obj: Any) -> Optional[Dict[str, np.ndarray]]:
-        raise NotImplementedError
+        """One record -> arrays by output key, or None to skip it."""
 
     def process_batch(self, objs: Sequence[Any]) -> List[Any]:
         """Per record: a result dict, ``None`` or a ``BadSample`` instance (never raises for data)."""
@@ -221,8 +225,9 @@ class _InstructionBase(BaseHandler):
                 raise BadSample(f"field {self.key('tools')!r} is not valid JSON") from None
         return tools or None
 
+    @abstractmethod
     def messages(self, obj: dict) -> List[dict]:
-        raise NotImplementedError
+        """The record as chat messages (``role``/``content``), per dataset style."""
 
     def _check(self, obj: Any) -> dict:
         if not isinstance(obj, dict):

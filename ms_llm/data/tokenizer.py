@@ -6,6 +6,8 @@ token streams are comparable across formats.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import hashlib
 import json
 import os
@@ -24,7 +26,7 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """Common interface. Subclasses set ``path``, ``vocab_size``, ``eod`` and ``pad``.
 
     ``chat_template`` (Jinja text from ``tokenizer_config.json`` next to the tokenizer file, or
@@ -58,15 +60,17 @@ class Tokenizer:
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                     tools=tools, bos_token=self.bos_token or "", eos_token=self.eos_token or "", **ctx)
 
+    @abstractmethod
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+        """Token ids of ``text`` (each backend implements it)."""
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Batch encode; backends override with a faster native path."""
         return [self.encode(t) for t in texts]
 
+    @abstractmethod
     def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
+        """Text of ``ids`` (each backend implements it)."""
 
     @property
     def fingerprint(self) -> str:
