@@ -32,3 +32,14 @@ def run_msrun(script: str, nproc: int, log_dir: str, args=(), timeout: int = 300
 def worker_logs(log_dir: str, nproc: int) -> list:
     return [open(os.path.join(log_dir, f"worker_{i}.log"), errors="replace").read()
             for i in range(nproc)]
+
+
+def run_worker_job(script: str, tmp_path, nproc: int, specs, timeout: int = 600) -> dict:
+    """Run a training worker (``tests/dist_workers/<script>``, argv ``OUT_JSON RUN_SPEC...``)
+    under msrun and return rank 0's JSON; a failed job fails the test with the workers' logs."""
+    import json
+    out = tmp_path / "result.json"
+    r = run_msrun(script, nproc, str(tmp_path / "logs"), [str(out), *specs], timeout=timeout)
+    logs = worker_logs(str(tmp_path / "logs"), nproc)
+    assert r.returncode == 0, "\n".join(log[-4000:] for log in logs)
+    return json.loads(out.read_text())

@@ -10,12 +10,11 @@ level and one unit against a bf16 NumPy reference) and FSDP + MXFP8; single-proc
 the flat buffer layout against NumPy and the storage-freeing reshard against the unsharded
 model."""
 import json
-import os
 
 import numpy as np
 import pytest
 
-from msrun_util import run_msrun, worker_logs
+from msrun_util import run_worker_job
 from parallel_common import AWKWARD, CONFIG, SyntheticLoader, small_data_overrides
 
 import ml_dtypes
@@ -62,12 +61,7 @@ def ckpt_dir(tmp_path_factory):
 
 
 def run_job(tmp_path, nproc, specs):
-    out = tmp_path / "result.json"
-    r = run_msrun("fsdp_train.py", nproc, str(tmp_path / "logs"), [str(out), *specs],
-                  timeout=600)
-    logs = worker_logs(str(tmp_path / "logs"), nproc)
-    assert r.returncode == 0, "\n".join(log[-4000:] for log in logs)
-    return json.loads(out.read_text())
+    return run_worker_job("fsdp_train.py", tmp_path, nproc, specs)
 
 
 def assert_matches(run, ref, name):

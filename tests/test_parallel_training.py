@@ -4,12 +4,11 @@ Tolerance: rtol 1e-5 on loss and gradient norm over 10 AdamW steps (fp32). Paral
 same terms in another order (all-reduce, sharded matmuls), so they differ from the single-process
 run by fp32 rounding (~1e-7 relative per step) that Adam's normalised update can amplify a little.
 """
-import json
 
 import numpy as np
 import pytest
 
-from msrun_util import run_msrun, worker_logs
+from msrun_util import run_worker_job
 from parallel_common import (BASE, CONFIG, DEAD_EXPERTS, MOE, MOE_DEAD, kill_experts,
                              run_record)
 
@@ -71,9 +70,7 @@ SAVE_AT_3 = ["--training.max_steps", "3", "--training.lr_decay_steps", "5"]
 def assert_moe(run, ref, name):
     """Expert parallel computes every row exactly as one process does; only the order of fp32
     sums differs (weight gradients summed over ranks, norms over shards), hence rtol 1e-5."""
-    assert len(run["loss"]) == 5, name
-    np.testing.assert_allclose(run["loss"], ref["loss"], rtol=RTOL, err_msg=name)
-    np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"], rtol=RTOL, err_msg=name)
+    assert_matches(run, ref, name, steps=5)
 
 
 def assert_dead_experts_skipped(run, name):
@@ -84,16 +81,11 @@ def assert_dead_experts_skipped(run, name):
 
 
 def run_job(tmp_path, nproc, specs):
-    out = tmp_path / "result.json"
-    r = run_msrun("train_parallel.py", nproc, str(tmp_path / "logs"), [str(out), *specs],
-                  timeout=600)
-    logs = worker_logs(str(tmp_path / "logs"), nproc)
-    assert r.returncode == 0, "\n".join(log[-4000:] for log in logs)
-    return json.loads(out.read_text())
+    return run_worker_job("train_parallel.py", tmp_path, nproc, specs)
 
 
-def assert_matches(run, ref, name):
-    assert len(run["loss"]) == 10, name
+def assert_matches(run, ref, name, steps=10):
+    assert len(run["loss"]) == steps, name
     np.testing.assert_allclose(run["loss"], ref["loss"], rtol=RTOL, err_msg=name)
     np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"], rtol=RTOL, err_msg=name)
 

@@ -46,8 +46,13 @@ def gather_rows(x: Tensor, index: Optional[np.ndarray]) -> Tensor:
     return x if index is None else F.embedding(Tensor(index), x)
 
 
-def drop_identity(index: np.ndarray) -> Optional[np.ndarray]:
-    return None if np.array_equal(index, np.arange(index.size)) else index
+def regroup_indices(blocks: np.ndarray) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """``(index, inverse)`` row gathers for ``regroup_index(blocks)`` and back; ``None`` where
+    the order is already expert-major (one source rank or one local expert)."""
+    index = regroup_index(blocks)
+    if np.array_equal(index, np.arange(index.size)):
+        return None, None
+    return index, np.argsort(index).astype(np.int32)
 
 
 class MoEAlltoAllTokenDispatcher(MoELocalTokenDispatcher):
@@ -75,8 +80,7 @@ class MoEAlltoAllTokenDispatcher(MoELocalTokenDispatcher):
         matrix = counts.reshape(w, w, n_local).sum(-1)                     # [src, dst]
         blocks = counts[:, r * n_local:(r + 1) * n_local]                  # [src, local e]
         recv = pa.all_to_all(permuted, self.group, matrix[:, r], matrix[r], split_matrix=matrix)
-        index = drop_identity(regroup_index(blocks))
-        inverse = None if index is None else np.argsort(index).astype(np.int32)
+        index, inverse = regroup_indices(blocks)
         self._state = (matrix, inverse)
         return gather_rows(recv, index), [int(v) for v in blocks.sum(0)]
 

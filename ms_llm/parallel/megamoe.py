@@ -34,11 +34,10 @@ from typing import List, Optional
 import numpy as np
 from mindspore import Tensor, mint, ops
 
-from ms_llm.compat import F
 from ms_llm.compat.autograd import Function
 from ms_llm.ops import moe as moe_ops
 from . import comm
-from .expert_parallel import MoEAlltoAllTokenDispatcher, drop_identity, regroup_index
+from .expert_parallel import MoEAlltoAllTokenDispatcher, gather_rows, regroup_indices
 
 
 class Timeline:
@@ -80,23 +79,19 @@ class _Plan:
                 cols = np.array([j * n_local + l for j in range(w) for l in g])
                 m = counts[:, c, cols].reshape(w, w, len(g)).sum(-1)       # [src, dst]
                 blocks = counts[:, c, rank * n_local + g]                  # [src, local e]
-                idx = drop_identity(regroup_index(blocks))
+                idx, inv = regroup_indices(blocks)
                 self.stage_ids.append(g)
                 self.labels.append(f"c{c}g{gi}" if chunks > 1 else f"g{gi}")
                 self.matrices.append(m)
                 self.sizes.append([int(v) for v in blocks.sum(0)])
                 self.index.append(idx)
-                self.inverse.append(None if idx is None else np.argsort(idx).astype(np.int32))
+                self.inverse.append(inv)
 
     def send_rows(self, rank: int) -> List[int]:
         return [int(m[rank].sum()) for m in self.matrices]
 
     def recv_rows(self, rank: int) -> List[int]:
         return [int(m[:, rank].sum()) for m in self.matrices]
-
-
-def _rows(x: Tensor, index: Optional[np.ndarray]) -> Tensor:
-    return x if index is None else F.embedding(Tensor(index), x)
 
 
 def _pick(w, ids):
@@ -128,10 +123,10 @@ class _Pipeline(Function):
             buf, work = pending.pop(g)
             _wait(work, timeline, "fwd", "dispatch", plan.labels[g])
             t0 = time.perf_counter()
-            x = _rows(buf, plan.index[g])
+            x = gather_rows(buf, plan.index[g])
             y, kept = moe_ops.expert_ffn_forward(x, _pick(w1, ids), _pick(w2, ids), plan.sizes[g],
                                               tb)
-            y_src = _rows(y, plan.inverse[g])
+            y_src = gather_rows(y, plan.inverse[g])
             if timeline is not None:
                 timeline.add("fwd", "compute", plan.labels[g], t0, time.perf_counter(),
                              "gemm1+swiglu+gemm2")
@@ -171,10 +166,10 @@ class _Pipeline(Function):
             _wait(work, timeline, "bwd", "grad dispatch", plan.labels[g])
             x, kept = ctx.saved[g]
             t0 = time.perf_counter()
-            dy = _rows(buf, plan.index[g])
+            dy = gather_rows(buf, plan.index[g])
             g_w1, g_w2 = _pick(w1, ids), _pick(w2, ids)
             dx, dh = moe_ops.expert_ffn_backward_data(dy, kept, g_w1, g_w2, plan.sizes[g], tb)
-            dx_src = _rows(dx, plan.inverse[g])
+            dx_src = gather_rows(dx, plan.inverse[g])
             t1 = time.perf_counter()
             d_in = mint.zeros((d_segments[g].shape[0],) + tuple(dx.shape[1:]), dtype=dx.dtype)
             sends.append((g, comm.all_to_all_v(d_in, dx_src, plan.matrices[g].T, group,
@@ -265,7 +260,7 @@ class MegaMoEDispatcher(MoEAlltoAllTokenDispatcher):
         sorted_slots, restore, per_key = moe_ops.sort_by_expert(key, chunks * n_exp)
         counts = np.zeros((chunks, n_exp), np.int64)
         counts[:, self._order] = np.asarray(per_key).reshape(chunks, n_exp)  # global expert order
-        all_counts = comm.exchange_split_sizes(counts.reshape(-1).tolist(), self.group)
+        all_counts = self.exchange_counts(counts.reshape(-1))
         plan = _Plan(all_counts, self.group.rank, self.groups, chunks)
         permuted = moe_ops.permute(hidden_states, sorted_slots, self.topk)
         out = _Pipeline.apply(permuted, plan, self.group, experts, self.timeline,
