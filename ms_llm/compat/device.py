@@ -18,35 +18,78 @@ def setup_device(device: Optional[str] = None, *, threads: Optional[int] = None,
                  synchronize: Optional[bool] = None) -> str:
     """Select the device ("CPU" or "Ascend") and PyNative mode; idempotent.
 
+    When MindSpore already runs on a device in this process (a kernel executed, communication
+    was initialised, or the caller chose one with ``mindspore.set_device``), that device is
+    adopted instead of set: MindSpore refuses ``set_device`` once its runtime has started, and
+    library users should not have to call ms_llm before their own first op. Asking for another
+    device than the running one is an error.
+
     ``threads`` sets MindSpore's CPU kernel pool. It defaults to 1 on CPU: with >= 2 threads every
-    elementwise kernel stalls ~4 ms on small VMs while matmul stays multi-threaded regardless
-    (notes section 1.3). MindSpore allows setting it only once per process.
+    elementwise kernel stalls ~4 ms on small VMs while matmul stays multi-threaded regardless.
+    MindSpore allows setting it only once per process.
     ``synchronize`` makes PyNative errors surface at the failing op instead of leaking into later
     ops. It defaults to on (``MS_LLM_SYNC=0`` turns it off): on small CPU VMs handing every op to
     MindSpore's async launch thread costs more than it saves (measured: the 50M-model PyNative
     forward+backward took 6.4-7.0 s synchronous against 9.3-9.9 s asynchronous).
     """
-    if device is None:
-        device = os.environ.get("MS_LLM_DEVICE") or _detect()
-    device = {"cpu": "CPU", "ascend": "Ascend", "npu": "Ascend"}.get(device.lower(), device)
-    if device not in ("CPU", "Ascend"):
-        raise ValueError(f"device: unsupported value {device!r} (expected CPU or Ascend)")
     if _STATE["device"] is None:
-        ms.set_device(device)
+        running = _running_device()
+        wanted = _normalise(device or os.environ.get("MS_LLM_DEVICE") or running or _detect())
+        if running is None:
+            ms.set_device(wanted)
+        elif running != wanted:
+            raise RuntimeError(f"device: MindSpore already runs on {running} in this process, "
+                               f"cannot switch to {wanted}")
         if synchronize is None:
             synchronize = os.environ.get("MS_LLM_SYNC", "1") == "1"
         ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=bool(synchronize))
-        _STATE["device"] = device
-    elif _STATE["device"] != device:
-        raise RuntimeError(f"device already set to {_STATE['device']}, cannot switch to {device}")
-    if device == "CPU" and _STATE["threads"] is None:
-        n = threads if threads is not None else int(os.environ.get("MS_LLM_CPU_THREADS", "1"))
-        try:
-            ms.device_context.cpu.op_tuning.threads_num(n)
-        except RuntimeError:  # already set by the user in this process: keep theirs
-            pass
-        _STATE["threads"] = n
-    return device
+        _STATE["device"] = wanted
+    elif device is not None and _normalise(device) != _STATE["device"]:
+        raise RuntimeError(f"device already set to {_STATE['device']}, cannot switch to "
+                           f"{_normalise(device)}")
+    if _STATE["device"] == "CPU" and _STATE["threads"] is None:
+        _set_cpu_threads(threads)
+    return _STATE["device"]
+
+
+def _normalise(device: str) -> str:
+    name = {"cpu": "CPU", "ascend": "Ascend", "npu": "Ascend"}.get(device.lower(), device)
+    if name not in ("CPU", "Ascend"):
+        raise ValueError(f"device: unsupported value {device!r} (expected CPU or Ascend)")
+    return name
+
+
+def _running_device() -> Optional[str]:
+    """The device MindSpore is already committed to in this process, or None.
+
+    Committed means its runtime has started (``mindspore.hal.is_initialized``) or the caller
+    picked it with ``mindspore.set_device``; in both cases calling ``set_device`` again would
+    either raise or override the caller's device id.
+    """
+    target = ms.get_context("device_target")
+    if target not in ("CPU", "Ascend"):
+        return None
+    if ms.hal.is_initialized(target) or _device_chosen_by_caller():
+        return target
+    return None
+
+
+def _device_chosen_by_caller() -> bool:
+    # MindSpore has no public query for "set_device was called"; its own set_device reads this.
+    try:
+        from mindspore._c_expression import DeviceManagerConf
+    except ImportError:  # pragma: no cover - another MindSpore layout: treat as not chosen
+        return False
+    return bool(DeviceManagerConf.get_instance().is_device_enable())
+
+
+def _set_cpu_threads(threads: Optional[int]) -> None:
+    n = threads if threads is not None else int(os.environ.get("MS_LLM_CPU_THREADS", "1"))
+    try:
+        ms.device_context.cpu.op_tuning.threads_num(n)
+    except RuntimeError:  # already set by the user in this process: keep theirs
+        pass
+    _STATE["threads"] = n
 
 
 def _detect() -> str:
