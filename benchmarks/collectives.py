@@ -10,7 +10,7 @@ all_to_all_single kernel, so the baseline is the primitive that moves the same d
 * reduce_scatter_tensor vs raw ``all_reduce`` of the full tensor (the bandwidth it must beat)
 * the two CPU reduce-scatter compositions against each other: one ``scatter`` per root + local
   sum ((W-1)/W x N bytes sent per rank) vs ``all_reduce`` + narrow (2(W-1)/W x N); the faster
-  one is ``comm._CPU_REDUCE_SCATTER``
+  one is ``comm.cpu_compose.CPU_REDUCE_SCATTER``
 * all_to_all_single (scatter per root) vs raw list ``all_gather`` of the full input (the
   gather-and-select composition it replaces, which moves (W-1)x more bytes)
 """
@@ -35,6 +35,7 @@ def worker(sizes, repeat: int) -> None:
     import mindspore.mint.distributed as raw
     from mindspore import Tensor, mint
     from ms_llm.parallel import comm
+    from ms_llm.parallel.comm import cpu_compose
     from ms_llm.parallel.runtime import init_distributed
 
     info = init_distributed()
@@ -64,9 +65,9 @@ def worker(sizes, repeat: int) -> None:
              "list all_gather", lambda: raw.all_gather(parts, shard)),
             ("reduce_scatter_tensor", lambda: comm.reduce_scatter_tensor(out_shard, full),
              "all_reduce", lambda: raw.all_reduce(full.copy())),
-            ("rs by scatter", lambda: comm._reduce_scatter_by_scatter(
+            ("rs by scatter", lambda: cpu_compose.reduce_scatter_by_scatter(
                 out_shard, full, "sum", world, False),
-             "rs by all_reduce", lambda: comm._reduce_scatter_by_all_reduce(
+             "rs by all_reduce", lambda: cpu_compose.reduce_scatter_by_all_reduce(
                  out_shard, full, "sum", world, False)),
             ("all_to_all_single", lambda: comm.all_to_all_single(out_full, full),
              "all_gather of input", lambda: raw.all_gather(

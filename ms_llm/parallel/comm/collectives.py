@@ -1,0 +1,195 @@
+"""The collectives, torch.distributed-named: native kernels on Ascend, compositions on CPU.
+
+Each op checks its arguments, makes groups of size 1 a local copy, and then calls the native
+``mindspore.mint.distributed`` kernel or, on CPU where mccl has none, the composition in
+``cpu_compose``. ``src`` ranks are global ranks and group ranks index ``ProcessGroup.ranks``, as
+in torch.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, mint
+
+from ms_llm.compat import F, is_cpu
+
+from . import cpu_compose
+from .backend import dist, log_once
+from .groups import ProcessGroup, get_rank, member_group
+from .work import Work, finish
+
+_OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "prod"}
+
+
+def _op(op: str) -> str:
+    key = str(op).lower().split(".")[-1]
+    if key not in _OPS:
+        raise ValueError(f"unsupported reduce op {op!r}; expected one of {sorted(_OPS)}")
+    return _OPS[key]
+
+
+def all_reduce(tensor: Tensor, op: str = "sum", group: Optional[ProcessGroup] = None,
+               async_op: bool = False) -> Optional[Work]:
+    """In place, like torch. ``avg`` is sum then divide (mccl's avg is not used for bf16 safety)."""
+    g = member_group(group)
+    if g.size == 1:
+        return finish(Work(), async_op)
+    op = _op(op)
+    if op == "avg":
+        h = dist().all_reduce(tensor, op="sum", group=g.name, async_op=async_op)
+        return finish(Work([h] if async_op else [], lambda: tensor.copy_(tensor / g.size)),
+                      async_op)
+    h = dist().all_reduce(tensor, op=op, group=g.name, async_op=async_op)
+    return finish(Work([h] if async_op else []), async_op)
+
+
+def all_gather(tensor_list: List[Tensor], tensor: Tensor, group: Optional[ProcessGroup] = None,
+               async_op: bool = False) -> Optional[Work]:
+    g = member_group(group)
+    if g.size == 1:
+        F.copy_(tensor_list[0], tensor)
+        return finish(Work(), async_op)
+    h = dist().all_gather(tensor_list, tensor, group=g.name, async_op=async_op)
+    return finish(Work([h] if async_op else []), async_op)
+
+
+def all_gather_into_tensor(output: Tensor, input: Tensor, group: Optional[ProcessGroup] = None,
+                           async_op: bool = False) -> Optional[Work]:
+    """``output`` (dim 0 = size x input's dim 0) receives every rank's ``input`` in rank order."""
+    g = member_group(group)
+    if output.shape[0] != input.shape[0] * g.size:
+        raise ValueError(f"all_gather_into_tensor: output dim 0 is {output.shape[0]}, expected "
+                         f"{input.shape[0]} x {g.size}")
+    if g.size == 1:
+        F.copy_(output, input)
+        return finish(Work(), async_op)
+    if is_cpu():
+        return cpu_compose.all_gather_into_tensor(output, input, g, async_op)
+    log_once("all_gather_into_tensor", "native kernel")
+    h = dist().all_gather_into_tensor(output, input, group=g.name, async_op=async_op)
+    return finish(Work([h] if async_op else []), async_op)
+
+
+def reduce_scatter_tensor(output: Tensor, input: Tensor, op: str = "sum",
+                          group: Optional[ProcessGroup] = None,
+                          async_op: bool = False) -> Optional[Work]:
+    """``output`` receives this rank's dim-0 slice of the reduction of every rank's ``input``."""
+    g = member_group(group)
+    if input.shape[0] != output.shape[0] * g.size:
+        raise ValueError(f"reduce_scatter_tensor: input dim 0 is {input.shape[0]}, expected "
+                         f"{output.shape[0]} x {g.size}")
+    if g.size == 1:
+        F.copy_(output, input)
+        return finish(Work(), async_op)
+    op = _op(op)
+    if is_cpu():
+        return cpu_compose.reduce_scatter_tensor(output, input, op, g, async_op)
+    log_once("reduce_scatter_tensor", "native kernel")
+    h = dist().reduce_scatter_tensor(output, input, op=op, group=g.name, async_op=async_op)
+    return finish(Work([h] if async_op else []), async_op)
+
+
+def exchange_split_sizes(splits: Sequence[int], group: Optional[ProcessGroup] = None
+                         ) -> np.ndarray:
+    """Every rank's split sizes (or any integer vector of one length, e.g. per-expert counts),
+    gathered: row i = group rank i's vector (one ``all_gather``)."""
+    g = member_group(group)
+    if g.size == 1:
+        return np.asarray([list(splits)], np.int64)
+    mine = Tensor(np.asarray(splits, np.int32))
+    rows = [Tensor(np.zeros(len(splits), np.int32)) for _ in range(g.size)]
+    dist().all_gather(rows, mine, group=g.name)
+    return np.stack([r.asnumpy() for r in rows]).astype(np.int64)
+
+
+def all_to_all_single(output: Tensor, input: Tensor,
+                      output_split_sizes: Optional[Sequence[int]] = None,
+                      input_split_sizes: Optional[Sequence[int]] = None,
+                      group: Optional[ProcessGroup] = None,
+                      async_op: bool = False) -> Optional[Work]:
+    """Rank r sends rows ``input_split_sizes[j]`` to rank j and receives ``output_split_sizes[i]``
+    rows from rank i, along dim 0 (even splits when the sizes are None)."""
+    g = member_group(group)
+    w = g.size
+    in_splits = list(input_split_sizes) if input_split_sizes is not None else \
+        [input.shape[0] // w] * w
+    out_splits = list(output_split_sizes) if output_split_sizes is not None else \
+        [output.shape[0] // w] * w
+    _check_splits(output, input, out_splits, in_splits, w)
+    if w == 1:
+        F.copy_(output, input)
+        return finish(Work(), async_op)
+    matrix = exchange_split_sizes(in_splits, g) if is_cpu() else None
+    if matrix is not None and [int(v) for v in matrix[:, g.rank]] != out_splits:
+        raise ValueError(f"all_to_all_single: output_split_sizes {out_splits} on rank "
+                         f"{get_rank()} disagree with what the peers send "
+                         f"{matrix[:, g.rank].tolist()}")
+    return _all_to_all(output, input, out_splits, in_splits, matrix, g, async_op)
+
+
+def all_to_all_v(output: Tensor, input: Tensor, split_matrix: np.ndarray,
+                 group: Optional[ProcessGroup] = None, async_op: bool = False) -> Optional[Work]:
+    """``all_to_all_single`` when every rank already knows the whole ``split_matrix``
+    (``[i, j]`` = rows group rank i sends to group rank j), e.g. an expert-parallel dispatcher
+    that exchanged its per-expert counts once for several all-to-alls: no size exchange here.
+
+    ``async_op=True`` overlaps the exchange with the caller's compute: native asynchronous
+    collectives on Ascend; on CPU the composition runs on one background communication thread
+    (MindSpore's CPU collectives block the calling thread even with ``async_op``). Collectives
+    issued from the main thread first wait for that thread's queue, so every rank still issues
+    its collectives in one order."""
+    g = member_group(group)
+    m = np.asarray(split_matrix, np.int64)
+    if m.shape != (g.size, g.size):
+        raise ValueError(f"all_to_all_v: split_matrix has shape {m.shape}, expected "
+                         f"({g.size}, {g.size})")
+    in_splits, out_splits = [int(v) for v in m[g.rank]], [int(v) for v in m[:, g.rank]]
+    _check_splits(output, input, out_splits, in_splits, g.size)
+    if g.size == 1:
+        F.copy_(output, input)
+        return finish(Work(), async_op)
+    return _all_to_all(output, input, out_splits, in_splits, m, g, async_op)
+
+
+def _check_splits(output: Tensor, input: Tensor, out_splits, in_splits, w: int) -> None:
+    if sum(in_splits) != input.shape[0] or len(in_splits) != w:
+        raise ValueError(f"all_to_all: input_split_sizes {in_splits} do not match input "
+                         f"dim 0 ({input.shape[0]}) and group size {w}")
+    if sum(out_splits) != output.shape[0] or len(out_splits) != w:
+        raise ValueError(f"all_to_all: output_split_sizes {out_splits} do not match "
+                         f"output dim 0 ({output.shape[0]}) and group size {w}")
+
+
+def _all_to_all(output, input, out_splits, in_splits, matrix, g: ProcessGroup,
+                async_op: bool) -> Optional[Work]:
+    if is_cpu():
+        return cpu_compose.all_to_all(output, input, in_splits, matrix, g, async_op)
+    log_once("all_to_all_single", "native kernel")
+    h = dist().all_to_all_single(output, input, out_splits, in_splits, group=g.name,
+                                 async_op=async_op)
+    return finish(Work([h] if async_op else []), async_op)
+
+
+def broadcast(tensor: Tensor, src: int, group: Optional[ProcessGroup] = None,
+              async_op: bool = False) -> Optional[Work]:
+    """``src`` is a global rank, as in torch."""
+    g = member_group(group)
+    if src not in g.ranks:
+        raise ValueError(f"broadcast: src {src} is not in group {list(g.ranks)}")
+    if g.size == 1:
+        return finish(Work(), async_op)
+    h = dist().broadcast(tensor, src=src, group=g.name, async_op=async_op)
+    return finish(Work([h] if async_op else []), async_op)
+
+
+def barrier(group: Optional[ProcessGroup] = None) -> None:
+    """Block until every member arrives: an all-reduce of one element, read back on the host.
+    Not mccl's own barrier: on MindSpore 2.10's CPU backend one synchronous variant of it gave a
+    wrong result when probed, while all_reduce has been reliable."""
+    g = member_group(group)
+    if g.size > 1:
+        t = mint.ones((1,), dtype=ms.float32)
+        dist().all_reduce(t, group=g.name)
+        float(t.asnumpy()[0])
