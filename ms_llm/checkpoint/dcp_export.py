@@ -31,7 +31,8 @@ import numpy as np
 
 from . import layouts as L
 from .convert import DTYPES, HFSink, MegatronSink, stream_to_sink
-from .dcp import DCPError, DCPReader
+from .dcp_format import DCPError
+from .dcp_load import DCPReader
 from .megatron import hf_config_from_args
 
 __all__ = ["export_hf", "export_megatron", "hf_config_from_transformer_config"]
