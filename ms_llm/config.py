@@ -1,12 +1,15 @@
 """The one run-config schema. YAML files and dotted command-line overrides both go through
-``load_config``; unknown keys and wrong types are rejected with one line naming key and source."""
+``load_config``; unknown keys, wrong types and out-of-range values (``RULES``) are rejected with
+one line naming the key and the source that set it (the YAML path, or
+``command line --section.key``). ``schema_help()`` renders the same schema for ``--help``."""
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import yaml
 
@@ -16,14 +19,6 @@ from ms_llm.models.families import family_defaults
 
 class ConfigError(ValueError):
     """A bad config: the message is one line naming the file/argument and the key."""
-
-
-@dataclass
-class ModelSection:
-    """``family`` picks the architecture switches (llama, qwen25, qwen3); every other key is a
-    ``TransformerConfig`` field and overrides the family's default."""
-    family: Optional[str] = None
-    overrides: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,6 +120,10 @@ class RunConfig:
     quant: QuantConfig
     moe: MoEConfig = field(default_factory=MoEConfig)
     model_overrides: Dict[str, Any] = field(default_factory=dict)
+    # "section.key" -> where its value came from (YAML path or "command line --section.key"),
+    # so a check that fails later can still name the source that set the key.
+    sources: Dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    base_source: str = field(default="defaults", repr=False, compare=False)
 
     def to_dict(self) -> dict:
         d = {s: dataclasses.asdict(getattr(self, s))
@@ -132,12 +131,125 @@ class RunConfig:
         d["model"] = {"family": self.model_family, **dataclasses.asdict(self.model)}
         return d
 
+    def source_of(self, *keys: str) -> str:
+        """The source that set the first of ``keys`` set explicitly, else the config file."""
+        for key in keys:
+            if key in self.sources:
+                return self.sources[key]
+        return self.base_source
+
 
 _SECTIONS = {"data": DataConfig, "training": TrainingConfig, "parallel": ParallelConfig,
              "checkpoint": CheckpointConfig, "quant": QuantConfig, "moe": MoEConfig}
 _MODEL_FIELDS = {f.name: f for f in fields(TransformerConfig)}
+COMMAND_LINE = "command line"
 
 
+# ------------------------------------------------------------------------------ value rules
+# A rule returns None for a good value, else what the value must be. Rules run on every
+# explicitly set key right after its type is checked, so the error names that key's source
+# (and nothing downstream, e.g. TransformerConfig's head arithmetic, sees a zero or a negative).
+Rule = Callable[[Any], Optional[str]]
+
+
+def _rule(desc: str, ok: Callable[[Any], bool]) -> Rule:
+    def rule(value: Any) -> Optional[str]:
+        return None if ok(value) else desc
+    rule.desc = desc  # type: ignore[attr-defined]  # shown by ``ms-llm train --help``
+    return rule
+
+
+def _gt(lo: float) -> Rule:
+    return _rule(f"> {lo}", lambda v: v > lo)
+
+
+def _ge(lo: float) -> Rule:
+    return _rule(f">= {lo}", lambda v: v >= lo)
+
+
+def _within(lo: float, hi: float, hi_open: bool = False) -> Rule:
+    close = ")" if hi_open else "]"
+    return _rule(f"in [{lo}, {hi}{close}",
+                 lambda v: lo <= v < hi if hi_open else lo <= v <= hi)
+
+
+def _one_of(*choices: str, null: bool = False, case: bool = True) -> Rule:
+    desc = ("null or " if null else "") + "one of " + ", ".join(choices)
+    if case:
+        return _rule(desc, lambda v: v in choices)
+    return _rule(desc, lambda v: v.lower() in choices)
+
+
+def _existing_dir() -> Rule:
+    return _rule("an existing folder", lambda v: os.path.isdir(os.path.expanduser(v)))
+
+
+_POSITIVE, _NON_NEGATIVE, _PROBABILITY = _gt(0), _ge(0), _within(0, 1)
+_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+RULES: Dict[str, Rule] = {
+    **{f"training.{k}": _POSITIVE for k in (
+        "max_steps", "micro_batch_size", "global_batch_size", "log_interval", "lr_decay_steps",
+        "adam_eps")},
+    **{f"training.{k}": _NON_NEGATIVE for k in (
+        "seed", "lr", "min_lr", "lr_warmup_steps", "weight_decay", "clip_grad")},
+    "training.adam_beta1": _within(0, 1, hi_open=True),
+    "training.adam_beta2": _within(0, 1, hi_open=True),
+    "training.lr_decay_style": _one_of("cosine", "linear", "constant"),
+    "training.resume": _one_of("none", "auto"),
+    "training.device": _one_of("auto", "cpu", "ascend", case=False),
+    **{f"data.{k}": _POSITIVE for k in (
+        "seq_length", "embedded_vocab_size", "make_vocab_size_divisible_by")},
+    "data.dataset_type": _one_of("pretrain", "sft"),
+    **{f"parallel.{k}": _ge(1) for k in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+        "expert_model_parallel_size", "fsdp_size")},
+    "parallel.ddp_bucket_mb": _POSITIVE,
+    "parallel.collective_timeout_s": _POSITIVE,
+    "parallel.fsdp_prefetch": _NON_NEGATIVE,
+    "parallel.fsdp_param_dtype": _one_of(*_DTYPES, null=True, case=False),
+    "parallel.fsdp_reduce_dtype": _one_of(*_DTYPES, null=True, case=False),
+    "checkpoint.save_interval": _NON_NEGATIVE,
+    "checkpoint.keep_last": _ge(1),
+    "checkpoint.load": _existing_dir(),
+    "quant.recipe": _one_of("mxfp8", null=True),
+    "quant.scale_mode": _one_of("floor", "rceil"),
+    "quant.elem_dtype": _one_of("float8_e4m3fn", "float8_e5m2"),
+    "moe.dispatcher": _one_of("alltoall", "megamoe"),
+    "moe.expert_groups": _ge(1),
+    "moe.token_chunks": _ge(1),
+    **{f"model.{k}": _POSITIVE for k in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+        "kv_channels", "padded_vocab_size", "max_position_embeddings", "layernorm_epsilon",
+        "rotary_base", "num_moe_experts", "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor")},
+    **{f"model.{k}": _NON_NEGATIVE for k in (
+        "init_method_std", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+        "moe_router_bias_update_rate")},
+    "model.moe_router_topk": _ge(1),
+    "model.moe_layer_freq": _ge(1),
+    "model.hidden_dropout": _PROBABILITY,
+    "model.attention_dropout": _PROBABILITY,
+    "model.rotary_percent": _within(0, 1),
+    "model.normalization": _one_of("RMSNorm"),
+    "model.position_embedding_type": _one_of("rope"),
+    "model.activation_func": _one_of("silu", "gelu"),
+    "model.mlp_type": _one_of("dense", "moe"),
+    "model.moe_router_score_function": _one_of("softmax", "sigmoid"),
+    "model.moe_router_load_balancing_type": _one_of("aux_loss", "none"),
+}
+
+
+def _check_value(key: str, value: Any, source: str) -> None:
+    rule = RULES.get(key)
+    if rule is None or value is None:
+        return
+    for v in value if isinstance(value, list) else [value]:
+        need = rule(v)
+        if need is not None:
+            raise ConfigError(f"{source}: {key} must be {need}, got {v!r}")
+
+
+# ------------------------------------------------------------------------------ parsing
 def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     """Check ``value`` against the annotation ``tp``; strings from the command line are parsed."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -181,6 +293,13 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
                       f"got {value!r}")
 
 
+def _checked(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Type, then value: the one gate every explicitly set key passes through."""
+    value = _coerce(value, tp, key, source)
+    _check_value(key, value, source)
+    return value
+
+
 def _hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
@@ -205,23 +324,23 @@ def parse_overrides(args: Sequence[str]) -> List[tuple]:
     while i < len(args):
         a = args[i]
         if not a.startswith("--") or "." not in a.split("=")[0]:
-            raise ConfigError(f"command line: expected --section.key VALUE, got {a!r}")
+            raise ConfigError(f"{COMMAND_LINE}: expected --section.key VALUE, got {a!r}")
         if "=" in a:
             k, v = a[2:].split("=", 1)
             i += 1
         else:
             if i + 1 >= len(args):
-                raise ConfigError(f"command line: {a} needs a value")
+                raise ConfigError(f"{COMMAND_LINE}: {a} needs a value")
             k, v = a[2:], args[i + 1]
             i += 2
         out.append((k, v))
     return out
 
 
-def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Load ``path`` (YAML) and apply dotted overrides; validate everything."""
-    raw = _read_yaml(path) if path else {}
+def _layer(path: Optional[str], overrides: Sequence[str]) -> Dict[str, Dict[str, tuple]]:
+    """section -> key -> (raw value, source); command-line overrides replace YAML values."""
     source = path or "defaults"
+    raw = _read_yaml(path) if path else {}
     layered: Dict[str, Dict[str, tuple]] = {s: {} for s in ("model", *_SECTIONS)}
     for section, values in raw.items():
         if section not in layered:
@@ -233,109 +352,181 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Ru
             layered[section][k] = (v, source)
     for dotted, v in parse_overrides(overrides):
         section, _, k = dotted.partition(".")
+        src = f"{COMMAND_LINE} --{dotted}"
         if section not in layered or not k:
-            raise ConfigError(f"command line: unknown key '{dotted}'")
-        layered[section][k] = (v, "command line")
+            raise ConfigError(f"{src}: unknown key '{dotted}'")
+        layered[section][k] = (v, src)
+    return layered
 
-    built = {}
-    for section, cls in _SECTIONS.items():
-        hints = _hints(cls)
-        kwargs = {}
-        for k, (v, src) in layered[section].items():
-            if k not in hints:
-                raise ConfigError(f"{src}: unknown key '{section}.{k}'")
-            kwargs[k] = _coerce(v, hints[k], f"{section}.{k}", src)
-        built[section] = cls(**kwargs)
 
-    model_raw = dict(layered["model"])
-    family = None
-    if "family" in model_raw:
-        v, src = model_raw.pop("family")
-        family = _coerce(v, Optional[str], "model.family", src)
+def _build_section(section: str, cls, values: Dict[str, tuple]):
+    hints = _hints(cls)
+    kwargs = {}
+    for k, (v, src) in values.items():
+        if k not in hints:
+            raise ConfigError(f"{src}: unknown key '{section}.{k}'")
+        kwargs[k] = _checked(v, hints[k], f"{section}.{k}", src)
+    return cls(**kwargs)
+
+
+def _build_model(values: Dict[str, tuple], base: str):
+    """(TransformerConfig, family, explicitly set fields): family defaults, then explicit keys."""
+    values = dict(values)
+    family, family_src = None, base
+    if "family" in values:
+        v, family_src = values.pop("family")
+        family = _checked(v, Optional[str], "model.family", family_src)
     model_kwargs = {}
     if family:
         try:
             model_kwargs.update(family_defaults(family))
         except ValueError as e:
-            raise ConfigError(f"{source}: {e}") from None
+            raise ConfigError(f"{family_src}: {e}") from None
     hints = _hints(TransformerConfig)
     explicit = {}
-    for k, (v, src) in model_raw.items():
+    for k, (v, src) in values.items():
         if k not in _MODEL_FIELDS:
             raise ConfigError(f"{src}: unknown key 'model.{k}'")
-        explicit[k] = model_kwargs[k] = _coerce(v, hints[k], f"model.{k}", src)
+        explicit[k] = model_kwargs[k] = _checked(v, hints[k], f"model.{k}", src)
     try:
         model = TransformerConfig(**model_kwargs)
     except ValueError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    cfg = RunConfig(model=model, model_family=family, model_overrides=explicit, **built)
-    validate(cfg, source)
+        named = _model_keys_named(str(e), values)
+        src = next((values[k][1] for k in named if values[k][1].startswith(COMMAND_LINE)),
+                   values[named[0]][1] if named else family_src)
+        raise ConfigError(f"{src}: {e}") from None
+    return model, family, explicit
+
+
+def _model_keys_named(message: str, values: Dict[str, tuple]) -> List[str]:
+    """The explicitly set model keys a TransformerConfig error mentions (to name their source)."""
+    return [k for k in values if re.search(rf"\b{re.escape(k)}\b", message)]
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load ``path`` (YAML) and apply dotted overrides; validate everything."""
+    base = path or "defaults"
+    layered = _layer(path, overrides)
+    built = {section: _build_section(section, cls, layered[section])
+             for section, cls in _SECTIONS.items()}
+    model, family, explicit = _build_model(layered["model"], base)
+    sources = {f"{section}.{k}": src for section, values in layered.items()
+               for k, (_, src) in values.items()}
+    cfg = RunConfig(model=model, model_family=family, model_overrides=explicit, sources=sources,
+                    base_source=base, **built)
+    validate(cfg)
     return cfg
 
 
-def validate(cfg: RunConfig, source: str) -> None:
+# ------------------------------------------------------------------------------ cross-key checks
+def validate(cfg: RunConfig) -> None:
+    """Checks that involve more than one key (single values were checked while parsing). Each
+    error names the source of the key it is about."""
+    for check in (_check_schedule, _check_parallel, _check_moe, _check_misc):
+        check(cfg)
+
+
+def _fail(cfg: RunConfig, keys: Sequence[str], message: str) -> None:
+    raise ConfigError(f"{cfg.source_of(*keys)}: {message}")
+
+
+def _check_schedule(cfg: RunConfig) -> None:
+    t = cfg.training
+    if t.min_lr > t.lr:
+        _fail(cfg, ("training.min_lr", "training.lr"),
+              f"training.min_lr ({t.min_lr}) must be <= training.lr ({t.lr})")
+
+
+def _check_parallel(cfg: RunConfig) -> None:
     t, p = cfg.training, cfg.parallel
-    for key in ("max_steps", "micro_batch_size", "global_batch_size", "log_interval"):
-        if getattr(t, key) <= 0:
-            raise ConfigError(f"{source}: training.{key} must be > 0")
-    if t.lr_decay_style not in ("cosine", "linear", "constant"):
-        raise ConfigError(f"{source}: training.lr_decay_style must be cosine, linear or constant")
-    if t.resume not in ("none", "auto"):
-        raise ConfigError(f"{source}: training.resume must be 'none' or 'auto'")
-    if t.device not in ("auto", "CPU", "Ascend", "cpu", "ascend"):
-        raise ConfigError(f"{source}: training.device must be auto, CPU or Ascend")
-    if cfg.data.seq_length <= 0:
-        raise ConfigError(f"{source}: data.seq_length must be > 0")
-    if cfg.data.dataset_type not in ("pretrain", "sft"):
-        raise ConfigError(f"{source}: data.dataset_type must be 'pretrain' or 'sft'")
-    if p.tensor_model_parallel_size < 1:
-        raise ConfigError(f"{source}: parallel.tensor_model_parallel_size must be >= 1")
     for key in ("pipeline_model_parallel_size", "context_parallel_size"):
         if getattr(p, key) != 1:
-            raise ConfigError(f"{source}: parallel.{key}={getattr(p, key)} is not available yet "
-                              f"(data, tensor, expert and fully-sharded data parallel are)")
-    ep = p.expert_model_parallel_size
-    if ep < 1:
-        raise ConfigError(f"{source}: parallel.expert_model_parallel_size must be >= 1")
-    moe = cfg.model.mlp_type == "moe"
-    if ep > 1 and not moe:
-        raise ConfigError(f"{source}: parallel.expert_model_parallel_size={ep} needs "
-                          f"model.mlp_type moe")
-    if moe and cfg.model.num_moe_experts % ep:
-        raise ConfigError(f"{source}: model.num_moe_experts ({cfg.model.num_moe_experts}) is not "
-                          f"divisible by parallel.expert_model_parallel_size ({ep})")
-    if moe and p.tensor_model_parallel_size > 1:
-        raise ConfigError(f"{source}: model.mlp_type moe with parallel.tensor_model_parallel_size"
-                          f" > 1 is not supported (expert tensor parallel is not built); use "
-                          f"expert and data parallel")
-    if cfg.moe.dispatcher not in ("alltoall", "megamoe"):
-        raise ConfigError(f"{source}: moe.dispatcher must be 'alltoall' or 'megamoe', got "
-                          f"{cfg.moe.dispatcher!r}")
-    if cfg.moe.expert_groups < 1 or cfg.moe.token_chunks < 1:
-        raise ConfigError(f"{source}: moe.expert_groups and moe.token_chunks must be >= 1")
-    if p.fsdp_size < 1:
-        raise ConfigError(f"{source}: parallel.fsdp_size must be >= 1")
-    for key in ("fsdp_param_dtype", "fsdp_reduce_dtype"):
-        value = getattr(p, key)
-        if value is not None and value.lower() not in ("float32", "fp32", "bfloat16", "bf16",
-                                                       "float16", "fp16"):
-            raise ConfigError(f"{source}: parallel.{key} must be null, float32, bfloat16 or "
-                              f"float16, got {value!r}")
+            _fail(cfg, (f"parallel.{key}",),
+                  f"parallel.{key}={getattr(p, key)} is not available yet (data, tensor, "
+                  f"expert and fully-sharded data parallel are)")
     if p.fsdp_size > 1 and t.jit:
-        raise ConfigError(f"{source}: parallel.fsdp_size > 1 needs training.jit false (FSDP "
-                          f"gathers use PyNative custom backward)")
+        _fail(cfg, ("parallel.fsdp_size", "training.jit"),
+              "parallel.fsdp_size > 1 needs training.jit false (FSDP gathers use PyNative "
+              "custom backward)")
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
-        raise ConfigError(f"{source}: parallel.sequence_parallel needs "
-                          f"parallel.tensor_model_parallel_size > 1")
-    if cfg.model.mlp_type == "moe" and t.jit:
-        raise ConfigError(f"{source}: model.mlp_type 'moe' needs training.jit false (expert "
-                          f"block sizes depend on the routing)")
-    q = cfg.quant
-    if q.recipe not in (None, "mxfp8"):
-        raise ConfigError(f"{source}: quant.recipe must be null or 'mxfp8', got {q.recipe!r}")
-    if q.scale_mode not in ("floor", "rceil"):
-        raise ConfigError(f"{source}: quant.scale_mode must be 'floor' or 'rceil'")
-    if q.elem_dtype not in ("float8_e4m3fn", "float8_e5m2"):
-        raise ConfigError(f"{source}: quant.elem_dtype must be float8_e4m3fn or float8_e5m2")
-    if t.resume == "auto" and not cfg.checkpoint.save_dir:
-        raise ConfigError(f"{source}: training.resume=auto needs checkpoint.save_dir")
+        _fail(cfg, ("parallel.sequence_parallel",),
+              "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1")
+
+
+def _check_moe(cfg: RunConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    ep, moe = p.expert_model_parallel_size, m.mlp_type == "moe"
+    ep_key = "parallel.expert_model_parallel_size"
+    if ep > 1 and not moe:
+        _fail(cfg, (ep_key, "model.mlp_type"),
+              f"parallel.expert_model_parallel_size={ep} needs model.mlp_type moe")
+    if not moe:
+        return
+    if m.num_moe_experts % ep:
+        _fail(cfg, (ep_key, "model.num_moe_experts"),
+              f"model.num_moe_experts ({m.num_moe_experts}) is not divisible by "
+              f"parallel.expert_model_parallel_size ({ep})")
+    if p.tensor_model_parallel_size > 1:
+        _fail(cfg, ("parallel.tensor_model_parallel_size", "model.mlp_type"),
+              "model.mlp_type moe with parallel.tensor_model_parallel_size > 1 is not "
+              "supported (expert tensor parallel is not built); use expert and data parallel")
+    if cfg.training.jit:
+        _fail(cfg, ("training.jit", "model.mlp_type"),
+              "model.mlp_type 'moe' needs training.jit false (expert block sizes depend on "
+              "the routing)")
+
+
+def _check_misc(cfg: RunConfig) -> None:
+    if cfg.training.resume == "auto" and not cfg.checkpoint.save_dir:
+        _fail(cfg, ("training.resume", "checkpoint.save_dir"),
+              "training.resume=auto needs checkpoint.save_dir")
+
+
+# ------------------------------------------------------------------------------ help text
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        inner = next(a for a in args if a is not type(None))
+        return f"{_type_name(inner)} or null"
+    if origin in (list, List):
+        return f"list of {_type_name(args[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+    else:
+        return "(required)"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "(empty)"
+    return str(value)
+
+
+def _key_lines(section: str, cls) -> List[str]:
+    hints = _hints(cls)
+    lines = []
+    for f in fields(cls):
+        rule = RULES.get(f"{section}.{f.name}")
+        note = f"  [{rule.desc}]" if rule is not None else ""
+        lines.append(f"  {f.name:<38} {_type_name(hints[f.name]):<20} "
+                     f"{_default_text(f)}{note}")
+    return lines
+
+
+def schema_help() -> str:
+    """Every config section and key with its type, default and allowed values, generated from
+    the dataclasses and RULES above (so it cannot drift from what load_config accepts)."""
+    from ms_llm.models.families import FAMILIES
+    lines = ["model:  (family sets architecture defaults; the keys below override them)",
+             f"  {'family':<38} {'str or null':<20} null  [one of {', '.join(FAMILIES)}]"]
+    lines += _key_lines("model", TransformerConfig)
+    for section, cls in _SECTIONS.items():
+        lines += ["", f"{section}:"] + _key_lines(section, cls)
+    return "\n".join(lines)

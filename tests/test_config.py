@@ -158,3 +158,101 @@ def test_moe_and_expert_parallel_config_checks():
         with pytest.raises(ConfigError, match=needle) as e:
             load_config(path, overrides)
         assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------- values and their sources
+@pytest.mark.parametrize("key,value,needle", [
+    ("training.lr", "-1", "must be >= 0"),
+    ("training.min_lr", "-0.5", "must be >= 0"),
+    ("training.max_steps", "0", "must be > 0"),
+    ("training.micro_batch_size", "-2", "must be > 0"),
+    ("training.global_batch_size", "0", "must be > 0"),
+    ("training.lr_warmup_steps", "-1", "must be >= 0"),
+    ("training.lr_decay_steps", "0", "must be > 0"),
+    ("training.adam_beta2", "1.0", "must be in [0, 1)"),
+    ("training.adam_eps", "0", "must be > 0"),
+    ("training.weight_decay", "-0.1", "must be >= 0"),
+    ("training.lr_decay_style", "exponential", "must be one of cosine, linear, constant"),
+    ("data.seq_length", "0", "must be > 0"),
+    ("model.num_layers", "0", "must be > 0"),
+    ("model.hidden_size", "-64", "must be > 0"),
+    ("model.num_attention_heads", "0", "must be > 0"),
+    ("model.padded_vocab_size", "0", "must be > 0"),
+    ("model.hidden_dropout", "1.5", "must be in [0, 1]"),
+    ("model.attention_dropout", "-0.1", "must be in [0, 1]"),
+    ("parallel.fsdp_size", "0", "must be >= 1"),
+    ("parallel.ddp_bucket_mb", "0", "must be > 0"),
+    ("checkpoint.save_interval", "-5", "must be >= 0"),
+    ("checkpoint.keep_last", "0", "must be >= 1"),
+    ("moe.expert_groups", "0", "must be >= 1"),
+])
+def test_bad_values_name_key_and_source(tmp_path, key, value, needle):
+    """The same bad value, once from the YAML file and once from the command line: each error
+    is one line naming the key and exactly the source that set it."""
+    section, name = key.split(".")
+    path = write(tmp_path, f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value).startswith(f"{path}: {key} {needle}"), str(e.value)
+    assert "\n" not in str(e.value)
+    good = write(tmp_path, "training:\n  lr: 1.0e-3\n", name="good.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(good, [f"--{key}", value])
+    msg = str(e.value)
+    assert msg.startswith(f"command line --{key}: {key} {needle}"), msg
+    assert good not in msg and "\n" not in msg
+
+
+def test_cross_key_errors_name_the_source_of_their_key(tmp_path):
+    path = write(tmp_path, "training:\n  lr: 1.0e-3\n  jit: true\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["--parallel.sequence_parallel", "true"])
+    assert str(e.value).startswith("command line --parallel.sequence_parallel: ")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["--parallel.fsdp_size", "2"])
+    assert str(e.value).startswith("command line --parallel.fsdp_size: ")
+    with pytest.raises(ConfigError) as e:   # min_lr above lr, lr set on the command line
+        load_config(path, ["--training.lr", "1e-5"])
+    assert str(e.value).startswith("command line --training.lr: training.min_lr (0.0001) must "
+                                   "be <= training.lr")
+    with pytest.raises(ConfigError) as e:   # TransformerConfig's own check, key from the CLI
+        load_config(os.path.join(CONFIGS, "tiny.yaml"), ["--model.num_query_groups", "3"])
+    assert str(e.value).startswith("command line --model.num_query_groups: ")
+    bad = write(tmp_path, "parallel:\n  fsdp_size: 2\ntraining:\n  jit: true\n", name="b.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert str(e.value).startswith(f"{bad}: parallel.fsdp_size > 1 needs training.jit false")
+
+
+def test_missing_checkpoint_load_folder_is_one_line(tmp_path):
+    missing = str(tmp_path / "no_such_hf_folder")
+    path = write(tmp_path, f"checkpoint:\n  load: {missing}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: checkpoint.load must be an existing folder, got {missing!r}"
+    (tmp_path / "hf").mkdir()
+    assert load_config(None, ["--checkpoint.load", str(tmp_path / "hf")]).checkpoint.load
+
+
+def test_model_section_is_the_transformer_config():
+    import ms_llm.config as config
+    assert not hasattr(config, "ModelSection")   # model: is TransformerConfig + family, only
+
+
+def ms_llm_command():
+    exe = os.path.join(os.path.dirname(sys.executable), "ms-llm")
+    assert os.path.isfile(exe), "the ms-llm entry point is missing: pip install -e ."
+    return exe
+
+
+@pytest.mark.parametrize("override,key", [(["--training.lr", "-1"], "training.lr"),
+                                          (["--checkpoint.load", "/no/such/dir"],
+                                           "checkpoint.load")])
+def test_cli_bad_override_is_one_line_naming_key_and_command_line(tmp_path, override, key):
+    r = subprocess.run([ms_llm_command(), "train", os.path.join(CONFIGS, "tiny.yaml"),
+                        *override], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode != 0
+    err = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(err) == 1, r.stderr
+    assert err[0].startswith(f"config error: command line --{key}: {key} must be "), err[0]
+    assert "tiny.yaml" not in err[0]
