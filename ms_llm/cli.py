@@ -8,13 +8,29 @@ import sys
 from typing import List, Optional
 
 _LATER = {"generate": "text generation"}
+COMMANDS = {
+    "train": "train a model (ms-llm train --help lists every config key and its default)",
+    "plot": "draw loss.png from a run's metrics.jsonl",
+    "convert": "convert weights between Hugging Face and Megatron layouts",
+    "export": "export a training checkpoint to Hugging Face or Megatron",
+    "preprocess": "tokenize text into Megatron indexed datasets",
+    **{name: f"{what} (not available yet)" for name, what in _LATER.items()},
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    commands = "\n".join(f"  {name:<12} {text}" for name, text in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog="ms-llm", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="MindSpore-native LLM training.",
+        epilog=f"commands:\n{commands}\n\nms-llm COMMAND --help shows a command's options.")
+    parser.add_argument("command", choices=list(COMMANDS))
+    return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="ms-llm", description=__doc__)
-    parser.add_argument("command", choices=["train", "plot", "convert", "export", "preprocess",
-                                            *_LATER])
+    parser = _top_parser()
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -23,7 +39,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ms_llm.train import main as train_main
         return train_main(rest)
     if command == "plot":
-        p = argparse.ArgumentParser(prog="ms-llm plot")
+        p = argparse.ArgumentParser(prog="ms-llm plot", description=COMMANDS["plot"])
         p.add_argument("output_dir")
         p.add_argument("--out", default=None, help="PNG path (default <output_dir>/loss.png)")
         args = p.parse_args(rest)
@@ -43,6 +59,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "export":
         return export_main(rest)
     if command in _LATER:
+        p = argparse.ArgumentParser(prog=f"ms-llm {command}",
+                                    description=f"{_LATER[command]}: not available yet")
+        p.parse_known_args(rest)  # --help prints the usage and exits 0
         print(f"ms-llm {command}: not available yet ({_LATER[command]} is not implemented)",
               file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """Training entry point: ``python -m ms_llm.train [CONFIG.yaml] [--section.key VALUE ...]``.
 
 This is the script ``scripts/pretrain.sh`` hands to ``msrun``. Config errors print one line
-(``config error: <file or command line>: <key> ...``) and exit with code 2.
+(``config error: <file or command line --key>: <key> ...``) and exit with code 2; ``--help``
+prints the usage and every config key with its default, generated from ``ms_llm.config``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,27 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
                               "configs", "tiny.yaml")
 
 
+USAGE = """usage: ms-llm train [CONFIG.yaml] [--section.key VALUE | --section.key=VALUE ...]
+
+Train a model. CONFIG.yaml defaults to $MS_LLM_CONFIG, else configs/tiny.yaml. Every key below can
+be set in the YAML file (section: {key: value}) or on the command line (--section.key VALUE);
+the command line wins. Lists are comma-separated on the command line, null means None.
+Under msrun: bash scripts/pretrain.sh [CONFIG.yaml] [--section.key VALUE ...].
+
+config keys (type, default, [allowed values]):
+"""
+
+
+def wants_help(argv: List[str]) -> bool:
+    """``-h``/``--help`` anywhere among the arguments (a config value is never spelled so)."""
+    return any(a in ("-h", "--help") for a in argv)
+
+
+def print_help() -> None:
+    from ms_llm.config import schema_help
+    print(USAGE + schema_help())
+
+
 def split_args(argv: List[str]):
     if argv and not argv[0].startswith("--"):
         return argv[0], argv[1:]
@@ -24,6 +46,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ms_llm.config import ConfigError, load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(argv):
+        print_help()
+        return 0
     logging.basicConfig(level=os.environ.get("MS_LLM_LOG_LEVEL", "WARNING"),
                         format="%(levelname)s %(name)s: %(message)s")
     path, overrides = split_args(argv)
