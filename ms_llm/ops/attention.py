@@ -1,13 +1,14 @@
 """Causal softmax attention with grouped-query heads."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
 import numpy as np
 from mindspore import Tensor, ops
 
-from ms_llm.compat import F, float32
+from ms_llm.compat import F, bfloat16, float16, float32
 from . import cpu_kernels
 from ._dispatch import path_for
 from .linear import bmm
@@ -66,13 +67,36 @@ def causal_attention_composed(q: Tensor, k: Tensor, v: Tensor, scale: float,
     return out.astype(dtype)
 
 
+# Never run on an Ascend device: written against MindSpore 2.10's documented contract of
+# ops.flash_attention_score and reached only when the device is Ascend (CPU tests cover the
+# dtype round trip through _flash_attention_dtype, not the kernel).
+_FLASH_DTYPES = (bfloat16, float16)
+
+
+def _flash_attention_dtype(dtype) -> object:
+    """The dtype FlashAttentionScore computes in: it accepts only fp16 and bf16 q/k/v, so fp32
+    inputs go through bf16 (fp32's exponent range, no overflow of large scores)."""
+    return dtype if dtype in _FLASH_DTYPES else bfloat16
+
+
+@functools.lru_cache(maxsize=1)
+def _compressed_causal_mask() -> Tensor:
+    # sparse_mode 2 reads this fixed 2048x2048 upper-triangular mask whatever the sequence length.
+    return Tensor(np.triu(np.ones((2048, 2048), np.bool_), 1))
+
+
 def _flash_attention_ascend(q, k, v, scale, attention_mask):
     # Ascend FlashAttentionScore, BNSD layout, GQA handled by the kernel (N1 % N2 == 0).
     # sparse_mode 2 = causal with the compressed 2048x2048 mask the kernel requires.
     if attention_mask is None:
-        mask = Tensor(np.triu(np.ones((2048, 2048), np.bool_), 1))
-        sparse_mode = 2
+        mask, sparse_mode = _compressed_causal_mask(), 2
     else:
         mask, sparse_mode = attention_mask, 0
-    return ops.flash_attention_score(q, k, v, q.shape[1], attn_mask=mask, scalar_value=scale,
-                                     input_layout="BNSD", sparse_mode=sparse_mode)
+        if mask.shape[0] == 1:   # one mask for the whole batch: the kernel's (S1, S2) form
+            mask = mask.reshape(mask.shape[-2], mask.shape[-1])
+    dtype = q.dtype
+    compute = _flash_attention_dtype(dtype)
+    out = ops.flash_attention_score(q.astype(compute), k.astype(compute), v.astype(compute),
+                                    q.shape[1], attn_mask=mask, scalar_value=scale,
+                                    input_layout="BNSD", sparse_mode=sparse_mode)
+    return out.astype(dtype)
