@@ -83,6 +83,10 @@ class Archive:
             raise self.fail(f"record {name!r} unreadable ({one_line(e)}); the file is "
                             f"truncated or corrupt") from None
 
+    def storage_size(self, key: str) -> int:
+        """Declared byte length of storage ``key`` (already checked to fit in the file)."""
+        return self._stored_info(f"data/{key}").file_size
+
     def storage_range(self, key: str) -> Tuple[int, int]:
         """(first byte in the file, byte length) of storage ``key``, checked to lie in the file."""
         if key not in self._ranges:
@@ -152,7 +156,7 @@ class Storage:
     __slots__ = ("archive", "key", "dtype", "numel")
 
     def __init__(self, archive: Archive, key: str, dtype: np.dtype, numel: int):
-        _, size = archive.storage_range(key)
+        size = archive.storage_size(key)
         if numel * dtype.itemsize > size:
             raise archive.fail(f"storage {key} holds {size} bytes, its {numel} {dtype} "
                                f"elements need {numel * dtype.itemsize}")

@@ -14,7 +14,11 @@ import re
 from typing import Any, Dict
 
 import numpy as np
-from numpy.core import multiarray
+
+try:
+    from numpy._core import multiarray  # NumPy 2 (numpy.core is deprecated there)
+except ImportError:  # NumPy 1.x
+    from numpy.core import multiarray
 
 from .torch_pickle_archive import LazyTensor, Storage
 
