@@ -2,8 +2,8 @@
 
 Real files written by the project's own writer (a Megatron-shaped checkpoint dict, a nested
 state dict with shared-storage views, protocols 2 and 4) are damaged in seeded ways: bytes flipped
-or replaced in ``data.pkl``, ``data.pkl`` / a storage / the whole zip truncated, zip headers
-mutated. Every damaged file must either load or raise ``TorchFormatError`` -- never any other
+or replaced, opcode runs spliced or opcodes inserted in ``data.pkl``; ``data.pkl`` / a storage /
+the whole zip truncated; zip headers mutated; bytes flipped anywhere. Every damaged file must either load or raise ``TorchFormatError`` -- never any other
 exception -- and no load may allocate more than ``_alloc_bound(file size)`` (see there). No torch
 needed; fixed seeds, so a failure names a reproducible case.
 """
@@ -77,7 +77,7 @@ def _write_views(path: str, rng: np.random.Generator) -> None:
 def _samples(tmp_path) -> list:
     rng = np.random.default_rng(SEED)
     paths = []
-    for k, proto in enumerate((2, 4)):
+    for proto in (2, 4):
         p = str(tmp_path / f"megatron_p{proto}.pt")
         tp.save(_megatron_like(rng), p, protocol=proto)
         paths.append(p)
