@@ -8,8 +8,9 @@ fills an object is checked:
 * globals resolve only from an allow-list (tensor rebuild functions, storage types, dtypes,
   ``OrderedDict``, ``argparse.Namespace``, ``BytesIO``, a few Megatron enums, NumPy array
   reconstruction) and nothing else is ever imported; ``REDUCE``/``NEWOBJ`` call only those;
-* ``BUILD`` (``__setstate__``) works only on fresh Namespace/OrderedDict/BytesIO instances and
-  NumPy arrays/dtypes, with plain-data state; item opcodes only on the matching built-in type;
+* ``BUILD`` (``__setstate__``) works only on Namespace/OrderedDict/BytesIO instances and NumPy
+  arrays/dtypes, with plain-data state; item opcodes only on the matching built-in type; so no
+  file can alter a class, a function or a shared object such as ``GlobalRef("torch", "bfloat16")``;
 * sizes (storage element counts, tensor views, NumPy array data) are checked against the zip
   member's declared size, and that against the file's length, before anything is allocated;
   objects the pickle can copy cheaply (sets, bytes, OrderedDicts) are charged to a budget
