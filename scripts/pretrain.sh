@@ -1,13 +1,36 @@
 #!/usr/bin/env bash
 # Launch ms-llm pretraining through msrun.
 #   bash scripts/pretrain.sh [CONFIG.yaml] [--section.key VALUE ...]
-# Environment: NPROC (workers, default 1), MASTER_ADDR (127.0.0.1), MASTER_PORT (8118),
-# LOG_DIR (outputs/msrun_logs), CLUSTER_TIME_OUT (seconds msrun waits for a lost worker, 120).
+# Environment:
+#   NPROC            workers on this machine (one node), default 1
+#   NNODES           nodes in the job (MindSpeed's name), default 1
+#   NODE_RANK        this node's index, 0 .. NNODES-1 (node 0 hosts the scheduler), default 0
+#   NPUS_PER_NODE    workers per node (MindSpeed's name), default NPROC
+#   MASTER_ADDR      address of node 0 (127.0.0.1), MASTER_PORT (8118)
+#   LOG_DIR          msrun's worker logs (outputs/msrun_logs)
+#   CLUSTER_TIME_OUT seconds msrun waits for a lost worker or a missing node (120)
+# Multi-node: run this on every node with the same NNODES, NPUS_PER_NODE, MASTER_ADDR and
+# MASTER_PORT and its own NODE_RANK; global ranks are NODE_RANK * NPUS_PER_NODE + local rank.
 # Exits non-zero when any worker fails.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-NPROC="${NPROC:-1}"
+die() { echo "pretrain.sh: $*" >&2; exit 2; }
+is_count() { [[ "$1" =~ ^[0-9]+$ ]]; }
+
+NPROC="${NPROC:-}"
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+NPUS_PER_NODE="${NPUS_PER_NODE:-${NPROC:-1}}"
+if [[ -n "$NPROC" && "$NPROC" != "$NPUS_PER_NODE" ]]; then
+  die "NPROC=$NPROC and NPUS_PER_NODE=$NPUS_PER_NODE disagree (set one of them)"
+fi
+is_count "$NNODES" && (( NNODES >= 1 )) || die "NNODES must be an integer >= 1, got '$NNODES'"
+is_count "$NPUS_PER_NODE" && (( NPUS_PER_NODE >= 1 )) \
+  || die "NPUS_PER_NODE (or NPROC) must be an integer >= 1, got '$NPUS_PER_NODE'"
+is_count "$NODE_RANK" && (( NODE_RANK < NNODES )) \
+  || die "NODE_RANK must be an integer in [0, NNODES-1=$((NNODES - 1))], got '$NODE_RANK'"
+WORLD_SIZE=$((NNODES * NPUS_PER_NODE))
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-8118}"
 LOG_DIR="${LOG_DIR:-outputs/msrun_logs}"
@@ -48,7 +71,7 @@ ENTRY="$("$PY" -c 'import ms_llm.train as m; print(m.__file__)')"
 mkdir -p "$LOG_DIR"
 
 set +e
-msrun --worker_num "$NPROC" --local_worker_num "$NPROC" \
+msrun --worker_num "$WORLD_SIZE" --local_worker_num "$NPUS_PER_NODE" --node_rank "$NODE_RANK" \
       --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
       --log_dir "$LOG_DIR" --join True --cluster_time_out "$CLUSTER_TIME_OUT" \
       "$ENTRY" "$CONFIG" "$@"
