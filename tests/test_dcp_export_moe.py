@@ -68,8 +68,11 @@ def _build(kwargs, seed):
 
 
 def _save(model, cfg, save_dir, step=1):
-    """The trainer's path (``Trainer.save``): every named parameter incl. buffers, AdamW."""
+    """The trainer's path (``Trainer.save``): every named parameter incl. buffers, AdamW, with
+    the layouts ``parallelize_model`` records."""
+    from ms_llm.parallel.parallelize import describe_layouts
     from ms_llm.parallel.state import initialize_model_parallel
+    describe_layouts(model)
     from ms_llm.training import checkpointing as ckpt
     from ms_llm.training.optimizer import AdamW
     named = list(model.named_parameters())

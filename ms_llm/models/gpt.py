@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from mindspore import Tensor
 
 from ms_llm import ops as hot
-from ms_llm.compat import float32, nn
+from ms_llm.compat import F, float32, nn
 from .config import TransformerConfig
 from .layers import RMSNorm, TransformerLayer
 from .moe import aux_loss as moe_aux_loss, moe_mlp_factory
@@ -80,15 +80,22 @@ class GPTModel(nn.Module):
             return None
         return moe_aux_loss(self)
 
-    def rotary_cos_sin(self, seq_len: int):
+    def rotary_cos_sin(self, seq_len: int, position_ids: Optional[Tensor] = None):
+        """cos, sin ``[s, d]`` for positions ``0..s-1``, or ``[b, 1, s, d]`` at ``position_ids``
+        ``[b, s]`` (packed documents restart their positions; every head shares them)."""
         if seq_len not in self._rope_cache:
             c = self.config
             self._rope_cache[seq_len] = hot.rope_cos_sin(seq_len, c.kv_channels, c.rotary_base)
-        return self._rope_cache[seq_len]
+        cos, sin = self._rope_cache[seq_len]
+        if position_ids is None:
+            return cos, sin
+        return (F.embedding(position_ids, cos).expand_dims(1),
+                F.embedding(position_ids, sin).expand_dims(1))
 
     def forward(self, input_ids: Tensor, labels: Optional[Tensor] = None,
-                attention_mask: Optional[Tensor] = None) -> Tensor:
-        cos, sin = self.rotary_cos_sin(input_ids.shape[1])
+                attention_mask: Optional[Tensor] = None,
+                position_ids: Optional[Tensor] = None) -> Tensor:
+        cos, sin = self.rotary_cos_sin(input_ids.shape[1], position_ids)
         h = self.embedding(input_ids)
         h = self.decoder(h, cos, sin, attention_mask)
         if self.output_layer is not None:

@@ -29,13 +29,18 @@ def output_init_std(config: TransformerConfig) -> float:
 
 class SelfAttention(nn.Module):
     """Fused QKV in Megatron's per-query-group layout: for each of the ``ng`` groups, the rows
-    ``[q (nh/ng * d) | k (d) | v (d)]``. Optional QKV bias (Qwen2.5) and QK-norm (Qwen3)."""
+    ``[q (nh/ng * d) | k (d) | v (d)]``. Optional QKV bias (Qwen2.5) and QK-norm (Qwen3).
+
+    The number of query groups is read from ``linear_qkv``'s output width at run time, so a
+    layer whose QKV rows were split over tensor parallel (whole groups per rank) runs unchanged:
+    only the heads per group and the head dim are fixed here."""
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
         c = config
-        self.nh, self.ng, self.d = c.num_attention_heads, c.num_query_groups, c.kv_channels
-        qkv_out = (self.nh + 2 * self.ng) * self.d
+        nh, ng = c.num_attention_heads, c.num_query_groups
+        self.heads_per_group, self.d = nh // ng, c.kv_channels
+        qkv_out = (nh + 2 * ng) * self.d
         self.linear_qkv = hot.Linear(c.hidden_size, qkv_out, bias=c.add_bias_linear or c.add_qkv_bias,
                                     init_std=c.init_method_std, dtype=c.params_dtype)
         if c.qk_layernorm:
@@ -43,14 +48,15 @@ class SelfAttention(nn.Module):
             self.k_layernorm = RMSNorm(self.d, c.layernorm_epsilon, c.params_dtype)
         else:
             self.q_layernorm = self.k_layernorm = None
-        self.linear_proj = hot.Linear(self.nh * self.d, c.hidden_size, bias=c.add_bias_linear,
+        self.linear_proj = hot.Linear(nh * self.d, c.hidden_size, bias=c.add_bias_linear,
                                      init_std=output_init_std(c), dtype=c.params_dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 attention_mask: Optional[Tensor] = None) -> Tensor:
-        ng, r, d = self.ng, self.nh // self.ng, self.d
+        r, d = self.heads_per_group, self.d
         qkv = self.linear_qkv(x)
         b, s = qkv.shape[0], qkv.shape[1]  # the full sequence, also under sequence parallel
+        ng = qkv.shape[-1] // ((r + 2) * d)
         qkv = qkv.reshape(b, s, ng, (r + 2) * d)
         q, k, v = F.split(qkv, [r * d, d, d], -1)
         q = q.reshape(b, s, ng * r, d)
@@ -59,7 +65,7 @@ class SelfAttention(nn.Module):
         q = hot.apply_rope(q.swapaxes(1, 2), cos, sin)      # [b, nh, s, d]
         k = hot.apply_rope(k.swapaxes(1, 2), cos, sin)      # [b, ng, s, d]
         out = hot.causal_attention(q, k, v.swapaxes(1, 2), attention_mask=attention_mask)
-        return self.linear_proj(out.swapaxes(1, 2).reshape(b, s, self.nh * d))
+        return self.linear_proj(out.swapaxes(1, 2).reshape(b, s, ng * r * d))
 
 
 class MLP(nn.Module):

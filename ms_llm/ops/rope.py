@@ -22,8 +22,10 @@ def rope_cos_sin(seq_len: int, dim: int, base: float, position_offset: int = 0):
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [..., s, d]; cos/sin: [s, d] (broadcast over leading dims)."""
-    path = path_for("rope")
+    """x: [..., s, d]; cos/sin: [s, d] (broadcast over leading dims), or per-sample tables
+    that broadcast against x (``[b, 1, s, d]``: packed documents), which take the composed form
+    because the fused kernels read one [s, d] table."""
+    path = path_for("rope") if cos.ndim == 2 else "composed"
     if path == "native" and x.ndim == 4:
         # Ascend fused kernel; mode 0 is rotate-half. No CPU kernel (RotaryPositionEmbedding).
         return ops.rotary_position_embedding(x, cos.reshape(1, 1, *cos.shape).astype(x.dtype),

@@ -12,13 +12,19 @@ layer an all-to-all token dispatcher (Megatron's ``MoEAlltoAllTokenDispatcher``)
 5. after the experts, the reverse: un-regroup, all-to-all back, unpermute + weighted combine.
 
 Gradients flow through both all-to-alls (``parallel.autograd.all_to_all``) and the row gathers.
-Expert parameters are marked ``expert_parallel`` (their gradients are reduced over the
-expert-data-parallel group, and the norm sums them over the ep group) and carry where they sit in
-the global tensor, so distributed checkpoints are layout independent.
+A kept expert parameter's ``Placement`` gains an ``("ep", dim)`` shard (so its gradient is reduced
+over the expert-data-parallel group and the norm sums it over the ep group) and, for per-expert
+modules, its global expert index, so distributed checkpoints are layout independent.
+
+Dispatchers are looked up by name in a registry (``register_dispatcher``); the built-in
+``megamoe`` entry is named by its import path and imported on first use, so this module does not
+import the dispatchers built on top of it.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import importlib
+from dataclasses import replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from mindspore import Parameter, Tensor
@@ -27,8 +33,7 @@ from ms_llm.compat import F, nn
 from ms_llm.models.moe import MoELayer, MoELocalTokenDispatcher, moe_layers
 from . import autograd as pa
 from . import comm
-
-DISPATCHERS = ("alltoall", "megamoe")
+from .placement import add_shard, set_placement
 
 
 def regroup_index(blocks: np.ndarray) -> np.ndarray:
@@ -96,7 +101,7 @@ class MoEAlltoAllTokenDispatcher(MoELocalTokenDispatcher):
 
 
 def _shard_experts(layer: MoELayer, rank: int, size: int) -> List[Parameter]:
-    """Keep experts ``[rank*L, (rank+1)*L)``; mark the kept parameters."""
+    """Keep experts ``[rank*L, (rank+1)*L)``; record the shard in the kept parameters."""
     experts, n = layer.experts, layer.config.num_moe_experts
     n_local = n // size
     first = rank * n_local
@@ -104,16 +109,14 @@ def _shard_experts(layer: MoELayer, rank: int, size: int) -> List[Parameter]:
         # weight1 [H, E*2F] and weight2 [E*F, H] are *viewed* [E, H, 2F] / [E, F, H]: expert e
         # is the e-th contiguous block of memory (for weight1 not a column slice).
         kept = []
-        for attr in ("weight1", "weight2"):
+        for attr, dim in (("weight1", 1), ("weight2", 0)):
             old = getattr(experts, attr)
             flat = old.asnumpy().reshape(n, -1)[first:first + n_local]
             local_shape = (old.shape[0], old.shape[1] // size) if attr == "weight1" else \
                 (old.shape[0] // size, old.shape[1])
             p = Parameter(Tensor(np.ascontiguousarray(flat).reshape(local_shape)).astype(
                 old.dtype), name=old.name, requires_grad=old.requires_grad)
-            if hasattr(old, "dcp_row_width"):
-                p.dcp_row_width = old.dcp_row_width
-            p.expert_shard = (rank, size)       # memory block ``rank`` of ``size``
+            set_placement(p, add_shard(old, old.shape, "ep", dim))
             setattr(experts, attr, p)
             kept.append(p)
         experts.num_local_experts = n_local
@@ -124,20 +127,45 @@ def _shard_experts(layer: MoELayer, rank: int, size: int) -> List[Parameter]:
         kept = []
         for j, expert in enumerate(local):
             for _, p in expert.parameters_and_names():
-                p.expert_index = (j, first + j)     # (local, global): checkpoint names
+                # Whole tensors: the ep shard says which experts this rank holds.
+                pl = add_shard(p, p.shape, "ep", None)
+                set_placement(p, replace(pl, global_index=pl.global_index
+                                         + (("local_experts", j, first + j),)))
                 kept.append(p)
-    for p in kept:
-        p.expert_parallel = True
     return kept
 
 
+DispatcherFactory = Callable[..., Optional[MoELocalTokenDispatcher]]
+_DISPATCHERS: Dict[str, Union[str, DispatcherFactory]] = {
+    "alltoall": lambda layer, group, **_: (MoEAlltoAllTokenDispatcher(
+        layer.config.num_moe_experts, layer.config.moe_router_topk, group)
+        if group.size > 1 else None),
+    "megamoe": "ms_llm.parallel.megamoe:make_dispatcher",
+}
+
+
+def register_dispatcher(name: str, factory: DispatcherFactory) -> None:
+    """``factory(layer, group, **options)`` returns the layer's dispatcher, or None to keep the
+    layer's local one."""
+    _DISPATCHERS[name] = factory
+
+
+def dispatcher_factory(name: str) -> DispatcherFactory:
+    if name not in _DISPATCHERS:
+        raise ValueError(f"moe.dispatcher must be one of {sorted(_DISPATCHERS)}, got {name!r}")
+    entry = _DISPATCHERS[name]
+    if isinstance(entry, str):
+        module, attr = entry.split(":")
+        entry = _DISPATCHERS[name] = getattr(importlib.import_module(module), attr)
+    return entry
+
+
 def apply_expert_parallel(model, group: comm.ProcessGroup, *, dispatcher: str = "alltoall",
-                          expert_groups: int = 2, token_chunks: int = 1,
-                          timeline=None) -> List[Parameter]:
-    """Shard every MoE layer's experts over ``group`` and install the token dispatcher.
+                          **options) -> List[Parameter]:
+    """Shard every MoE layer's experts over ``group`` and install the token dispatcher
+    (``options`` go to its factory, e.g. MegaMoE's ``expert_groups``, ``token_chunks``).
     Returns the expert parameters this rank keeps (empty when ``group`` has one rank)."""
-    if dispatcher not in DISPATCHERS:
-        raise ValueError(f"moe.dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+    factory = dispatcher_factory(dispatcher)
     kept: List[Parameter] = []
     for layer in moe_layers(model):
         c = layer.config
@@ -146,16 +174,7 @@ def apply_expert_parallel(model, group: comm.ProcessGroup, *, dispatcher: str = 
                              f"parallel.expert_model_parallel_size ({group.size})")
         if group.size > 1:
             kept += _shard_experts(layer, group.rank, group.size)
-        if dispatcher == "megamoe":
-            from .megamoe import MegaMoEDispatcher
-            if not getattr(layer.experts, "plain_linears", lambda: True)():
-                raise ValueError("moe.dispatcher megamoe runs the expert GEMMs itself and does "
-                                 "not support quantized (MXFP8) experts; use moe.dispatcher "
-                                 "alltoall or add '*.experts.*' to quant.ignored_modules")
-            layer.token_dispatcher = MegaMoEDispatcher(c.num_moe_experts, c.moe_router_topk,
-                                                       group, expert_groups, token_chunks,
-                                                       timeline=timeline)
-        elif group.size > 1:
-            layer.token_dispatcher = MoEAlltoAllTokenDispatcher(c.num_moe_experts,
-                                                                c.moe_router_topk, group)
+        made = factory(layer, group, **options)
+        if made is not None:
+            layer.token_dispatcher = made
     return kept

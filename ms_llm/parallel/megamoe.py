@@ -266,3 +266,16 @@ class MegaMoEDispatcher(MoEAlltoAllTokenDispatcher):
         out = _Pipeline.apply(permuted, plan, self.group, experts, self.timeline,
                               *experts.weight_params())
         return moe_ops.unpermute(out, restore, probs)
+
+
+def make_dispatcher(layer, group: comm.ProcessGroup, *, expert_groups: int = 2,
+                    token_chunks: int = 1, timeline: Optional[Timeline] = None
+                    ) -> MegaMoEDispatcher:
+    """The ``megamoe`` entry of ``expert_parallel``'s dispatcher registry."""
+    if not getattr(layer.experts, "plain_linears", lambda: True)():
+        raise ValueError("moe.dispatcher megamoe runs the expert GEMMs itself and does not "
+                         "support quantized (MXFP8) experts; use moe.dispatcher alltoall or add "
+                         "'*.experts.*' to quant.ignored_modules")
+    c = layer.config
+    return MegaMoEDispatcher(c.num_moe_experts, c.moe_router_topk, group, expert_groups,
+                             token_chunks, timeline=timeline)

@@ -1,85 +1,121 @@
-"""Apply tensor (+ sequence) parallelism to a GPTModel from outside (torchtitan's discipline).
+"""One place that parallelizes a model, in one order (the shape of torchtitan's
+``parallelize_llama``).
 
-Every rank builds the same full model (same seed), then ``parallelize`` swaps each linear and the
-embedding for its tensor-parallel version holding this rank's shard, so a tp run starts from
-exactly the single-process weights.
+Every rank builds the same full model (same seed); ``parallelize_model`` then applies, in order:
+
+1. layouts: tensors whose checkpoint layout is not plain say so (``[gate; up]`` halves, grouped
+   expert rows), so every later step and the checkpoint derive regions from one record;
+2. module conversions that must precede sharding (MXFP8 replacement: it reuses the Parameters);
+3. tensor (+ sequence) parallel; 4. expert parallel and the token dispatcher; 5. FSDP;
+6. gradient synchronisation: each trainable parameter's gradient is summed over the mesh dim its
+   ``Placement`` names (data parallel, expert-data parallel, or none after FSDP).
+
+A new capability (pipeline or context parallel, recompute, LoRA) is one more step here that adds
+mesh dims or global indices to the records; the trainer only calls this function.
 """
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass, field
+from typing import List
 
-from mindspore import Tensor
-
-from ms_llm import ops as hot
-from ms_llm.compat import float32
 from ms_llm.models.gpt import GPTModel
-from . import autograd as pa
+from ms_llm.models.layers import MLP
+from ms_llm.models.moe import SharedExpertMLP, moe_layers
+from ms_llm.quant import apply_quantization
+from .data_parallel import PartitionedGradSync
+from .expert_parallel import apply_expert_parallel
+from .fsdp import MixedPrecisionPolicy, apply_fsdp
+from .placement import grad_replica_dim, placement_of, update_placement
 from .state import ParallelState
-from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                              glu_rows, vocab_parallel_cross_entropy)
+from .tensor_parallel import apply_tensor_parallel
 
 
-def validate_tp(config, tp: int) -> None:
-    checks = (("model.num_attention_heads", config.num_attention_heads),
-              ("model.num_query_groups", config.num_query_groups),
-              ("model.ffn_hidden_size", config.ffn_hidden_size),
-              ("model.padded_vocab_size", config.padded_vocab_size))
-    for key, value in checks:
-        if value % tp:
-            raise ValueError(f"{key} ({value}) is not divisible by "
-                             f"parallel.tensor_model_parallel_size ({tp})")
+@dataclass
+class ParallelizedModel:
+    """What the trainer needs after parallelization: the model, its trainable parameters in a
+    fixed order, their gradient synchronisation, and whether the step may be compiled."""
+    model: GPTModel
+    params: list
+    grad_sync: PartitionedGradSync
+    fsdp: bool
+    jit: bool
+    notes: List[str] = field(default_factory=list)   # one line each, printed by rank 0
 
 
-def _tp_logits(h: Tensor, weight: Tensor, group, sequence_parallel: bool) -> Tensor:
-    if sequence_parallel:
-        h = pa.gather_from_sequence_parallel(h, group, 1)
-    else:
-        h = pa.copy_to_group(h, group)
-    return hot.linear(h, weight).astype(float32)
+def describe_layouts(model: GPTModel) -> None:
+    """Record the non-plain storage layouts of a model's tensors (idempotent)."""
+    for name, cell in model.cells_and_names():
+        if isinstance(cell, MLP) and not isinstance(cell, SharedExpertMLP) \
+                and cell.config.gated_linear_unit:
+            for p in (cell.linear_fc1.weight, cell.linear_fc1.bias):
+                if p is not None:
+                    update_placement(p, layout="glu_halves")
+    for layer in moe_layers(model):
+        experts = layer.experts
+        if hasattr(experts, "weight1"):      # grouped: weight1 [H, E*2F] stored as rows of 2F
+            update_placement(experts.weight1, layout="row_blocks",
+                             row_width=2 * layer.config.moe_ffn_hidden_size)
 
 
-def _mark_partial(module) -> None:
-    for _, p in module.parameters_and_names():
-        p.tp_partial_grad = True
+def _jit_blockers(cfg, pstate: ParallelState) -> List[str]:
+    """Layouts whose collectives or routing run only in PyNative (custom backward functions,
+    host-side token counts)."""
+    p = cfg.parallel
+    out = []
+    if pstate.sizes.tp > 1:
+        out.append("tensor parallel")
+    if p.fsdp_size > 1:
+        out.append("FSDP")
+    if cfg.model.mlp_type == "moe":
+        out.append("MoE routing")
+    return out
 
 
-def parallelize(model: GPTModel, state: ParallelState, sequence_parallel: bool = False
-                ) -> GPTModel:
-    group = state.group("tp")
-    tp = group.size
-    if tp == 1:
-        if sequence_parallel:
-            raise ValueError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
-        return model
-    c = model.config
-    validate_tp(c, tp)
-    sp = sequence_parallel
-    emb = VocabParallelEmbedding(model.embedding.word_embeddings, group, sequence_parallel=sp)
-    model.embedding.word_embeddings = emb
-    for layer in model.decoder.layers:
-        attn = layer.self_attention
-        attn.linear_qkv = ColumnParallelLinear(attn.linear_qkv, group, sequence_parallel=sp)
-        attn.linear_proj = RowParallelLinear(attn.linear_proj, group, sequence_parallel=sp)
-        attn.nh, attn.ng = attn.nh // tp, attn.ng // tp
-        if attn.q_layernorm is not None:  # each rank sees only its heads
-            _mark_partial(attn.q_layernorm)
-            _mark_partial(attn.k_layernorm)
-        mlp = layer.mlp
-        rows = glu_rows(mlp.linear_fc1.out_features, group.rank, tp) \
-            if c.gated_linear_unit else None
-        mlp.linear_fc1 = ColumnParallelLinear(mlp.linear_fc1, group, sequence_parallel=sp,
-                                              rows=rows)
-        mlp.linear_fc2 = RowParallelLinear(mlp.linear_fc2, group, sequence_parallel=sp)
-        if sp:
-            _mark_partial(layer.input_layernorm)
-            _mark_partial(layer.pre_mlp_layernorm)
-    if sp:
-        _mark_partial(model.decoder.final_layernorm)
-    if model.output_layer is not None:
-        model.output_layer = ColumnParallelLinear(model.output_layer, group, sequence_parallel=sp)
-    model.compute_logits = functools.partial(_tp_logits, group=group, sequence_parallel=sp)
-    model.finalize_logits = functools.partial(pa.gather_from_group, group=group, dim=-1)
-    model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group,
-                                      vocab_start=emb.vocab_start)
-    model.sequence_parallel_group = group if sp else None
-    return model
+def build_grad_sync(params: list, pstate: ParallelState, cfg, overlap: bool
+                    ) -> PartitionedGradSync:
+    """Partition the parameters by the mesh dim their gradients are summed over."""
+    parts = []
+    for dim in (None, "dp", "edp"):
+        idx = [i for i, q in enumerate(params) if grad_replica_dim(placement_of(q)) == dim]
+        group = pstate.group(dim or "dp")
+        parts.append((idx, [params[i] for i in idx], group, dim is not None))
+    return PartitionedGradSync(parts, bucket_mb=cfg.parallel.ddp_bucket_mb, overlap=overlap)
+
+
+def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> ParallelizedModel:
+    """Apply every configured parallelism to ``model`` in place. Raises ``ValueError`` with a
+    one-line message naming the config key when a layout does not fit the model."""
+    p, notes = cfg.parallel, []
+    describe_layouts(model)
+    if cfg.quant.recipe:
+        names = apply_quantization(model, cfg.quant)
+        notes.append(f"quant {cfg.quant.recipe} ({cfg.quant.scale_mode}) replaced "
+                     f"{len(names)} modules: {', '.join(names)}")
+    apply_tensor_parallel(model, pstate.group("tp"), sequence_parallel=p.sequence_parallel)
+    expert_params = []
+    if cfg.model.mlp_type == "moe":
+        expert_params = apply_expert_parallel(
+            model, pstate.group("ep"), dispatcher=cfg.moe.dispatcher,
+            expert_groups=cfg.moe.expert_groups, token_chunks=cfg.moe.token_chunks)
+    fsdp = p.fsdp_size > 1
+    if fsdp:
+        dp = pstate.group("dp")
+        if p.fsdp_size != dp.size:
+            raise ValueError(f"parallel.fsdp_size ({p.fsdp_size}) must equal the data-parallel "
+                             f"size ({dp.size} = workers / tensor parallel); hybrid sharding is "
+                             f"not supported")
+        apply_fsdp(model, dp, modules=p.fsdp_modules,
+                   reshard_after_forward=p.reshard_after_forward, prefetch=p.fsdp_prefetch,
+                   ignored_params=expert_params,
+                   mp_policy=MixedPrecisionPolicy(param_dtype=p.fsdp_param_dtype,
+                                                  reduce_dtype=p.fsdp_reduce_dtype))
+    jit = cfg.training.jit
+    blockers = _jit_blockers(cfg, pstate)
+    if jit and blockers:
+        jit = False
+        notes.append(f"training.jit ignored: {', '.join(blockers)} run(s) only in PyNative "
+                     f"(custom-backward collectives), so this run trains in PyNative")
+    model.set_train(True)
+    params = [q for _, q in model.named_parameters() if q.requires_grad]
+    grad_sync = build_grad_sync(params, pstate, cfg, overlap=p.ddp_overlap and not jit)
+    return ParallelizedModel(model, params, grad_sync, fsdp, jit, notes)

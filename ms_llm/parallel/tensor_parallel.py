@@ -2,13 +2,17 @@
 shard of its parameters (so a tp run starts from exactly the single-process weights).
 
 Activations are ``[b, s, h]``; with sequence parallel the residual stream is split along ``s``.
-Parameters that are sharded carry ``tensor_model_parallel = True`` (the gradient norm sums their
-squares over the tp group); replicated parameters whose gradient is only partial on each rank
-(norm weights under sequence parallel, QK-norm weights under tp) carry ``tp_partial_grad = True``
-and get their gradients all-reduced over the tp group.
+Each sharded parameter's ``Placement`` gains a ``("tp", dim)`` shard; replicated parameters whose
+gradient is only partial on each rank (norm weights under sequence parallel, QK-norm weights under
+tp, the row-parallel bias under sp) are marked partial over ``tp``. Gradient reduction, the norm
+and checkpoints read nothing else.
+
+``apply_tensor_parallel`` swaps a ``GPTModel``'s linears and embedding for these layers from
+outside; the model reads its head counts from the sharded weights' shapes.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -17,8 +21,8 @@ from mindspore import Parameter, Tensor
 from ms_llm.compat import F, float32, int32, nn
 from ms_llm import ops as hot
 from ms_llm.ops import IGNORE_INDEX
-from ms_llm.quant.modules import apply_mx_matmul, mx_matmul_like
 from . import autograd as pa
+from .placement import add_partial, add_shard, placement_of, set_placement
 
 
 def _shard_param(full: Parameter, dim: int, rank: int, size: int,
@@ -29,12 +33,21 @@ def _shard_param(full: Parameter, dim: int, rank: int, size: int,
     else:
         n = data.shape[dim] // size
         part = np.take(data, np.arange(rank * n, (rank + 1) * n), axis=dim)
+    if rows is not None and placement_of(full).layout != "glu_halves":
+        raise ValueError("tensor parallel: a [gate; up] split needs a glu_halves placement")
     p = Parameter(Tensor(np.ascontiguousarray(part)).astype(full.dtype),
                   requires_grad=full.requires_grad)
-    p.tensor_model_parallel = True
-    p.tp_dim = dim                      # which dim is split over tp (checkpoint regions)
-    p.tp_glu = rows is not None         # rows are [gate_r; up_r] of a fused [gate; up] weight
+    set_placement(p, add_shard(full, full.shape, "tp", dim))
     return p
+
+
+def _local_matmul(full: nn.Module, in_features: int, out_features: int, has_bias: bool):
+    """The kernel the shard runs, as the module being sharded describes it."""
+    make = getattr(full, "local_matmul", None)
+    if make is None:
+        raise ValueError(f"tensor parallel: {type(full).__name__} does not describe its "
+                         f"shard's matmul (no local_matmul)")
+    return make(in_features, out_features, has_bias)
 
 
 def glu_rows(out_features: int, rank: int, size: int) -> np.ndarray:
@@ -61,17 +74,16 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = full.in_features, full.out_features // size
         self.weight = _shard_param(full.weight, 0, rank, size, rows)
         self.bias = None if full.bias is None else _shard_param(full.bias, 0, rank, size, rows)
-        # An MXFP8-quantized source keeps its recipe on the shard (quantization runs first).
-        self.mx = mx_matmul_like(full, self.in_features, self.out_features,
-                                 self.bias is not None, "ColumnParallelLinear")
+        # A quantized source keeps its recipe on the shard (quantization runs first).
+        self.matmul = _local_matmul(full, self.in_features, self.out_features,
+                                    self.bias is not None)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sequence_parallel:
             x = pa.gather_from_sequence_parallel(x, self.group, 1)
         else:
             x = pa.copy_to_group(x, self.group)
-        y = apply_mx_matmul(self.mx, x, self.weight, self.bias) if self.mx is not None \
-            else hot.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
         return pa.gather_from_group(y, self.group, -1) if self.gather_output else y
 
 
@@ -90,13 +102,11 @@ class RowParallelLinear(nn.Module):
         self.weight = _shard_param(full.weight, 1, rank, size)
         self.bias = full.bias
         if self.bias is not None and sequence_parallel:
-            self.bias.tp_partial_grad = True
-        self.mx = mx_matmul_like(full, self.in_features, self.out_features, False,
-                                 "RowParallelLinear")
+            add_partial(self.bias, "tp")
+        self.matmul = _local_matmul(full, self.in_features, self.out_features, False)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = apply_mx_matmul(self.mx, x, self.weight) if self.mx is not None \
-            else hot.linear(x, self.weight)
+        y = self.matmul(x, self.weight)
         if self.sequence_parallel:
             y = pa.reduce_scatter_to_sequence_parallel(y, self.group, 1)
         else:
@@ -154,3 +164,66 @@ def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, group, vocab_st
     target = pa.reduce_from_group(F.where(inside, picked, F.zeros_like(picked)), group)
     loss = sumexp.log() - target
     return F.where(valid, loss, F.zeros_like(loss))
+
+
+# --------------------------------------------------------------------------- applying it
+def validate_tp(config, tp: int) -> None:
+    checks = (("model.num_attention_heads", config.num_attention_heads),
+              ("model.num_query_groups", config.num_query_groups),
+              ("model.ffn_hidden_size", config.ffn_hidden_size),
+              ("model.padded_vocab_size", config.padded_vocab_size))
+    for key, value in checks:
+        if value % tp:
+            raise ValueError(f"{key} ({value}) is not divisible by "
+                             f"parallel.tensor_model_parallel_size ({tp})")
+
+
+def _tp_logits(h: Tensor, weight: Tensor, group, sequence_parallel: bool) -> Tensor:
+    if sequence_parallel:
+        h = pa.gather_from_sequence_parallel(h, group, 1)
+    else:
+        h = pa.copy_to_group(h, group)
+    return hot.linear(h, weight).astype(float32)
+
+
+def _mark_partial(module) -> None:
+    for _, p in module.parameters_and_names():
+        add_partial(p, "tp")
+
+
+def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None:
+    """Shard a ``GPTModel`` over ``group`` (Megatron's column/row split of every layer, the
+    vocabulary-parallel embedding, head and loss), in place."""
+    tp, sp = group.size, sequence_parallel
+    if tp == 1:
+        if sp:
+            raise ValueError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
+        return
+    c = model.config
+    validate_tp(c, tp)
+    emb = VocabParallelEmbedding(model.embedding.word_embeddings, group, sequence_parallel=sp)
+    model.embedding.word_embeddings = emb
+    for layer in model.decoder.layers:
+        attn = layer.self_attention
+        attn.linear_qkv = ColumnParallelLinear(attn.linear_qkv, group, sequence_parallel=sp)
+        attn.linear_proj = RowParallelLinear(attn.linear_proj, group, sequence_parallel=sp)
+        if attn.q_layernorm is not None:  # each rank sees only its heads
+            _mark_partial(attn.q_layernorm)
+            _mark_partial(attn.k_layernorm)
+        mlp = layer.mlp
+        rows = glu_rows(mlp.linear_fc1.out_features, group.rank, tp) \
+            if c.gated_linear_unit else None
+        mlp.linear_fc1 = ColumnParallelLinear(mlp.linear_fc1, group, sequence_parallel=sp,
+                                              rows=rows)
+        mlp.linear_fc2 = RowParallelLinear(mlp.linear_fc2, group, sequence_parallel=sp)
+        if sp:
+            _mark_partial(layer.input_layernorm)
+            _mark_partial(layer.pre_mlp_layernorm)
+    if sp:
+        _mark_partial(model.decoder.final_layernorm)
+    if model.output_layer is not None:
+        model.output_layer = ColumnParallelLinear(model.output_layer, group, sequence_parallel=sp)
+    model.compute_logits = functools.partial(_tp_logits, group=group, sequence_parallel=sp)
+    model.finalize_logits = functools.partial(pa.gather_from_group, group=group, dim=-1)
+    model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group,
+                                      vocab_start=emb.vocab_start)

@@ -4,13 +4,13 @@ Reusing the Parameters (not copying them) keeps optimizer state, checkpoints, ti
 state-dict keys unchanged: replacing ``decoder.layers.0.mlp.linear_fc1`` by an ``MXFP8Linear``
 leaves ``decoder.layers.0.mlp.linear_fc1.weight`` the same object under the same key.
 
-Tensor-parallel variants: ``ms_llm.parallel`` has no Column/RowParallelLinear yet (issue 4). They
-will subclass ``MXFP8Linear`` overriding only ``_local_linear``'s surroundings (the collectives
-around the local GEMM), and register themselves with ``ms_llm.quant.apply.register_replacement``
-so ``apply_quantization`` picks them up; the local GEMM is the same ``mx_linear``.
+Tensor parallel: quantization runs before sharding, and ``ColumnParallelLinear`` /
+``RowParallelLinear`` ask the module they shard for its ``local_matmul``; ``MXFP8Linear`` answers
+with its MXFP8 recipe, so the shard runs the same ``mx_linear`` on its rows or columns.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 from mindspore import Parameter, Tensor, mint
@@ -58,6 +58,15 @@ class MXFP8Linear(nn.Module):
             else self.mx_fn(x2, self.weight)
         return y.reshape(*lead, self.out_features)
 
+    def local_matmul(self, in_features: int, out_features: int, has_bias: bool):
+        """The MXFP8 ``(x, weight, bias=None) -> y`` for a tensor-parallel shard
+        ``[out_features, in_features]`` of this layer (quantization runs before sharding, so the
+        shard keeps the recipe); the local dims must stay multiples of 32."""
+        _check_dims(type(self).__name__ + " shard", in_features=in_features,
+                    out_features=out_features)
+        return functools.partial(apply_mx_matmul,
+                                 make_function(self.elem_dtype, self.scale_mode, has_bias))
+
     def extend_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
                f"bias={self.bias is not None}, {self.elem_dtype}, scale_mode={self.scale_mode}"
@@ -68,9 +77,9 @@ class MXFP8GroupedLinear(nn.Module):
     takes tokens sorted by expert and ``tokens_per_expert`` (Python ints: static shapes).
 
     Each expert's slice goes through ``mx_linear``'s recipe on its own tokens (blocks never span
-    two experts, as in CANN's grouped MX quantization). The source module contract (for the MoE
-    layer of issue 7): a ``weight`` Parameter of shape ``[E, out, in]``, optional ``bias``
-    ``[E, out]``, and ``forward(x, tokens_per_expert)``.
+    two experts, as in CANN's grouped MX quantization). The source module contract (a grouped
+    expert linear of an MoE layer): a ``weight`` Parameter of shape ``[E, out, in]``, optional
+    ``bias`` ``[E, out]``, and ``forward(x, tokens_per_expert)``.
     """
 
     def __init__(self, weight: Parameter, bias: Optional[Parameter] = None, *,
@@ -112,17 +121,6 @@ class MXFP8GroupedLinear(nn.Module):
         if not outs:
             return mint.zeros((0, self.out_features), dtype=x.dtype)
         return mint.cat(outs, 0)
-
-
-def mx_matmul_like(module: nn.Cell, local_in: int, local_out: int, has_bias: bool,
-                   name: str = ""):
-    """For a tensor-parallel layer built from ``module``: the MXFP8 matmul cell to use on its
-    local shard ([local_out, local_in]) if ``module`` was replaced by quantization (which runs
-    before sharding), else None. The local dims must stay multiples of 32 (clear error)."""
-    if not isinstance(module, MXFP8Linear):
-        return None
-    _check_dims(name or type(module).__name__, in_features=local_in, out_features=local_out)
-    return make_function(module.elem_dtype, module.scale_mode, has_bias)
 
 
 def apply_mx_matmul(fn, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:

@@ -8,6 +8,7 @@ import numpy as np
 from mindspore import Tensor, mint
 
 from ms_llm.compat import F
+from ms_llm.parallel.placement import norm_dims, placement_of
 
 
 def accumulate(acc: Optional[List[Tensor]], grads: Sequence[Tensor]) -> List[Tensor]:
@@ -36,12 +37,10 @@ def host_sum_of_squares(grads: Sequence[Tensor]) -> float:
     return total
 
 
-def global_norm(grads: Sequence[Tensor], params: Sequence = None, tp_group=None,
-                dp_group=None, ep_group=None) -> float:
-    """L2 norm of the full (unsharded) gradient. A parameter sharded over tensor parallel
-    (``tensor_model_parallel``), FSDP (``fsdp_sharded``, over the dp group) and/or expert
-    parallel (``expert_parallel``, over the ep group) contributes its squares summed over those
-    groups; replicated parameters count once."""
+def global_norm(grads: Sequence[Tensor], params: Sequence = None, groups=None) -> float:
+    """L2 norm of the full (unsharded) gradient. Each gradient's squares are summed over the
+    mesh dims its parameter is sharded over (its ``Placement``: tp, FSDP's dp, ep); replicated
+    parameters count once. ``groups(dim)`` returns the process group of a mesh dim."""
     if not grads:
         return 0.0
     if params is None:
@@ -49,35 +48,30 @@ def global_norm(grads: Sequence[Tensor], params: Sequence = None, tp_group=None,
     from ms_llm.parallel import comm
     buckets = {}
     for g, p in zip(grads, params):
-        key = (bool(getattr(p, "tensor_model_parallel", False)) and tp_group is not None,
-               bool(getattr(p, "fsdp_sharded", False)) and dp_group is not None,
-               bool(getattr(p, "expert_parallel", False)) and ep_group is not None)
-        buckets.setdefault(key, []).append(g)
+        buckets.setdefault(norm_dims(placement_of(p)), []).append(g)
     total = 0.0
-    for (over_tp, over_dp, over_ep), gs in sorted(buckets.items()):
+    for dims, gs in sorted(buckets.items()):
         sq = Tensor(np.array([host_sum_of_squares(gs)], np.float32))
-        if over_tp:
-            comm.all_reduce(sq, group=tp_group)
-        if over_dp:
-            comm.all_reduce(sq, group=dp_group)
-        if over_ep:
-            comm.all_reduce(sq, group=ep_group)
+        for dim in dims:
+            group = groups(dim)
+            if group.size > 1:
+                comm.all_reduce(sq, group=group)
         total += float(sq.asnumpy()[0])
     return math.sqrt(total)
 
 
-def reduce_partial_tp_grads(params: Sequence, grads: List[Tensor], tp_group) -> List[Tensor]:
-    """Sum over the tp group the gradients of replicated parameters that each rank sees only in
-    part (norm weights under sequence parallel, QK-norm weights under tensor parallel)."""
-    if tp_group is None or tp_group.size == 1:
-        return grads
+def reduce_partial_grads(params: Sequence, grads: List[Tensor], groups) -> List[Tensor]:
+    """Sum the gradients that each rank holds only in part (``Placement.partial``: norm weights
+    under sequence parallel, QK-norm weights under tensor parallel) over those mesh dims."""
     from ms_llm.parallel import comm
     out = list(grads)
     for i, p in enumerate(params):
-        if getattr(p, "tp_partial_grad", False):
-            g = F.clone(out[i])
-            comm.all_reduce(g, group=tp_group)
-            out[i] = g
+        for dim in placement_of(p).partial:
+            group = groups(dim)
+            if group.size > 1:
+                g = F.clone(out[i])
+                comm.all_reduce(g, group=group)
+                out[i] = g
     return out
 
 

@@ -20,11 +20,7 @@ from ms_llm.models import GPTModel, from_pretrained
 from ms_llm.models.moe import update_expert_bias
 from ms_llm.ops._dispatch import resolve_paths
 from ms_llm.parallel import comm
-from ms_llm.quant import apply_quantization
-from ms_llm.parallel.data_parallel import PartitionedGradSync
-from ms_llm.parallel.expert_parallel import apply_expert_parallel
-from ms_llm.parallel.fsdp import MixedPrecisionPolicy, apply_fsdp
-from ms_llm.parallel.parallelize import parallelize
+from ms_llm.parallel.parallelize import parallelize_model
 from ms_llm.parallel.runtime import DistInfo, init_distributed
 from ms_llm.parallel.state import initialize_model_parallel
 from . import grad as gradlib
@@ -59,11 +55,6 @@ class Trainer:
         except ValueError as e:
             raise ConfigError(f"launch with {self.dist.world_size} worker(s): {e}") from None
         self.tp_group, self.dp_group = self.pstate.group("tp"), self.pstate.group("dp")
-        if self.tp_group.size > 1 and t.jit:
-            raise ConfigError("training.jit=true cannot be combined with "
-                              "parallel.tensor_model_parallel_size > 1 (tensor-parallel "
-                              "collectives use PyNative custom backward); set "
-                              "--training.jit false")
         mb_total = t.micro_batch_size * self.dp_group.size
         if t.global_batch_size % mb_total:
             raise ConfigError(f"training.global_batch_size ({t.global_batch_size}) must be a "
@@ -75,65 +66,28 @@ class Trainer:
         cfg.model = self.data.model_config
         self.model = build_model(cfg)
         self.moe = cfg.model.mlp_type == "moe"
-        if cfg.quant.recipe:   # replace modules before any sharding sees them
-            try:
-                names = apply_quantization(self.model, cfg.quant)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-            if self.dist.rank == 0:
-                print(f"ms-llm: quant {cfg.quant.recipe} ({cfg.quant.scale_mode}) replaced "
-                      f"{len(names)} modules: {', '.join(names)}", flush=True)
         try:
-            parallelize(self.model, self.pstate, sequence_parallel=p.sequence_parallel)
+            par = parallelize_model(self.model, cfg, self.pstate)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        expert_params = []
-        if self.moe:    # experts split over the ep group; the all-to-all / MegaMoE dispatcher
-            try:
-                expert_params = apply_expert_parallel(
-                    self.model, self.pstate.group("ep"), dispatcher=cfg.moe.dispatcher,
-                    expert_groups=cfg.moe.expert_groups, token_chunks=cfg.moe.token_chunks)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        self.fsdp = p.fsdp_size > 1
-        if self.fsdp:
-            if p.fsdp_size != self.dp_group.size:
-                raise ConfigError(f"parallel.fsdp_size ({p.fsdp_size}) must equal the data-"
-                                  f"parallel size ({self.dp_group.size} = workers / tensor "
-                                  f"parallel); hybrid sharding is not supported")
-            try:
-                apply_fsdp(self.model, self.dp_group, modules=p.fsdp_modules,
-                           reshard_after_forward=p.reshard_after_forward,
-                           prefetch=p.fsdp_prefetch, ignored_params=expert_params,
-                           mp_policy=MixedPrecisionPolicy(param_dtype=p.fsdp_param_dtype,
-                                                          reduce_dtype=p.fsdp_reduce_dtype))
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        self.model.set_train(True)
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
-        # Dense gradients are summed over data parallel (under FSDP the gathers' backward
-        # already reduce-scatters them); expert gradients over expert-data parallel.
-        is_expert = [getattr(q, "expert_parallel", False) for q in self.params]
-        parts = [([i for i, e in enumerate(is_expert) if e == want],
-                  [q for q, e in zip(self.params, is_expert) if e == want], group, on)
-                 for want, group, on in ((False, self.dp_group, not self.fsdp),
-                                         (True, self.pstate.group("edp"), True))]
-        self.grad_sync = PartitionedGradSync(parts, bucket_mb=p.ddp_bucket_mb,
-                                             overlap=p.ddp_overlap and not t.jit)
+        for note in par.notes:
+            self._say(note)
+        self.fsdp, self.params, self.grad_sync = par.fsdp, par.params, par.grad_sync
+        named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
         self.optimizer = AdamW(named, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                weight_decay=t.weight_decay)
         self.grad_fn = ms.value_and_grad(self._loss, grad_position=None, weights=self.params)
         resolve_paths()  # pick every op's kernel now, outside any graph capture
-        self.fwd_bwd = self._fwd_bwd_jit() if t.jit else None
+        self.fwd_bwd = self._fwd_bwd_jit() if par.jit else None
         self.step = 0
         self._maybe_resume()
 
     # The loss of one micro-batch, pre-divided by the global batch's loss-token count so summed
     # micro-batch gradients equal the gradient of the global per-token mean.
     def _loss(self, tokens: Tensor, labels: Tensor, loss_mask: Tensor, inv_tokens: Tensor,
-              attention_mask: Optional[Tensor] = None):
-        per_token = self.model(tokens, labels=labels, attention_mask=attention_mask)
+              attention_mask: Optional[Tensor] = None, position_ids: Optional[Tensor] = None):
+        per_token = self.model(tokens, labels=labels, attention_mask=attention_mask,
+                               position_ids=position_ids)
         loss = (per_token * loss_mask).sum() * inv_tokens
         aux = self.model.aux_loss() if self.moe else None
         if aux is not None:
@@ -147,8 +101,10 @@ class Trainer:
         global norm inside the graph saves a per-tensor PyNative dispatch for each gradient)."""
         grad_fn = self.grad_fn
 
-        def fwd_bwd(tokens, labels, loss_mask, inv_tokens, attention_mask=None):
-            loss, grads = grad_fn(tokens, labels, loss_mask, inv_tokens, attention_mask)
+        def fwd_bwd(tokens, labels, loss_mask, inv_tokens, attention_mask=None,
+                    position_ids=None):
+            loss, grads = grad_fn(tokens, labels, loss_mask, inv_tokens, attention_mask,
+                                  position_ids)
             return loss, grads, gradlib.sum_of_squares(grads)
         return ms.jit(fwd_bwd)
 
@@ -195,8 +151,11 @@ class Trainer:
         total_loss, grads, sumsq = None, None, None
         for i, b in enumerate(batches):
             args = (Tensor(b["tokens"]), Tensor(b["labels"]), Tensor(b["loss_mask"]), inv)
-            if "attention_mask" in b:   # packed documents (data.reset_attention_mask)
-                args += (Tensor(b["attention_mask"]),)
+            # Packed documents: masks (data.reset_attention_mask) and restarting positions
+            # (data.reset_position_ids); plain position_ids are 0..s-1, the model's default.
+            args += (Tensor(b["attention_mask"]) if "attention_mask" in b else None,
+                     Tensor(b["position_ids"]) if self.cfg.data.reset_position_ids
+                     and "position_ids" in b else None)
             self.grad_sync.begin_micro_batch(is_last=i == len(batches) - 1)
             if self.fsdp:   # reduce-scatter only on the last micro-batch of the step
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
@@ -208,14 +167,13 @@ class Trainer:
             if not self.grad_sync.overlap:
                 grads = gradlib.accumulate(grads, g)
         grads = self.grad_sync.finish() if self.grad_sync.overlap else self.grad_sync.reduce(grads)
-        grads = gradlib.reduce_partial_tp_grads(self.params, grads, self.tp_group)
+        grads = gradlib.reduce_partial_grads(self.params, grads, self.pstate.group)
         comm.all_reduce(total_loss, group=self.dp_group)
         total_loss = float(total_loss.asnumpy())
         if len(batches) == 1 and sumsq is not None and self.dist.world_size == 1:
             norm = math.sqrt(float(sumsq.asnumpy()))
         else:
-            norm = gradlib.global_norm(grads, self.params, self.tp_group, self.dp_group,
-                                       self.pstate.group("ep"))
+            norm = gradlib.global_norm(grads, self.params, self.pstate.group)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step += 1
         lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,

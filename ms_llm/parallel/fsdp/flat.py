@@ -18,7 +18,7 @@ from mindspore import Tensor, mint
 
 from ms_llm.compat import F
 
-from .sharding import RowShard
+from ..placement import RowShard
 
 
 class FlatLayout:

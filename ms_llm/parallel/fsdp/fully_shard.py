@@ -33,11 +33,12 @@ from typing import Iterable, List, Optional, Sequence
 from mindspore import Parameter, Tensor, mint
 
 from ms_llm.compat import F, float32, to_ms_dtype
+from ms_llm.compat._private import free_storage, refill_storage
 from ms_llm.compat.autograd import Function
 from ms_llm.compat.nn import shadow_parameter, unshadow_parameter
 from .. import comm
+from ..placement import RowShard, add_shard, placement_of, set_placement
 from .flat import FlatLayout
-from .sharding import RowShard
 
 
 # Seconds this process spent blocked in FSDP's collectives (read by benchmarks/fsdp_memory.py to
@@ -70,12 +71,8 @@ class _FSDPParam:
         local = data[self.shard.start:self.shard.start + self.shard.length]
         self.param = Parameter(Tensor(local.copy()).astype(param.dtype), name=param.name,
                                requires_grad=param.requires_grad)
-        for flag in ("tensor_model_parallel", "tp_partial_grad", "tp_dim", "tp_glu",
-                     "dcp_row_width", "expert_parallel", "expert_index", "expert_shard"):
-            if hasattr(param, flag):
-                setattr(self.param, flag, getattr(param, flag))
-        self.param.fsdp_sharded = True
-        self.param.fsdp_rows = (self.shard.start, self.shard.length, self.full_shape[0])
+        # The shard's rows follow from the record (the chunk rule over the dp group).
+        set_placement(self.param, add_shard(param, self.full_shape, "dp", 0))
         setattr(owner, attr, self.param)     # replaces the registered Parameter, same name
         self.pending_grad: Optional[Tensor] = None   # full-size grads while sync is off
 
@@ -174,7 +171,7 @@ class _FSDPState:
             self.keep_gathered |= isinstance(owner, MoELayer)
             for attr, p in list(owner.parameters_and_names(expand=False)):
                 attr = attr.rsplit(".", 1)[-1]
-                if id(p) in ignored or getattr(p, "fsdp_sharded", False) or not p.requires_grad:
+                if id(p) in ignored or placement_of(p).sharded_over("dp") or not p.requires_grad:
                     continue
                 self.fparams.append(_FSDPParam(owner, attr, p, group))
         dtypes = {fp.param.dtype for fp in self.fparams}
@@ -219,17 +216,14 @@ class _FSDPState:
 
     def free_fulls(self) -> None:
         for t in self.fulls:
-            t.untyped_storage().resize_(0)
+            free_storage(t)
         self.freed = True
 
     def refill_for_backward(self) -> None:
         if not self.freed:
             return
         for t, new in zip(self.fulls, self.gathered()):
-            src = new.untyped_storage()
-            dst = t.untyped_storage()
-            dst.resize_(src.nbytes())
-            dst.copy_(src)
+            refill_storage(t, new)
         self.freed = False
 
     def prefetch_for_backward(self) -> None:
