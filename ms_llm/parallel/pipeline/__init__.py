@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as per-rank action lists (``schedules``) and their executor."""

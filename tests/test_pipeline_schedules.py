@@ -1,0 +1,245 @@
+"""Pipeline schedules as data: Megatron's 1F1B and interleaved orders, checked by simulation.
+
+Every schedule is replayed in lockstep rounds (``plan_rounds``): a rank runs its next action once
+its inputs exist. The simulation must finish (no deadlock), keep each rank's order, produce and
+consume every activation/gradient exactly once, and give the bubble the closed forms derived
+below. Pure Python; no MindSpore."""
+import itertools
+
+import pytest
+
+from ms_llm.parallel.pipeline.schedules import (
+    Action,
+    Round,
+    bubble_fraction,
+    build_schedule,
+    describe_rounds,
+    format_schedule,
+    interleaved_1f1b,
+    one_f_one_b,
+    plan_rounds,
+    stage_of,
+    transfers_after,
+    virtual_stage,
+)
+
+PLAIN = [(pp, m) for pp in range(1, 5) for m in range(1, 9)]
+INTERLEAVED = [(pp, m, vpp) for pp in range(1, 5) for m in range(pp, 9) for vpp in (2, 3)]
+ALL = [(pp, m, 1) for pp, m in PLAIN] + INTERLEAVED
+
+
+def _ids(cases):
+    return ["-".join(f"{k}{v}" for k, v in zip(("pp", "m", "vpp"), c)) for c in cases]
+
+
+def test_action_str_and_stage_mapping():
+    assert str(Action("F", 3, 1)) == "F3.1" and str(Action("B", 0)) == "B0.0"
+    for pp, vpp in itertools.product(range(1, 5), range(1, 4)):
+        stages = [virtual_stage(r, c, pp) for c in range(vpp) for r in range(pp)]
+        assert stages == list(range(pp * vpp))  # Megatron: chunk-major, rank-minor
+        assert all(stage_of(virtual_stage(r, c, pp), pp) == (r, c)
+                   for r in range(pp) for c in range(vpp))
+
+
+@pytest.mark.parametrize("pp,m,vpp", ALL, ids=_ids(ALL))
+def test_schedule_simulates_without_deadlock(pp, m, vpp):
+    schedule = build_schedule(pp, m, vpp)
+    rounds = plan_rounds(schedule, pp, vpp)
+    for rank, actions in enumerate(schedule):
+        assert sum(a.kind == "F" for a in actions) == m * vpp
+        assert sum(a.kind == "B" for a in actions) == m * vpp
+        # rounds never reorder a rank's actions, they only insert idle slots
+        assert [row[rank] for row in rounds if row[rank] is not None] == actions
+
+
+@pytest.mark.parametrize("pp,m", PLAIN, ids=_ids(PLAIN))
+def test_1f1b_phases_match_megatron(pp, m):
+    for rank in range(pp):
+        acts = one_f_one_b(pp, rank, m)
+        warmup = min(pp - rank - 1, m)
+        kinds = "".join(a.kind for a in acts)
+        assert kinds == "F" * warmup + "FB" * (m - warmup) + "B" * warmup
+        assert [a.microbatch for a in acts if a.kind == "F"] == list(range(m))
+        assert [a.microbatch for a in acts if a.kind == "B"] == list(range(m))
+
+
+@pytest.mark.parametrize("pp,m", PLAIN, ids=_ids(PLAIN))
+def test_1f1b_in_flight_bound(pp, m):
+    """1F1B's reason to exist: rank r holds at most pp - r microbatches' activations (GPipe: m)."""
+    for rank in range(pp):
+        live = peak = 0
+        for a in one_f_one_b(pp, rank, m):
+            live += 1 if a.kind == "F" else -1
+            peak = max(peak, live)
+        assert peak == min(pp - rank, m)
+
+
+@pytest.mark.parametrize("pp,m,vpp", INTERLEAVED, ids=_ids(INTERLEAVED))
+def test_interleaved_warmup_and_chunk_order(pp, m, vpp):
+    total = m * vpp
+    for rank in range(pp):
+        acts = interleaved_1f1b(pp, rank, m, vpp)
+        leading_f = next((i for i, a in enumerate(acts) if a.kind == "B"), len(acts))
+        if m % pp == 0:  # Megatron's warmup, plus the first steady-state forward
+            warmup = total if m == pp else min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+            assert leading_f == min(warmup + 1, total)
+        # each microbatch goes up the chunks forward and down them backward
+        for mb in range(m):
+            assert [a.chunk for a in acts if a.kind == "F" and a.microbatch == mb] == list(range(vpp))
+            assert [a.chunk for a in acts if a.kind == "B" and a.microbatch == mb] == \
+                list(reversed(range(vpp)))
+
+
+def test_interleaved_groups_of_pp():
+    acts = interleaved_1f1b(2, 1, 4, 2)
+    fwd = [str(a) for a in acts if a.kind == "F"]
+    assert fwd == ["F0.0", "F1.0", "F0.1", "F1.1", "F2.0", "F3.0", "F2.1", "F3.1"]
+
+
+@pytest.mark.parametrize("pp,m", [(2, 1), (3, 2), (4, 3)])
+def test_interleaved_needs_pp_microbatches(pp, m):
+    with pytest.raises(ValueError) as err:
+        build_schedule(pp, m, vpp=2)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "parallel.pipeline_model_parallel_size" in msg and "training.global_batch_size" in msg
+
+
+@pytest.mark.parametrize("pp,m", PLAIN, ids=_ids(PLAIN))
+def test_1f1b_bubble_closed_forms(pp, m):
+    """Unit costs: a round is one time unit and data produced in a round is usable in the next, so
+    the lockstep replay is the ideal zero-latency pipeline: microbatch 0 needs pp rounds to reach
+    the last stage and pp - 1 more for its gradient to return, while each rank does 2m actions,
+    giving 2(m + pp - 1) rounds and the textbook bubble (pp-1)/(m+pp-1), exactly.
+
+    F=1, B=2: a round lasts as long as its slowest action. For pp >= 2 the first pp rounds hold
+    forwards only (the last stage starts B0 in round pp); from then on every round holds a backward
+    (the last two ranks alternate B in the steady state, then B[m-1] walks down one rank per round),
+    so span = pp * 1 + (2(m + pp - 1) - pp) * 2 = 4m + 3pp - 4 while each rank is busy 3m:
+    bubble = 1 - 3m / (4m + 3pp - 4). This exceeds Megatron's (pp-1)/(m+pp-1) because rounds act
+    as barriers (a rank doing F beside a rank doing B idles for the difference). For pp = 1 the
+    rounds alternate F and B alone, so there is no idle time."""
+    rounds = plan_rounds(build_schedule(pp, m), pp)
+    assert len(rounds) == 2 * (m + pp - 1)
+    assert bubble_fraction(rounds) == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
+    expected = 0.0 if pp == 1 else 1 - 3 * m / (4 * m + 3 * pp - 4)
+    assert bubble_fraction(rounds, {"F": 1, "B": 2}) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("pp,m,vpp", [c for c in INTERLEAVED if c[1] % c[0] == 0],
+                         ids=_ids([c for c in INTERLEAVED if c[1] % c[0] == 0]))
+def test_interleaved_bubble_closed_form(pp, m, vpp):
+    """With unit cost per chunk action the fill and drain still take 2(pp - 1) rounds but the
+    work is 2 m vpp rounds, so the bubble is Megatron's (pp-1)/(m vpp + pp-1)."""
+    rounds = plan_rounds(build_schedule(pp, m, vpp), pp, vpp)
+    assert bubble_fraction(rounds) == pytest.approx((pp - 1) / (m * vpp + pp - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("pp,m", [(pp, m) for pp in range(2, 5) for m in range(2 * pp, 9)])
+@pytest.mark.parametrize("cost", [None, {"F": 1, "B": 2}])
+def test_interleaved_bubble_smaller_than_1f1b(pp, m, cost):
+    plain = bubble_fraction(plan_rounds(build_schedule(pp, m), pp), cost)
+    for vpp in (2, 3):
+        inter = bubble_fraction(plan_rounds(build_schedule(pp, m, vpp), pp, vpp), cost)
+        assert inter < plain
+
+
+@pytest.mark.parametrize("pp,m,vpp", ALL, ids=_ids(ALL))
+def test_transfers_feed_exactly_the_consumers(pp, m, vpp):
+    nvs = pp * vpp
+    rounds = plan_rounds(build_schedule(pp, m, vpp), pp, vpp)
+    sent: dict[tuple[int, str, int, int], int] = {}  # (dst, kind, mb, dst_chunk) -> round
+    for i, row in enumerate(rounds):
+        for rank, a in enumerate(row):  # every input is already here when the action runs
+            if a is None:
+                continue
+            vs = virtual_stage(rank, a.chunk, pp)
+            if a.kind == "F" and vs > 0:
+                assert sent[(rank, "act", a.microbatch, a.chunk)] < i
+            if a.kind == "B" and vs < nvs - 1:
+                assert sent[(rank, "grad", a.microbatch, a.chunk)] < i
+        for src, dst, kind, mb, chunk in transfers_after(row, pp, vpp, nvs):
+            key = (dst, kind, mb, chunk)
+            assert key not in sent
+            src_vs = virtual_stage(src, row[src].chunk, pp)
+            assert virtual_stage(dst, chunk, pp) == src_vs + (1 if kind == "act" else -1)
+            sent[key] = i
+    assert len(sent) == 2 * m * (nvs - 1)  # one act and one grad per stage boundary
+
+
+def _blocking_p2p_completes(transfers) -> bool:
+    """Each rank walks its part of the shared list; a send and a receive finish only together."""
+    queues: dict[int, list] = {}
+    for t in transfers:
+        src, dst = t[0], t[1]
+        if src != dst:  # self-transfers are local hand-overs
+            queues.setdefault(src, []).append(("send", t))
+            queues.setdefault(dst, []).append(("recv", t))
+    while any(queues.values()):
+        progressed = False
+        for q in queues.values():
+            if q and q[0][0] == "send":
+                peer = queues[q[0][1][1]]
+                if peer and peer[0] == ("recv", q[0][1]):
+                    q.pop(0), peer.pop(0)
+                    progressed = True
+        if not progressed:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("pp,m,vpp", [(4, 8, 1), (4, 8, 2), (3, 7, 3), (2, 5, 2)])
+def test_round_exchange_is_deadlock_free_with_blocking_p2p(pp, m, vpp):
+    rounds = describe_rounds(plan_rounds(build_schedule(pp, m, vpp), pp, vpp), pp, vpp)
+    assert all(isinstance(r, Round) for r in rounds)
+    assert [r.index for r in rounds] == list(range(len(rounds)))
+    assert all(_blocking_p2p_completes(r.transfers) for r in rounds)
+
+
+def test_single_rank_with_chunks_hands_over_locally():
+    rounds = plan_rounds(build_schedule(1, 2, 2), 1, 2)
+    transfers = [t for row in rounds for t in transfers_after(row, 1, 2, 2)]
+    assert (0, 0, "act", 0, 1) in transfers and (0, 0, "grad", 0, 0) in transfers
+
+
+def test_cyclic_schedule_reports_deadlock():
+    # rank 0 wants B0 before it runs F1; rank 1 runs microbatch 1 first, so B0 waits on F1
+    schedule = [[Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+                [Action("F", 1), Action("B", 1), Action("F", 0), Action("B", 0)]]
+    with pytest.raises(ValueError, match=r"deadlocks at round 1: rank 0 B0.0 waits for B0.0 on "
+                                         r"rank 1; rank 1 F1.0 waits for F1.0 on rank 0"):
+        plan_rounds(schedule, 2)
+
+
+def test_backward_before_forward_is_rejected():
+    schedule = [one_f_one_b(2, 0, 2), [Action("B", 0), Action("F", 0), Action("F", 1),
+                                       Action("B", 1)]]
+    with pytest.raises(ValueError, match="rank 1: B0.0 comes before its forward"):
+        plan_rounds(schedule, 2)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ([[Action("F", 0), Action("B", 0)], [Action("F", 0)]], "rank 1 is missing B0.0"),
+    ([[Action("F", 0), Action("B", 0), Action("B", 0)], [Action("F", 0), Action("B", 0)]],
+     "repeated action B0.0"),
+    ([[Action("F", 0, 1), Action("B", 0, 1)], [Action("F", 0), Action("B", 0)]],
+     "unexpected or repeated action F0.1"),
+    ([[Action("F", 0), Action("B", 0)]], "has 1 ranks, expected pp=2"),
+])
+def test_malformed_schedules_are_rejected(bad, match):
+    with pytest.raises(ValueError, match=match):
+        plan_rounds(bad, 2)
+
+
+def test_bad_cost_is_rejected():
+    with pytest.raises(ValueError, match="positive 'F' and 'B'"):
+        plan_rounds(build_schedule(2, 2), 2, cost={"F": 1})
+
+
+def test_format_schedule():
+    schedule = build_schedule(2, 2)
+    assert format_schedule(schedule).splitlines() == ["rank 0: F0.0 F1.0 B0.0 B1.0",
+                                                      "rank 1: F0.0 B0.0 F1.0 B1.0"]
+    table = format_schedule(schedule, plan_rounds(schedule, 2)).splitlines()
+    assert table == ["rank 0: F0.0 F1.0    . B0.0    . B1.0",
+                     "rank 1:    . F0.0 B0.0 F1.0 B1.0    ."]
