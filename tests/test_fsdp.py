@@ -1,6 +1,6 @@
 """fully_shard with non-uniform sharding under real msrun matches the single-process run.
 
-Sizes follow the issue (vocab 257, hidden 96, ffn 200, 3 layers): 257 rows are uneven on 2, 3
+Sizes are awkward on purpose (vocab 257, hidden 96, ffn 200, 3 layers): 257 rows are uneven on 2, 3
 and 4 ranks, the 24-row QK-norm-free qkv bias-less weights and 1-D norm weights of 96 are even,
 and the fsdp=3 run also keeps the gathered weights (reshard_after_forward=false). Tolerance: rtol
 1e-5 (fp32; reduce-scatter and the split gradient norm sum in another order).
@@ -225,6 +225,7 @@ def test_reshard_frees_storage_and_gradients_match_unsharded():
     import mindspore as ms
     from mindspore import Tensor
     from ms_llm.compat import manual_seed
+    from ms_llm.compat._private import storage_nbytes
     from ms_llm.models import GPTModel, TransformerConfig
     from ms_llm.parallel import comm
     from ms_llm.parallel.fsdp import fully_shard
@@ -270,7 +271,7 @@ def test_reshard_frees_storage_and_gradients_match_unsharded():
         u.set_modules_to_backward_prefetch(units[max(0, i - 1):i])
 
     def probe_fn():   # after forward, before backward: bytes still held by the full weights
-        return [sum(t.untyped_storage().nbytes() for t in u._fsdp_state.fulls) for u in layers]
+        return [sum(storage_nbytes(t) for t in u._fsdp_state.fulls) for u in layers]
     probe = []
     for n_micro in (1, 2, 1):
         got = grads(model, n_micro, probe)

@@ -3,9 +3,8 @@
 Model code imports ``from ms_llm.compat import nn, F`` (and dtypes) instead of ``mindspore.mint``,
 so it reads like PyTorch and never special-cases the device. Each function routes to
 ``mindspore.mint`` where MindSpore 2.10 registers the kernel for the active device and dtype, and
-to ``mindspore.ops`` or a composed form where it does not (probed in
-``shared/notes/mindspore-cpu.md``; each fallback is tested against NumPy in
-``tests/test_compat.py``).
+to ``mindspore.ops`` or a composed form where it does not (each route was probed on MindSpore
+2.10, and each fallback is tested against NumPy in ``tests/test_compat.py``).
 
 =====================  ==================================  =====================================
 torch name             CPU (MindSpore 2.10)                why (CPU failure of the mint route)
@@ -30,12 +29,14 @@ torch name             CPU (MindSpore 2.10)                why (CPU failure of t
 ``one_hot``            ``ops.one_hot``                     OneHotExt unregistered
 ``matmul``/``linear``  ``mint`` in fp32, cast back         no bf16 matmul kernel
 ``softmax``/``exp``/…  ``mint`` in fp32, cast back         no bf16 compute kernels at all
-``no_grad``            ``mindspore._no_grad``              (torch name; private in MindSpore)
+``no_grad``            ``mindspore._no_grad``              no public equivalent (``_private``)
 random init            NumPy, then ``Tensor``              normal_/uniform_ kernels unregistered
 =====================  ==================================  =====================================
 
 On Ascend every row takes the ``mint`` route. Fused hot kernels (RMSNorm, SwiGLU, RoPE, attention,
-cross entropy) live in ``ms_llm.ops``, which builds on this module.
+cross entropy) live in ``ms_llm.ops``, which builds on this module. Every private MindSpore API
+used anywhere in ms_llm is reached through ``_private`` (one function each, tested in
+``tests/test_private_api.py``).
 """
 from mindspore import Parameter, Tensor
 

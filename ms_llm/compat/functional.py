@@ -12,6 +12,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, mint, ops
 
+from . import _private
 from .device import is_cpu
 from .dtypes import bfloat16, float32, to_ms_dtype
 
@@ -287,8 +288,7 @@ def stop_gradient(x: Tensor) -> Tensor:
 @contextlib.contextmanager
 def no_grad():
     """torch.no_grad: nothing computed inside contributes gradients."""
-    # mindspore._no_grad is the (private) PyNative equivalent in 2.x.
-    with ms._no_grad():  # pylint: disable=protected-access
+    with _private.no_grad():   # MindSpore has no public equivalent
         yield
 
 

@@ -12,6 +12,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
 from . import functional as F
+from ._private import shadow_attribute, unshadow_attribute
 from .dtypes import float32, to_ms_dtype
 
 _RNG = {"gen": np.random.default_rng(0)}
@@ -135,11 +136,12 @@ def shadow_parameter(module: nn.Cell, name: str, value) -> None:
     registered Parameter (e.g. this rank's shard) stays what optimizers and state dicts see.
 
     torch's FSDP2 swaps a module's parameter for its unsharded tensor with ``setattr``; MindSpore's
-    ``Cell.__setattr__`` refuses a plain Tensor under a registered Parameter name, and Cell keeps
-    parameters outside the instance dict, so an instance-dict entry shadows the Parameter for
-    attribute reads until ``unshadow_parameter`` removes it."""
-    module.__dict__[name] = value
+    ``Cell.__setattr__`` refuses a plain Tensor under a registered Parameter name, so the value
+    shadows the Parameter instead (``_private.shadow_attribute``: it relies on how Cell stores
+    Parameters) until ``unshadow_parameter`` removes it."""
+    shadow_attribute(module, name, value)
 
 
 def unshadow_parameter(module: nn.Cell, name: str) -> None:
-    module.__dict__.pop(name, None)
+    """Undo ``shadow_parameter``: ``module.<name>`` reads as the registered Parameter again."""
+    unshadow_attribute(module, name)

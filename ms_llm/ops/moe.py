@@ -27,6 +27,7 @@ import numpy as np
 from mindspore import Tensor, mint, ops
 
 from ms_llm.compat import F, int32, is_ascend, is_cpu
+from ms_llm.compat._private import grouped_matmul_kernel
 from .linear import bmm, linear
 
 Weights = Union[Tensor, Sequence[Tensor]]
@@ -154,7 +155,7 @@ def _gmm_native(x: Tensor, weight: Weights, sizes: List[int], transpose_b: bool)
     if not is_ascend():
         raise RuntimeError("grouped_matmul impl 'native' needs an Ascend device (the CPU backend "
                            "has no GroupedMatmul kernel); use 'loop' or 'padded_bmm'")
-    from mindspore.ops.function.math_func import gmm  # Ascend-only kernel behind it
+    gmm = grouped_matmul_kernel()   # Ascend-only kernel behind it
     w = _stacked(weight)
     if transpose_b:
         w = w.swapaxes(1, 2)

@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Sequence
 from mindspore import nn as ms_nn
 
 from ms_llm.compat import nn
+from ms_llm.compat._private import child_cell
 from ms_llm.models.moe import GroupedMLP
 from ms_llm.ops.linear import Linear as OpsLinear
 from .modules import MXFP8GroupedMLP, MXFP8Linear
@@ -50,7 +51,7 @@ def _set_child(root: ms_nn.Cell, name: str, new: ms_nn.Cell) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = root
     for part in parent_name.split(".") if parent_name else []:
-        parent = parent._cells[part]  # Cell children, CellList entries ("0", "1", ...) included
+        parent = child_cell(parent, part)  # CellList entries ("0", "1", ...) included
     parent.insert_child_to_cell(child, new)
 
 
