@@ -64,17 +64,8 @@ def run_job(tmp_path, nproc, specs):
     return run_worker_job("fsdp_train.py", tmp_path, nproc, specs)
 
 
-def assert_matches(run, ref, name):
-    assert len(run["loss"]) == 5, name
-    np.testing.assert_allclose(run["loss"], ref["loss"], rtol=RTOL, err_msg=name)
-    np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"], rtol=RTOL, err_msg=name)
-
-
-# Order matters: the fsdp=3 job saves the checkpoint the fsdp=2 job resumes from.
-@pytest.mark.msrun
-@pytest.mark.parametrize("nproc", [3, 2, 4])
-def test_fsdp_matches_single_process(tmp_path, reference, reference6, reference_mx,
-                                     reference_v258, ckpt_dir, nproc):
+def job_specs(nproc: int, ckpt_dir: str) -> list:
+    """The runs of the ``nproc``-worker msrun job (``name:override,override...``)."""
     mbs = 12 // nproc   # global batch 12 = micro-batch x ranks (same samples as the reference)
     common = f"--parallel.fsdp_size={nproc},--training.micro_batch_size={mbs}"
     specs = [f"fsdp{nproc}:{common}"]
@@ -94,7 +85,33 @@ def test_fsdp_matches_single_process(tmp_path, reference, reference6, reference_
     if nproc == 4:   # tensor parallel 2 x FSDP 2: global batch 12 = 6 x 2 data-parallel ranks
         specs.append("tp2_fsdp2:--parallel.tensor_model_parallel_size=2,--parallel.fsdp_size=2,"
                      "--training.micro_batch_size=6," + "=".join(V258))
-    res = run_job(tmp_path, nproc, specs)
+    return specs
+
+
+@pytest.fixture(scope="module")
+def fsdp3_job(tmp_path_factory, ckpt_dir):
+    """The fsdp=3 job's results. It also writes the checkpoint (save3, in ``ckpt_dir``) the
+    fsdp=2 job resumes from, so both tests ask for this fixture: each test runs alone, in any
+    order, and the 3-worker job still runs once per session."""
+    return run_job(tmp_path_factory.mktemp("fsdp3_job"), 3, job_specs(3, ckpt_dir))
+
+
+def assert_matches(run, ref, name):
+    assert len(run["loss"]) == 5, name
+    np.testing.assert_allclose(run["loss"], ref["loss"], rtol=RTOL, err_msg=name)
+    np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"], rtol=RTOL, err_msg=name)
+
+
+@pytest.mark.msrun
+@pytest.mark.parametrize("nproc", [3, 2, 4])
+def test_fsdp_matches_single_process(request, tmp_path, reference, reference6, reference_mx,
+                                     reference_v258, ckpt_dir, nproc):
+    if nproc == 3:
+        res = dict(request.getfixturevalue("fsdp3_job"))
+    else:
+        if nproc == 2:   # resume2 needs the checkpoint the fsdp=3 job saves
+            request.getfixturevalue("fsdp3_job")
+        res = run_job(tmp_path, nproc, job_specs(nproc, ckpt_dir))
     if nproc == 2:
         check_unit_reduce(str(tmp_path / "result.json"))
         check_bf16_reduce(res.pop("bf16_reduce"), res["fsdp2"])
