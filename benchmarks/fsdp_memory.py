@@ -1,4 +1,4 @@
-"""FSDP memory and speed on the foundation issue's ~50M Llama-style model (msrun, CPU).
+"""FSDP memory and speed on a ~50M-parameter Llama-style model (msrun, CPU).
 
 For fsdp = 1 (one process), 2, 3, 4, plain dp = 2 and fsdp = 2 with reshard_after_forward false
 ("fsdp=2:keep") it reports, from rank 0 of each job: per-rank bytes of parameters + gradients +

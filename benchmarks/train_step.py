@@ -1,6 +1,6 @@
 """Training-step throughput of a ~50M-parameter Llama-style model: ms_llm vs plain MindSpore.
 
-Model (issue 2): hidden 512, 8 layers, 8 heads / 2 KV heads, FFN 1408, vocab 32000, seq 512,
+Model: hidden 512, 8 layers, 8 heads / 2 KV heads, FFN 1408, vocab 32000, seq 512,
 batch 4, fp32, AdamW. Each variant runs in a fresh subprocess (MindSpore's CPU memory pool never
 shrinks, so peak RSS is only meaningful per process) and reports the median step time after
 warm-up. Variants:

@@ -4,8 +4,8 @@ Each reference below is an independent NumPy computation (float64 unless stated)
 back into MindSpore. Tolerances are stated where they are set:
 
 * fp32 compute against a float64 reference: ~1e-6 relative for one rounding chain, loosened to
-  1e-5 where CPU transcendentals are involved (MindSpore's CPU ``exp`` has ~5e-6 relative error,
-  notes section 10).
+  1e-5 where CPU transcendentals are involved (MindSpore 2.10's CPU ``exp`` has ~5e-6 relative
+  error, measured against float64).
 * bf16 outputs: the shims compute in fp32 and round once to bf16 (8 significant bits), so
   ``|got - ref| <= 2**-8 * |ref|`` (round-to-nearest unit roundoff) plus the fp32 compute error.
 """
@@ -412,7 +412,7 @@ def test_softmax_exp_bf16():
     a = bf16_round(rng(10).standard_normal((3, 11)) * 3)
     a64 = a.astype(np.float64)
     e = np.exp(a64 - a64.max(-1, keepdims=True))
-    # fp32 exp has ~5e-6 relative error on CPU (notes s.10); softmax values are <= 1.
+    # fp32 exp has ~5e-6 relative error on CPU (MindSpore 2.10); softmax values are <= 1.
     assert_bf16_close(F.softmax(to_bf16(a), -1), e / e.sum(-1, keepdims=True), atol=1e-5)
     assert_bf16_close(F.softmax(to_bf16(a), 0),
                       np.exp(a64) / np.exp(a64).sum(0, keepdims=True), atol=1e-5)

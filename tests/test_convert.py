@@ -1,7 +1,7 @@
 """HF <-> Megatron conversion of the dense families (``ms-llm convert``), torch-free.
 
 The expected Megatron tensors are stated here independently of the converter, by slicing the
-HF tensors the way Megatron-Core's local spec lays them out (reference facts, section 2):
+HF tensors the way Megatron-Core's local spec lays them out:
 ``linear_qkv`` rank t = for each of its KV groups g: ``q rows of g | k rows of g | v rows of g``;
 ``linear_fc1`` rank t = ``[gate chunk t; up chunk t]``; ``linear_proj``/``linear_fc2`` column
 chunk t; embedding/output row chunk t of the zero-padded vocab; norms replicated;

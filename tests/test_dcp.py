@@ -6,7 +6,7 @@ Ranks are simulated in one process: ``write_rank_files`` for rank 0..W-1 then ``
 itself on W threads with a real ``threading.Barrier``.
 
 The reference for every piece is written here, independently of the code under test: FSDP
-rows follow the ``torch.chunk`` rule stated in the reference facts (C = ceil(D0/W), rank r holds
+rows follow torch FSDP2's ``torch.chunk`` rule on dim 0 (C = ceil(D0/W), rank r holds
 ``[r*C, min((r+1)*C, D0))``, possibly empty), tensor-parallel blocks are ``np.split``. Loaded
 regions are compared with ``np.array_equal`` (exact): a checkpoint only moves bytes, so any
 difference is a bug, not rounding.
@@ -30,7 +30,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _full_tensors():
-    """Awkward sizes of the issue: vocab 257, hidden 96, ffn 200; 7 / 5 / 2 rows (empty
+    """Awkward sizes: vocab 257 (prime), hidden 96, ffn 200; 7 / 5 / 2 rows (empty
     shards at 4 ranks for 5 and 2 rows), a bf16 tensor, an int64 tensor, a 0-d scalar."""
     f = lambda *s: RNG.standard_normal(s).astype(np.float32)  # noqa: E731
     return {
@@ -356,7 +356,7 @@ def _logits(model, ids):
 
 
 EXPORT_CASES = {
-    # the issue's awkward sizes; GQA 4 heads / 2 groups, head dim 24, untied (Llama)
+    # awkward sizes (vocab 257 is prime); GQA 4 heads / 2 groups, head dim 24, untied (Llama)
     "llama": dict(num_layers=3, hidden_size=96, ffn_hidden_size=200, num_attention_heads=4,
                   num_query_groups=2, padded_vocab_size=257,
                   untie_embeddings_and_output_weights=True, max_position_embeddings=64),

@@ -7,7 +7,7 @@ random upstream weighting ``G``; the NumPy references carry hand-written backwar
 are themselves checked against float64 finite differences (test_reference_backward_vs_fd).
 
 Tolerances: all ops compute in fp32. Against a float64 reference that is ~1e-6 relative per
-rounding chain; MindSpore's CPU ``exp`` has ~5e-6 relative error (notes section 10), so anything
+rounding chain; MindSpore 2.10's CPU ``exp`` has ~5e-6 relative error (measured), so anything
 through exp/softmax/rsqrt gets rtol 1e-5 plus an absolute floor of 1e-5 x max|ref| for entries
 that are near zero by cancellation (``assert_close`` below). Low-precision outputs add the
 output rounding: unit roundoff u = 2^-8 (bf16) or 2^-11 (fp16) relative.

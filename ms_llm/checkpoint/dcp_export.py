@@ -326,7 +326,7 @@ def export_megatron(path: str, out_dir: str, *, hf_config: Optional[dict] = None
                     make_vocab_size_divisible_by: Optional[int] = None,
                     prefix: str = "") -> str:
     """Write the model weights as a Megatron legacy torch folder (``iter_0000001/mp_rank_*``,
-    the conversion issue's layout) at tensor-parallel ``tp``, pipeline ``pp`` and expert
+    what ``ms-llm convert`` writes) at tensor-parallel ``tp``, pipeline ``pp`` and expert
     parallel ``ep``. ``moe_grouped_gemm`` picks the expert layout (``weight1``/``weight2`` vs
     ``local_experts``); by default the checkpoint's own."""
     reader, spec, hf_cfg, mt, out = _prepare(path, out_dir, hf_config, config, model_type_hf)

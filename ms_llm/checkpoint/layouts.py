@@ -7,7 +7,7 @@ and fuse QKV / gate-up; ``shard_layer`` / ``merge_layer`` apply and undo tensor 
 parallelism (and the ``--moe-grouped-gemm`` layout). Working one layer at a time is what keeps
 conversion memory at the size of a layer, not of the model.
 
-Layout rules (see shared reference facts, section 2):
+Layout rules (Megatron-Core's local spec and its legacy checkpoint loader):
 
 * ``linear_qkv``: per KV group ``[q(nh/ng*d) k(d) v(d)]``; tp rank r holds groups
   ``[r*ng/tp, (r+1)*ng/tp)`` (a contiguous dim-0 chunk).

@@ -2,7 +2,8 @@
 
 Each pair is the other's backward: copy <-> all-reduce, all-gather <-> reduce-scatter,
 all-to-all <-> its reverse. MindSpore's own autograd through collectives is unreliable on CPU
-(wrong gradients through ``all_gather`` and in-place ``all_reduce``, see the notes), so every
+(MindSpore 2.10 computes wrong gradients through list ``all_gather`` and in-place ``all_reduce``,
+and raises through the ``AllGather``/``ReduceScatter``/``AlltoAll`` primitives), so every
 backward here is explicit. PyNative only (``compat.autograd.Function``).
 """
 from __future__ import annotations

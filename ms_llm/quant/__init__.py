@@ -1,4 +1,4 @@
-"""Low-precision training: OCP MX formats and MXFP8 module replacement (issue 6).
+"""Low-precision training: OCP MX formats and MXFP8 module replacement.
 
 ``to_mx``/``MXTensor`` (``mx``), the differentiable ``mx_linear`` (``mx_linear``), the MXFP8
 modules (``modules``), ``apply_quantization`` for the run config's ``quant:`` section (``apply``)

@@ -1,7 +1,7 @@
 """OCP Microscaling (MX) v1.0 formats, emulated bit-exactly with MindSpore fp32 ops.
 
 MindSpore's CPU backend can neither create nor cast fp8 tensors and has no E8M0 type, so element
-codes and scales are kept as uint8 and values are computed in fp32 (notes section 9).
+codes and scales are kept as uint8 and values are computed in fp32 (bit-exact against ml_dtypes).
 
 Quantization of one block of 32 values ``V`` (along ``axis``):
 

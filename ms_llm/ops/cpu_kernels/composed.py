@@ -1,6 +1,7 @@
 """Composed MindSpore forms of the fused kernels: the fallback when the AOT kernels are unavailable,
 and the baseline in ``benchmarks/ops.py``. All of them run on CPU in PyNative and under ``ms.jit``
-(only CPU-registered ops are used, see docs/notes on MindSpore CPU coverage), and compute in fp32.
+(they use only ops that MindSpore 2.10 registers on CPU; many ``mint`` kernels it does not), and
+compute in fp32.
 """
 
 from __future__ import annotations
