@@ -2,8 +2,6 @@
 import os
 import sys
 
-os.environ.setdefault("MS_LLM_TEST", "1")
-
 # tests/ helpers (hf_reference, hf_fixtures) import as plain modules.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
