@@ -69,6 +69,9 @@ class TrainingConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int = 1   # model chunks per pipeline rank (interleaved)
+    num_layer_list: List[int] = field(default_factory=list)  # layers per stage, e.g. 3,5
+    noop_layers: List[int] = field(default_factory=list)     # global indices passed through
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     fsdp_size: int = 1
@@ -202,7 +205,7 @@ RULES: Dict[str, Rule] = {
     "data.dataset_type": _one_of("pretrain", "sft"),
     **{f"parallel.{k}": _ge(1) for k in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-        "expert_model_parallel_size", "fsdp_size")},
+        "expert_model_parallel_size", "fsdp_size", "virtual_pipeline_model_parallel_size")},
     "parallel.ddp_bucket_mb": _POSITIVE,
     "parallel.collective_timeout_s": _POSITIVE,
     "parallel.fsdp_prefetch": _NON_NEGATIVE,
@@ -438,16 +441,12 @@ def _check_schedule(cfg: RunConfig) -> None:
 
 
 def _check_parallel(cfg: RunConfig) -> None:
-    t, p = cfg.training, cfg.parallel
-    for key in ("pipeline_model_parallel_size", "context_parallel_size"):
-        if getattr(p, key) != 1:
-            _fail(cfg, (f"parallel.{key}",),
-                  f"parallel.{key}={getattr(p, key)} is not available yet (data, tensor, "
-                  f"expert and fully-sharded data parallel are)")
-    if p.fsdp_size > 1 and t.jit:
-        _fail(cfg, ("parallel.fsdp_size", "training.jit"),
-              "parallel.fsdp_size > 1 needs training.jit false (FSDP gathers use PyNative "
-              "custom backward)")
+    p = cfg.parallel
+    if p.context_parallel_size != 1:
+        _fail(cfg, ("parallel.context_parallel_size",),
+              f"parallel.context_parallel_size={p.context_parallel_size} is not available yet "
+              f"(data, tensor, pipeline, expert and fully-sharded data parallel are)")
+    _check_pipeline(cfg)
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         _fail(cfg, ("parallel.sequence_parallel",),
               "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1")
@@ -470,10 +469,25 @@ def _check_moe(cfg: RunConfig) -> None:
         _fail(cfg, ("parallel.tensor_model_parallel_size", "model.mlp_type"),
               "model.mlp_type moe with parallel.tensor_model_parallel_size > 1 is not "
               "supported (expert tensor parallel is not built); use expert and data parallel")
-    if cfg.training.jit:
-        _fail(cfg, ("training.jit", "model.mlp_type"),
-              "model.mlp_type 'moe' needs training.jit false (expert block sizes depend on "
-              "the routing)")
+
+
+def _check_pipeline(cfg: RunConfig) -> None:
+    """Megatron's and MindSpeed's stage rules, checked before any process starts."""
+    from ms_llm.parallel.pipeline.stages import check_noop_layers, layer_ranges
+    p, n = cfg.parallel, cfg.model.num_layers
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    keys = ("parallel.pipeline_model_parallel_size", "parallel.virtual_pipeline_model_parallel_size",
+            "parallel.num_layer_list", "parallel.noop_layers", "model.num_layers")
+    if vpp > 1 and pp == 1:
+        _fail(cfg, keys[1:2], "parallel.virtual_pipeline_model_parallel_size > 1 needs "
+                              "parallel.pipeline_model_parallel_size > 1")
+    if p.num_layer_list and pp == 1:
+        _fail(cfg, keys[2:3], "parallel.num_layer_list needs pipeline_model_parallel_size > 1")
+    try:
+        layer_ranges(n, pp, vpp, p.num_layer_list or None)
+        check_noop_layers(p.noop_layers, n)
+    except ValueError as e:
+        _fail(cfg, keys, str(e))
 
 
 def _check_misc(cfg: RunConfig) -> None:

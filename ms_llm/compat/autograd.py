@@ -10,4 +10,27 @@ from ._private import autograd_function_base
 
 Function = autograd_function_base()
 
-__all__ = ["Function"]
+class DeferredVJP:
+    """``out = fn(x)`` now, ``(dx, dweights) = backward(dy)`` later, with other forwards and
+    backwards in between and the backwards in first-in first-out order (a pipeline's 1F1B).
+
+    MindSpore 2.10 PyNative keeps the backward graphs of pending ``mindspore.vjp`` calls as a
+    stack: only the most recent one may run first ("Can not find top cell for backward" for any
+    other; ``tests/test_private_api.py`` shows it). Until that changes, ``backward`` runs the
+    forward again under ``vjp`` and its backward at once, so only the input is kept in between
+    (the forward costs twice; dropout must draw the same mask, which a zero rate does).
+    """
+
+    def __init__(self, fn, x, weights):
+        self.fn, self.x, self.weights = fn, x, list(weights)
+        self.output = fn(x)
+
+    def backward(self, dy):
+        import mindspore as ms
+        _, vjp = ms.vjp(self.fn, self.x, weights=self.weights)
+        grads_in, grads_w = vjp(dy)
+        self.fn = self.x = None
+        return grads_in, grads_w
+
+
+__all__ = ["Function", "DeferredVJP"]

@@ -6,8 +6,9 @@ Every rank builds the same full model (same seed); ``parallelize_model`` then ap
 1. layouts: tensors whose checkpoint layout is not plain say so (``[gate; up]`` halves, grouped
    expert rows), so every later step and the checkpoint derive regions from one record;
 2. module conversions that must precede sharding (MXFP8 replacement: it reuses the Parameters);
-3. tensor (+ sequence) parallel; 4. expert parallel and the token dispatcher; 5. FSDP;
-6. gradient synchronisation: each trainable parameter's gradient is summed over the mesh dim its
+3. tensor (+ sequence) parallel; 4. expert parallel and the token dispatcher; 5. pipeline
+   stages: this rank's model chunks (layers under their global index); 6. FSDP;
+7. gradient synchronisation: each trainable parameter's gradient is summed over the mesh dim its
    ``Placement`` names (data parallel, expert-data parallel, or none after FSDP).
 
 A new capability (pipeline or context parallel, recompute, LoRA) is one more step here that adds
@@ -16,7 +17,7 @@ mesh dims or global indices to the records; the trainer only calls this function
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from ms_llm.models.gpt import GPTModel
 from ms_llm.models.layers import MLP
@@ -25,6 +26,7 @@ from ms_llm.quant import apply_quantization
 from .data_parallel import PartitionedGradSync
 from .expert_parallel import apply_expert_parallel
 from .fsdp import MixedPrecisionPolicy, apply_fsdp
+from .pipeline.stages import split_model
 from .placement import grad_replica_dim, placement_of, update_placement
 from .state import ParallelState
 from .tensor_parallel import apply_tensor_parallel
@@ -32,14 +34,17 @@ from .tensor_parallel import apply_tensor_parallel
 
 @dataclass
 class ParallelizedModel:
-    """What the trainer needs after parallelization: the model, its trainable parameters in a
-    fixed order, their gradient synchronisation, and whether the step may be compiled."""
+    """What the trainer needs after parallelization: the model, its parameters (trainable ones
+    in a fixed order), their gradient synchronisation, whether the step may be compiled, and
+    under pipeline parallel this rank's model chunks."""
     model: GPTModel
+    named_params: list           # every (name, Parameter) this rank holds, buffers included
     params: list
     grad_sync: PartitionedGradSync
     fsdp: bool
     jit: bool
     notes: List[str] = field(default_factory=list)   # one line each, printed by rank 0
+    chunks: Optional[list] = None
 
 
 def describe_layouts(model: GPTModel) -> None:
@@ -68,6 +73,37 @@ def _jit_blockers(cfg, pstate: ParallelState) -> List[str]:
         out.append("FSDP")
     if cfg.model.mlp_type == "moe":
         out.append("MoE routing")
+    if pstate.sizes.pp > 1:
+        out.append("pipeline parallel")
+    return out
+
+
+def _pipeline_chunks(model: GPTModel, cfg, pstate: ParallelState) -> Optional[list]:
+    p = cfg.parallel
+    if pstate.sizes.pp == 1:
+        if p.virtual_pipeline_model_parallel_size > 1:
+            raise ValueError("parallel.virtual_pipeline_model_parallel_size needs "
+                             "pipeline_model_parallel_size > 1")
+        return None
+    for unsupported, key in ((p.fsdp_size > 1, "parallel.fsdp_size"),
+                             (cfg.model.mlp_type == "moe", "model.mlp_type moe"),
+                             (pstate.sizes.ep > 1, "parallel.expert_model_parallel_size")):
+        if unsupported:
+            raise ValueError(f"{key} with parallel.pipeline_model_parallel_size > 1 is not "
+                             f"built yet")
+    return split_model(model, pstate, p.virtual_pipeline_model_parallel_size,
+                       p.num_layer_list or None, p.noop_layers)
+
+
+def _named(model: GPTModel, chunks: Optional[list]) -> list:
+    if chunks is None:
+        return list(model.named_parameters())
+    seen, out = set(), []
+    for chunk in chunks:
+        for n, q in chunk.parameters_and_names():
+            if id(q) not in seen:
+                seen.add(id(q))
+                out.append((n, q))
     return out
 
 
@@ -97,6 +133,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
         expert_params = apply_expert_parallel(
             model, pstate.group("ep"), dispatcher=cfg.moe.dispatcher,
             expert_groups=cfg.moe.expert_groups, token_chunks=cfg.moe.token_chunks)
+    chunks = _pipeline_chunks(model, cfg, pstate)
     fsdp = p.fsdp_size > 1
     if fsdp:
         dp = pstate.group("dp")
@@ -116,6 +153,10 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
         notes.append(f"training.jit ignored: {', '.join(blockers)} run(s) only in PyNative "
                      f"(custom-backward collectives), so this run trains in PyNative")
     model.set_train(True)
-    params = [q for _, q in model.named_parameters() if q.requires_grad]
-    grad_sync = build_grad_sync(params, pstate, cfg, overlap=p.ddp_overlap and not jit)
-    return ParallelizedModel(model, params, grad_sync, fsdp, jit, notes)
+    named = _named(model, chunks)
+    params = [q for _, q in named if q.requires_grad]
+    # Gradient hooks overlap the all-reduce with one autograd pass; the pipeline runs one vjp
+    # per action instead, so it reduces after the step.
+    overlap = p.ddp_overlap and not jit and chunks is None
+    grad_sync = build_grad_sync(params, pstate, cfg, overlap=overlap)
+    return ParallelizedModel(model, named, params, grad_sync, fsdp, jit, notes, chunks)

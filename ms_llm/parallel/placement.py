@@ -67,7 +67,9 @@ class RowShard:
 
 
 LAYOUTS = ("plain", "glu_halves", "row_blocks")
-MESH_DIMS = ("tp", "cp", "dp", "ep", "edp", "pp")
+# emb: the first and last pipeline stage of one (tp, cp, dp) coordinate, which both hold the
+# tied embedding weight (a singleton group on the other stages)
+MESH_DIMS = ("tp", "cp", "dp", "ep", "edp", "pp", "emb")
 
 
 @dataclass(frozen=True)
@@ -143,9 +145,12 @@ class Mesh(NamedTuple):
     @classmethod
     def of(cls, pstate) -> "Mesh":
         s = pstate.sizes
+        last = pstate.pp_rank == s.pp - 1 and s.pp > 1
         ranks = {"tp": pstate.tp_rank, "cp": pstate.cp_rank, "dp": pstate.dp_rank,
-                 "pp": pstate.pp_rank, "ep": pstate.ep_rank, "edp": pstate.dp_rank // s.ep}
-        sizes = {"tp": s.tp, "cp": s.cp, "dp": s.dp, "pp": s.pp, "ep": s.ep, "edp": s.dp // s.ep}
+                 "pp": pstate.pp_rank, "ep": pstate.ep_rank, "edp": pstate.dp_rank // s.ep,
+                 "emb": int(last)}
+        sizes = {"tp": s.tp, "cp": s.cp, "dp": s.dp, "pp": s.pp, "ep": s.ep, "edp": s.dp // s.ep,
+                 "emb": 2 if s.pp > 1 and pstate.pp_rank in (0, s.pp - 1) else 1}
         return cls(ranks, sizes)
 
 
@@ -161,9 +166,16 @@ def norm_dims(pl: Placement) -> Tuple[str, ...]:
     return tuple(dict.fromkeys(pl.mesh_dims))
 
 
+def counted_in_norm(pl: Placement, mesh: Mesh) -> bool:
+    """A tensor held whole on two pipeline stages (the tied embedding, partial over ``emb``)
+    counts once in a norm summed over the pipeline: on the first stage."""
+    return not ("emb" in pl.partial and mesh.rank["emb"] != 0)
+
+
 def writes_checkpoint(pl: Placement, mesh: Mesh) -> bool:
-    """The first replica writes: rank 0 along every dim the tensor is replicated over."""
-    replicas = ["tp", "cp", "edp" if pl.sharded_over("ep") else "dp"]
+    """The first replica writes: rank 0 along every dim the tensor is replicated over (incl.
+    the dims its gradient is partial over, whose ranks hold copies)."""
+    replicas = ["tp", "cp", "edp" if pl.sharded_over("ep") else "dp"] + list(pl.partial)
     return all(mesh.rank[d] == 0 for d in replicas if not pl.sharded_over(d)
                and not (d == "edp" and pl.sharded_over("dp")))
 

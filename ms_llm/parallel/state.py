@@ -56,7 +56,8 @@ class ParallelState:
         self.groups: Dict[str, comm.ProcessGroup] = {}
 
     def ranks_along(self, dim: str) -> list:
-        """Global ranks that differ from this one only along ``dim`` (tp, cp, dp, pp, ep, edp)."""
+        """Global ranks that differ from this one only along ``dim`` (tp, cp, dp, pp, ep, edp,
+        emb)."""
         s = self.sizes
         coords = {"tp": self.tp_rank, "cp": self.cp_rank, "dp": self.dp_rank, "pp": self.pp_rank}
         size = {"tp": s.tp, "cp": s.cp, "dp": s.dp, "pp": s.pp}
@@ -65,6 +66,10 @@ class ParallelState:
             return c["tp"] + s.tp * (c["cp"] + s.cp * (c["dp"] + s.dp * c["pp"]))
         if dim in _DIMS:
             return [rank_of({**coords, dim: i}) for i in range(size[dim])]
+        if dim == "emb":     # first and last pipeline stage (tied embedding); else alone
+            if s.pp > 1 and self.pp_rank in (0, s.pp - 1):
+                return [rank_of({**coords, "pp": 0}), rank_of({**coords, "pp": s.pp - 1})]
+            return [self.rank]
         base = self.dp_rank - self.ep_rank
         if dim == "ep":
             return [rank_of({**coords, "dp": base + i}) for i in range(s.ep)]
@@ -75,7 +80,7 @@ class ParallelState:
     def build_groups(self) -> "ParallelState":
         # Every rank creates its own groups in the same dimension order, so the members of each
         # group reach its creation together (MindSpore's creation is collective among members).
-        for dim in ("tp", "cp", "dp", "pp", "ep", "edp"):
+        for dim in ("tp", "cp", "dp", "pp", "ep", "edp", "emb"):
             self.groups[dim] = comm.new_group(self.ranks_along(dim))
         return self
 

@@ -8,7 +8,7 @@ import numpy as np
 from mindspore import Tensor, mint
 
 from ms_llm.compat import F
-from ms_llm.parallel.placement import norm_dims, placement_of
+from ms_llm.parallel.placement import counted_in_norm, norm_dims, placement_of
 
 
 def accumulate(acc: Optional[List[Tensor]], grads: Sequence[Tensor]) -> List[Tensor]:
@@ -37,27 +37,42 @@ def host_sum_of_squares(grads: Sequence[Tensor]) -> float:
     return total
 
 
-def global_norm(grads: Sequence[Tensor], params: Sequence = None, groups=None) -> float:
+_NORM_DIMS = ("tp", "cp", "dp", "ep", "edp", "pp")
+
+
+def global_norm(grads: Sequence[Tensor], params: Sequence = None, groups=None,
+                mesh=None) -> float:
     """L2 norm of the full (unsharded) gradient. Each gradient's squares are summed over the
-    mesh dims its parameter is sharded over (its ``Placement``: tp, FSDP's dp, ep); replicated
-    parameters count once. ``groups(dim)`` returns the process group of a mesh dim."""
+    mesh dims its parameter is sharded over (its ``Placement``: tp, FSDP's dp, ep, pp); replicated
+    parameters count once. ``groups(dim)`` returns the process group of a mesh dim; ``mesh``
+    (``placement.Mesh``) leaves out second copies of tensors held on two stages.
+
+    Ranks may hold different kinds of parameters (pipeline stages, MoE layers on some stages), so
+    the partial sums travel in one fixed-size vector, one slot per set of dims, and every rank
+    issues the same all-reduces (one per dim of size > 1) whatever it holds."""
     if not grads:
         return 0.0
     if params is None:
         return math.sqrt(host_sum_of_squares(grads))
     from ms_llm.parallel import comm
-    buckets = {}
+    slots = np.zeros(2 ** len(_NORM_DIMS), np.float64)
+    by_slot = {}
     for g, p in zip(grads, params):
-        buckets.setdefault(norm_dims(placement_of(p)), []).append(g)
-    total = 0.0
-    for dims, gs in sorted(buckets.items()):
-        sq = Tensor(np.array([host_sum_of_squares(gs)], np.float32))
-        for dim in dims:
-            group = groups(dim)
-            if group.size > 1:
-                comm.all_reduce(sq, group=group)
-        total += float(sq.asnumpy()[0])
-    return math.sqrt(total)
+        pl = placement_of(p)
+        if mesh is None or counted_in_norm(pl, mesh):
+            slot = sum(1 << _NORM_DIMS.index(d) for d in norm_dims(pl))
+            by_slot.setdefault(slot, []).append(g)
+    for slot, gs in by_slot.items():
+        slots[slot] = host_sum_of_squares(gs)
+    for bit, dim in enumerate(_NORM_DIMS):
+        group = groups(dim)
+        if group.size == 1:
+            continue
+        mask = (np.arange(slots.size) >> bit) & 1 == 1
+        part = Tensor(np.where(mask, slots, 0.0).astype(np.float32))
+        comm.all_reduce(part, group=group)
+        slots = np.where(mask, part.asnumpy().astype(np.float64), slots)
+    return math.sqrt(float(slots.sum()))
 
 
 def reduce_partial_grads(params: Sequence, grads: List[Tensor], groups) -> List[Tensor]:

@@ -20,7 +20,11 @@ from ms_llm.models import GPTModel, from_pretrained
 from ms_llm.models.moe import update_expert_bias
 from ms_llm.ops._dispatch import resolve_paths
 from ms_llm.parallel import comm
+from ms_llm.compat import F, to_ms_dtype
 from ms_llm.parallel.parallelize import parallelize_model
+from ms_llm.parallel.pipeline.executor import PipelineExecutor
+from ms_llm.parallel.pipeline.schedules import build_schedule
+from ms_llm.parallel.placement import Mesh
 from ms_llm.parallel.runtime import DistInfo, init_distributed
 from ms_llm.parallel.state import initialize_model_parallel
 from . import grad as gradlib
@@ -51,6 +55,7 @@ class Trainer:
             comm.set_collective_timeout(p.collective_timeout_s)
         try:
             self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
+                                                    pp=p.pipeline_model_parallel_size,
                                                     ep=p.expert_model_parallel_size)
         except ValueError as e:
             raise ConfigError(f"launch with {self.dist.world_size} worker(s): {e}") from None
@@ -73,7 +78,10 @@ class Trainer:
         for note in par.notes:
             self._say(note)
         self.fsdp, self.params, self.grad_sync = par.fsdp, par.params, par.grad_sync
-        named = [(n, q) for n, q in self.model.named_parameters() if q.requires_grad]
+        self.named_params = par.named_params
+        self.mesh = Mesh.of(self.pstate)
+        self.pipeline = None if par.chunks is None else self._pipeline_executor(par.chunks)
+        named = [(n, q) for n, q in self.named_params if q.requires_grad]
         self.optimizer = AdamW(named, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                weight_decay=t.weight_decay)
         self.grad_fn = ms.value_and_grad(self._loss, grad_position=None, weights=self.params)
@@ -95,6 +103,36 @@ class Trainer:
             # summed over micro-batches and data-parallel ranks: average it accordingly.
             loss = loss + aux / (self.accum_steps * self.dp_group.size)
         return loss
+
+    def _pipeline_executor(self, chunks) -> PipelineExecutor:
+        t, p = self.cfg.training, self.cfg.parallel
+        vpp = p.virtual_pipeline_model_parallel_size
+        try:
+            schedule = build_schedule(self.pstate.sizes.pp, self.accum_steps, vpp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        seq = self.cfg.data.seq_length // (self.tp_group.size if p.sequence_parallel else 1)
+        return PipelineExecutor(chunks, self.pstate, schedule, vpp,
+                                (t.micro_batch_size, seq, self.cfg.model.hidden_size),
+                                to_ms_dtype(self.cfg.model.params_dtype))
+
+    def _pipeline_fwd_bwd(self, batches, inv: Tensor):
+        """All micro-batches through this rank's stages; the loss is summed on the last stage
+        and shared over the pipeline group for logging."""
+        def loss_of(per_token, b):
+            return (per_token * b["loss_mask"]).sum() * inv
+        mbs = []
+        for b in batches:
+            mb = {k: Tensor(b[k]) for k in ("tokens", "labels", "loss_mask")}
+            if "attention_mask" in b:
+                mb["attention_mask"] = Tensor(b["attention_mask"])
+            if self.cfg.data.reset_position_ids and "position_ids" in b:
+                mb["position_ids"] = Tensor(b["position_ids"])
+            mbs.append(mb)
+        loss, grads = self.pipeline.run(mbs, loss_of)
+        loss = F.clone(loss)
+        comm.all_reduce(loss, group=self.pstate.group("pp"))
+        return loss, self.grad_sync.reduce(grads)
 
     def _fwd_bwd_jit(self):
         """One compiled graph for forward, backward and the gradients' sum of squares (the
@@ -127,9 +165,9 @@ class Trainer:
         self._say(f"resumed from {latest} at step {self.step}")
 
     def _checkpointed(self) -> list:
-        """Every parameter (trainable ones with their AdamW state, plus buffers such as the
-        routers' expert_bias)."""
-        return list(self.model.named_parameters())
+        """Every parameter this rank holds (trainable ones with their AdamW state, plus buffers
+        such as the routers' expert_bias)."""
+        return list(self.named_params)
 
     def save(self) -> str:
         """Collective: every rank writes its rows; rank 0 publishes the checkpoint."""
@@ -149,13 +187,17 @@ class Trainer:
         comm.all_reduce(n_local, group=self.dp_group)   # loss tokens of the global batch
         inv = Tensor(np.float32(1.0 / max(float(n_local.asnumpy()[0]), 1.0)))
         total_loss, grads, sumsq = None, None, None
-        for i, b in enumerate(batches):
+        if self.pipeline is not None:
+            total_loss, grads = self._pipeline_fwd_bwd(batches, inv)
+        for i, b in enumerate(batches if self.pipeline is None else []):
             args = (Tensor(b["tokens"]), Tensor(b["labels"]), Tensor(b["loss_mask"]), inv)
             # Packed documents: masks (data.reset_attention_mask) and restarting positions
             # (data.reset_position_ids); plain position_ids are 0..s-1, the model's default.
-            args += (Tensor(b["attention_mask"]) if "attention_mask" in b else None,
-                     Tensor(b["position_ids"]) if self.cfg.data.reset_position_ids
-                     and "position_ids" in b else None)
+            mask = Tensor(b["attention_mask"]) if "attention_mask" in b else None
+            pos = Tensor(b["position_ids"]) if self.cfg.data.reset_position_ids \
+                and "position_ids" in b else None
+            if mask is not None or pos is not None:
+                args += (mask,) + ((pos,) if pos is not None else ())
             self.grad_sync.begin_micro_batch(is_last=i == len(batches) - 1)
             if self.fsdp:   # reduce-scatter only on the last micro-batch of the step
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
@@ -166,14 +208,16 @@ class Trainer:
             total_loss = loss if total_loss is None else total_loss + loss
             if not self.grad_sync.overlap:
                 grads = gradlib.accumulate(grads, g)
-        grads = self.grad_sync.finish() if self.grad_sync.overlap else self.grad_sync.reduce(grads)
+        if self.pipeline is None:
+            grads = self.grad_sync.finish() if self.grad_sync.overlap \
+                else self.grad_sync.reduce(grads)
         grads = gradlib.reduce_partial_grads(self.params, grads, self.pstate.group)
         comm.all_reduce(total_loss, group=self.dp_group)
         total_loss = float(total_loss.asnumpy())
         if len(batches) == 1 and sumsq is not None and self.dist.world_size == 1:
             norm = math.sqrt(float(sumsq.asnumpy()))
         else:
-            norm = gradlib.global_norm(grads, self.params, self.pstate.group)
+            norm = gradlib.global_norm(grads, self.params, self.pstate.group, self.mesh)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step += 1
         lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,

@@ -1,0 +1,129 @@
+"""One executor for every pipeline schedule.
+
+A schedule is data (per rank, a list of ``Action(F|B, microbatch, chunk)``, see ``schedules``);
+``plan_rounds`` turns all ranks' lists into lockstep rounds. In each round this rank runs at most
+one action:
+
+* ``F``: the chunk's forward on the micro-batch (token ids on the first virtual stage, the
+  received activation elsewhere), keeping what the backward needs until the matching ``B``
+  (1F1B's memory bound comes from the schedule);
+* ``B``: the vector-Jacobian product with the received output gradient (1 for the last stage's
+  loss), accumulating the chunk's weight gradients and producing the input gradient to send back.
+  On MindSpore 2.10 a pending backward can only run last-in first-out, so ``compat``'s
+  ``DeferredVJP`` keeps the stage input and re-runs the forward inside ``B``.
+
+After each round every rank exchanges the round's outputs with the ranks that need them, through
+``comm.batch_isend_irecv`` (one global order, so blocking point-to-point cannot deadlock); receive
+buffers have shapes known in advance (``[micro-batch, seq / sp, hidden]``), nothing is exchanged
+about shapes per step.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from mindspore import Tensor
+
+from ms_llm.compat import F
+from ms_llm.compat.autograd import DeferredVJP
+from .. import comm
+from .schedules import plan_rounds, stage_of, transfers_after, virtual_stage
+
+
+class PipelineExecutor:
+    def __init__(self, chunks: Sequence, pstate, schedule: List[list], vpp: int,
+                 act_shape: Tuple[int, ...], act_dtype):
+        self.chunks = list(chunks)
+        self.pp, self.rank, self.vpp = pstate.sizes.pp, pstate.pp_rank, vpp
+        self.pp_ranks = pstate.ranks_along("pp")
+        self.rounds = plan_rounds(schedule, self.pp, vpp)
+        self.num_stages = self.pp * vpp
+        self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
+        self.params = [[p for p in c.trainable_params()] for c in self.chunks]
+
+    def run(self, micro_batches: Sequence[dict], loss_fn: Callable) -> Tuple[Tensor, list]:
+        """One step over ``micro_batches``; ``loss_fn(chunk_output, batch)`` reduces the last
+        stage's per-token loss to the scalar the step differentiates. Returns this rank's summed
+        loss (zero off the last stage) and the gradients of ``self.params``, chunk by chunk."""
+        grads: List[Optional[list]] = [None] * len(self.chunks)
+        vjps: Dict[tuple, Callable] = {}
+        inbox: Dict[tuple, Tensor] = {}
+        loss = Tensor(np.zeros((), np.float32))
+        for actions in self.rounds:
+            act = actions[self.rank]
+            outbox: Dict[tuple, Tensor] = {}
+            if act is not None:
+                if act.kind == "F":
+                    out = self._forward(act, micro_batches[act.microbatch], inbox, vjps, loss_fn)
+                    if self.chunks[act.chunk].last:
+                        loss = loss + out
+                    else:
+                        outbox[("act", act.microbatch, act.chunk)] = out
+                else:
+                    gx = self._backward(act, inbox, vjps, grads)
+                    if gx is not None:
+                        outbox[("grad", act.microbatch, act.chunk)] = gx
+            self._exchange(actions, outbox, inbox)
+        if vjps or inbox:
+            raise RuntimeError(f"pipeline: step ended with {len(vjps)} forwards without backward "
+                               f"and {len(inbox)} unread messages")
+        flat = [g for gs, ps in zip(grads, self.params)
+                for g in (gs if gs is not None else [F.zeros_like(p) for p in ps])]
+        return loss, flat
+
+    def _forward(self, act, batch, inbox, vjps, loss_fn) -> Tensor:
+        chunk = self.chunks[act.chunk]
+        extra = (batch.get("attention_mask"), batch.get("position_ids"))
+        seq = batch["tokens"].shape[1]
+        if chunk.first:
+            tokens = batch["tokens"]
+
+            def fn(*_):
+                return self._finish(chunk, chunk(tokens, seq, batch["labels"], *extra), batch,
+                                    loss_fn)
+            step = DeferredVJP(fn, Tensor(np.zeros((), np.float32)), self.params[act.chunk])
+        else:
+            x = inbox.pop(("act", act.microbatch, act.chunk))
+
+            def fn(h):
+                return self._finish(chunk, chunk(h, seq, batch["labels"], *extra), batch, loss_fn)
+            step = DeferredVJP(fn, x, self.params[act.chunk])
+        vjps[(act.microbatch, act.chunk)] = step
+        return step.output
+
+    @staticmethod
+    def _finish(chunk, out, batch, loss_fn):
+        return loss_fn(out, batch) if chunk.last else out
+
+    def _backward(self, act, inbox, vjps, grads) -> Optional[Tensor]:
+        chunk = self.chunks[act.chunk]
+        vjp = vjps.pop((act.microbatch, act.chunk))
+        dy = Tensor(np.ones((), np.float32)) if chunk.last else \
+            inbox.pop(("grad", act.microbatch, act.chunk))
+        gx, gw = vjp.backward(dy)
+        acc = grads[act.chunk]
+        grads[act.chunk] = list(gw) if acc is None else [a + g for a, g in zip(acc, gw)]
+        return None if chunk.first else gx[0]
+
+    def _exchange(self, actions, outbox, inbox) -> None:
+        ops = []
+        for src, dst, kind, mb, dst_chunk in transfers_after(actions, self.pp, self.vpp,
+                                                             self.num_stages):
+            if self.rank not in (src, dst):
+                continue
+            v_dst = virtual_stage(dst, dst_chunk, self.pp)
+            src_chunk = stage_of(v_dst - 1 if kind == "act" else v_dst + 1, self.pp)[1]
+            if src == dst:
+                inbox[(kind, mb, dst_chunk)] = outbox.pop((kind, mb, src_chunk))
+            elif src == self.rank:
+                ops.append(comm.P2POp("isend", outbox.pop((kind, mb, src_chunk)),
+                                      self.pp_ranks[dst]))
+            else:
+                buf = F.zeros(*self.act_shape, dtype=self.act_dtype)
+                inbox[(kind, mb, dst_chunk)] = buf
+                ops.append(comm.P2POp("irecv", buf, self.pp_ranks[src]))
+        if ops:
+            for work in comm.batch_isend_irecv(ops):
+                work.wait()
+        if outbox:
+            raise RuntimeError(f"pipeline: outputs {sorted(outbox)} were never sent")

@@ -1,0 +1,123 @@
+"""Cutting a ``GPTModel`` into pipeline stages (Megatron's layer assignment, MindSpeed's
+``--num-layer-list`` and ``--noop-layers``).
+
+With ``pp`` ranks and ``vpp`` model chunks per rank there are ``pp * vpp`` virtual stages; virtual
+stage ``v = chunk * pp + rank`` (Megatron's interleaving) holds a contiguous range of global layer
+indices. Noop layers (MindSpeed) count in that assignment but are not built: they pass activations
+through unchanged and exist only to balance stages. The embedding lives on virtual stage 0, the
+final norm, output layer and loss on the last one; with tied embeddings the last stage keeps its
+own copy of the embedding weight, tied to the first stage's by summing the two gradients over the
+embedding group (``Placement.partial`` over ``emb``), as Megatron does.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+from mindspore import Tensor
+
+from ms_llm.compat import float32, nn
+from ..placement import add_partial, add_shard, placement_of, set_placement, update_placement
+
+
+def layer_ranges(num_layers: int, pp: int, vpp: int = 1,
+                 num_layer_list: Optional[Sequence[int]] = None) -> List[range]:
+    """Global layer indices of every virtual stage (``pp * vpp`` ranges, in pipeline order)."""
+    stages = pp * vpp
+    if num_layer_list:
+        counts = [int(c) for c in num_layer_list]
+        if len(counts) != stages:
+            raise ValueError(f"parallel.num_layer_list has {len(counts)} entries; it needs one "
+                             f"per pipeline stage ({stages} = pipeline x virtual pipeline size)")
+        if any(c < 1 for c in counts):
+            raise ValueError(f"parallel.num_layer_list {counts}: every stage needs >= 1 layer")
+        if sum(counts) != num_layers:
+            raise ValueError(f"parallel.num_layer_list {counts} sums to {sum(counts)}, but "
+                             f"model.num_layers is {num_layers}")
+    else:
+        if num_layers % stages:
+            raise ValueError(f"model.num_layers ({num_layers}) is not divisible by pipeline x "
+                             f"virtual pipeline size ({pp} x {vpp}); set parallel.num_layer_list "
+                             f"for uneven stages")
+        counts = [num_layers // stages] * stages
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def check_noop_layers(noop_layers: Sequence[int], num_layers: int) -> List[int]:
+    bad = [i for i in noop_layers if not 0 <= int(i) < num_layers]
+    if bad:
+        raise ValueError(f"parallel.noop_layers {bad} out of range: model.num_layers is "
+                         f"{num_layers} (indices 0..{num_layers - 1})")
+    return sorted({int(i) for i in noop_layers})
+
+
+class PipelineChunk(nn.Module):
+    """One virtual stage of a ``GPTModel``: the model's own sub-modules (so tensor parallel,
+    quantization and checkpoint names apply unchanged), run from the stage's input (token ids on
+    the first stage, hidden states elsewhere) to its output (hidden states, or on the last stage
+    the per-token loss)."""
+
+    def __init__(self, model, layers: Sequence[int], first: bool, last: bool, tied_copy: bool):
+        super().__init__()
+        self.config = model.config
+        self.first, self.last = first, last
+        self.global_layers = list(layers)
+        self.embedding = model.embedding if (first or tied_copy) else None
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList([model.decoder.layers[i] for i in layers])
+        self.decoder.final_layernorm = model.decoder.final_layernorm if last else None
+        self.output_layer = model.output_layer if last else None
+        self._model = [model]          # the head functions (tensor parallel swaps them)
+
+    def forward(self, x: Tensor, seq_len: int, labels: Optional[Tensor] = None,
+                attention_mask: Optional[Tensor] = None,
+                position_ids: Optional[Tensor] = None) -> Tensor:
+        """``seq_len`` is the full sequence (sequence parallel splits hidden states over tp)."""
+        model = self._model[0]
+        cos, sin = model.rotary_cos_sin(seq_len, position_ids)
+        h = self.embedding(x) if self.first else x
+        for layer in self.decoder.layers:
+            h = layer(h, cos, sin, attention_mask)
+        if not self.last:
+            return h
+        h = self.decoder.final_layernorm(h)
+        if self.output_layer is not None:
+            logits = self.output_layer(h).astype(float32)
+        else:
+            logits = model.compute_logits(h, self.embedding.word_embeddings.weight)
+        return model.loss_fn(logits, labels)
+
+
+def split_model(model, pstate, vpp: int = 1, num_layer_list: Optional[Sequence[int]] = None,
+                noop_layers: Sequence[int] = ()) -> List[PipelineChunk]:
+    """This rank's model chunks (``vpp`` of them), each recording the global index of its layers
+    in every parameter's ``Placement`` (checkpoints store layers under their global index)."""
+    pp, rank = pstate.sizes.pp, pstate.pp_rank
+    n = model.config.num_layers
+    ranges = layer_ranges(n, pp, vpp, num_layer_list)
+    noop = set(check_noop_layers(noop_layers, n))
+    tied = model.output_layer is None
+    chunks = []
+    for c in range(vpp):
+        v = c * pp + rank
+        keep = [i for i in ranges[v] if i not in noop]
+        first, last = v == 0, v == pp * vpp - 1
+        chunk = PipelineChunk(model, keep, first, last, tied_copy=last and tied and pp * vpp > 1)
+        for local, glob in enumerate(keep):
+            for _, p in chunk.decoder.layers[local].parameters_and_names():
+                pl = placement_of(p)
+                update_placement(p, global_index=pl.global_index + (("layers", local, glob),))
+        chunks.append(chunk)
+    if pp > 1:
+        for chunk in chunks:
+            for _, p in chunk.parameters_and_names():
+                if not placement_of(p).sharded_over("pp"):
+                    set_placement(p, add_shard(p, p.shape, "pp", None))
+        if tied:
+            for chunk in chunks:
+                if chunk.embedding is not None:
+                    add_partial(chunk.embedding.word_embeddings.weight, "emb")
+    return chunks
