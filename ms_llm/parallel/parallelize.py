@@ -26,7 +26,7 @@ from ms_llm.quant import apply_quantization
 from .data_parallel import PartitionedGradSync
 from .expert_parallel import apply_expert_parallel
 from .fsdp import MixedPrecisionPolicy, apply_fsdp
-from .pipeline.stages import split_model
+from .pipeline.stages import apply_noop_layers, split_model
 from .placement import grad_replica_dim, placement_of, update_placement
 from .state import ParallelState
 from .tensor_parallel import apply_tensor_parallel
@@ -133,6 +133,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
         expert_params = apply_expert_parallel(
             model, pstate.group("ep"), dispatcher=cfg.moe.dispatcher,
             expert_groups=cfg.moe.expert_groups, token_chunks=cfg.moe.token_chunks)
+    apply_noop_layers(model, p.noop_layers)
     chunks = _pipeline_chunks(model, cfg, pstate)
     fsdp = p.fsdp_size > 1
     if fsdp:

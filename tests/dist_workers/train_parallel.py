@@ -2,7 +2,8 @@
 (one job start costs ~15 s here) and has rank 0 write each run's losses and grad norms as JSON.
 
 argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], where RUN_SPEC is "name:--key=value,--key=value"
-(``@dead`` among them: kill parallel_common.DEAD_EXPERTS before training).
+(``@dead`` among them: kill parallel_common.DEAD_EXPERTS before training; ``|`` inside a value
+stands for a list's comma, e.g. ``--parallel.num_layer_list=1|3``).
 """
 import json
 import sys
@@ -21,7 +22,7 @@ info = init_distributed()
 results = {}
 for spec in sys.argv[2:]:
     name, _, extra = spec.partition(":")
-    args = [a for a in extra.split(",") if a]
+    args = [a.replace("|", ",") for a in extra.split(",") if a]   # "|": a list value's comma
     cfg = load_config(CONFIG, BASE + [a for a in args if not a.startswith("@")])
     trainer = Trainer(cfg, info)
     if "@dead" in args:

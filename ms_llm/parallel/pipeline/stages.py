@@ -54,6 +54,21 @@ def check_noop_layers(noop_layers: Sequence[int], num_layers: int) -> List[int]:
     return sorted({int(i) for i in noop_layers})
 
 
+class NoopLayer(nn.Module):
+    """A transformer layer that passes its input through (MindSpeed's noop layers)."""
+
+    def forward(self, x: Tensor, *args) -> Tensor:
+        return x
+
+
+def apply_noop_layers(model, noop_layers: Sequence[int]) -> None:
+    """Replace the listed layers by ``NoopLayer`` (any layout, also without pipeline)."""
+    noop = set(check_noop_layers(noop_layers, model.config.num_layers))
+    if noop:
+        model.decoder.layers = nn.ModuleList([NoopLayer() if i in noop else layer
+                                              for i, layer in enumerate(model.decoder.layers)])
+
+
 class PipelineChunk(nn.Module):
     """One virtual stage of a ``GPTModel``: the model's own sub-modules (so tensor parallel,
     quantization and checkpoint names apply unchanged), run from the stage's input (token ids on
@@ -98,7 +113,7 @@ def split_model(model, pstate, vpp: int = 1, num_layer_list: Optional[Sequence[i
     pp, rank = pstate.sizes.pp, pstate.pp_rank
     n = model.config.num_layers
     ranges = layer_ranges(n, pp, vpp, num_layer_list)
-    noop = set(check_noop_layers(noop_layers, n))
+    noop = set(check_noop_layers(noop_layers, n))    # already NoopLayer: nothing to keep
     tied = model.output_layer is None
     chunks = []
     for c in range(vpp):
