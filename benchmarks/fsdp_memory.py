@@ -37,6 +37,7 @@ def worker(out: str, steps: int, overrides) -> None:
     setup_device("CPU")
     import numpy as np
     from ms_llm.config import load_config
+    from ms_llm.parallel.placement import placement_of
     from ms_llm.parallel.runtime import init_distributed
     from ms_llm.training.metrics import peak_rss_gb
     from ms_llm.training.trainer import Trainer
@@ -54,11 +55,11 @@ def worker(out: str, steps: int, overrides) -> None:
         tr.train_step()
         times.append(time.perf_counter() - t0)
         waits.append(sum(WAIT_SECONDS.values()))
-    total_bytes = sum(getattr(p, "fsdp_rows", (0, 0, p.shape[0]))[2] *
-                      int(np.prod(p.shape[1:])) * 4 * 4 for p in tr.params)
+    # Full (unsharded) sizes from each parameter's placement record; weight + grad + 2 moments.
+    full = [int(np.prod(placement_of(p).global_shape or p.shape)) for p in tr.params]
+    total_bytes = sum(full) * 4 * 4
     # The largest gathered weight (the embedding / output layer unit), fp32.
-    unit = max(getattr(p, "fsdp_rows", (0, 0, p.shape[0]))[2] * int(np.prod(p.shape[1:]))
-               for p in tr.params) * 4
+    unit = max(full) * 4
     if info.rank == 0:
         with open(out, "w") as f:
             json.dump({"state_bytes": state_bytes, "total_bytes": total_bytes,

@@ -257,9 +257,8 @@ class GroupedMLP(nn.Module):
         e, f, h = self.num_local_experts, c.moe_ffn_hidden_size, c.hidden_size
         self.weight1 = nn.new_parameter((h, e * 2 * f), std=c.init_method_std, dtype=c.params_dtype)
         self.weight2 = nn.new_parameter((e * f, h), std=output_init_std(c), dtype=c.params_dtype)
-        # Checkpoints store weight1 as rows of 2F ([E*H, 2F]): every expert (and every shard of
-        # experts) is then a block of rows, whatever the layout that saved it.
-        self.weight1.dcp_row_width = 2 * f
+        # Checkpoints store weight1 as rows of 2F ([E*H, 2F], the ``row_blocks`` placement set
+        # by ``parallelize_model``): every expert, and every shard of experts, is a block of rows.
         self.gmm_impl = "auto"
 
     def forward(self, x: Tensor, tokens_per_expert: List[int]) -> Tensor:
