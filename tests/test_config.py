@@ -46,7 +46,7 @@ def test_explicit_key_beats_family_default(tmp_path):
     ("model:\n  hidden_size: 96\n  num_attention_heads: 6\n  num_query_groups: 4\n", [],
      "num_query_groups"),
     ("model:\n  family: gpt5\n", [], "gpt5"),
-    ("parallel:\n  pipeline_model_parallel_size: 2\n", [], "pipeline_model_parallel_size"),
+    ("parallel:\n  context_parallel_size: 2\n", [], "context_parallel_size"),
     ("parallel:\n  sequence_parallel: true\n", [], "sequence_parallel"),
 ])
 def test_bad_config_is_one_line_naming_key_and_source(tmp_path, text, override, needle):
@@ -209,8 +209,8 @@ def test_cross_key_errors_name_the_source_of_their_key(tmp_path):
         load_config(path, ["--parallel.sequence_parallel", "true"])
     assert str(e.value).startswith("command line --parallel.sequence_parallel: ")
     with pytest.raises(ConfigError) as e:
-        load_config(path, ["--parallel.fsdp_size", "2"])
-    assert str(e.value).startswith("command line --parallel.fsdp_size: ")
+        load_config(path, ["--parallel.virtual_pipeline_model_parallel_size", "2"])
+    assert str(e.value).startswith("command line --parallel.virtual_pipeline_model_parallel_size: ")
     with pytest.raises(ConfigError) as e:   # min_lr above lr, lr set on the command line
         load_config(path, ["--training.lr", "1e-5"])
     assert str(e.value).startswith("command line --training.lr: training.min_lr (0.0001) must "
@@ -218,10 +218,14 @@ def test_cross_key_errors_name_the_source_of_their_key(tmp_path):
     with pytest.raises(ConfigError) as e:   # TransformerConfig's own check, key from the CLI
         load_config(os.path.join(CONFIGS, "tiny.yaml"), ["--model.num_query_groups", "3"])
     assert str(e.value).startswith("command line --model.num_query_groups: ")
-    bad = write(tmp_path, "parallel:\n  fsdp_size: 2\ntraining:\n  jit: true\n", name="b.yaml")
+    bad = write(tmp_path, "parallel:\n  expert_model_parallel_size: 2\n", name="b.yaml")
     with pytest.raises(ConfigError) as e:
         load_config(bad)
-    assert str(e.value).startswith(f"{bad}: parallel.fsdp_size > 1 needs training.jit false")
+    assert str(e.value).startswith(f"{bad}: parallel.expert_model_parallel_size=2 needs "
+                                   f"model.mlp_type moe")
+    with pytest.raises(ConfigError) as e:   # the same check, the key now from the command line
+        load_config(bad, ["--parallel.expert_model_parallel_size", "4"])
+    assert str(e.value).startswith("command line --parallel.expert_model_parallel_size: ")
 
 
 def test_missing_checkpoint_load_folder_is_one_line(tmp_path):
