@@ -1,10 +1,9 @@
 """Saving a distributed checkpoint: every rank writes only its own pieces, rank 0 publishes.
 
-Protocol (the only collective is a ``barrier()`` callable): all ranks ``write_rank_files`` into
-``<save_dir>/.tmp_iter_0000010``; ``barrier()``; rank 0 ``finalize``s (validates every rank's
-files, checks the chunks tile each tensor exactly, writes ``metadata.json``, fsyncs, renames the
-folder to ``iter_0000010``, updates the tracker, prunes to ``keep_last``); ``barrier()``; every
-rank then checks the outcome, so a failed finalisation raises on all ranks instead of hanging.
+Two phases around a ``barrier()`` callable (the protocol in ``dcp``): ``write_rank_files`` on
+every rank into a temporary folder, then ``finalize`` on rank 0, which validates all ranks' files,
+writes ``metadata.json`` last and renames the folder into place, so a reader never sees a partial
+checkpoint. ``save_checkpoint`` runs both and makes a failure on any rank raise on every rank.
 """
 from __future__ import annotations
 

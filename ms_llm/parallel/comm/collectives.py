@@ -30,6 +30,12 @@ def _op(op: str) -> str:
     return _OPS[key]
 
 
+def _check_rows(op: str, which: str, rows: int, per_rank: int, size: int) -> None:
+    """The full tensor of a gather / scatter holds one ``per_rank``-row block per group rank."""
+    if rows != per_rank * size:
+        raise ValueError(f"{op}: {which} dim 0 is {rows}, expected {per_rank} x {size}")
+
+
 def all_reduce(tensor: Tensor, op: str = "sum", group: Optional[ProcessGroup] = None,
                async_op: bool = False) -> Optional[Work]:
     """In place, like torch. ``avg`` is sum then divide (mccl's avg is not used for bf16 safety)."""
@@ -59,9 +65,7 @@ def all_gather_into_tensor(output: Tensor, input: Tensor, group: Optional[Proces
                            async_op: bool = False) -> Optional[Work]:
     """``output`` (dim 0 = size x input's dim 0) receives every rank's ``input`` in rank order."""
     g = member_group(group)
-    if output.shape[0] != input.shape[0] * g.size:
-        raise ValueError(f"all_gather_into_tensor: output dim 0 is {output.shape[0]}, expected "
-                         f"{input.shape[0]} x {g.size}")
+    _check_rows("all_gather_into_tensor", "output", output.shape[0], input.shape[0], g.size)
     if g.size == 1:
         F.copy_(output, input)
         return finish(Work(), async_op)
@@ -77,9 +81,7 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: str = "sum",
                           async_op: bool = False) -> Optional[Work]:
     """``output`` receives this rank's dim-0 slice of the reduction of every rank's ``input``."""
     g = member_group(group)
-    if input.shape[0] != output.shape[0] * g.size:
-        raise ValueError(f"reduce_scatter_tensor: input dim 0 is {input.shape[0]}, expected "
-                         f"{output.shape[0]} x {g.size}")
+    _check_rows("reduce_scatter_tensor", "input", input.shape[0], output.shape[0], g.size)
     if g.size == 1:
         F.copy_(output, input)
         return finish(Work(), async_op)

@@ -1,10 +1,9 @@
 """The communication thread: where asynchronous CPU compositions run their kernels.
 
 MindSpore's CPU collectives block the calling thread even with ``async_op=True``, so overlapping
-communication with compute needs a second thread. Only kernel launches cross threads: buffers are
-made and read on the caller's thread (MindSpore's PyNative executor is not safe for concurrent
-tensor ops). Any collective issued from another thread first drains this thread's queue
-(``drain``), so every rank issues its collectives in one order.
+communication with compute needs a second thread (``submit``). Any collective issued from another
+thread first drains this thread's queue (``drain``), so every rank issues its collectives in one
+order.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """The collective watchdog: turns a collective that never completes into a process exit.
 
-msrun notices a worker that exits or dies (its cluster time-out), but not a live worker stuck in a
-collective its peers never join (mismatched calls, a peer stuck elsewhere). Every blocking
-collective call and every ``Work.wait`` runs under ``watched``; a daemon thread aborts the process
-when one of them outlasts the time-out, and msrun then stops the whole job.
+Every blocking collective call and every ``Work.wait`` runs under ``watched``; once
+``set_collective_timeout`` is set, a daemon thread aborts the process when one of them outlasts
+it (why: see ``set_collective_timeout``).
 """
 from __future__ import annotations
 
