@@ -193,11 +193,12 @@ def check_mxfp8(run, ref) -> None:
     one the single-process run quantizes; only fp32 summation order differs (the gradient sum
     over the batch is split by rank and reduce-scattered). That cannot change step 1; after
     the first update weights differ by ~1 ulp, which can flip one element's FP8 rounding (one
-    E4M3 step is 6% of that element), so as in the MXFP8 tensor-parallel test: the first 3
-    steps at rtol 1e-5, all 5 at 2e-3. Measured: steps 1-4 within 3.5e-8, step 5's grad norm
-    1.3e-5 (the order change did reach the quantization there)."""
+    E4M3 step is 6% of that element), so: the first 2 steps at rtol 1e-5, all 5 at 2e-3.
+    Measured: steps 1-4 within 3.5e-8 in one run; in another a flip reached step 3's loss
+    (1.4e-5) when the gradient-norm sum was rounded in another order (the clip coefficient then
+    differs by one float32 ulp)."""
     for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose(run[key][:3], ref[key][:3], rtol=RTOL, err_msg=f"mx {key}")
+        np.testing.assert_allclose(run[key][:2], ref[key][:2], rtol=RTOL, err_msg=f"mx {key}")
         np.testing.assert_allclose(run[key], ref[key], rtol=2e-3, err_msg=f"mx {key}")
 
 

@@ -52,9 +52,10 @@ def test_megamoe_matches_plain_dispatcher(grouped, groups, chunks):
                                                token_chunks=chunks, timeline=timeline)
     l1, (dx1, g1) = grad(x)
     np.testing.assert_array_equal(layer.last_top_indices.asnumpy(), idx)
-    # Same rows through the same fp32 GEMMs; only the summation order of a weight gradient over
-    # token chunks differs: 1e-6 relative.
-    np.testing.assert_allclose(float(l1.asnumpy()), float(l0.asnumpy()), rtol=1e-6)
+    # Same rows through the same fp32 GEMMs; only the order of fp32 sums differs (chunks, the
+    # combine). The loss sums terms of ~1e-2 that cancel to ~2.5e-4, which magnifies rounding in
+    # relative terms (1.7e-6 seen), hence 1e-5 relative, as for the gradients.
+    np.testing.assert_allclose(float(l1.asnumpy()), float(l0.asnumpy()), rtol=1e-5)
     np.testing.assert_allclose(dx1.asnumpy(), dx0.asnumpy(), rtol=1e-5, atol=1e-7)
     for a, b, p in zip(g1, g0, params):
         np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-5, atol=1e-7, err_msg=p.name)

@@ -120,10 +120,15 @@ def test_gradient_accumulation_equals_large_batch(tmp_path):
         # Same samples, same per-token mean: only fp32 summation order differs.
         assert o2["loss"] == pytest.approx(o1["loss"], rel=1e-6)
         assert o2["grad_norm"] == pytest.approx(o1["grad_norm"], rel=1e-5)
-    # Adam normalises each element's step to ~lr (3e-3): where a gradient element is ~0, fp32
-    # summation-order noise can flip a sliver of it, so allow 1e-5 (0.3% of one step).
+    # Adam normalises each element's step to ~lr: where a gradient element is ~0, fp32
+    # summation-order noise changes its direction, so a sliver of elements (1 in 262144 seen)
+    # may move by up to one step per step. Every element stays within that bound, and all but
+    # 1e-4 of them agree to 1e-5 (0.3% of one step at lr 3e-3).
+    lr = big.cfg.training.lr
     for p1, p2 in zip(big.params, acc.params):
-        np.testing.assert_allclose(p2.asnumpy(), p1.asnumpy(), atol=1e-5)
+        diff = np.abs(p2.asnumpy() - p1.asnumpy())
+        assert diff.max() <= 2 * 2 * lr, p1.name
+        assert (diff > 1e-5).mean() <= 1e-4, p1.name
 
 
 def test_resume_continues_exactly(tmp_path):

@@ -10,13 +10,22 @@ from ._private import autograd_function_base
 
 Function = autograd_function_base()
 
+_RECOMPUTING = [False]
+
+
+def is_recomputing() -> bool:
+    """True while a forward runs again only to build its backward: host-side statistics (the
+    routers' token counts) must not count the tokens twice."""
+    return _RECOMPUTING[0]
+
+
 class DeferredVJP:
     """``out = fn(x)`` now, ``(dx, dweights) = backward(dy)`` later, with other forwards and
     backwards in between and the backwards in first-in first-out order (a pipeline's 1F1B).
 
     MindSpore 2.10 PyNative keeps the backward graphs of pending ``mindspore.vjp`` calls as a
     stack: only the most recent one may run first ("Can not find top cell for backward" for any
-    other; ``tests/test_private_api.py`` shows it). Until that changes, ``backward`` runs the
+    other; ``tests/test_deferred_vjp.py`` shows it). Until that changes, ``backward`` runs the
     forward again under ``vjp`` and its backward at once, so only the input is kept in between
     (the forward costs twice; dropout must draw the same mask, which a zero rate does).
     """
@@ -27,10 +36,14 @@ class DeferredVJP:
 
     def backward(self, dy):
         import mindspore as ms
-        _, vjp = ms.vjp(self.fn, self.x, weights=self.weights)
+        _RECOMPUTING[0] = True
+        try:
+            _, vjp = ms.vjp(self.fn, self.x, weights=self.weights)
+        finally:
+            _RECOMPUTING[0] = False
         grads_in, grads_w = vjp(dy)
         self.fn = self.x = None
         return grads_in, grads_w
 
 
-__all__ = ["Function", "DeferredVJP"]
+__all__ = ["Function", "DeferredVJP", "is_recomputing"]

@@ -30,6 +30,7 @@ from mindspore.ops import constexpr
 
 from ms_llm import ops as hot
 from ms_llm.compat import F, float32, int32, nn
+from ms_llm.compat.autograd import is_recomputing
 from ms_llm.ops import moe as moe_ops
 from .config import TransformerConfig
 from .layers import MLP, output_init_std
@@ -132,7 +133,7 @@ class TopKRouter(nn.Module):
             z = F.mean(lse * lse) * c.moe_z_loss_coeff
             loss = z if loss is None else loss + z
         self.aux_loss = loss
-        if self.training and self.expert_bias is not None:
+        if self.training and self.expert_bias is not None and not is_recomputing():
             self.local_tokens_per_expert += counts.asnumpy().astype(np.float64)
 
     def update_expert_bias(self, reduce_counts: Optional[Callable[[np.ndarray], np.ndarray]]

@@ -85,12 +85,6 @@ def _pipeline_chunks(model: GPTModel, cfg, pstate: ParallelState) -> Optional[li
             raise ValueError("parallel.virtual_pipeline_model_parallel_size needs "
                              "pipeline_model_parallel_size > 1")
         return None
-    for unsupported, key in ((p.fsdp_size > 1, "parallel.fsdp_size"),
-                             (cfg.model.mlp_type == "moe", "model.mlp_type moe"),
-                             (pstate.sizes.ep > 1, "parallel.expert_model_parallel_size")):
-        if unsupported:
-            raise ValueError(f"{key} with parallel.pipeline_model_parallel_size > 1 is not "
-                             f"built yet")
     return split_model(model, pstate, p.virtual_pipeline_model_parallel_size,
                        p.num_layer_list or None, p.noop_layers)
 
@@ -142,11 +136,15 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
             raise ValueError(f"parallel.fsdp_size ({p.fsdp_size}) must equal the data-parallel "
                              f"size ({dp.size} = workers / tensor parallel); hybrid sharding is "
                              f"not supported")
-        apply_fsdp(model, dp, modules=p.fsdp_modules,
-                   reshard_after_forward=p.reshard_after_forward, prefetch=p.fsdp_prefetch,
-                   ignored_params=expert_params,
-                   mp_policy=MixedPrecisionPolicy(param_dtype=p.fsdp_param_dtype,
-                                                  reduce_dtype=p.fsdp_reduce_dtype))
+        policy = MixedPrecisionPolicy(param_dtype=p.fsdp_param_dtype,
+                                      reduce_dtype=p.fsdp_reduce_dtype)
+        # Under pipeline parallel each model chunk is its own FSDP root.
+        for unit, tied, strict in ([(model, None, True)] if chunks is None else
+                                   [(c, c.last and c.output_layer is None, False)
+                                    for c in chunks]):
+            apply_fsdp(unit, dp, modules=p.fsdp_modules,
+                       reshard_after_forward=p.reshard_after_forward, prefetch=p.fsdp_prefetch,
+                       ignored_params=expert_params, mp_policy=policy, tied=tied, strict=strict)
     jit = cfg.training.jit
     blockers = _jit_blockers(cfg, pstate)
     if jit and blockers:

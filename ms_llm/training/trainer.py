@@ -112,9 +112,12 @@ class Trainer:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         seq = self.cfg.data.seq_length // (self.tp_group.size if p.sequence_parallel else 1)
+        for chunk in chunks:    # the aux loss weight _loss uses, per micro-batch and replica
+            chunk.aux_loss_scale = 1.0 / (self.accum_steps * self.dp_group.size)
+        c = self.model.config        # a loaded checkpoint's architecture, not the YAML's
         return PipelineExecutor(chunks, self.pstate, schedule, vpp,
-                                (t.micro_batch_size, seq, self.cfg.model.hidden_size),
-                                to_ms_dtype(self.cfg.model.params_dtype))
+                                (t.micro_batch_size, seq, c.hidden_size),
+                                to_ms_dtype(c.params_dtype))
 
     def _pipeline_fwd_bwd(self, batches, inv: Tensor):
         """All micro-batches through this rank's stages; the loss is summed on the last stage

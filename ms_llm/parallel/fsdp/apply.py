@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import fnmatch
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from ms_llm.models.gpt import GPTModel
 from .fully_shard import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -19,7 +19,8 @@ def _match(name: str, pattern: str) -> bool:
 def apply_fsdp(model: GPTModel, group, *, modules: Sequence[str] = DEFAULT_UNITS,
                reshard_after_forward: bool = True, prefetch: int = 1,
                ignored_params: Sequence = (),
-               mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> List[FSDPModule]:
+               mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+               tied: Optional[bool] = None, strict: bool = True) -> List[FSDPModule]:
     """Shard ``model`` over ``group``. Each module whose name matches a glob in ``modules``
     becomes a unit; the root holds the rest. With tied embeddings the embedding stays in the
     root, because the output head reads its weight again after the embedding's forward.
@@ -28,16 +29,20 @@ def apply_fsdp(model: GPTModel, group, *, modules: Sequence[str] = DEFAULT_UNITS
 
     As torchtitan does, the last unit in forward order keeps its gathered weights after forward
     (its backward comes first, so resharding would only gather it again at once), and the root
-    prefetches the first units' all-gathers."""
+    prefetches the first units' all-gathers.
+
+    ``model`` may be a pipeline chunk: ``tied`` says whether its output head reads the
+    embedding's weight (default: a model without ``output_layer``), and ``strict=False`` lets a
+    pattern match nothing in it (the chunk may hold no embedding or head)."""
     if group.size == 1:
         return []
-    tied = model.output_layer is None
+    tied = model.output_layer is None if tied is None else tied
     names = [n for n, _ in model.cells_and_names() if n]
     chosen = []
     for pattern in modules:
         hits = [n for n in names if _match(n, pattern)
                 and not (tied and n == "embedding")]
-        if not hits and not (tied and pattern in ("embedding", "output_layer")):
+        if strict and not hits and not (tied and pattern in ("embedding", "output_layer")):
             raise ValueError(f"parallel.fsdp_modules: pattern {pattern!r} matches no module")
         chosen += [n for n in hits if n not in chosen]
     cells = dict(model.cells_and_names())

@@ -19,6 +19,7 @@ about shapes per step.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -40,6 +41,15 @@ class PipelineExecutor:
         self.num_stages = self.pp * vpp
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
         self.params = [[p for p in c.trainable_params()] for c in self.chunks]
+        # FSDP reduce-scatters a chunk's gradients on its last backward of the step only.
+        self.last_backward = {a.chunk: a for a in schedule[self.rank] if a.kind == "B"}
+        # (kind, microbatch, chunk, t0, t1) with perf_counter times of the last step: "F"/"B"
+        # compute spans and "comm" spans (the round's exchange), for timelines and benchmarks.
+        self.events: List[tuple] = []
+        self.timed = False      # synchronise after each action (benchmarks' timelines)
+
+    def _span(self, kind: str, mb: int, chunk: int, t0: float) -> None:
+        self.events.append((kind, mb, chunk, t0, time.perf_counter()))
 
     def run(self, micro_batches: Sequence[dict], loss_fn: Callable) -> Tuple[Tensor, list]:
         """One step over ``micro_batches``; ``loss_fn(chunk_output, batch)`` reduces the last
@@ -49,12 +59,17 @@ class PipelineExecutor:
         vjps: Dict[tuple, Callable] = {}
         inbox: Dict[tuple, Tensor] = {}
         loss = Tensor(np.zeros((), np.float32))
+        self.events = []
         for actions in self.rounds:
             act = actions[self.rank]
             outbox: Dict[tuple, Tensor] = {}
+            t0 = time.perf_counter()
             if act is not None:
                 if act.kind == "F":
                     out = self._forward(act, micro_batches[act.microbatch], inbox, vjps, loss_fn)
+                    aux = self.chunks[act.chunk].last_aux_loss
+                    if aux is not None:      # reported with the loss, as one process does
+                        loss = loss + aux
                     if self.chunks[act.chunk].last:
                         loss = loss + out
                     else:
@@ -63,7 +78,13 @@ class PipelineExecutor:
                     gx = self._backward(act, inbox, vjps, grads)
                     if gx is not None:
                         outbox[("grad", act.microbatch, act.chunk)] = gx
+                if self.timed:      # finish the action's kernels so the span is its compute
+                    for t in outbox.values():
+                        t.asnumpy()
+                self._span(act.kind, act.microbatch, act.chunk, t0)
+            t0 = time.perf_counter()
             self._exchange(actions, outbox, inbox)
+            self._span("comm", -1, -1, t0)
         if vjps or inbox:
             raise RuntimeError(f"pipeline: step ended with {len(vjps)} forwards without backward "
                                f"and {len(inbox)} unread messages")
@@ -97,6 +118,8 @@ class PipelineExecutor:
 
     def _backward(self, act, inbox, vjps, grads) -> Optional[Tensor]:
         chunk = self.chunks[act.chunk]
+        if hasattr(chunk, "set_requires_gradient_sync"):
+            chunk.set_requires_gradient_sync(act == self.last_backward[act.chunk])
         vjp = vjps.pop((act.microbatch, act.chunk))
         dy = Tensor(np.ones((), np.float32)) if chunk.last else \
             inbox.pop(("grad", act.microbatch, act.chunk))

@@ -15,7 +15,9 @@ from typing import List, Optional, Sequence
 
 from mindspore import Tensor
 
-from ms_llm.compat import float32, nn
+from ms_llm.compat import F, float32, nn
+from ms_llm.compat.autograd import Function
+from ms_llm.models.moe import MoELayer
 from ..placement import add_partial, add_shard, placement_of, set_placement, update_placement
 
 
@@ -54,6 +56,21 @@ def check_noop_layers(noop_layers: Sequence[int], num_layers: int) -> List[int]:
     return sorted({int(i) for i in noop_layers})
 
 
+class AttachAuxLoss(Function):
+    """Identity on the hidden states whose backward also gives the chunk's MoE auxiliary loss its
+    gradient (``scale``), so a stage that does not end in the loss still trains its routers
+    (Megatron's ``MoEAuxLossAutoScaler``)."""
+
+    @staticmethod
+    def forward(ctx, scale, h, aux):
+        ctx.scale, ctx.aux_shape, ctx.aux_dtype = scale, aux.shape, aux.dtype
+        return h * 1
+
+    @staticmethod
+    def backward(ctx, dh):
+        return None, dh, F.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype)
+
+
 class NoopLayer(nn.Module):
     """A transformer layer that passes its input through (MindSpeed's noop layers)."""
 
@@ -86,6 +103,10 @@ class PipelineChunk(nn.Module):
         self.decoder.final_layernorm = model.decoder.final_layernorm if last else None
         self.output_layer = model.output_layer if last else None
         self._model = [model]          # the head functions (tensor parallel swaps them)
+        self.moe_layers = [layer.mlp for layer in self.decoder.layers
+                           if isinstance(getattr(layer, "mlp", None), MoELayer)]
+        self.aux_loss_scale = 1.0      # the trainer's per-micro-batch weight of the aux loss
+        self.last_aux_loss: Optional[Tensor] = None   # its weighted value in the last forward
 
     def forward(self, x: Tensor, seq_len: int, labels: Optional[Tensor] = None,
                 attention_mask: Optional[Tensor] = None,
@@ -96,6 +117,10 @@ class PipelineChunk(nn.Module):
         h = self.embedding(x) if self.first else x
         for layer in self.decoder.layers:
             h = layer(h, cos, sin, attention_mask)
+        aux = self._aux_loss()
+        self.last_aux_loss = None if aux is None else aux * self.aux_loss_scale
+        if aux is not None:
+            h = AttachAuxLoss.apply(self.aux_loss_scale, h, aux)
         if not self.last:
             return h
         h = self.decoder.final_layernorm(h)
@@ -104,6 +129,14 @@ class PipelineChunk(nn.Module):
         else:
             logits = model.compute_logits(h, self.embedding.word_embeddings.weight)
         return model.loss_fn(logits, labels)
+
+    def _aux_loss(self) -> Optional[Tensor]:
+        total = None
+        for mlp in self.moe_layers:
+            loss = mlp.router.aux_loss
+            if loss is not None:
+                total = loss if total is None else total + loss
+        return total
 
 
 def split_model(model, pstate, vpp: int = 1, num_layer_list: Optional[Sequence[int]] = None,
