@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from msrun_util import run_worker_job
-from parallel_common import BASE, CONFIG
+from parallel_common import BASE, CONFIG, MOE, MOE_DEAD
 
 from ms_llm.config import load_config
 from ms_llm.training.trainer import Trainer
@@ -27,7 +27,8 @@ def _record(extra):
 
 @pytest.fixture(scope="module")
 def refs():
-    return {"tied": _record([]), "untied": _record(UNTIED), "noop": _record(NOOP)}
+    return {"tied": _record([]), "untied": _record(UNTIED), "noop": _record(NOOP),
+            "moe": _record(MOE), "moe_bias": _record(MOE + MOE_DEAD)}
 
 
 def spec(name, *pairs):
@@ -56,9 +57,14 @@ def test_two_stages(tmp_path, refs):
         spec("pp2_noop", LAYERS, NOOP, pp(2)),
         spec("pp2_vpp2", LAYERS, pp(2, 2)),
         spec("pp2_vpp2_save", LAYERS, UNTIED, pp(2, 2), save),
+        # MoE: every stage's routers get their aux-loss gradient; the expert-bias counts of the
+        # backward's forward re-run are not counted twice (the bias update would differ).
+        spec("pp2_moe", LAYERS, MOE, pp(2)),
+        spec("pp2_moe_bias", LAYERS, MOE, MOE_DEAD, pp(2)),
     ])
     for name, key in (("pp2", "tied"), ("pp2_untied", "untied"), ("pp2_uneven", "tied"),
-                      ("pp2_noop", "noop"), ("pp2_vpp2", "tied")):
+                      ("pp2_noop", "noop"), ("pp2_vpp2", "tied"), ("pp2_moe", "moe"),
+                      ("pp2_moe_bias", "moe_bias")):
         check(res[name], refs[key], name)
     check(res["pp2_vpp2_save"], refs["untied"], "pp2_vpp2_save", slice(0, 3))
     # Layers are stored under their global index: the pp=2 x vpp=2 checkpoint resumes in one
@@ -77,10 +83,15 @@ def test_four_workers(tmp_path, refs):
         spec("pp2_dp2", LAYERS, pp(2)),
         spec("pp2_tp2_sp", LAYERS, UNTIED, pp(2), ["--parallel.tensor_model_parallel_size", "2",
                                                    "--parallel.sequence_parallel", "true"]),
+        spec("pp2_fsdp2", LAYERS, pp(2), ["--parallel.fsdp_size", "2"]),
+        spec("pp2_ep2_megamoe", LAYERS, MOE, pp(2), ["--parallel.expert_model_parallel_size", "2",
+                                                      "--moe.dispatcher", "megamoe"]),
     ])
     check(res["pp4"], refs["tied"], "pp4")
     check(res["pp2_dp2"], refs["tied"], "pp2_dp2")
     check(res["pp2_tp2_sp"], refs["untied"], "pp2_tp2_sp")
+    check(res["pp2_fsdp2"], refs["tied"], "pp2_fsdp2")
+    check(res["pp2_ep2_megamoe"], refs["moe"], "pp2_ep2_megamoe")
 
 
 def test_stage_config_errors():
