@@ -1,5 +1,5 @@
-"""``ms-llm`` console entry: ``train``, ``plot``, ``convert``, ``export``, ``preprocess``
-(``generate`` is announced and refuses to run until it is built)."""
+"""``ms-llm`` console entry: ``train``, ``plot``, ``convert``, ``export``, ``preprocess``,
+``generate``, ``chat``."""
 from __future__ import annotations
 
 import argparse
@@ -7,13 +7,16 @@ import os
 import sys
 from typing import List, Optional
 
-_LATER = {"generate": "text generation"}
+_LATER = {}
 COMMANDS = {
     "train": "train a model (ms-llm train --help lists every config key and its default)",
     "plot": "draw loss.png from a run's metrics.jsonl",
     "convert": "convert weights between Hugging Face and Megatron layouts",
     "export": "export a training checkpoint to Hugging Face or Megatron",
     "preprocess": "tokenize text into Megatron indexed datasets",
+    "generate": "generate text from a prompt (HF, Megatron or training checkpoint)",
+    "chat": "chat on stdin with the tokenizer's chat template",
+    "schedule": "print the pipeline schedule a config would run",
     **{name: f"{what} (not available yet)" for name, what in _LATER.items()},
 }
 
@@ -58,6 +61,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return convert_main(rest)
     if command == "export":
         return export_main(rest)
+    if command == "schedule":
+        from ms_llm.parallel.pipeline.show import main as schedule_main
+        return schedule_main(rest)
+    if command in ("generate", "chat"):
+        from ms_llm.inference import cli as inference_cli
+        return (inference_cli.generate_main if command == "generate"
+                else inference_cli.chat_main)(rest)
     if command in _LATER:
         p = argparse.ArgumentParser(prog=f"ms-llm {command}",
                                     description=f"{_LATER[command]}: not available yet")

@@ -106,3 +106,21 @@ def test_stage_config_errors():
         with pytest.raises(ConfigError, match=msg) as e:
             load_config(CONFIG, BASE + LAYERS + args)
         assert "\n" not in str(e.value) and "command line" in str(e.value)
+
+
+def test_schedule_command_prints_the_config_schedule(capsys):
+    from ms_llm.cli import main
+    args = [CONFIG, "--parallel.pipeline_model_parallel_size", "2",
+            "--parallel.virtual_pipeline_model_parallel_size", "2", "--training.micro_batch_size",
+            "4", "--training.global_batch_size", "16"]
+    assert main(["schedule", *args]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("interleaved 1F1B: pp=2 vpp=2 micro-batches=4 (dp=1)")
+    rows = [line.split(":", 1)[1].split() for line in out if line.startswith("rank ")]
+    assert len(rows) == 2
+    for row in rows:   # every (micro-batch, chunk) forward and backward once per rank
+        acts = sorted(a for a in row if a != ".")
+        assert acts == sorted(f"{k}{m}.{c}" for k in "FB" for m in range(4) for c in range(2))
+    assert rows[0][0] == "F0.0" and rows[1][0] == "."    # rank 1 waits for rank 0's output
+    assert main(["schedule", *args, "--workers", "3"]) == 2
+    assert "not divisible" in capsys.readouterr().err
