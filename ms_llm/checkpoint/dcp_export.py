@@ -110,6 +110,8 @@ def hf_config_from_transformer_config(config, model_type_hf: Optional[str] = Non
     cfg = hf_config_from_args(args, mt)
     if moe:
         cfg["router_aux_loss_coef"] = float(c.moe_aux_loss_coeff or 0.0)
+    from ms_llm.models.yarn import hf_rope_scaling   # lazily: ms_llm.models imports MindSpore
+    cfg["rope_scaling"] = hf_rope_scaling(c)   # YaRN, or None for plain RoPE
     return cfg, mt
 
 

@@ -26,9 +26,18 @@ class TransformerConfig:
     qk_layernorm: bool = False                     # Qwen3
     gated_linear_unit: bool = True                 # fused [gate; up] in linear_fc1
     activation_func: str = "silu"                  # gated + silu = SwiGLU
-    position_embedding_type: str = "rope"
+    position_embedding_type: str = "rope"          # "rope", or "yarn" (RoPE with YaRN scaling)
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
+    # YaRN (position_embedding_type "yarn"; Megatron-Core's names, HF rope_scaling in comments).
+    yarn_rotary_scaling_factor: Optional[float] = None          # factor (None: max_pos / original)
+    yarn_original_max_position_embeddings: Optional[int] = None  # None: max_position_embeddings
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: Optional[float] = None
+    yarn_mscale_all_dim: Optional[float] = None
+    yarn_attention_factor: Optional[float] = None   # None: from the factor / mscale (HF's rule)
+    yarn_correction_range_round_to_int: bool = True  # HF truncate
     untie_embeddings_and_output_weights: bool = True
     add_bias_linear: bool = False
     add_qkv_bias: bool = False                     # Qwen2.5
@@ -84,9 +93,11 @@ class TransformerConfig:
         if self.normalization != "RMSNorm":
             raise ValueError(f"model.normalization: {self.normalization!r} is not supported "
                              f"(only 'RMSNorm')")
-        if self.position_embedding_type != "rope" or self.rotary_percent != 1.0:
-            raise ValueError("model.position_embedding_type must be 'rope' with "
+        if self.position_embedding_type not in ("rope", "yarn") or self.rotary_percent != 1.0:
+            raise ValueError("model.position_embedding_type must be 'rope' or 'yarn' with "
                              "rotary_percent 1.0")
+        if self.position_embedding_type == "yarn":
+            self._validate_yarn()
         if self.activation_func not in ("silu", "gelu"):
             raise ValueError(f"model.activation_func: {self.activation_func!r} is not supported")
         if self.mlp_type not in ("dense", "moe"):
@@ -99,6 +110,22 @@ class TransformerConfig:
                              "kernels here have no dropout); use model.hidden_dropout")
         if self.kv_channels % 2:
             raise ValueError(f"model.kv_channels ({self.kv_channels}) must be even for RoPE")
+
+    def _validate_yarn(self) -> None:
+        factor = self.yarn_rotary_scaling_factor
+        original = self.yarn_original_max_position_embeddings
+        if factor is not None and factor <= 0:
+            raise ValueError(f"model.yarn_rotary_scaling_factor ({factor}) must be > 0")
+        if original is not None and original < 1:
+            raise ValueError(f"model.yarn_original_max_position_embeddings ({original}) must "
+                             f"be >= 1")
+        if factor is None and original is None:
+            raise ValueError("model.position_embedding_type 'yarn' needs "
+                             "model.yarn_rotary_scaling_factor or "
+                             "model.yarn_original_max_position_embeddings")
+        if self.yarn_beta_fast <= 0 or self.yarn_beta_slow <= 0:
+            raise ValueError(f"model.yarn_beta_fast ({self.yarn_beta_fast}) and "
+                             f"model.yarn_beta_slow ({self.yarn_beta_slow}) must be > 0")
 
     def _validate_moe(self) -> None:
         e, k = self.num_moe_experts, self.moe_router_topk

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Dict
 
 from .config import TransformerConfig
+from .yarn import rope_fields_from_hf
 
 # Architecture switches per family; sizes come from the YAML config or the HF config.json.
 FAMILIES: Dict[str, dict] = {
@@ -35,9 +36,7 @@ def config_from_hf(hf: dict, source: str = "config.json") -> TransformerConfig:
     if model_type not in _HF_MODEL_TYPES:
         raise ValueError(f"{source}: model_type {model_type!r} is not supported; "
                          f"supported: {sorted(_HF_MODEL_TYPES)}")
-    scaling = hf.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"{source}: rope_scaling {scaling!r} is not supported yet")
+    rope = rope_fields_from_hf(hf, source)
     family = _HF_MODEL_TYPES[model_type]
     heads = hf["num_attention_heads"]
     bias = bool(hf.get("attention_bias", False))
@@ -55,11 +54,11 @@ def config_from_hf(hf: dict, source: str = "config.json") -> TransformerConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
         qk_layernorm=family in ("qwen3", "qwen3-moe"),
-        rotary_base=float(hf.get("rope_theta", 10000.0)),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         add_qkv_bias=family == "qwen25",  # Qwen2/2.5 always have q/k/v biases
         add_bias_linear=False,
         activation_func="silu" if hf.get("hidden_act", "silu") == "silu" else "gelu",
+        **rope,
         **moe,
     )
 

@@ -13,8 +13,10 @@ from mindspore import Tensor
 from ms_llm import ops as hot
 from ms_llm.compat import F, float32, nn
 from .config import TransformerConfig
+from .kv_cache import KVCache
 from .layers import RMSNorm, TransformerLayer
 from .moe import aux_loss as moe_aux_loss, moe_mlp_factory
+from .yarn import rope_frequencies
 
 MLPFactory = Callable[[TransformerConfig, int], nn.Module]
 
@@ -40,9 +42,13 @@ class TransformerBlock(nn.Module):
                                        config.params_dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                attention_mask: Optional[Tensor] = None) -> Tensor:
-        for layer in self.layers:
-            x = layer(x, cos, sin, attention_mask)
+                attention_mask: Optional[Tensor] = None,
+                kv_cache: Optional[KVCache] = None) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            if kv_cache is None:
+                x = layer(x, cos, sin, attention_mask)
+            else:
+                x = layer(x, cos, sin, attention_mask, kv_cache=kv_cache[i])
         return self.final_layernorm(x)
 
 
@@ -66,6 +72,7 @@ class GPTModel(nn.Module):
         else:
             self.output_layer = None
         self._rope_cache = {}
+        self._table_rows = 0   # rows of the shared table positions are gathered from
         # The LM head as swappable steps (tied logits, logits post-processing, loss);
         # ms_llm.parallel.parallelize replaces them with vocabulary-parallel versions, so the model
         # itself stays parallelism-free.
@@ -80,24 +87,57 @@ class GPTModel(nn.Module):
             return None
         return moe_aux_loss(self)
 
-    def rotary_cos_sin(self, seq_len: int, position_ids: Optional[Tensor] = None):
-        """cos, sin ``[s, d]`` for positions ``0..s-1``, or ``[b, 1, s, d]`` at ``position_ids``
-        ``[b, s]`` (packed documents restart their positions; every head shares them)."""
-        if seq_len not in self._rope_cache:
-            c = self.config
-            self._rope_cache[seq_len] = hot.rope_cos_sin(seq_len, c.kv_channels, c.rotary_base)
-        cos, sin = self._rope_cache[seq_len]
+    def rotary_cos_sin(self, seq_len: int, position_ids: Optional[Tensor] = None,
+                       offset: int = 0, max_position: Optional[int] = None):
+        """cos, sin ``[s, d]`` for positions ``offset..offset+s-1``, or ``[b, 1, s, d]`` at
+        ``position_ids`` ``[b, s]`` (packed documents restart their positions, left-padded
+        prompts start late; every head shares them), all below ``max_position`` (default
+        ``offset + s``). The tables carry the config's RoPE scaling (YaRN)."""
+        rows = max_position or offset + seq_len
+        if position_ids is None and offset == 0 and rows == seq_len:
+            if seq_len not in self._rope_cache:
+                self._rope_cache[seq_len] = self._rope_tables(seq_len)
+            return self._rope_cache[seq_len]
+        if self._table_rows < rows:   # one growing table for gathers and cache offsets
+            self._table_rows = max(rows, 2 * self._table_rows)
+            self._rope_cache["table"] = self._rope_tables(self._table_rows)
+        cos, sin = self._rope_cache["table"]
         if position_ids is None:
-            return cos, sin
+            return cos[offset:offset + seq_len], sin[offset:offset + seq_len]
         return (F.embedding(position_ids, cos).expand_dims(1),
                 F.embedding(position_ids, sin).expand_dims(1))
 
+    def _rope_tables(self, rows: int):
+        c = self.config
+        inv_freq, attention_factor = rope_frequencies(c)
+        return hot.rope_cos_sin(rows, c.kv_channels, c.rotary_base, inv_freq=inv_freq,
+                                attention_factor=attention_factor)
+
     def forward(self, input_ids: Tensor, labels: Optional[Tensor] = None,
                 attention_mask: Optional[Tensor] = None,
-                position_ids: Optional[Tensor] = None) -> Tensor:
-        cos, sin = self.rotary_cos_sin(input_ids.shape[1], position_ids)
+                position_ids: Optional[Tensor] = None,
+                kv_cache: Optional[KVCache] = None, logits_to_keep: int = 0) -> Tensor:
+        """``kv_cache`` (inference): the tokens continue what the cache holds; their K/V are
+        appended to it and they attend over every cached slot. Positions default to the cache's
+        fill point onwards; ``attention_mask`` defaults to causal over the cache minus its
+        padding. ``logits_to_keep`` > 0 computes the logits of the last that many positions
+        only (HF's name; a prefill needs only the last one)."""
+        s = input_ids.shape[1]
+        if kv_cache is None:
+            cos, sin = self.rotary_cos_sin(s, position_ids)
+        else:
+            cos, sin = self.rotary_cos_sin(s, position_ids, offset=kv_cache.length,
+                                           max_position=max(kv_cache.max_capacity,
+                                                            kv_cache.length + s))
+            if attention_mask is None:
+                attention_mask = kv_cache.attention_mask(s)
         h = self.embedding(input_ids)
-        h = self.decoder(h, cos, sin, attention_mask)
+        if kv_cache is None:
+            h = self.decoder(h, cos, sin, attention_mask)
+        else:
+            h = self.decoder(h, cos, sin, attention_mask, kv_cache=kv_cache)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
         if self.output_layer is not None:
             # Through the module, so whatever wraps or replaces it (TP, FSDP) takes part.
             logits = self.output_layer(h).astype(float32)

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from mindspore import Tensor
 
 from ms_llm import ops as hot
 from ms_llm.compat import F, nn
 from .config import TransformerConfig
+
+if TYPE_CHECKING:
+    from .kv_cache import LayerKVCache
 
 
 class RMSNorm(nn.Module):
@@ -52,7 +55,10 @@ class SelfAttention(nn.Module):
                                      init_std=output_init_std(c), dtype=c.params_dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                attention_mask: Optional[Tensor] = None) -> Tensor:
+                attention_mask: Optional[Tensor] = None,
+                kv_cache: Optional["LayerKVCache"] = None) -> Tensor:
+        """``kv_cache``: this layer's cache; the new K/V are written into it and the queries
+        attend over every filled slot (``attention_mask`` then spans them all)."""
         r, d = self.heads_per_group, self.d
         qkv = self.linear_qkv(x)
         b, s = qkv.shape[0], qkv.shape[1]  # the full sequence, also under sequence parallel
@@ -64,7 +70,10 @@ class SelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         q = hot.apply_rope(q.swapaxes(1, 2), cos, sin)      # [b, nh, s, d]
         k = hot.apply_rope(k.swapaxes(1, 2), cos, sin)      # [b, ng, s, d]
-        out = hot.causal_attention(q, k, v.swapaxes(1, 2), attention_mask=attention_mask)
+        v = v.swapaxes(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)                   # [b, ng, cached + s, d]
+        out = hot.causal_attention(q, k, v, attention_mask=attention_mask)
         return self.linear_proj(out.swapaxes(1, 2).reshape(b, s, ng * r * d))
 
 
@@ -104,8 +113,13 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = c.hidden_dropout
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                attention_mask: Optional[Tensor] = None) -> Tensor:
-        h = self.self_attention(self.input_layernorm(x), cos, sin, attention_mask)
+                attention_mask: Optional[Tensor] = None,
+                kv_cache: Optional["LayerKVCache"] = None) -> Tensor:
+        h = self.input_layernorm(x)
+        if kv_cache is None:
+            h = self.self_attention(h, cos, sin, attention_mask)
+        else:
+            h = self.self_attention(h, cos, sin, attention_mask, kv_cache=kv_cache)
         x = x + F.dropout(h, self.hidden_dropout, self.training)
         h = self.mlp(self.pre_mlp_layernorm(x))
         return x + F.dropout(h, self.hidden_dropout, self.training)

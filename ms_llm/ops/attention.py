@@ -18,14 +18,18 @@ _MASK_VALUE = -1e30  # finite so fully-masked rows give a uniform softmax, not N
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
                      attention_mask: Optional[Tensor] = None) -> Tensor:
-    """q: [b, nh, s, d]; k, v: [b, ng, s, d] with nh % ng == 0 (query head h reads kv head
-    h // (nh/ng)). ``attention_mask``: optional bool [b or 1, 1, s, s], True = masked out
-    (Megatron's convention), used instead of the causal mask. Returns [b, nh, s, d]."""
+    """q: [b, nh, s, d]; k, v: [b, ng, sk, d] with nh % ng == 0 (query head h reads kv head
+    h // (nh/ng)). ``attention_mask``: optional bool [b or 1, 1, s, sk], True = masked out
+    (Megatron's convention), used instead of the causal mask. Returns [b, nh, s, d].
+
+    ``sk > s`` (queries continuing a KV cache) needs ``attention_mask``, or takes the composed
+    form with the causal mask aligned to the last query (query i sees keys ``<= sk - s + i``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    square = q.shape[2] == k.shape[2]
     path = path_for("attention")
-    if path == "native":
+    if path == "native" and (square or attention_mask is not None):
         return _flash_attention_ascend(q, k, v, scale, attention_mask)
-    if path == "aot" and attention_mask is None:
+    if path == "aot" and attention_mask is None and square:
         return _causal_attention_aot(q, k, v, scale)
     return causal_attention_composed(q, k, v, scale, attention_mask)
 
@@ -42,8 +46,8 @@ def _causal_attention_aot(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tens
     return bmm(probs, v.astype(float32)).reshape(b, nh, s, d).astype(dtype)
 
 
-def _causal_mask(s: int) -> Tensor:
-    return Tensor(np.triu(np.full((s, s), _MASK_VALUE, np.float32), 1))
+def _causal_mask(s: int, sk: int) -> Tensor:
+    return Tensor(np.triu(np.full((s, sk), _MASK_VALUE, np.float32), 1 + sk - s))
 
 
 def causal_attention_composed(q: Tensor, k: Tensor, v: Tensor, scale: float,
@@ -51,18 +55,18 @@ def causal_attention_composed(q: Tensor, k: Tensor, v: Tensor, scale: float,
     # Grouped form: fold the query heads of one KV group into the row dimension, so K and V are
     # never expanded (no repeat_interleave copy of K/V, one batched matmul per group).
     b, nh, s, d = q.shape
-    ng = k.shape[1]
+    ng, sk = k.shape[1], k.shape[2]
     r = nh // ng
     dtype = q.dtype
     q = q.astype(float32).reshape(b, ng, r * s, d)
     k, v = k.astype(float32), v.astype(float32)
-    scores = F.matmul(q, k.swapaxes(-1, -2)).reshape(b, ng, r, s, s) * scale
+    scores = F.matmul(q, k.swapaxes(-1, -2)).reshape(b, ng, r, s, sk) * scale
     if attention_mask is None:
-        scores = scores + _causal_mask(s)
+        scores = scores + _causal_mask(s, sk)
     else:
         bias = F.where(attention_mask, Tensor(_MASK_VALUE, float32), Tensor(0.0, float32))
-        scores = scores + bias.reshape(bias.shape[0], 1, 1, s, s)
-    probs = F.softmax(scores, -1).reshape(b, ng, r * s, s)
+        scores = scores + bias.reshape(bias.shape[0], 1, 1, s, sk)
+    probs = F.softmax(scores, -1).reshape(b, ng, r * s, sk)
     out = F.matmul(probs, v).reshape(b, nh, s, d)
     return out.astype(dtype)
 

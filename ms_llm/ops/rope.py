@@ -1,6 +1,8 @@
 """Rotary position embedding, rotate-half convention (Megatron ``apply_rotary_pos_emb``, HF Llama)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 from mindspore import Tensor, mint, ops
 
@@ -9,16 +11,21 @@ from . import cpu_kernels
 from ._dispatch import path_for
 
 
-def rope_cos_sin(seq_len: int, dim: int, base: float, position_offset: int = 0):
+def rope_cos_sin(seq_len: int, dim: int, base: float, position_offset: int = 0,
+                 inv_freq: Optional[np.ndarray] = None, attention_factor: float = 1.0):
     """cos, sin of shape [seq_len, dim] (the half-dim frequencies repeated twice), fp32.
 
     Built in float64 NumPy so angles at long positions keep full precision before the cast.
+    ``inv_freq`` ([dim/2]) replaces ``base``'s frequencies (scaled RoPE such as YaRN), and
+    ``attention_factor`` multiplies both tables, which is how HF applies YaRN's attention scale.
     """
-    inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if inv_freq is None:
+        inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     pos = np.arange(position_offset, position_offset + seq_len, dtype=np.float64)
-    freqs = np.outer(pos, inv_freq)
+    freqs = np.outer(pos, np.asarray(inv_freq, dtype=np.float64))
     emb = np.concatenate([freqs, freqs], axis=-1)
-    return Tensor(np.cos(emb).astype(np.float32)), Tensor(np.sin(emb).astype(np.float32))
+    cos, sin = np.cos(emb) * attention_factor, np.sin(emb) * attention_factor
+    return Tensor(cos.astype(np.float32)), Tensor(sin.astype(np.float32))
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
