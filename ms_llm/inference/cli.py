@@ -1,0 +1,124 @@
+"""``ms-llm generate`` and ``ms-llm chat``.
+
+Sampling follows the common CLI convention: greedy unless a sampling flag is given
+(``--temperature`` > 0, ``--top-k`` > 0 or ``--top-p`` < 1); ``--temperature 0`` is greedy.
+The output is the generated text only (not the prompt), identical with and without ``--stream``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional, TextIO
+
+
+def _common(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    p.add_argument("--load", required=True,
+                   help="HF folder, Megatron folder or training checkpoint (save_dir / iter_*)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer file or folder (default: the --load folder's); 'embedded' "
+                        "for the default corpus tokenizer")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, dest="max_new_tokens")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sample at this temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=None, dest="top_k", help="sample among the k "
+                   "most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, dest="top_p",
+                   help="sample from the smallest set of tokens holding this probability")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    p.add_argument("--max-context", type=int, default=None, dest="max_context",
+                   help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--dtype", default=None, help="parameter dtype (default float32)")
+
+
+def sampling_args(args: argparse.Namespace) -> dict:
+    """generate()'s sampling keywords from the flags (see the module docstring)."""
+    sample = ((args.temperature is not None and args.temperature > 0)
+              or (args.top_k or 0) > 0 or (args.top_p is not None and args.top_p < 1.0))
+    if args.temperature == 0:
+        sample = False
+    if not sample:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": args.temperature or 1.0,
+            "top_k": args.top_k or 0, "top_p": 1.0 if args.top_p is None else args.top_p}
+
+
+def _load(args: argparse.Namespace):
+    from .loading import eos_token_ids, load_model, load_tokenizer_for
+    tokenizer = load_tokenizer_for(args.load, args.tokenizer)
+    model = load_model(args.load, args.dtype)
+    context = args.max_context or model.config.max_position_embeddings
+    return model, tokenizer, eos_token_ids(args.load, tokenizer), context
+
+
+def generate_main(argv: List[str], out: Optional[TextIO] = None) -> int:
+    """``ms-llm generate --load PATH --prompt TEXT``: continue one prompt."""
+    p = argparse.ArgumentParser(prog="ms-llm generate", description=generate_main.__doc__)
+    _common(p, max_new_tokens=128)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    args = p.parse_args(argv)
+    out = out or sys.stdout
+    from .generate import generate
+    from .loading import encode_prompt
+    from .streamer import TextStreamer
+    try:
+        sampling = sampling_args(args)
+        model, tokenizer, eos, context = _load(args)
+        ids = encode_prompt(tokenizer, args.prompt)
+        if len(ids) > context:
+            raise ValueError(f"the prompt is {len(ids)} tokens, longer than the model's "
+                             f"context of {context} tokens")
+        budget = min(args.max_new_tokens, context - len(ids))
+        streamer = TextStreamer(tokenizer, skip_token_ids=eos, out=out) if args.stream else None
+        result = generate(model, [ids], budget, eos_token_id=eos, seed=args.seed,
+                          streamer=streamer, vocab_size=tokenizer.vocab_size, **sampling)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"ms-llm generate: {e}", file=sys.stderr)
+        return 2
+    if streamer is None:
+        new = [int(t) for t in result[0, len(ids):] if int(t) not in eos]
+        out.write(tokenizer.decode(new) + "\n")
+        out.flush()
+    return 0
+
+
+def chat_main(argv: List[str], stdin: Optional[TextIO] = None,
+              out: Optional[TextIO] = None) -> int:
+    """``ms-llm chat --load PATH``: a conversation on stdin / stdout with the tokenizer's chat
+    template; each line is a user turn; EOF or ``exit`` ends it."""
+    p = argparse.ArgumentParser(prog="ms-llm chat", description=chat_main.__doc__)
+    _common(p, max_new_tokens=512)
+    p.add_argument("--system", default=None, help="system prompt")
+    args = p.parse_args(argv)
+    stdin, out = stdin or sys.stdin, out or sys.stdout
+    from .chat import ChatSession, ContextTooLong
+    from .streamer import TextStreamer
+    try:
+        sampling = sampling_args(args)
+        model, tokenizer, eos, context = _load(args)
+        if not tokenizer.chat_template:
+            raise ValueError(f"tokenizer {tokenizer.path} has no chat_template "
+                             f"(tokenizer_config.json)")
+        session = ChatSession(model, tokenizer, eos, context, system=args.system,
+                              max_new_tokens=args.max_new_tokens,
+                              sampling=dict(sampling, vocab_size=tokenizer.vocab_size),
+                              seed=args.seed)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"ms-llm chat: {e}", file=sys.stderr)
+        return 2
+    interactive = stdin.isatty()
+    while True:
+        if interactive:
+            out.write("> ")
+            out.flush()
+        line = stdin.readline()
+        if not line or line.strip() == "exit":
+            return 0
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        try:
+            session.send(text, streamer=TextStreamer(tokenizer, skip_token_ids=eos, out=out))
+        except ContextTooLong as e:
+            print(f"ms-llm chat: {e}; start a new chat", file=sys.stderr)
+            return 2
