@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from mindspore import Tensor
+from mindspore import Tensor, ops
 
 from ms_llm import ops as hot
 from ms_llm.compat import F, float32, nn
@@ -72,7 +72,7 @@ class GPTModel(nn.Module):
         else:
             self.output_layer = None
         self._rope_cache = {}
-        self._table_rows = 0   # rows of the shared table positions are gathered from
+        self._table_rows, self._table = 0, None   # the inference table (_cached_cos_sin)
         # The LM head as swappable steps (tied logits, logits post-processing, loss);
         # ms_llm.parallel.parallelize replaces them with vocabulary-parallel versions, so the model
         # itself stays parallelism-free.
@@ -87,21 +87,26 @@ class GPTModel(nn.Module):
             return None
         return moe_aux_loss(self)
 
-    def rotary_cos_sin(self, seq_len: int, position_ids: Optional[Tensor] = None,
-                       offset: int = 0, max_position: Optional[int] = None):
-        """cos, sin ``[s, d]`` for positions ``offset..offset+s-1``, or ``[b, 1, s, d]`` at
-        ``position_ids`` ``[b, s]`` (packed documents restart their positions, left-padded
-        prompts start late; every head shares them), all below ``max_position`` (default
-        ``offset + s``). The tables carry the config's RoPE scaling (YaRN)."""
-        rows = max_position or offset + seq_len
-        if position_ids is None and offset == 0 and rows == seq_len:
-            if seq_len not in self._rope_cache:
-                self._rope_cache[seq_len] = self._rope_tables(seq_len)
-            return self._rope_cache[seq_len]
-        if self._table_rows < rows:   # one growing table for gathers and cache offsets
+    def rotary_cos_sin(self, seq_len: int, position_ids: Optional[Tensor] = None):
+        """cos, sin ``[s, d]`` for positions ``0..s-1``, or ``[b, 1, s, d]`` at ``position_ids``
+        ``[b, s]`` (packed documents restart their positions; every head shares them). The
+        tables carry the config's RoPE scaling (YaRN)."""
+        if seq_len not in self._rope_cache:
+            self._rope_cache[seq_len] = self._rope_tables(seq_len)
+        cos, sin = self._rope_cache[seq_len]
+        if position_ids is None:
+            return cos, sin
+        return (F.embedding(position_ids, cos).expand_dims(1),
+                F.embedding(position_ids, sin).expand_dims(1))
+
+    def _cached_cos_sin(self, seq_len: int, position_ids: Optional[Tensor], offset: int,
+                        rows: int):
+        """Inference (PyNative only): cos, sin for positions ``offset..offset+s-1`` or at
+        ``position_ids``, all below ``rows``, from one table that grows as the cache does."""
+        if self._table_rows < rows:
             self._table_rows = max(rows, 2 * self._table_rows)
-            self._rope_cache["table"] = self._rope_tables(self._table_rows)
-        cos, sin = self._rope_cache["table"]
+            self._table = self._rope_tables(self._table_rows)
+        cos, sin = self._table
         if position_ids is None:
             return cos[offset:offset + seq_len], sin[offset:offset + seq_len]
         return (F.embedding(position_ids, cos).expand_dims(1),
@@ -126,9 +131,8 @@ class GPTModel(nn.Module):
         if kv_cache is None:
             cos, sin = self.rotary_cos_sin(s, position_ids)
         else:
-            cos, sin = self.rotary_cos_sin(s, position_ids, offset=kv_cache.length,
-                                           max_position=max(kv_cache.max_capacity,
-                                                            kv_cache.length + s))
+            cos, sin = self._cached_cos_sin(s, position_ids, kv_cache.length,
+                                            max(kv_cache.max_capacity, kv_cache.length + s))
             if attention_mask is None:
                 attention_mask = kv_cache.attention_mask(s)
         h = self.embedding(input_ids)
