@@ -102,7 +102,8 @@ def run_record(trainer) -> dict:
     from ms_llm.models.moe import moe_layers
     records = trainer.fit()
     out = {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records]}
-    layers = moe_layers(trainer.model)
+    # Under pipeline parallel the model also holds other stages' layers, which never ran here.
+    layers = [layer for layer in moe_layers(trainer.model) if layer.router.stats is not None]
     if layers:
         out["expert_counts"] = [[int(c) for c in layer.router.stats[1].asnumpy()]
                                 for layer in layers]

@@ -17,7 +17,8 @@ def _run(tmp_path, *args):
     out = tmp_path / "out"
     env = launch_env(tmp_path, NPROC="2")
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain.sh"), *args,
-                        "--training.max_steps", "2", "--training.output_dir", str(out)],
+                        "--training.max_steps", "2", "--training.log_interval", "1",
+                        "--training.output_dir", str(out)],
                        capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
