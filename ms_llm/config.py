@@ -1,7 +1,7 @@
 """The one run-config schema. YAML files and dotted command-line overrides both go through
 ``load_config``; unknown keys, wrong types and out-of-range values (``RULES``) are rejected with
 one line naming the key and the source that set it (the YAML path, or
-``command line --section.key``). ``schema_help()`` renders the same schema for ``--help``."""
+``command line --section.key``). ``config_help.schema_help()`` renders the same schema for ``--help``."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,16 +9,15 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models.families import family_defaults
+from ms_llm.config_rules import RULES, ConfigError, check_value  # noqa: F401 (re-exported)
 
 
-class ConfigError(ValueError):
-    """A bad config: the message is one line naming the file/argument and the key."""
 
 
 @dataclass
@@ -148,110 +147,6 @@ _MODEL_FIELDS = {f.name: f for f in fields(TransformerConfig)}
 COMMAND_LINE = "command line"
 
 
-# ------------------------------------------------------------------------------ value rules
-# A rule returns None for a good value, else what the value must be. Rules run on every
-# explicitly set key right after its type is checked, so the error names that key's source
-# (and nothing downstream, e.g. TransformerConfig's head arithmetic, sees a zero or a negative).
-Rule = Callable[[Any], Optional[str]]
-
-
-def _rule(desc: str, ok: Callable[[Any], bool]) -> Rule:
-    def rule(value: Any) -> Optional[str]:
-        return None if ok(value) else desc
-    rule.desc = desc  # type: ignore[attr-defined]  # shown by ``ms-llm train --help``
-    return rule
-
-
-def _gt(lo: float) -> Rule:
-    return _rule(f"> {lo}", lambda v: v > lo)
-
-
-def _ge(lo: float) -> Rule:
-    return _rule(f">= {lo}", lambda v: v >= lo)
-
-
-def _within(lo: float, hi: float, hi_open: bool = False) -> Rule:
-    close = ")" if hi_open else "]"
-    return _rule(f"in [{lo}, {hi}{close}",
-                 lambda v: lo <= v < hi if hi_open else lo <= v <= hi)
-
-
-def _one_of(*choices: str, null: bool = False, case: bool = True) -> Rule:
-    desc = ("null or " if null else "") + "one of " + ", ".join(choices)
-    if case:
-        return _rule(desc, lambda v: v in choices)
-    return _rule(desc, lambda v: v.lower() in choices)
-
-
-def _existing_dir() -> Rule:
-    return _rule("an existing folder", lambda v: os.path.isdir(os.path.expanduser(v)))
-
-
-_POSITIVE, _NON_NEGATIVE, _PROBABILITY = _gt(0), _ge(0), _within(0, 1)
-_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-RULES: Dict[str, Rule] = {
-    **{f"training.{k}": _POSITIVE for k in (
-        "max_steps", "micro_batch_size", "global_batch_size", "log_interval", "lr_decay_steps",
-        "adam_eps")},
-    **{f"training.{k}": _NON_NEGATIVE for k in (
-        "seed", "lr", "min_lr", "lr_warmup_steps", "weight_decay", "clip_grad")},
-    "training.adam_beta1": _within(0, 1, hi_open=True),
-    "training.adam_beta2": _within(0, 1, hi_open=True),
-    "training.lr_decay_style": _one_of("cosine", "linear", "constant"),
-    "training.resume": _one_of("none", "auto"),
-    "training.device": _one_of("auto", "cpu", "ascend", case=False),
-    **{f"data.{k}": _POSITIVE for k in (
-        "seq_length", "embedded_vocab_size", "make_vocab_size_divisible_by")},
-    "data.dataset_type": _one_of("pretrain", "sft"),
-    **{f"parallel.{k}": _ge(1) for k in (
-        "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-        "expert_model_parallel_size", "fsdp_size", "virtual_pipeline_model_parallel_size")},
-    "parallel.ddp_bucket_mb": _POSITIVE,
-    "parallel.collective_timeout_s": _POSITIVE,
-    "parallel.fsdp_prefetch": _NON_NEGATIVE,
-    "parallel.fsdp_param_dtype": _one_of(*_DTYPES, null=True, case=False),
-    "parallel.fsdp_reduce_dtype": _one_of(*_DTYPES, null=True, case=False),
-    "checkpoint.save_interval": _NON_NEGATIVE,
-    "checkpoint.keep_last": _ge(1),
-    "checkpoint.load": _existing_dir(),
-    "quant.recipe": _one_of("mxfp8", null=True),
-    "quant.scale_mode": _one_of("floor", "rceil"),
-    "quant.elem_dtype": _one_of("float8_e4m3fn", "float8_e5m2"),
-    "moe.dispatcher": _one_of("alltoall", "megamoe"),
-    "moe.expert_groups": _ge(1),
-    "moe.token_chunks": _ge(1),
-    **{f"model.{k}": _POSITIVE for k in (
-        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-        "kv_channels", "padded_vocab_size", "max_position_embeddings", "layernorm_epsilon",
-        "rotary_base", "num_moe_experts", "moe_ffn_hidden_size",
-        "moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor")},
-    **{f"model.{k}": _NON_NEGATIVE for k in (
-        "init_method_std", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-        "moe_router_bias_update_rate")},
-    "model.moe_router_topk": _ge(1),
-    "model.moe_layer_freq": _ge(1),
-    "model.hidden_dropout": _PROBABILITY,
-    "model.attention_dropout": _PROBABILITY,
-    "model.rotary_percent": _within(0, 1),
-    "model.normalization": _one_of("RMSNorm"),
-    "model.position_embedding_type": _one_of("rope"),
-    "model.activation_func": _one_of("silu", "gelu"),
-    "model.mlp_type": _one_of("dense", "moe"),
-    "model.moe_router_score_function": _one_of("softmax", "sigmoid"),
-    "model.moe_router_load_balancing_type": _one_of("aux_loss", "none"),
-}
-
-
-def _check_value(key: str, value: Any, source: str) -> None:
-    rule = RULES.get(key)
-    if rule is None or value is None:
-        return
-    for v in value if isinstance(value, list) else [value]:
-        need = rule(v)
-        if need is not None:
-            raise ConfigError(f"{source}: {key} must be {need}, got {v!r}")
-
-
 # ------------------------------------------------------------------------------ parsing
 def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     """Check ``value`` against the annotation ``tp``; strings from the command line are parsed."""
@@ -299,7 +194,7 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
 def _checked(value: Any, tp: Any, key: str, source: str) -> Any:
     """Type, then value: the one gate every explicitly set key passes through."""
     value = _coerce(value, tp, key, source)
-    _check_value(key, value, source)
+    check_value(key, value, source)
     return value
 
 
@@ -494,53 +389,3 @@ def _check_misc(cfg: RunConfig) -> None:
     if cfg.training.resume == "auto" and not cfg.checkpoint.save_dir:
         _fail(cfg, ("training.resume", "checkpoint.save_dir"),
               "training.resume=auto needs checkpoint.save_dir")
-
-
-# ------------------------------------------------------------------------------ help text
-def _type_name(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union:
-        inner = next(a for a in args if a is not type(None))
-        return f"{_type_name(inner)} or null"
-    if origin in (list, List):
-        return f"list of {_type_name(args[0])}"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _default_text(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        value = f.default
-    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = f.default_factory()  # type: ignore[misc]
-    else:
-        return "(required)"
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return ",".join(map(str, value)) or "(empty)"
-    return str(value)
-
-
-def _key_lines(section: str, cls) -> List[str]:
-    hints = _hints(cls)
-    lines = []
-    for f in fields(cls):
-        rule = RULES.get(f"{section}.{f.name}")
-        note = f"  [{rule.desc}]" if rule is not None else ""
-        lines.append(f"  {f.name:<38} {_type_name(hints[f.name]):<20} "
-                     f"{_default_text(f)}{note}")
-    return lines
-
-
-def schema_help() -> str:
-    """Every config section and key with its type, default and allowed values, generated from
-    the dataclasses and RULES above (so it cannot drift from what load_config accepts)."""
-    from ms_llm.models.families import FAMILIES
-    lines = ["model:  (family sets architecture defaults; the keys below override them)",
-             f"  {'family':<38} {'str or null':<20} null  [one of {', '.join(FAMILIES)}]"]
-    lines += _key_lines("model", TransformerConfig)
-    for section, cls in _SECTIONS.items():
-        lines += ["", f"{section}:"] + _key_lines(section, cls)
-    return "\n".join(lines)
