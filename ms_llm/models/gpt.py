@@ -96,8 +96,8 @@ class GPTModel(nn.Module):
         cos, sin = self._rope_cache[seq_len]
         if position_ids is None:
             return cos, sin
-        return (F.embedding(position_ids, cos).expand_dims(1),
-                F.embedding(position_ids, sin).expand_dims(1))
+        return (ops.gather(cos, position_ids, 0).expand_dims(1),
+                ops.gather(sin, position_ids, 0).expand_dims(1))
 
     def _cached_cos_sin(self, seq_len: int, position_ids: Optional[Tensor], offset: int,
                         rows: int):
@@ -109,8 +109,8 @@ class GPTModel(nn.Module):
         cos, sin = self._table
         if position_ids is None:
             return cos[offset:offset + seq_len], sin[offset:offset + seq_len]
-        return (F.embedding(position_ids, cos).expand_dims(1),
-                F.embedding(position_ids, sin).expand_dims(1))
+        return (ops.gather(cos, position_ids, 0).expand_dims(1),
+                ops.gather(sin, position_ids, 0).expand_dims(1))
 
     def _rope_tables(self, rows: int):
         c = self.config
