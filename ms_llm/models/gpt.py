@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from mindspore import Tensor, ops
 
 from ms_llm import ops as hot
-from ms_llm.compat import F, float32, nn
+from ms_llm.compat import float32, nn
 from .config import TransformerConfig
 from .kv_cache import KVCache
 from .layers import RMSNorm, TransformerLayer
