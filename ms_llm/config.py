@@ -166,22 +166,15 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             return value.lower() in ("true", "1", "yes")
         if isinstance(value, bool):
             return value
-    elif tp is int:
+    elif tp in (int, float):      # a YAML int is a fine float; a float is not an int
         if isinstance(value, str):
             try:
-                return int(value)
+                return tp(value)
             except ValueError:
                 pass
-        elif isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+        elif isinstance(value, (int, float) if tp is float else int) \
+                and not isinstance(value, bool):
+            return tp(value)
     elif tp is str:
         if isinstance(value, str):
             return value

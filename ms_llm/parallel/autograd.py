@@ -77,49 +77,26 @@ class _ReduceFromGroup(Function):
         return g, None
 
 
-class _GatherFromGroup(Function):
-    @staticmethod
+def _along_dim(name: str, fwd, bwd, doc: str = ""):
+    """A Function that runs ``fwd(x, dim, group)`` forward and ``bwd(g, dim, group)`` backward:
+    Megatron's mappings are pairs of one collective and its adjoint."""
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
+        return fwd(x, dim, group)
 
-    @staticmethod
     def backward(ctx, g):
-        return _split(g, ctx.dim, ctx.group), None, None
+        return bwd(g, ctx.dim, ctx.group), None, None
+    return type(name, (Function,), {"forward": staticmethod(forward),
+                                    "backward": staticmethod(backward), "__doc__": doc})
 
 
-class _ScatterToGroup(Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.group), None, None
-
-
-class _GatherFromSequenceParallel(Function):
-    """All-gather along the sequence; backward reduce-scatters (Megatron SP)."""
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter(g, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToSequenceParallel(Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.dim, ctx.group), None, None
+_GatherFromGroup = _along_dim("_GatherFromGroup", _gather, _split)
+_ScatterToGroup = _along_dim("_ScatterToGroup", _split, _gather)
+_GatherFromSequenceParallel = _along_dim(
+    "_GatherFromSequenceParallel", _gather, _reduce_scatter,
+    "All-gather along the sequence; backward reduce-scatters (Megatron SP).")
+_ReduceScatterToSequenceParallel = _along_dim("_ReduceScatterToSequenceParallel",
+                                              _reduce_scatter, _gather)
 
 
 class _AllToAll(Function):

@@ -29,13 +29,11 @@ def _check_dims(name: str, **dims: int) -> None:
                          f"(add it to quant.ignored_modules)")
 
 
-class MXFP8Linear(nn.Module):
-    """``y = x W^T + b`` with MXFP8 GEMMs in forward and backward (``mx_linear``)."""
+class _MXFP8Weights(nn.Module):
+    """The MXFP8 recipe over existing ``weight`` / ``bias`` Parameters (reused, not copied)."""
 
-    def __init__(self, weight: Parameter, bias: Optional[Parameter] = None, *,
-                 scale_mode: str = "floor", elem_dtype: str = "float8_e4m3fn", name: str = ""):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
+    def _adopt(self, weight: Parameter, bias: Optional[Parameter], scale_mode: str,
+               elem_dtype: str, name: str) -> None:
         _check_dims(name or type(self).__name__, in_features=self.in_features,
                     out_features=self.out_features)
         self.weight = weight
@@ -45,11 +43,21 @@ class MXFP8Linear(nn.Module):
         self.mx_fn = make_function(self.elem_dtype, self.scale_mode, bias is not None)
 
     @classmethod
-    def from_float(cls, linear: nn.Cell, *, scale_mode: str = "floor",
-                   elem_dtype: str = "float8_e4m3fn", name: str = "") -> "MXFP8Linear":
-        """Wrap ``linear``'s own ``weight`` ([out, in]) and ``bias`` Parameters."""
-        return cls(linear.weight, getattr(linear, "bias", None), scale_mode=scale_mode,
+    def from_float(cls, module: nn.Cell, *, scale_mode: str = "floor",
+                   elem_dtype: str = "float8_e4m3fn", name: str = ""):
+        """Wrap ``module``'s own ``weight`` and ``bias`` Parameters."""
+        return cls(module.weight, getattr(module, "bias", None), scale_mode=scale_mode,
                    elem_dtype=elem_dtype, name=name)
+
+
+class MXFP8Linear(_MXFP8Weights):
+    """``y = x W^T + b`` with MXFP8 GEMMs in forward and backward (``mx_linear``)."""
+
+    def __init__(self, weight: Parameter, bias: Optional[Parameter] = None, *,
+                 scale_mode: str = "floor", elem_dtype: str = "float8_e4m3fn", name: str = ""):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self._adopt(weight, bias, scale_mode, elem_dtype, name)
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
@@ -72,7 +80,7 @@ class MXFP8Linear(nn.Module):
                f"bias={self.bias is not None}, {self.elem_dtype}, scale_mode={self.scale_mode}"
 
 
-class MXFP8GroupedLinear(nn.Module):
+class MXFP8GroupedLinear(_MXFP8Weights):
     """MoE experts as one grouped MXFP8 GEMM: ``weight [E, out, in]``; ``forward(x, sizes)``
     takes tokens sorted by expert and ``tokens_per_expert`` (Python ints: static shapes).
 
@@ -89,19 +97,7 @@ class MXFP8GroupedLinear(nn.Module):
             raise ValueError(f"quant: module '{name}': grouped experts need a weight of shape "
                              f"[experts, out, in], got {tuple(weight.shape)}")
         self.num_experts, self.out_features, self.in_features = weight.shape
-        _check_dims(name or type(self).__name__, in_features=self.in_features,
-                    out_features=self.out_features)
-        self.weight = weight
-        self.bias = bias
-        self.scale_mode = check_scale_mode(scale_mode)
-        self.elem_dtype = elem_format(elem_dtype).name
-        self.mx_fn = make_function(self.elem_dtype, self.scale_mode, bias is not None)
-
-    @classmethod
-    def from_float(cls, module: nn.Cell, *, scale_mode: str = "floor",
-                   elem_dtype: str = "float8_e4m3fn", name: str = "") -> "MXFP8GroupedLinear":
-        return cls(module.weight, getattr(module, "bias", None), scale_mode=scale_mode,
-                   elem_dtype=elem_dtype, name=name)
+        self._adopt(weight, bias, scale_mode, elem_dtype, name)
 
     def forward(self, x: Tensor, tokens_per_expert: Sequence[int]) -> Tensor:
         sizes = [int(s) for s in tokens_per_expert]
