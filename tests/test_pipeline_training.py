@@ -47,10 +47,26 @@ def check(run, ref, name, steps=slice(None)):
                                err_msg=name)
 
 
+def _megatron_pp2_folder(root) -> str:
+    """A tiny Qwen3 (the test model's shapes, the embedded tokenizer's 4096 rows) converted to a
+    Megatron folder with 2 pipeline stages x 2 virtual stages, as MindSpeed writes it."""
+    from hf_fixtures import make_hf_checkpoint
+    from ms_llm.checkpoint.convert import main as convert_main
+    make_hf_checkpoint(root / "hf", "qwen3", hidden=64, layers=4, heads=4, kv_heads=2,
+                       head_dim=16, ffn=128, vocab=4096, tied=True)
+    assert convert_main(["--load-model-type", "hf", "--save-model-type", "mg",
+                         "--model-type-hf", "qwen3", "--load-dir", str(root / "hf"),
+                         "--save-dir", str(root / "mg"), "--target-pipeline-parallel-size", "2",
+                         "--num-layers-per-virtual-pipeline-stage", "1"]) == 0
+    return str(root / "mg")
+
+
 @pytest.mark.msrun
 def test_two_stages(tmp_path, refs):
     save = ["--training.max_steps", "3", "--checkpoint.save_dir", str(tmp_path / "ck")]
+    load = ["--checkpoint.load", _megatron_pp2_folder(tmp_path)]
     res = run_worker_job("train_parallel.py", tmp_path, 2, [
+        spec("pp2_load_megatron_pp2_vpp2", LAYERS, load, pp(2)),
         spec("pp2", LAYERS, pp(2)),
         spec("pp2_untied", LAYERS, UNTIED, pp(2)),
         spec("pp2_uneven", LAYERS, pp(2), ["--parallel.num_layer_list", "1|3"]),
@@ -67,6 +83,8 @@ def test_two_stages(tmp_path, refs):
                       ("pp2_moe_bias", "moe_bias")):
         check(res[name], refs[key], name)
     check(res["pp2_vpp2_save"], refs["untied"], "pp2_vpp2_save", slice(0, 3))
+    # A Megatron folder written with pp=2 x vpp=2 trains at pp=2 as it does in one process.
+    check(res["pp2_load_megatron_pp2_vpp2"], _record(load), "pp2_load_megatron_pp2_vpp2")
     # Layers are stored under their global index: the pp=2 x vpp=2 checkpoint resumes in one
     # process (pp=1) and continues the uninterrupted curve.
     cfg = load_config(CONFIG, BASE + LAYERS + UNTIED + [
