@@ -11,7 +11,8 @@ so the cache must not guess it from the config either.
 
 Slots are shared by the batch: left-padded prompts put their padding in the first slots, which
 ``padding`` marks (never attended). ``attention_mask`` builds the Megatron-convention mask (True =
-masked) over the slots for the next ``s`` queries: causal within the step, padding everywhere.
+masked) over the slots for the next ``s`` queries: causal within the step, padding everywhere
+(None without padding: the attention's causal mask aligned to the last query is the same).
 """
 from __future__ import annotations
 
@@ -117,14 +118,16 @@ class KVCache:
             layer.length = length
         self.padding[:, length:] = False
 
-    def attention_mask(self, s: int) -> Tensor:
-        """Bool ``[b or 1, 1, s, length + s]`` for the next ``s`` queries (True = masked): key
-        slot ``j`` is hidden from query slot ``i`` when ``j > i`` or ``j`` is padding."""
+    def attention_mask(self, s: int) -> Optional[Tensor]:
+        """Bool ``[b, 1, s, length + s]`` for the next ``s`` queries (True = masked): key slot
+        ``j`` is hidden from query slot ``i`` when ``j > i`` or ``j`` is padding. None when no
+        slot is padding: attention's own causal mask, aligned to the last query, is the same
+        (and takes the fused kernels where they exist)."""
         start = self.length
         total = start + s
         self._check(total)
-        causal = np.arange(total)[None, :] > np.arange(start, total)[:, None]     # [s, total]
         pad = self.padding[:, :total]
         if not pad.any():
-            return Tensor(causal[None, None])
+            return None
+        causal = np.arange(total)[None, :] > np.arange(start, total)[:, None]     # [s, total]
         return Tensor(causal[None, None] | pad[:, None, None, :])

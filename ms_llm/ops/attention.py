@@ -62,7 +62,8 @@ def causal_attention_composed(q: Tensor, k: Tensor, v: Tensor, scale: float,
     k, v = k.astype(float32), v.astype(float32)
     scores = F.matmul(q, k.swapaxes(-1, -2)).reshape(b, ng, r, s, sk) * scale
     if attention_mask is None:
-        scores = scores + _causal_mask(s, sk)
+        if s > 1:   # one query (a decode step) is the last position: it sees every key
+            scores = scores + _causal_mask(s, sk)
     else:
         bias = F.where(attention_mask, Tensor(_MASK_VALUE, float32), Tensor(0.0, float32))
         scores = scores + bias.reshape(bias.shape[0], 1, 1, s, sk)
