@@ -62,6 +62,10 @@ class TrainingConfig:
     device: str = "auto"              # auto | CPU | Ascend
     progress_bar: bool = True
     resume: str = "none"              # none | auto (needs checkpoint.save_dir)
+    recompute_granularity: Optional[str] = None   # null | full (whole layers) | selective
+    recompute_method: Optional[str] = None        # null | uniform (every layer) | block
+    recompute_num_layers: Optional[int] = None    # block: first N layers of each stage
+    recompute_norm: bool = False                  # recompute the RMSNorms (MindSpeed)
 
 
 @dataclass

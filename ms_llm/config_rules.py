@@ -62,6 +62,9 @@ RULES: Dict[str, Rule] = {
     "training.adam_beta2": _within(0, 1, hi_open=True),
     "training.lr_decay_style": _one_of("cosine", "linear", "constant"),
     "training.resume": _one_of("none", "auto"),
+    "training.recompute_granularity": _one_of("full", "selective", null=True),
+    "training.recompute_method": _one_of("uniform", "block", null=True),
+    "training.recompute_num_layers": _ge(1),
     "training.device": _one_of("auto", "cpu", "ascend", case=False),
     **{f"data.{k}": _POSITIVE for k in (
         "seq_length", "embedded_vocab_size", "make_vocab_size_divisible_by")},

@@ -102,6 +102,11 @@ def test_four_workers(tmp_path, refs):
         spec("pp2_tp2_sp", LAYERS, UNTIED, pp(2), ["--parallel.tensor_model_parallel_size", "2",
                                                    "--parallel.sequence_parallel", "true"]),
         spec("pp2_fsdp2", LAYERS, pp(2), ["--parallel.fsdp_size", "2"]),
+        # Recompute inside a stage whose backward already re-runs its forward, with the tensor
+        # parallel collectives issued again in backward.
+        spec("pp2_tp2_recompute", LAYERS, UNTIED, pp(2), [
+            "--parallel.tensor_model_parallel_size", "2", "--training.recompute_granularity",
+            "full", "--training.recompute_norm", "true"]),
         spec("pp2_ep2_megamoe", LAYERS, MOE, pp(2), ["--parallel.expert_model_parallel_size", "2",
                                                       "--moe.dispatcher", "megamoe"]),
     ])
@@ -109,6 +114,7 @@ def test_four_workers(tmp_path, refs):
     check(res["pp2_dp2"], refs["tied"], "pp2_dp2")
     check(res["pp2_tp2_sp"], refs["untied"], "pp2_tp2_sp")
     check(res["pp2_fsdp2"], refs["tied"], "pp2_fsdp2")
+    check(res["pp2_tp2_recompute"], refs["untied"], "pp2_tp2_recompute")
     check(res["pp2_ep2_megamoe"], refs["moe"], "pp2_ep2_megamoe")
 
 

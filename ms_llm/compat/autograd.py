@@ -6,6 +6,8 @@ MindSpore 2.10 ships this as the private ``mindspore.common._Function`` (reached
 per step, but not inside ``mindspore.jit``. Code that needs a custom backward under jit uses
 ``ops.Custom(bprop=...)`` or ``Cell.bprop``.
 """
+import contextlib
+
 from ._private import autograd_function_base
 
 Function = autograd_function_base()
@@ -17,6 +19,16 @@ def is_recomputing() -> bool:
     """True while a forward runs again only to build its backward: host-side statistics (the
     routers' token counts) must not count the tokens twice."""
     return _RECOMPUTING[0]
+
+
+@contextlib.contextmanager
+def recomputing():
+    """The context of a forward that runs again for its backward (see ``is_recomputing``)."""
+    before, _RECOMPUTING[0] = _RECOMPUTING[0], True
+    try:
+        yield
+    finally:
+        _RECOMPUTING[0] = before
 
 
 class DeferredVJP:
@@ -36,14 +48,11 @@ class DeferredVJP:
 
     def backward(self, dy):
         import mindspore as ms
-        _RECOMPUTING[0] = True
-        try:
+        with recomputing():
             _, vjp = ms.vjp(self.fn, self.x, weights=self.weights)
-        finally:
-            _RECOMPUTING[0] = False
         grads_in, grads_w = vjp(dy)
         self.fn = self.x = None
         return grads_in, grads_w
 
 
-__all__ = ["Function", "DeferredVJP", "is_recomputing"]
+__all__ = ["Function", "DeferredVJP", "is_recomputing", "recomputing"]

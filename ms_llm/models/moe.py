@@ -85,6 +85,7 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
         # Routed-token counts since the last ``update_expert_bias`` (host side, training only).
         self.local_tokens_per_expert = np.zeros(self.num_experts, dtype=np.float64)
+        self.pending_counts: Optional[Tensor] = None
         self.aux_loss: Optional[Tensor] = None
         # (sum over tokens of the aux-loss scores [E], routed counts [E], tokens) of the last call.
         self.stats: Optional[Tuple[Tensor, Tensor, int]] = None
@@ -134,7 +135,16 @@ class TopKRouter(nn.Module):
             loss = z if loss is None else loss + z
         self.aux_loss = loss
         if self.training and self.expert_bias is not None and not is_recomputing():
-            self.local_tokens_per_expert += counts.asnumpy().astype(np.float64)
+            # Kept until the loop collects it once per forward: a forward that runs again in
+            # backward (activation recompute) overwrites it with the same counts.
+            self.pending_counts = counts
+
+    def collect_counts(self, keep: bool = True) -> None:
+        """Add the last forward's routed counts to the ones the next bias update uses (or drop
+        them, ``keep=False``, when that forward only rebuilt a backward)."""
+        if self.pending_counts is not None and keep:
+            self.local_tokens_per_expert += self.pending_counts.asnumpy().astype(np.float64)
+        self.pending_counts = None
 
     def update_expert_bias(self, reduce_counts: Optional[Callable[[np.ndarray], np.ndarray]]
                            = None) -> None:
@@ -144,6 +154,7 @@ class TopKRouter(nn.Module):
         so every replica applies the same update."""
         if self.expert_bias is None:
             return
+        self.collect_counts()
         counts = self.local_tokens_per_expert
         if reduce_counts is not None:
             counts = reduce_counts(counts)
@@ -360,6 +371,14 @@ def hf_load_balancing_loss(model: nn.Module) -> Tensor:
         counts = c if counts is None else counts + c
         n += t
     return F.sum(counts * score) * (layers[0].router.num_experts / float(n * n))
+
+
+def collect_router_counts(model: nn.Module, keep: bool = True) -> None:
+    """Once per forward that trains: every router's routed counts join the next bias update
+    (``TopKRouter.collect_counts``)."""
+    for _, cell in model.cells_and_names():
+        if isinstance(cell, TopKRouter):
+            cell.collect_counts(keep)
 
 
 def update_expert_bias(model: nn.Module,

@@ -7,8 +7,8 @@ Every rank builds the same full model (same seed); ``parallelize_model`` then ap
    expert rows), so every later step and the checkpoint derive regions from one record;
 2. module conversions that must precede sharding (MXFP8 replacement: it reuses the Parameters);
 3. tensor (+ sequence) parallel; 4. expert parallel and the token dispatcher; 5. pipeline
-   stages: this rank's model chunks (layers under their global index); 6. FSDP;
-7. gradient synchronisation: each trainable parameter's gradient is summed over the mesh dim its
+   stages: this rank's model chunks (layers under their global index); 6. activation
+   recompute; 7. FSDP; 8. gradient synchronisation: each trainable parameter's gradient is summed over the mesh dim its
    ``Placement`` names (data parallel, expert-data parallel, or none after FSDP).
 
 A new capability (pipeline or context parallel, recompute, LoRA) is one more step here that adds
@@ -28,6 +28,7 @@ from .expert_parallel import apply_expert_parallel
 from .fsdp import MixedPrecisionPolicy, apply_fsdp
 from .pipeline.stages import apply_noop_layers, split_model
 from .placement import grad_replica_dim, placement_of, update_placement
+from .recompute import apply_recompute
 from .state import ParallelState
 from .tensor_parallel import apply_tensor_parallel
 
@@ -75,6 +76,8 @@ def _jit_blockers(cfg, pstate: ParallelState) -> List[str]:
         out.append("MoE routing")
     if pstate.sizes.pp > 1:
         out.append("pipeline parallel")
+    if cfg.training.recompute_granularity or cfg.training.recompute_norm:
+        out.append("activation recompute")
     return out
 
 
@@ -87,6 +90,18 @@ def _pipeline_chunks(model: GPTModel, cfg, pstate: ParallelState) -> Optional[li
         return None
     return split_model(model, pstate, p.virtual_pipeline_model_parallel_size,
                        p.num_layer_list or None, p.noop_layers)
+
+
+def _recompute(model: GPTModel, chunks: Optional[list], cfg) -> List[str]:
+    t = cfg.training
+    if t.recompute_granularity is None and not t.recompute_norm:
+        return []
+    if cfg.parallel.fsdp_size > 1:
+        raise ValueError("training.recompute_* with parallel.fsdp_size > 1 is not built yet "
+                         "(the re-run forward would need FSDP's gathered weights again)")
+    names = apply_recompute(chunks or [model], t.recompute_granularity, t.recompute_method,
+                            t.recompute_num_layers, t.recompute_norm)
+    return [f"recompute: {len(names)} modules ({t.recompute_granularity or 'norm'})"]
 
 
 def _named(model: GPTModel, chunks: Optional[list]) -> list:
@@ -129,6 +144,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
             expert_groups=cfg.moe.expert_groups, token_chunks=cfg.moe.token_chunks)
     apply_noop_layers(model, p.noop_layers)
     chunks = _pipeline_chunks(model, cfg, pstate)
+    notes += _recompute(model, chunks, cfg)
     fsdp = p.fsdp_size > 1
     if fsdp:
         dp = pstate.group("dp")

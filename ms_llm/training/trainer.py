@@ -17,7 +17,7 @@ from ms_llm.checkpoint import dcp
 from ms_llm.compat import manual_seed, setup_device
 from ms_llm.config import ConfigError, RunConfig
 from ms_llm.models import GPTModel, from_pretrained
-from ms_llm.models.moe import update_expert_bias
+from ms_llm.models.moe import collect_router_counts, update_expert_bias
 from ms_llm.ops._dispatch import resolve_paths
 from ms_llm.parallel import comm
 from ms_llm.compat import F, to_ms_dtype
@@ -209,6 +209,8 @@ class Trainer:
             else:
                 loss, g = self.grad_fn(*args)
             total_loss = loss if total_loss is None else total_loss + loss
+            if self.moe:
+                collect_router_counts(self.model)
             if not self.grad_sync.overlap:
                 grads = gradlib.accumulate(grads, g)
         if self.pipeline is None:

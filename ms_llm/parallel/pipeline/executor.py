@@ -27,6 +27,7 @@ from mindspore import Tensor
 
 from ms_llm.compat import F
 from ms_llm.compat.autograd import DeferredVJP
+from ms_llm.models.moe import collect_router_counts
 from .. import comm
 from .schedules import plan_rounds, stage_of, transfers_after, virtual_stage
 
@@ -67,6 +68,7 @@ class PipelineExecutor:
             if act is not None:
                 if act.kind == "F":
                     out = self._forward(act, micro_batches[act.microbatch], inbox, vjps, loss_fn)
+                    collect_router_counts(self.chunks[act.chunk])
                     aux = self.chunks[act.chunk].last_aux_loss
                     if aux is not None:      # reported with the loss, as one process does
                         loss = loss + aux
@@ -76,6 +78,8 @@ class PipelineExecutor:
                         outbox[("act", act.microbatch, act.chunk)] = out
                 else:
                     gx = self._backward(act, inbox, vjps, grads)
+                    # The backward re-ran the forward: its routing was counted in F already.
+                    collect_router_counts(self.chunks[act.chunk], keep=False)
                     if gx is not None:
                         outbox[("grad", act.microbatch, act.chunk)] = gx
                 if self.timed:      # finish the action's kernels so the span is its compute
