@@ -91,3 +91,8 @@ def test_free_and_refill_storage():
     P.refill_storage(t, Tensor(np.arange(6, dtype=np.float32)) * 2.0)
     assert P.storage_nbytes(t) == 24
     np.testing.assert_array_equal(t.asnumpy(), np.arange(6, dtype=np.float32) * 2.0)
+
+
+def test_device_chosen_by_caller_reads_set_device():
+    # conftest has set the CPU device in this process, as a caller's set_device would.
+    assert P.device_chosen_by_caller() is True

@@ -68,6 +68,18 @@ def no_grad() -> ContextManager:
     return _require(common, "_no_grad", "mindspore.common._no_grad")()
 
 
+# ----------------------------------------------------------------------------- device
+def device_chosen_by_caller() -> bool:
+    """Whether ``mindspore.set_device`` was already called in this process: MindSpore has no
+    public query, its own ``set_device`` reads ``_c_expression.DeviceManagerConf``."""
+    try:
+        from mindspore._c_expression import DeviceManagerConf
+    except ImportError:
+        raise _missing("mindspore._c_expression.DeviceManagerConf") from None
+    conf = _require(DeviceManagerConf, "get_instance", "DeviceManagerConf.get_instance")()
+    return bool(_require(conf, "is_device_enable", "DeviceManagerConf.is_device_enable")())
+
+
 # ----------------------------------------------------------------------------- kernels
 def grouped_matmul_kernel() -> Callable:
     """MindSpore's grouped matmul ``gmm`` (Ascend kernel), which ``mindspore.ops`` does not export;

@@ -11,6 +11,8 @@ from typing import Optional
 import mindspore as ms
 from mindspore.ops import constexpr
 
+from ._private import device_chosen_by_caller
+
 _STATE = {"device": None, "threads": None}
 
 
@@ -69,18 +71,9 @@ def _running_device() -> Optional[str]:
     target = ms.get_context("device_target")
     if target not in ("CPU", "Ascend"):
         return None
-    if ms.hal.is_initialized(target) or _device_chosen_by_caller():
+    if ms.hal.is_initialized(target) or device_chosen_by_caller():
         return target
     return None
-
-
-def _device_chosen_by_caller() -> bool:
-    # MindSpore has no public query for "set_device was called"; its own set_device reads this.
-    try:
-        from mindspore._c_expression import DeviceManagerConf
-    except ImportError:  # pragma: no cover - another MindSpore layout: treat as not chosen
-        return False
-    return bool(DeviceManagerConf.get_instance().is_device_enable())
 
 
 def _set_cpu_threads(threads: Optional[int]) -> None:
