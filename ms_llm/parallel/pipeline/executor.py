@@ -49,6 +49,12 @@ class PipelineExecutor:
         self.events: List[tuple] = []
         self.timed = False      # synchronise after each action (benchmarks' timelines)
 
+    @staticmethod
+    def _sync(tensors) -> None:
+        """Wait for the kernels that produced ``tensors`` (PyNative may run them later)."""
+        for t in tensors:
+            t.asnumpy()
+
     def _span(self, kind: str, mb: int, chunk: int, t0: float) -> None:
         self.events.append((kind, mb, chunk, t0, time.perf_counter()))
 
@@ -83,11 +89,12 @@ class PipelineExecutor:
                     if gx is not None:
                         outbox[("grad", act.microbatch, act.chunk)] = gx
                 if self.timed:      # finish the action's kernels so the span is its compute
-                    for t in outbox.values():
-                        t.asnumpy()
+                    self._sync(list(outbox.values()) + [loss] + (grads[act.chunk] or [])[-1:])
                 self._span(act.kind, act.microbatch, act.chunk, t0)
             t0 = time.perf_counter()
             self._exchange(actions, outbox, inbox)
+            if self.timed:
+                self._sync(list(inbox.values()))
             self._span("comm", -1, -1, t0)
         if vjps or inbox:
             raise RuntimeError(f"pipeline: step ended with {len(vjps)} forwards without backward "
