@@ -124,17 +124,18 @@ class GPTModel(nn.Module):
                 kv_cache: Optional[KVCache] = None, logits_to_keep: int = 0) -> Tensor:
         """``kv_cache`` (inference): the tokens continue what the cache holds; their K/V are
         appended to it and they attend over every cached slot. Positions default to the cache's
-        fill point onwards; ``attention_mask`` defaults to causal over the cache minus its
-        padding. ``logits_to_keep`` > 0 computes the logits of the last that many positions
-        only (HF's name; a prefill needs only the last one)."""
+        fill point onwards; ``attention_mask`` defaults to ``kv_cache.attention_mask(s)``
+        (causal, minus padding and unfilled slots; a mask given here must have its shape).
+        ``logits_to_keep`` > 0 computes the logits of the last that many positions only (HF's
+        name; a prefill needs only the last one)."""
         s = input_ids.shape[1]
         if kv_cache is None:
             cos, sin = self.rotary_cos_sin(s, position_ids)
         else:
+            if attention_mask is None:
+                attention_mask = kv_cache.attention_mask(s)   # also reserves the slots
             cos, sin = self._cached_cos_sin(s, position_ids, kv_cache.length,
                                             max(kv_cache.max_capacity, kv_cache.length + s))
-            if attention_mask is None:
-                attention_mask = kv_cache.attention_mask(s)
         h = self.embedding(input_ids)
         if kv_cache is None:
             h = self.decoder(h, cos, sin, attention_mask)

@@ -3,16 +3,21 @@
 Why preallocated: decoding appends one position per step; concatenating the history every step
 would copy O(length) per layer per token and allocate a new buffer each time. Here each layer
 owns ``[b, ng, capacity, d]`` K and V buffers; a step writes its ``s`` new positions at the fill
-point and attention reads the filled part ``[:, :, :length]``.
+point (``Tensor.__setitem__``, MindSpore's in-place slice write) and nothing else is copied.
+
+What the queries attend over: the first write (the prompt, into an empty cache) attends over
+the new K/V themselves, a plain causal square that keeps the fused attention kernels. Every
+later step attends over the whole buffer with the unfilled slots masked
+(``ops.cache_attention``): the filled prefix ``[:, :, :length]`` is a strided view, which
+MindSpore 2.10 copies to contiguous memory at ~0.2 GB/s on CPU, slower than reading the empty
+slots; ``reserve`` grows the buffers before the mask is built, so mask and buffers agree.
 
 The layer's buffers are allocated on its first write, from the shapes it writes: the model reads
 its number of local query groups from ``linear_qkv``'s output width (tensor parallel shards it),
 so the cache must not guess it from the config either.
 
 Slots are shared by the batch: left-padded prompts put their padding in the first slots, which
-``padding`` marks (never attended). ``attention_mask`` builds the Megatron-convention mask (True =
-masked) over the slots for the next ``s`` queries: causal within the step, padding everywhere
-(None without padding: the attention's causal mask aligned to the last query is the same).
+``padding`` marks (never attended).
 """
 from __future__ import annotations
 
@@ -29,40 +34,43 @@ class LayerKVCache:
 
     def __init__(self, capacity: int, max_capacity: Optional[int] = None):
         self.capacity = capacity
-        self.max_capacity = max_capacity or capacity
+        self.max_capacity = max(capacity, max_capacity or capacity)
         self.length = 0
         self.k: Optional[Tensor] = None
         self.v: Optional[Tensor] = None
 
     def update(self, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
-        """Write ``k``, ``v`` ``[b, ng, s, d]`` at the fill point; return K, V over every filled
-        slot (``[b, ng, length, d]``, the new positions included)."""
+        """Write ``k``, ``v`` ``[b, ng, s, d]`` at the fill point. Returns what the queries attend
+        over: ``k``, ``v`` themselves for the first write, else the whole buffers
+        (``[b, ng, capacity, d]``; the caller masks the slots from ``length`` on)."""
         s = k.shape[2]
-        end = self.length + s
+        start, end = self.length, self.length + s
+        self.reserve(end)
         if self.k is None:
-            self.capacity = max(self.capacity, end)
             self.k, self.v = (F.zeros(k.shape[0], k.shape[1], self.capacity, k.shape[3],
                                       dtype=k.dtype) for _ in range(2))
-        elif end > self.capacity:
-            self._grow(end)
-        # Tensor.__setitem__ is MindSpore's in-place slice write (a view's copy_ does not write
-        # through to the buffer on CPU in MindSpore 2.10).
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
         self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+        if start == 0:
+            return k, v
+        return self.k, self.v
 
-    def _grow(self, needed: int) -> None:
-        """Double the buffers (one copy of the history, amortised O(1) per token)."""
+    def reserve(self, needed: int) -> None:
+        """Make room for ``needed`` slots: double the capacity (one copy of the history,
+        amortised O(1) per token), up to ``max_capacity``."""
+        if needed <= self.capacity:
+            return
         if needed > self.max_capacity:
             raise ValueError(f"KV cache full: {needed} positions needed, at most "
                              f"{self.max_capacity}")
         cap = min(max(needed, 2 * self.capacity), self.max_capacity)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = F.zeros(old.shape[0], old.shape[1], cap, old.shape[3], dtype=old.dtype)
-            new[:, :, :self.length] = old[:, :, :self.length]
-            setattr(self, name, new)
+        if self.k is not None:
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = F.zeros(old.shape[0], old.shape[1], cap, old.shape[3], dtype=old.dtype)
+                new[:, :, :self.length] = old[:, :, :self.length]
+                setattr(self, name, new)
         self.capacity = cap
 
 
@@ -70,8 +78,8 @@ class KVCache:
     """The cache of a whole model: one ``LayerKVCache`` per decoder layer (``cache[i]``), the
     padded slots and the shared fill length.
 
-    ``capacity`` is allocated up front; with ``max_capacity`` larger the buffers double when a
-    write needs more (a chat whose length is not known in advance)."""
+    ``capacity`` slots are allocated up front; with ``max_capacity`` larger the buffers double
+    when a write needs more (a chat whose length is not known in advance)."""
 
     def __init__(self, num_layers: int, batch_size: int, capacity: int,
                  max_capacity: Optional[int] = None):
@@ -97,6 +105,10 @@ class KVCache:
         """Filled slots (the position of the next write)."""
         return self.layers[0].length if self.layers else 0
 
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].capacity if self.layers else 0
+
     def mark_padding(self, padding: np.ndarray) -> None:
         """``padding`` ``[b, s]`` (True = pad) describes the next ``s`` slots to be written."""
         padding = np.asarray(padding, dtype=bool)
@@ -119,15 +131,22 @@ class KVCache:
         self.padding[:, length:] = False
 
     def attention_mask(self, s: int) -> Optional[Tensor]:
-        """Bool ``[b, 1, s, length + s]`` for the next ``s`` queries (True = masked): key slot
-        ``j`` is hidden from query slot ``i`` when ``j > i`` or ``j`` is padding. None when no
-        slot is padding: attention's own causal mask, aligned to the last query, is the same
-        (and takes the fused kernels where they exist)."""
+        """The mask (bool, True = masked) of the next ``s`` queries over what they attend
+        (see ``LayerKVCache.update``). Into an empty cache: ``[b, 1, s, s]`` causal + padding,
+        or None without padding (the attention's own causal mask). Later: ``[b or 1, 1, s,
+        capacity]`` hiding slot ``j`` from query ``i`` (slot ``length + i``) when ``j > length
+        + i`` (the future and the unfilled slots) or ``j`` is padding. Grows the buffers first
+        (``reserve``), so the mask spans them."""
         start = self.length
         total = start + s
         self._check(total)
-        pad = self.padding[:, :total]
-        if not pad.any():
+        for layer in self.layers:
+            layer.reserve(total)
+        cols = s if start == 0 else self.capacity
+        pad = self.padding[:, :cols]
+        if start == 0 and not pad.any():
             return None
-        causal = np.arange(total)[None, :] > np.arange(start, total)[:, None]     # [s, total]
-        return Tensor(causal[None, None] | pad[:, None, None, :])
+        hidden = np.arange(cols)[None, :] > np.arange(start, total)[:, None]      # [s, cols]
+        if not pad.any():
+            return Tensor(hidden[None, None])
+        return Tensor(hidden[None, None] | pad[:, None, None, :])

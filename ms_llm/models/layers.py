@@ -58,7 +58,8 @@ class SelfAttention(nn.Module):
                 attention_mask: Optional[Tensor] = None,
                 kv_cache: Optional["LayerKVCache"] = None) -> Tensor:
         """``kv_cache``: this layer's cache; the new K/V are written into it and the queries
-        attend over every filled slot (``attention_mask`` then spans them all)."""
+        attend over every filled slot (``attention_mask`` as ``KVCache.attention_mask`` makes
+        it: over the whole buffer once the cache held something before this call)."""
         r, d = self.heads_per_group, self.d
         qkv = self.linear_qkv(x)
         b, s = qkv.shape[0], qkv.shape[1]  # the full sequence, also under sequence parallel
@@ -72,8 +73,11 @@ class SelfAttention(nn.Module):
         k = hot.apply_rope(k.swapaxes(1, 2), cos, sin)      # [b, ng, s, d]
         v = v.swapaxes(1, 2)
         if kv_cache is not None:
-            k, v = kv_cache.update(k, v)                   # [b, ng, cached + s, d]
-        out = hot.causal_attention(q, k, v, attention_mask=attention_mask)
+            k, v = kv_cache.update(k, v)      # the new K/V, or the whole cache buffer
+        if k.shape[2] == s:
+            out = hot.causal_attention(q, k, v, attention_mask=attention_mask)
+        else:
+            out = hot.cache_attention(q, k, v, attention_mask)
         return self.linear_proj(out.swapaxes(1, 2).reshape(b, s, ng * r * d))
 
 

@@ -1,11 +1,11 @@
 """Hot ops with one fast path per device: Ascend fused kernels, C++ AOT kernels on CPU, and a
 composed fallback that always works (``MS_LLM_DISABLE_AOT=1`` forces it)."""
-from .attention import causal_attention
+from .attention import cache_attention, causal_attention
 from .cross_entropy import IGNORE_INDEX, cross_entropy
 from .linear import Linear, bmm, linear
 from .rms_norm import rms_norm
 from .rope import apply_rope, rope_cos_sin
 from .swiglu import swiglu
 
-__all__ = ["causal_attention", "cross_entropy", "IGNORE_INDEX", "rms_norm", "apply_rope",
-           "rope_cos_sin", "swiglu", "linear", "bmm", "Linear"]
+__all__ = ["causal_attention", "cache_attention", "cross_entropy", "IGNORE_INDEX", "rms_norm",
+           "apply_rope", "rope_cos_sin", "swiglu", "linear", "bmm", "Linear"]
