@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
-from ms_llm.config import ConfigError, RunConfig
+from ms_llm.checkpoint.pretrained import adopt_pretrained_architecture
+from ms_llm.config import ConfigError, RunConfig, validate
 from ms_llm.data import (BatchIterator, PretrainDataset, Tokenizer, ensure_default_corpus,
                          load_tokenizer, tokenize_corpus)
 from ms_llm.models.config import TransformerConfig
@@ -26,7 +28,13 @@ def padded_vocab(vocab_size: int, divisible_by: int) -> int:
 
 
 def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
+    """The tokenizer, the sharded batches, and the model config they need: with
+    ``checkpoint.load`` the folder's architecture (``cfg.model`` becomes it and the cross-key
+    checks run again on it), otherwise the config's with the tokenizer's padded vocabulary."""
     d = cfg.data
+    if cfg.checkpoint.load:
+        adopt_pretrained_architecture(cfg)
+        validate(cfg)
     corpus, tok_path = d.corpus, d.tokenizer
     if corpus == "embedded" or tok_path == "embedded":
         emb_corpus, emb_tok = ensure_default_corpus(d.cache_dir, d.embedded_vocab_size)
@@ -46,10 +54,12 @@ def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
             raise ConfigError(f"data.corpus: {e}") from None
         dataset = PretrainDataset(tokens, d.seq_length)
     model_cfg = cfg.model
-    if cfg.checkpoint.load is None and "padded_vocab_size" not in cfg.model_overrides:
+    if cfg.checkpoint.load:
+        _check_loaded_vocab(cfg, tokenizer, tok_path)
+    elif "padded_vocab_size" not in cfg.model_overrides:
         model_cfg = model_cfg.replace(
             padded_vocab_size=padded_vocab(tokenizer.vocab_size, d.make_vocab_size_divisible_by))
-    elif model_cfg.padded_vocab_size < tokenizer.vocab_size and cfg.checkpoint.load is None:
+    elif model_cfg.padded_vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.padded_vocab_size ({model_cfg.padded_vocab_size}) is smaller "
                           f"than the tokenizer's vocabulary ({tokenizer.vocab_size})")
     # Megatron's pretraining samples are already shuffled by the dataset's own indices.
@@ -58,6 +68,26 @@ def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
                            dp_rank=dp_rank, dp_size=dp_size, shuffle=shuffle)
     n_tokens = int(len(tokens)) if tokens is not None else len(dataset) * d.seq_length
     return TrainData(tokenizer, loader, n_tokens, model_cfg)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def _check_loaded_vocab(cfg: RunConfig, tokenizer: Tokenizer, tok_path: str) -> None:
+    """Every token id must have a row in the loaded embedding (an id past the last row fails
+    inside a kernel at step 1). Also says when the folder ships a tokenizer the run does not
+    use: its weights were trained on that one's ids."""
+    folder, rows = cfg.checkpoint.load, cfg.model.padded_vocab_size
+    if tokenizer.vocab_size > rows:
+        raise ConfigError(f"{cfg.source_of('data.tokenizer', 'checkpoint.load')}: data.tokenizer "
+                          f"{tok_path} has {tokenizer.vocab_size} tokens but checkpoint.load "
+                          f"{folder} has {rows} embedding rows (padded_vocab_size); use the "
+                          f"tokenizer the folder was trained with")
+    own = [n for n in _TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    if own and cfg.data.tokenizer == "embedded":
+        log.warning("data.tokenizer is the embedded tokenizer but checkpoint.load %s has its "
+                    "own (%s); set data.tokenizer: %s to train on the ids its weights know",
+                    folder, own[0], folder)
 
 
 def _indexed_dataset(cfg: RunConfig, tokenizer: Tokenizer):

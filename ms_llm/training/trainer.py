@@ -38,10 +38,11 @@ log = logging.getLogger("ms_llm.train")
 
 
 def build_model(cfg: RunConfig) -> GPTModel:
+    """A fresh model of ``cfg.model``, or the weights of ``checkpoint.load``. ``cfg.model`` is
+    then the folder's own architecture (``build_data`` adopted it, user keys checked) plus the
+    training-only keys (dtype, dropout, expert layout), so it is passed to the loader."""
     if cfg.checkpoint.load:
-        # An HF folder: its config.json defines the architecture; YAML model keys must agree.
-        model = from_pretrained(cfg.checkpoint.load)
-        return model
+        return from_pretrained(cfg.checkpoint.load, config=cfg.model)
     return GPTModel(cfg.model)
 
 
