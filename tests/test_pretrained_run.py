@@ -130,9 +130,8 @@ def test_tokenizer_larger_than_the_embedding_is_one_line(hf, tmp_path):
 
 def test_cross_key_checks_run_on_the_loaded_architecture(hf, tmp_path):
     # tiny.yaml's 4 layers split over 4 stages; the folder's 2 layers do not
-    cfg = run_cfg(hf, tmp_path, "--parallel.pipeline_model_parallel_size", "4")
     with pytest.raises(ConfigError, match="num_layers"):
-        build_data(cfg)
+        build_data(run_cfg(hf, tmp_path, "--parallel.pipeline_model_parallel_size", "4"))
 
 
 def test_cli_train_disagreement_is_one_stderr_line(hf, tmp_path):
