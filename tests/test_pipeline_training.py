@@ -102,6 +102,12 @@ def test_four_workers(tmp_path, refs):
         spec("pp2_tp2_sp", LAYERS, UNTIED, pp(2), ["--parallel.tensor_model_parallel_size", "2",
                                                    "--parallel.sequence_parallel", "true"]),
         spec("pp2_fsdp2", LAYERS, pp(2), ["--parallel.fsdp_size", "2"]),
+        # Saved at pp=2 x dp=2 after 3 steps, resumed by the next run at tp=2 x dp=2.
+        spec("pp2_dp2_save", LAYERS, UNTIED, pp(2), ["--training.max_steps", "3",
+                                                    "--checkpoint.save_dir", str(tmp_path / "ck")]),
+        spec("tp2_dp2_resume", LAYERS, UNTIED, ["--parallel.tensor_model_parallel_size", "2",
+                                                "--checkpoint.save_dir", str(tmp_path / "ck"),
+                                                "--training.resume", "auto"]),
         # Recompute inside a stage whose backward already re-runs its forward, with the tensor
         # parallel collectives issued again in backward.
         spec("pp2_tp2_recompute", LAYERS, UNTIED, pp(2), [
@@ -114,6 +120,8 @@ def test_four_workers(tmp_path, refs):
     check(res["pp2_dp2"], refs["tied"], "pp2_dp2")
     check(res["pp2_tp2_sp"], refs["untied"], "pp2_tp2_sp")
     check(res["pp2_fsdp2"], refs["tied"], "pp2_fsdp2")
+    check(res["pp2_dp2_save"], refs["untied"], "pp2_dp2_save", slice(0, 3))
+    check(res["tp2_dp2_resume"], refs["untied"], "resumed at tp=2 x dp=2", slice(3, 5))
     check(res["pp2_tp2_recompute"], refs["untied"], "pp2_tp2_recompute")
     check(res["pp2_ep2_megamoe"], refs["moe"], "pp2_ep2_megamoe")
 
