@@ -15,6 +15,10 @@ accepted for compatibility. The output goes to ``<save-dir>.tmp-<pid>`` and is r
 
 mg -> hf needs the HF ``config.json``: hf -> mg stores it beside the Megatron checkpoint, and
 without it the config is rebuilt from the checkpoint's ``args`` (``megatron.hf_config_from_args``).
+``--hf-cfg-dir ORIGINAL_HF`` (MindSpeed's) takes it from the original HF folder instead, checked
+against the checkpoint, and copies that folder's tokenizer and generation files beside the
+weights. MindSpeed flags with no counterpart here (LoRA, MLA, dualpipev, Mamba, TE names...)
+parse and are refused with one line; unknown flags are refused naming them.
 """
 from __future__ import annotations
 
@@ -28,9 +32,9 @@ import ml_dtypes
 import numpy as np
 
 from . import layouts as L
-from .hf_io import HFReader, HFWriter, read_hf_config
-from .megatron import (MegatronReader, MegatronWriter, hf_config_from_args, make_args,
-                       write_hf_config)
+from .hf_io import HFReader, HFWriter, copy_hf_side_files, read_hf_config
+from .megatron import (MegatronReader, MegatronWriter, check_hf_template, hf_config_from_args,
+                       make_args, write_hf_config)
 from .torch_pickle import ForbiddenGlobalError, TorchFormatError
 
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16),
@@ -68,11 +72,73 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--save-layer-by-layer", action="store_true",
                    help="accepted for compatibility; conversion always streams layer by layer")
+    p.add_argument("--hf-cfg-dir", default=None,
+                   help="mg -> hf: the original HF folder; its config.json describes the output "
+                        "and its tokenizer / generation_config files are copied beside it")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="accepted when it equals the checkpoint's layer count")
+    p.add_argument("--model-type", choices=["GPT"], default="GPT", help="accepted (GPT only)")
+    p.add_argument("--use-mcore-models", action="store_true",
+                   help="accepted for compatibility; checkpoints always use Megatron-Core names")
+    for flag, kind, why in _REFUSED:
+        p.add_argument(flag, help=f"not supported: {why}", **kind)
     p.add_argument("--lora-load", default=None)
     p.add_argument("--lora-r", type=int, default=None)
     p.add_argument("--lora-alpha", type=int, default=None)
     p.add_argument("--lora-target-modules", nargs="*", default=None)
     return p
+
+
+_FLAG, _INT, _MAMBA = dict(action="store_true"), dict(type=int), "Mamba models are not built"
+# MindSpeed-LLM flags that parse (its scripts carry over) and are refused with one line when
+# given a value: what they ask for has no counterpart here.
+_REFUSED = [
+    ("--pipeline-model-parallel-layout", {}, "custom layouts; use --num-layer-list, "
+     "--num-layers-per-virtual-pipeline-stage and --noop-layers"),
+    ("--moe-tp-extend-ep", _FLAG, "experts are split by expert parallel only"),
+    ("--mla-mm-split", _FLAG, "no multi-latent-attention family here"),
+    ("--schedules-method", dict(choices=["dualpipev"]), "1F1B and interleaved layouts only"),
+    ("--first-k-dense-replace", _INT, "Qwen3-MoE's dense layers come from config.json "
+     "mlp_only_layers / decoder_sparse_step"),
+    ("--input-tp-rank", _INT, "the whole checkpoint is converted"),
+    ("--input-pp-rank", _INT, "the whole checkpoint is converted"),
+    ("--mtp-num-layers", dict(type=int, default=0), "no multi-token-prediction layers"),
+    ("--transformer-impl", dict(choices=["local", "transformer_engine"], default="local"),
+     "checkpoints use the local spec's parameter names"),
+    ("--hidden-size", _INT, _MAMBA), ("--mamba-state-dim", _INT, _MAMBA),
+    ("--mamba-num-groups", _INT, _MAMBA), ("--mamba-head-dim", _INT, _MAMBA),
+    ("--save-lora-to-hf", _FLAG, "ms-llm convert has no LoRA weights"),
+    ("--load-checkpoint-loosely", _FLAG, "every tensor is read strictly; missing or extra "
+     "weights are an error"),
+]
+
+
+def _refuse_unsupported(opts: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """One line for the first MindSpeed flag given a value this converter cannot honour."""
+    for flag, _, why in _REFUSED:
+        dest = flag[2:].replace("-", "_")
+        value = getattr(opts, dest)
+        if value != parser.get_default(dest):
+            raise ConvertError(f"{flag}{'' if value is True else f' {value}'}: not supported "
+                               f"({why})")
+    if opts.lora_load or opts.lora_r or opts.lora_alpha or opts.lora_target_modules:
+        raise ConvertError("--lora-load/--lora-r/--lora-alpha/--lora-target-modules: merging "
+                           "LoRA weights is not supported by ms-llm convert")
+    if opts.hf_cfg_dir and not (opts.load_model_type == "mg" and opts.save_model_type == "hf"):
+        raise ConvertError(f"--hf-cfg-dir applies to mg -> hf only (for {opts.load_model_type} "
+                           f"-> {opts.save_model_type} the HF config comes from "
+                           f"{'--load-dir' if opts.load_model_type == 'hf' else 'the checkpoint'})")
+
+
+def _check_num_layers(opts: argparse.Namespace, spec: L.ModelSpec) -> None:
+    """MindSpeed's ``--num-layers`` (real layers, or with ``--noop-layers`` counted) must be the
+    checkpoint's: converting a subset of the layers is not supported."""
+    noop = len(_int_list(opts.noop_layers, "--noop-layers") or ())
+    if opts.num_layers is not None and opts.num_layers not in (spec.num_layers,
+                                                              spec.num_layers + noop):
+        raise ConvertError(f"--num-layers {opts.num_layers}: the checkpoint has "
+                           f"{spec.num_layers} decoder layers (converting a subset of the layers "
+                           f"is not supported)")
 
 
 def _int_list(text: Optional[str], flag: str) -> Optional[List[int]]:
@@ -139,24 +205,26 @@ def _infer_type(cfg: dict, path: str) -> str:
 
 
 class MegatronSource:
-    def __init__(self, path: str, model_type_hf: Optional[str]):
+    """A Megatron folder read one full layer at a time. ``hf_cfg_dir`` (``--hf-cfg-dir``): an
+    HF folder whose ``config.json`` describes the output instead of the checkpoint's own (kept
+    whole: token ids, rope scaling and the other fields Megatron ``args`` cannot express, and
+    the unpadded vocabulary), after checking it describes these weights."""
+
+    def __init__(self, path: str, model_type_hf: Optional[str],
+                 hf_cfg_dir: Optional[str] = None):
         self.reader = MegatronReader(path)
         try:
             cfg_path = os.path.join(path, "config.json")
-            a = self.reader.args
-            if os.path.isfile(cfg_path):
-                self.config = read_hf_config(path)
-                self.model_type = model_type_hf or _infer_type(self.config, path)
-            else:
-                if not isinstance(a, argparse.Namespace):
-                    raise ConvertError(f"{path}: no config.json beside the checkpoint and no args "
-                                       f"in it to rebuild one from")
-                self.model_type = model_type_hf or getattr(a, "model_type_hf", None)
-                if not self.model_type:
-                    raise ConvertError(f"{path}: pass --model-type-hf (no config.json here)")
-                self.config = hf_config_from_args(a, self.model_type)
+            template = read_hf_config(hf_cfg_dir) if hf_cfg_dir else None
+            self.config, self.model_type = self._own_config(path, model_type_hf, template,
+                                                             hf_cfg_dir)
             self.spec = L.spec_from_hf_config(self.config, self.model_type, cfg_path)
             self.lay = self.reader.layout(self.spec)
+            if template is not None:
+                spec = L.spec_from_hf_config(template, self.model_type,
+                                             os.path.join(hf_cfg_dir, "config.json"))
+                check_hf_template(self.spec, spec, self.lay.padded_vocab, hf_cfg_dir, path)
+                self.spec, self.config = spec, template
             self._mg_of_hf = [m for p, c, ids in self.lay.chunks() for m in ids
                               if self.lay.hf_layer(m) is not None]
             self._where = {m: (p, c, j) for p, c, ids in self.lay.chunks()
@@ -164,6 +232,24 @@ class MegatronSource:
         except BaseException:
             self.reader.close()
             raise
+
+    def _own_config(self, path: str, model_type_hf: Optional[str], template: Optional[dict],
+                    template_dir: Optional[str]):
+        """The checkpoint's HF config (``config.json`` beside it, else rebuilt from ``args``)
+        and its ``--model-type-hf``."""
+        if os.path.isfile(os.path.join(path, "config.json")):
+            config = read_hf_config(path)
+            return config, model_type_hf or _infer_type(config, path)
+        a = self.reader.args
+        if not isinstance(a, argparse.Namespace):
+            raise ConvertError(f"{path}: no config.json beside the checkpoint and no args "
+                               f"in it to rebuild one from")
+        model_type = model_type_hf or getattr(a, "model_type_hf", None) or \
+            (_infer_type(template, template_dir) if template is not None else None)
+        if not model_type:
+            raise ConvertError(f"{path}: pass --model-type-hf or --hf-cfg-dir (no config.json "
+                               f"here)")
+        return hf_config_from_args(a, model_type), model_type
 
     def dtype(self) -> np.dtype:
         return self.reader.dtype()
@@ -300,9 +386,7 @@ class HFSink:
 
 def convert(opts: argparse.Namespace, progress=None) -> str:
     """Run one conversion described by parsed CLI options; returns the output folder."""
-    if opts.lora_load or opts.lora_r or opts.lora_target_modules:
-        raise ConvertError("--lora-load/--lora-r/--lora-target-modules: merging LoRA weights is "
-                           "not supported by ms-llm convert")
+    _refuse_unsupported(opts, build_parser())
     if opts.expert_tensor_parallel_size not in (None, opts.target_tensor_parallel_size):
         raise ConvertError("--expert-tensor-parallel-size: only the default (= tensor-parallel "
                            "size) is supported")
@@ -317,11 +401,12 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
         raise ConvertError("--save-dir must differ from --load-dir")
 
     src = HFSource(opts.load_dir, opts.model_type_hf) if opts.load_model_type == "hf" else \
-        MegatronSource(opts.load_dir, opts.model_type_hf)
+        MegatronSource(opts.load_dir, opts.model_type_hf, opts.hf_cfg_dir)
     tmp = f"{save.rstrip(os.sep)}.tmp-{os.getpid()}"
     sink = None
     try:
         spec = src.spec
+        _check_num_layers(opts, spec)
         cast = DTYPES[opts.params_dtype] if opts.params_dtype else None
         out_dtype = cast or src.dtype()
         if opts.save_model_type == "mg":
@@ -341,6 +426,8 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
             sink = MegatronSink(tmp, spec, lay, src.config, out_dtype, cast, src.model_type)
         else:
             os.makedirs(tmp)
+            if opts.hf_cfg_dir:   # tokenizer, generation_config...: as MindSpeed copies them
+                copy_hf_side_files(opts.hf_cfg_dir, tmp)
             sink = HFSink(tmp, spec, src.config, out_dtype, opts.max_shard_size)
         return stream_to_sink(src, sink, tmp, save, progress=progress)
     except BaseException:

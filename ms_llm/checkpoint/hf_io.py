@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import struct
 from typing import Dict, Optional, Tuple
 
@@ -22,6 +24,29 @@ def read_hf_config(path: str) -> dict:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+
+
+# The files MindSpeed-LLM's mg -> hf copies from ``--hf-cfg-dir``: JSON configs (tokenizer,
+# generation, special tokens), sentencepiece models, chat templates, BPE merges and the remote
+# code of ``trust_remote_code`` models.
+_SIDE_FILES = re.compile(r"^(?:.*\.json|.*\.model(?:\.\w+)?|.*\.jinja|merges\.txt|"
+                         r"(?:modeling|configuration|tokenization)_\w+\.py|sample_finetune\.py)$")
+
+
+def copy_hf_side_files(src: str, dst: str) -> list:
+    """Copy an HF folder's tokenizer, generation config and other non-weight files into ``dst``
+    (what the converted weights need to be used as that model). ``config.json`` is not copied
+    (the converter writes it from the same fields) nor are weight indexes (they describe the
+    source's shards) nor files ``dst`` already has. Returns the names copied."""
+    copied = []
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if not _SIDE_FILES.match(name) or name == "config.json" or name.endswith(".index.json") \
+                or not os.path.isfile(path) or os.path.exists(os.path.join(dst, name)):
+            continue
+        shutil.copyfile(path, os.path.join(dst, name))
+        copied.append(name)
+    return copied
 
 
 def safetensors_files(path: str) -> list:

@@ -333,3 +333,30 @@ def write_hf_config(path: str, cfg: dict) -> None:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+# ModelSpec field -> the config.json key that sets it (for messages).
+_HF_KEY_OF = {"num_layers": "num_hidden_layers", "hidden": "hidden_size",
+              "ffn": "intermediate_size", "heads": "num_attention_heads",
+              "groups": "num_key_value_heads", "head_dim": "head_dim",
+              "tied": "tie_word_embeddings", "num_experts": "num_experts",
+              "moe_ffn": "moe_intermediate_size", "moe_topk": "num_experts_per_tok",
+              "moe_layers": "mlp_only_layers / decoder_sparse_step"}
+
+
+def check_hf_template(own: ModelSpec, template: ModelSpec, padded_vocab: int,
+                      template_dir: str, path: str) -> None:
+    """``--hf-cfg-dir``: the HF folder whose ``config.json`` will describe the converted weights
+    must describe this Megatron checkpoint (same shapes; its vocabulary fits the checkpoint's
+    padded embedding rows, the rest being Megatron's padding). A wrong folder would otherwise
+    give an HF model that fails to load, or loads and computes garbage."""
+    where = os.path.join(template_dir, "config.json")
+    for name in _HF_KEY_OF:
+        mine, theirs = getattr(own, name), getattr(template, name)
+        if mine != theirs:
+            raise ValueError(f"--hf-cfg-dir {where}: {_HF_KEY_OF[name]} is {theirs} but the "
+                             f"Megatron checkpoint {path} has {mine}; pass the HF folder this "
+                             f"checkpoint was converted from")
+    if template.vocab > padded_vocab:
+        raise ValueError(f"--hf-cfg-dir {where}: vocab_size {template.vocab} is larger than the "
+                         f"{padded_vocab} embedding rows of the Megatron checkpoint {path}")
