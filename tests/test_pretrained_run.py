@@ -200,3 +200,25 @@ def test_moe_settings_follow_the_loaded_model(hf, tmp_path):
     with pytest.raises(ConfigError, match=r"model.num_moe_experts=8 disagrees .*"
                                           r"\(num_moe_experts=4\)"):
         Trainer(load_config(CONFIG, args + ["--model.num_moe_experts", "8"]))
+
+
+def test_shipped_architecture_config_agrees_with_the_published_folder(tmp_path):
+    """configs/qwen3_0p6b.yaml names Qwen3-0.6B's architecture: with checkpoint.load of that
+    folder (only its config.json is read here) every key it sets agrees."""
+    from ms_llm.checkpoint.pretrained import adopt_pretrained_architecture
+    folder = tmp_path / "Qwen3-0.6B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000,
+        "rope_scaling": None, "tie_word_embeddings": True, "hidden_act": "silu",
+        "attention_bias": False, "torch_dtype": "bfloat16"}))
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen3_0p6b.yaml"),
+                      ["--checkpoint.load", str(folder)])
+    adopt_pretrained_architecture(cfg)
+    assert cfg.model == pretrained_architecture(str(folder))[0]
+    with pytest.raises(ConfigError, match=r"qwen3_8b.yaml: model.num_layers=36 disagrees"):
+        adopt_pretrained_architecture(load_config(os.path.join(ROOT, "configs", "qwen3_8b.yaml"),
+                                                  ["--checkpoint.load", str(folder)]))
