@@ -309,6 +309,9 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Ru
                for k, (_, src) in values.items()}
     cfg = RunConfig(model=model, model_family=family, model_overrides=explicit, sources=sources,
                     base_source=base, **built)
+    if cfg.checkpoint.load:   # the folder's architecture, before the cross-key checks see it
+        from ms_llm.checkpoint.pretrained import adopt_pretrained_architecture
+        adopt_pretrained_architecture(cfg)
     validate(cfg)
     return cfg
 

@@ -234,8 +234,11 @@ def test_missing_checkpoint_load_folder_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert str(e.value) == f"{path}: checkpoint.load must be an existing folder, got {missing!r}"
+    # An existing folder is read at load time (it defines the architecture): one line too.
     (tmp_path / "hf").mkdir()
-    assert load_config(None, ["--checkpoint.load", str(tmp_path / "hf")]).checkpoint.load
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--checkpoint.load", str(tmp_path / "hf")])
+    assert "config.json" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_model_section_is_the_transformer_config():

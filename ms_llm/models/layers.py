@@ -30,6 +30,17 @@ def output_init_std(config: TransformerConfig) -> float:
     return config.init_method_std / math.sqrt(2.0 * config.num_layers)
 
 
+class CoreAttention(nn.Module):
+    """``softmax(q k^T / sqrt(d) + mask) v`` (Megatron's ``core_attention``): its own module so
+    that it can be recomputed (selective recompute) or swapped from outside; no parameters."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor,
+                attention_mask: Optional[Tensor] = None) -> Tensor:
+        if k.shape[2] == q.shape[2]:
+            return hot.causal_attention(q, k, v, attention_mask=attention_mask)
+        return hot.cache_attention(q, k, v, attention_mask)     # queries over a KV cache
+
+
 class SelfAttention(nn.Module):
     """Fused QKV in Megatron's per-query-group layout: for each of the ``ng`` groups, the rows
     ``[q (nh/ng * d) | k (d) | v (d)]``. Optional QKV bias (Qwen2.5) and QK-norm (Qwen3).
@@ -53,6 +64,7 @@ class SelfAttention(nn.Module):
             self.q_layernorm = self.k_layernorm = None
         self.linear_proj = hot.Linear(nh * self.d, c.hidden_size, bias=c.add_bias_linear,
                                      init_std=output_init_std(c), dtype=c.params_dtype)
+        self.core_attention = CoreAttention()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 attention_mask: Optional[Tensor] = None,
@@ -74,10 +86,7 @@ class SelfAttention(nn.Module):
         v = v.swapaxes(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)      # the new K/V, or the whole cache buffer
-        if k.shape[2] == s:
-            out = hot.causal_attention(q, k, v, attention_mask=attention_mask)
-        else:
-            out = hot.cache_attention(q, k, v, attention_mask)
+        out = self.core_attention(q, k, v, attention_mask)
         return self.linear_proj(out.swapaxes(1, 2).reshape(b, s, ng * r * d))
 
 

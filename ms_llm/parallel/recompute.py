@@ -1,6 +1,7 @@
 """Activation recompute, applied from outside the model (torchtitan's ``apply_ac``) with
 Megatron's knobs: ``training.recompute_granularity`` (``full``: whole transformer layers;
-``selective``: the attention core, Megatron's ``core_attention``), ``training.recompute_method``
+``selective``: the attention core, Megatron's ``core_attention``: the [s, s] scores and softmax,
+the largest activations at long sequence for the least compute), ``training.recompute_method``
 (``uniform``: every layer; ``block``: the first ``recompute_num_layers`` layers of each pipeline
 stage / model chunk) and MindSpeed's ``training.recompute_norm`` (the RMSNorms).
 
@@ -48,9 +49,6 @@ def apply_recompute(roots: Iterable, granularity=None, method=None, num_layers=N
                          f"got {method!r}")
     if granularity == "full" and method == "block" and not num_layers:
         raise ValueError("training.recompute_method block needs training.recompute_num_layers")
-    if granularity == "selective":
-        raise ValueError("training.recompute_granularity selective is not built yet (the "
-                         "attention core is not a separate module); use full")
     names = []
     for root in roots:
         layers = _layers(root)
@@ -58,6 +56,9 @@ def apply_recompute(roots: Iterable, granularity=None, method=None, num_layers=N
         if granularity == "full":
             full = layers[:num_layers] if method == "block" else layers
         marked = list(full)
+        if granularity == "selective":      # the attention core: scores, softmax, weighted sum
+            chosen = layers[:num_layers] if method == "block" else layers
+            marked += [layer.self_attention.core_attention for layer in chosen]
         if norm:
             marked += [cell for layer in layers if layer not in full
                        for cell in (layer.input_layernorm, layer.pre_mlp_layernorm)]
