@@ -100,7 +100,10 @@ RULES: Dict[str, Rule] = {
     "model.attention_dropout": _PROBABILITY,
     "model.rotary_percent": _within(0, 1),
     "model.normalization": _one_of("RMSNorm"),
-    "model.position_embedding_type": _one_of("rope"),
+    "model.position_embedding_type": _one_of("rope", "yarn"),
+    **{f"model.{k}": _POSITIVE for k in (
+        "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+        "yarn_beta_slow")},
     "model.activation_func": _one_of("silu", "gelu"),
     "model.mlp_type": _one_of("dense", "moe"),
     "model.moe_router_score_function": _one_of("softmax", "sigmoid"),

@@ -263,3 +263,12 @@ def test_cli_bad_override_is_one_line_naming_key_and_command_line(tmp_path, over
     assert len(err) == 1, r.stderr
     assert err[0].startswith(f"config error: command line --{key}: {key} must be "), err[0]
     assert "tiny.yaml" not in err[0]
+
+
+def test_yarn_is_selectable_from_the_config():
+    cfg = load_config(None, ["--model.position_embedding_type", "yarn",
+                             "--model.yarn_rotary_scaling_factor", "4",
+                             "--model.yarn_original_max_position_embeddings", "64"])
+    assert cfg.model.position_embedding_type == "yarn" and cfg.model.yarn_rotary_scaling_factor == 4
+    with pytest.raises(ConfigError, match="yarn_rotary_scaling_factor must be > 0"):
+        load_config(None, ["--model.yarn_rotary_scaling_factor", "0"])
