@@ -44,7 +44,9 @@ def setup_device(device: Optional[str] = None, *, threads: Optional[int] = None,
                                f"cannot switch to {wanted}")
         if synchronize is None:
             synchronize = os.environ.get("MS_LLM_SYNC", "1") == "1"
-        ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=bool(synchronize))
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        if synchronize:   # the non-deprecated form of set_context(pynative_synchronize=True)
+            ms.runtime.launch_blocking()
         _STATE["device"] = wanted
     elif device is not None and _normalise(device) != _STATE["device"]:
         raise RuntimeError(f"device already set to {_STATE['device']}, cannot switch to "
