@@ -41,5 +41,6 @@ def run_worker_job(script: str, tmp_path, nproc: int, specs, timeout: int = 600)
     out = tmp_path / "result.json"
     r = run_msrun(script, nproc, str(tmp_path / "logs"), [str(out), *specs], timeout=timeout)
     logs = worker_logs(str(tmp_path / "logs"), nproc)
-    assert r.returncode == 0, "\n".join(log[-4000:] for log in logs)
+    assert r.returncode == 0, "\n".join([log[-4000:] for log in logs] + [
+        f"msrun exit {r.returncode}; its output:", r.stdout[-2000:], r.stderr[-2000:]])
     return json.loads(out.read_text())

@@ -97,6 +97,8 @@ def test_two_stages(tmp_path, refs):
 @pytest.mark.msrun
 def test_four_workers(tmp_path, refs):
     res = run_worker_job("train_parallel.py", tmp_path, 4, [
+        spec("pp2_ep2_megamoe", LAYERS, MOE, pp(2), ["--parallel.expert_model_parallel_size", "2",
+                                                      "--moe.dispatcher", "megamoe"]),
         spec("pp4", LAYERS, pp(4)),
         spec("pp2_dp2", LAYERS, pp(2)),
         spec("pp2_tp2_sp", LAYERS, UNTIED, pp(2), ["--parallel.tensor_model_parallel_size", "2",
@@ -113,8 +115,6 @@ def test_four_workers(tmp_path, refs):
         spec("pp2_tp2_recompute", LAYERS, UNTIED, pp(2), [
             "--parallel.tensor_model_parallel_size", "2", "--training.recompute_granularity",
             "full", "--training.recompute_norm", "true"]),
-        spec("pp2_ep2_megamoe", LAYERS, MOE, pp(2), ["--parallel.expert_model_parallel_size", "2",
-                                                      "--moe.dispatcher", "megamoe"]),
     ])
     check(res["pp4"], refs["tied"], "pp4")
     check(res["pp2_dp2"], refs["tied"], "pp2_dp2")
