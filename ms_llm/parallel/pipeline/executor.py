@@ -49,6 +49,11 @@ class PipelineExecutor:
         self.events: List[tuple] = []
         self.timed = False      # synchronise after each action (benchmarks' timelines)
 
+    def _collect_counts(self, chunk: int, keep: bool) -> None:
+        """The routed-token counts of the chunk's MoE layers only (no walk of a dense chunk)."""
+        for layer in self.chunks[chunk].moe_layers:
+            collect_router_counts(layer, keep)
+
     @staticmethod
     def _sync(tensors) -> None:
         """Wait for the kernels that produced ``tensors`` (PyNative may run them later)."""
@@ -74,7 +79,7 @@ class PipelineExecutor:
             if act is not None:
                 if act.kind == "F":
                     out = self._forward(act, micro_batches[act.microbatch], inbox, vjps, loss_fn)
-                    collect_router_counts(self.chunks[act.chunk])
+                    self._collect_counts(act.chunk, keep=True)
                     aux = self.chunks[act.chunk].last_aux_loss
                     if aux is not None:      # reported with the loss, as one process does
                         loss = loss + aux
@@ -85,7 +90,7 @@ class PipelineExecutor:
                 else:
                     gx = self._backward(act, inbox, vjps, grads)
                     # The backward re-ran the forward: its routing was counted in F already.
-                    collect_router_counts(self.chunks[act.chunk], keep=False)
+                    self._collect_counts(act.chunk, keep=False)
                     if gx is not None:
                         outbox[("grad", act.microbatch, act.chunk)] = gx
                 if self.timed:      # finish the action's kernels so the span is its compute
