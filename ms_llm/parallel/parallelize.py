@@ -6,10 +6,11 @@ Every rank builds the same full model (same seed); ``parallelize_model`` then ap
 1. layouts: tensors whose checkpoint layout is not plain say so (``[gate; up]`` halves, grouped
    expert rows), so every later step and the checkpoint derive regions from one record;
 2. module conversions that must precede sharding (MXFP8 replacement: it reuses the Parameters);
-3. tensor (+ sequence) parallel; 4. expert parallel and the token dispatcher; 5. pipeline
-   stages: this rank's model chunks (layers under their global index); 6. activation
-   recompute; 7. FSDP; 8. gradient synchronisation: each trainable parameter's gradient is summed over the mesh dim its
-   ``Placement`` names (data parallel, expert-data parallel, or none after FSDP).
+3. tensor (+ sequence) parallel; 4. expert parallel and the token dispatcher; 5. noop layers
+   and pipeline stages: this rank's model chunks (layers under their global index);
+6. activation recompute; 7. FSDP; 8. gradient synchronisation: each trainable parameter's
+   gradient is summed over the mesh dim its ``Placement`` names (data parallel, expert-data
+   parallel, or none after FSDP).
 
 A new capability (pipeline or context parallel, recompute, LoRA) is one more step here that adds
 mesh dims or global indices to the records; the trainer only calls this function.
@@ -50,7 +51,7 @@ class ParallelizedModel:
 
 def describe_layouts(model: GPTModel) -> None:
     """Record the non-plain storage layouts of a model's tensors (idempotent)."""
-    for name, cell in model.cells_and_names():
+    for _, cell in model.cells_and_names():
         if isinstance(cell, MLP) and not isinstance(cell, SharedExpertMLP) \
                 and cell.config.gated_linear_unit:
             for p in (cell.linear_fc1.weight, cell.linear_fc1.bias):
@@ -82,11 +83,10 @@ def _jit_blockers(cfg, pstate: ParallelState) -> List[str]:
 
 
 def _pipeline_chunks(model: GPTModel, cfg, pstate: ParallelState) -> Optional[list]:
+    """This rank's model chunks; None without pipeline parallel (the stage rules, e.g. vpp
+    needing pp > 1, are checked with the config)."""
     p = cfg.parallel
     if pstate.sizes.pp == 1:
-        if p.virtual_pipeline_model_parallel_size > 1:
-            raise ValueError("parallel.virtual_pipeline_model_parallel_size needs "
-                             "pipeline_model_parallel_size > 1")
         return None
     return split_model(model, pstate, p.virtual_pipeline_model_parallel_size,
                        p.num_layer_list or None, p.noop_layers)
