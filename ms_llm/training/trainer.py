@@ -120,20 +120,23 @@ class Trainer:
                                 (t.micro_batch_size, seq, c.hidden_size),
                                 to_ms_dtype(c.params_dtype))
 
+    def _micro_batch(self, b: dict) -> Dict[str, Tensor]:
+        """A loader batch as the model's inputs. Packed documents add their masks
+        (data.reset_attention_mask) and restarting positions (data.reset_position_ids); plain
+        position_ids are 0..s-1, the model's default, so they are not passed."""
+        mb = {k: Tensor(b[k]) for k in ("tokens", "labels", "loss_mask")}
+        if "attention_mask" in b:
+            mb["attention_mask"] = Tensor(b["attention_mask"])
+        if self.cfg.data.reset_position_ids and "position_ids" in b:
+            mb["position_ids"] = Tensor(b["position_ids"])
+        return mb
+
     def _pipeline_fwd_bwd(self, batches, inv: Tensor):
         """All micro-batches through this rank's stages; the loss is summed on the last stage
         and shared over the pipeline group for logging."""
         def loss_of(per_token, b):
             return (per_token * b["loss_mask"]).sum() * inv
-        mbs = []
-        for b in batches:
-            mb = {k: Tensor(b[k]) for k in ("tokens", "labels", "loss_mask")}
-            if "attention_mask" in b:
-                mb["attention_mask"] = Tensor(b["attention_mask"])
-            if self.cfg.data.reset_position_ids and "position_ids" in b:
-                mb["position_ids"] = Tensor(b["position_ids"])
-            mbs.append(mb)
-        loss, grads = self.pipeline.run(mbs, loss_of)
+        loss, grads = self.pipeline.run([self._micro_batch(b) for b in batches], loss_of)
         loss = F.clone(loss)
         comm.all_reduce(loss, group=self.pstate.group("pp"))
         return loss, self.grad_sync.reduce(grads)
@@ -194,12 +197,9 @@ class Trainer:
         if self.pipeline is not None:
             total_loss, grads = self._pipeline_fwd_bwd(batches, inv)
         for i, b in enumerate(batches if self.pipeline is None else []):
-            args = (Tensor(b["tokens"]), Tensor(b["labels"]), Tensor(b["loss_mask"]), inv)
-            # Packed documents: masks (data.reset_attention_mask) and restarting positions
-            # (data.reset_position_ids); plain position_ids are 0..s-1, the model's default.
-            mask = Tensor(b["attention_mask"]) if "attention_mask" in b else None
-            pos = Tensor(b["position_ids"]) if self.cfg.data.reset_position_ids \
-                and "position_ids" in b else None
+            mb = self._micro_batch(b)
+            args = (mb["tokens"], mb["labels"], mb["loss_mask"], inv)
+            mask, pos = mb.get("attention_mask"), mb.get("position_ids")
             if mask is not None or pos is not None:
                 args += (mask,) + ((pos,) if pos is not None else ())
             self.grad_sync.begin_micro_batch(is_last=i == len(batches) - 1)
