@@ -25,10 +25,10 @@ import numpy as np
 from mindspore import nn as ms_nn
 
 from ms_llm.quant.apply import _set_child
+from .merge import TARGETS
 from .modules import LoRALinear, mark_frozen_base
 
 log = logging.getLogger("ms_llm.lora")
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 _EXPERT_PARTS = (".mlp.experts.", ".mlp.shared_experts.")
 
 

@@ -186,6 +186,10 @@ def lora_modules(model) -> Iterator[_LoRABranch]:
             yield cell
 
 
+def lora_module_names(model) -> list:
+    return [n for n, cell in model.cells_and_names() if isinstance(cell, _LoRABranch)]
+
+
 @contextlib.contextmanager
 def adapters_disabled(model):
     """Inside the block the model computes its base output only (every adapter skipped), with
@@ -203,4 +207,4 @@ def adapters_disabled(model):
 
 
 __all__ = ["LoRALinear", "LoRAColumnParallelLinear", "LoRARowParallelLinear", "LoRAWeight",
-           "adapters_disabled", "is_frozen_base", "lora_modules", "mark_frozen_base"]
+           "adapters_disabled", "is_frozen_base", "lora_modules", "lora_module_names", "mark_frozen_base"]
