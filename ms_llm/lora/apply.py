@@ -100,5 +100,8 @@ def apply_lora(model: ms_nn.Cell, lora_cfg, seed: int = 0) -> List[str]:
             mark_frozen_base(p)
     for name, new in built:
         _set_child(model, name, new)
+        # unique Parameter names (a compiled graph refuses two 'lora_A.weight')
+        new.lora_A.weight.name = f"{name}.lora_A.weight"
+        new.lora_B.weight.name = f"{name}.lora_B.weight"
     log.info("lora: r=%d alpha=%s on %d modules", r, lora_cfg.alpha, len(built))
     return [n for n, _ in built]
