@@ -170,9 +170,9 @@ def read_adapters(path: str) -> Adapters:
     """A PEFT folder, an ms-llm ``iter_*`` checkpoint, or a save_dir (its newest one)."""
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         return read_peft_adapters(path)
-    from ms_llm.checkpoint import dcp
+    from ms_llm.checkpoint.dcp_discovery import find_latest_complete
     if not os.path.basename(os.path.normpath(path)).startswith("iter_"):
-        latest = dcp.find_latest_complete(path)
+        latest = find_latest_complete(path) if os.path.isdir(path) else None
         if latest is None:
             raise AdapterError(f"{path}: neither a PEFT adapter folder (adapter_config.json) "
                                f"nor an ms-llm LoRA checkpoint")
