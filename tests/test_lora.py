@@ -217,6 +217,12 @@ def test_lr0_export_is_the_input_and_peft_layout(base, tmp_path):
     for k in want:
         assert got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes(), k
     assert os.path.isfile(tmp_path / "hf0" / "tokenizer.json")
+    moved = tmp_path / "moved"                     # --base: the same base somewhere else
+    shutil.copytree(base / "hf", moved)
+    assert main(["export", str(ckpt), str(tmp_path / "hf1"), "--base", str(moved)]) == 0
+    (moved / "config.json").write_text((moved / "config.json").read_text() + "\n")
+    assert main(["export", str(ckpt), str(tmp_path / "hf2"), "--base", str(moved)]) == 2
+    assert not os.path.exists(tmp_path / "hf2")
     # PEFT's layout: its key names, HF module shapes, the config PEFT reads
     assert main(["export", str(ckpt), str(tmp_path / "peft"), "--lora-only"]) == 0
     ad = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
