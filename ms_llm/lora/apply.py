@@ -26,7 +26,7 @@ from mindspore import nn as ms_nn
 
 from ms_llm.quant.apply import _set_child
 from .merge import TARGETS
-from .modules import LoRALinear, mark_frozen_base
+from .modules import LoRALinear, is_frozen_base, mark_frozen_base
 
 log = logging.getLogger("ms_llm.lora")
 _EXPERT_PARTS = (".mlp.experts.", ".mlp.shared_experts.")
@@ -105,3 +105,17 @@ def apply_lora(model: ms_nn.Cell, lora_cfg, seed: int = 0) -> List[str]:
         new.lora_B.weight.name = f"{name}.lora_B.weight"
     log.info("lora: r=%d alpha=%s on %d modules", r, lora_cfg.alpha, len(built))
     return [n for n, _ in built]
+
+
+def buffer_names(model: ms_nn.Cell) -> frozenset:
+    """Non-trainable Parameters that are not frozen base weights (the routers' expert_bias)."""
+    return frozenset(n for n, p in model.parameters_and_names()
+                     if not p.requires_grad and not is_frozen_base(p))
+
+
+def mark_frozen_shards(model: ms_nn.Cell, buffers: frozenset) -> None:
+    """Tensor parallel replaces the Parameters it shards (embedding, head, linears) by new
+    ones; those of frozen base weights are frozen base weights too (names do not change)."""
+    for n, p in model.parameters_and_names():
+        if not p.requires_grad and n not in buffers:
+            mark_frozen_base(p)

@@ -131,14 +131,6 @@ class LoRALinear(_LoRABranch, nn.Module):
                f"r={self.r}, alpha={self.alpha}, base={self.base_type}"
 
 
-def _keep_frozen(full: LoRALinear, shard: nn.Module) -> None:
-    """The base weight's shard (a new Parameter) stays a frozen base weight."""
-    for name in ("weight", "bias"):
-        p, q = getattr(full, name), getattr(shard, name)
-        if p is not None and is_frozen_base(p):
-            mark_frozen_base(q)
-
-
 class LoRAColumnParallelLinear(_LoRABranch, ColumnParallelLinear):
     """Column-parallel base; B split on its rows like W, A replicated (gradient partial)."""
 
@@ -146,7 +138,6 @@ class LoRAColumnParallelLinear(_LoRABranch, ColumnParallelLinear):
                  gather_output: bool = False, rows: Optional[np.ndarray] = None):
         super().__init__(full, group, sequence_parallel=sequence_parallel,
                          gather_output=gather_output, rows=rows)
-        _keep_frozen(full, self)
         b = _shard_param(full.lora_B.weight, 0, group.rank, group.size, rows)
         add_partial(full.lora_A.weight, "tp")
         self._init_branch(full.lora_A, LoRAWeight(b), full.scaling, full.lora_dropout)
@@ -166,7 +157,6 @@ class LoRARowParallelLinear(_LoRABranch, RowParallelLinear):
 
     def __init__(self, full: LoRALinear, group, *, sequence_parallel: bool = False):
         super().__init__(full, group, sequence_parallel=sequence_parallel)
-        _keep_frozen(full, self)
         a = _shard_param(full.lora_A.weight, 1, group.rank, group.size)
         add_partial(full.lora_B.weight, "tp")
         self._init_branch(LoRAWeight(a), full.lora_B, full.scaling, full.lora_dropout)
@@ -207,4 +197,5 @@ def adapters_disabled(model):
 
 
 __all__ = ["LoRALinear", "LoRAColumnParallelLinear", "LoRARowParallelLinear", "LoRAWeight",
-           "adapters_disabled", "is_frozen_base", "lora_modules", "lora_module_names", "mark_frozen_base"]
+           "adapters_disabled", "is_frozen_base", "lora_modules", "lora_module_names",
+           "mark_frozen_base"]
