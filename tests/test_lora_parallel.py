@@ -1,5 +1,6 @@
-"""LoRA under tensor parallel (with and without sequence parallel) and FSDP, in one msrun job of
-two workers, equals the single-process LoRA run over 5 AdamW steps.
+"""LoRA under tensor parallel (with and without sequence parallel), FSDP and pipeline parallel,
+in one msrun job of two workers, equals the single-process LoRA run over 5 AdamW steps, and
+saves the same adapters (and nothing of the frozen base).
 
 Tolerance: rtol 1e-5 on loss and gradient norm (fp32), as tests/test_parallel_training.py: the
 parallel runs sum the same terms in another order (all-reduces, sharded matmuls, the adapters'
@@ -31,7 +32,7 @@ def spec(name, args):
 
 
 @pytest.mark.msrun
-def test_lora_tp_sp_fsdp_equal_one_process(tmp_path):
+def test_lora_tp_sp_fsdp_pp_equal_one_process(tmp_path):
     # the tiny parallel-test model (BASE's model keys) as an HF folder: the LoRA base
     make_hf_checkpoint(tmp_path / "base", "qwen3", hidden=64, layers=2, heads=4, kv_heads=2,
                        head_dim=16, ffn=128, vocab=64, tied=False, seed=11)
@@ -44,7 +45,8 @@ def test_lora_tp_sp_fsdp_equal_one_process(tmp_path):
     runs = {"tp2": ["--parallel.tensor_model_parallel_size", "2"],
             "tp2sp": ["--parallel.tensor_model_parallel_size", "2",
                       "--parallel.sequence_parallel", "true"],
-            "fsdp2": ["--parallel.fsdp_size", "2"]}
+            "fsdp2": ["--parallel.fsdp_size", "2"],
+            "pp2": ["--parallel.pipeline_model_parallel_size", "2"]}
     out = run_worker_job("train_parallel.py", tmp_path, 2,
                          [spec(name, args + extra + ["--training.output_dir",
                                                      str(tmp_path / name),
