@@ -130,6 +130,8 @@ def test_targets_globs_and_trainable_count():
         assert after[n] is p and not p.requires_grad and is_frozen_base(p)
     with pytest.raises(ValueError, match="matches no"):
         select_targets(small_model()[1], ["decoder.layers.9.*.linear_qkv"])
+    with pytest.raises(ValueError, match="selects no module"):
+        apply_lora(small_model()[1], _L(targets=[]))
 
 
 def test_moe_experts_are_not_adapted():

@@ -86,6 +86,9 @@ def apply_lora(model: ms_nn.Cell, lora_cfg, seed: int = 0) -> List[str]:
     if r == 0:
         return []
     selected = select_targets(model, list(lora_cfg.target_modules))
+    if not selected:
+        raise ValueError(f"lora.target_modules {list(lora_cfg.target_modules)} selects no module "
+                         f"(lora.r {r} > 0 would train nothing)")
     built = []
     for name, module in selected:
         if r > min(module.in_features, module.out_features):
