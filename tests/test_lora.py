@@ -265,12 +265,18 @@ def test_merged_export_convert_and_resume(base, tmp_path):
     # MindSpeed's flag: merging during conversion gives the same weights
     assert main(["convert", "--load-model-type", "hf", "--save-model-type", "hf", "--load-dir",
                  str(base / "hf"), "--save-dir", str(tmp_path / "conv"), "--lora-load",
-                 str(tmp_path / "save"), "--lora-r", "4", "--lora-alpha", "8"]) == 0
+                 str(tmp_path / "save"), "--lora-r", "4", "--lora-alpha", "8",
+                 "--lora-target-modules", "linear_fc2", "linear_qkv", "linear_fc1",
+                 "linear_proj"]) == 0
     conv = load_file(str(tmp_path / "conv" / "model.safetensors"))
     assert all(conv[k].tobytes() == got[k].tobytes() for k in got)
     assert main(["convert", "--load-model-type", "hf", "--save-model-type", "hf", "--load-dir",
                  str(base / "hf"), "--save-dir", str(tmp_path / "conv2"), "--lora-load", ckpt,
                  "--lora-r", "8"]) == 2
+    assert main(["convert", "--load-model-type", "hf", "--save-model-type", "hf", "--load-dir",
+                 str(base / "hf"), "--save-dir", str(tmp_path / "conv2"), "--lora-load", ckpt,
+                 "--lora-target-modules", "linear_qkv"]) == 2
+    assert not os.path.exists(tmp_path / "conv2")
     # the PEFT folder merges to the same weights (q/k/v from the shared A, rows of B)
     assert main(["export", ckpt, str(tmp_path / "peft"), "--lora-only"]) == 0
     assert main(["convert", "--load-model-type", "hf", "--save-model-type", "hf", "--load-dir",
