@@ -22,10 +22,13 @@ same rows ``placement.checkpoint_regions`` derives for that cut, so checkpoints 
 regions of the global tensors, the format plain AdamW writes: saved under one data-parallel size
 or optimizer, they load under another.
 
-Overlap: the reduce-scatters start during backward (``async_op``); the all-gathers are issued
-together after the update and waited at the end of the step, not overlapped with the next
-forward. On MindSpore's CPU backend (mccl) collectives block the calling thread even when
-asynchronous, so neither overlaps on CPU; on Ascend the reduce-scatters run under backward.
+Overlap: each bucket's reduce-scatter starts from the backward hooks as soon as its last
+gradient arrives (``async_op``; one bucket in flight, completed when the next starts), so on
+Ascend it runs under the rest of backward. The all-gathers run after the update, the next
+bucket's started before the previous one is unpacked; they are *not* overlapped with the next
+forward (that needs forward pre-hooks per bucket, not built). On MindSpore's CPU backend (mccl)
+collectives block the calling thread even when asynchronous, so nothing overlaps on CPU:
+``benchmarks/distributed_optimizer.py`` measures the cost.
 """
 from __future__ import annotations
 
@@ -63,7 +66,9 @@ def shard_rows(shape: Sequence[int], pl: Placement, dim: str, world: int, rank: 
 class _ShardedGradBuckets(GradBuckets):
     """``GradBuckets`` whose collective is a reduce-scatter: each bucket's gradients are packed
     by a ``FlatLayout`` (parameters in their row shapes) and this rank receives its flat shard;
-    each parameter's gradient is then its real rows, a view of that shard."""
+    each parameter's gradient is then its real rows, a view of that shard. At most one bucket
+    is in flight (launching the next completes the previous, as FSDP does), so the transient
+    buffers (packed input, per-root receive buffers) stay one bucket's size."""
 
     def __init__(self, params, group, **kwargs):
         super().__init__(params, group, **kwargs)
@@ -71,33 +76,55 @@ class _ShardedGradBuckets(GradBuckets):
         self.rows = [row_shape(tuple(p.shape), placement_of(p),
                                grad_replica_dim(placement_of(p))) for p in self.params]
         self.layouts = [FlatLayout([self.rows[i] for i in idx], w, r) for idx in self.buckets]
+        self._inflight: Optional[tuple] = None
+        self._ready: Dict[int, Tensor] = {}
 
     def _launch(self, b: int) -> None:
-        self._works.append(self._reduce_scatter(b, [self._acc[i] for i in self.buckets[b]]))
+        grads = [self._acc[i] for i in self.buckets[b]]
+        for i in self.buckets[b]:
+            self._acc[i] = None          # the packed input holds them now
+        self._start(b, grads)
 
-    def _reduce_scatter(self, b: int, grads) -> tuple:
-        layout = self.layouts[b]
-        idx = self.buckets[b]
+    def _start(self, b: int, grads) -> None:
+        self._complete()
+        layout, idx = self.layouts[b], self.buckets[b]
         flat_in = layout.pack_grads([g.reshape(self.rows[i]) for i, g in zip(idx, grads)],
                                     float32)
         out = mint.zeros((layout.numel,), dtype=float32)
         work = comm.reduce_scatter_tensor(out, flat_in, group=self.group, async_op=True)
-        return b, out, work
+        self._inflight = (b, out, work)
+
+    def _complete(self) -> None:
+        if self._inflight is not None:
+            b, out, work = self._inflight
+            self._inflight = None
+            work.wait()
+            self._ready[b] = out
+
+    def _collect(self) -> List[Tensor]:
+        self._complete()
+        if len(self._ready) != len(self.buckets):
+            raise RuntimeError("distributed optimizer: not every gradient bucket was "
+                               "reduce-scattered; was begin_micro_batch(is_last=True) called "
+                               "before the last backward?")
+        out: List[Optional[Tensor]] = [None] * len(self.params)
+        for b, flat in self._ready.items():
+            for i, view in zip(self.buckets[b], self.layouts[b].shard_views(flat)):
+                out[i] = view
+        self._ready = {}
+        return out
+
+    def finish(self) -> List[Tensor]:
+        out = self._collect()
+        self._acc, self._active = [None] * len(self.params), False
+        return out
 
     def reduce(self, grads: Sequence[Tensor]) -> List[Tensor]:
         if not self.enabled:
             return [g.reshape(rows) for g, rows in zip(grads, self.rows)]
-        out: List[Optional[Tensor]] = [None] * len(self.params)
-        works = [self._reduce_scatter(b, [grads[i] for i in idx])
-                 for b, idx in enumerate(self.buckets)]
-        for b, flat, work in works:
-            work.wait()
-            self._unflatten(b, flat, out)
-        return out
-
-    def _unflatten(self, b: int, flat: Tensor, out: list) -> None:
-        for i, view in zip(self.buckets[b], self.layouts[b].shard_views(flat)):
-            out[i] = view
+        for b, idx in enumerate(self.buckets):
+            self._start(b, [grads[i] for i in idx])
+        return self._collect()
 
 
 class _ShardGradSync:
@@ -200,20 +227,23 @@ class DistributedOptimizer:
         self.gather_params()
 
     def gather_params(self) -> None:
-        """Every model parameter from the main shards of its group (one all-gather per bucket,
-        all issued before the first is waited for)."""
-        pending = []
-        for group, layout, idx in self._gathers:
-            if group.size == 1:
-                continue
-            flat = layout.pack_shards([self.mains[i] for i in idx], float32)
-            parts = [mint.zeros((layout.numel,), dtype=float32) for _ in range(group.size)]
-            pending.append((comm.all_gather(parts, flat, group=group, async_op=True), parts,
-                            layout, idx))
-        for work, parts, layout, idx in pending:
-            work.wait()
-            for i, full in zip(idx, layout.unpack_full(parts)):
-                F.copy_(self.model_params[i], full.reshape(self.model_params[i].shape))
+        """Every model parameter from the main shards of its group: one all-gather per bucket,
+        the next one started before the previous is unpacked (two buckets' buffers at most)."""
+        inflight = None
+        for entry in self._gathers + [None]:
+            started = None
+            group, layout, idx = entry or (None, None, None)
+            if group is not None and group.size > 1:
+                flat = layout.pack_shards([self.mains[i] for i in idx], float32)
+                parts = [mint.zeros((layout.numel,), dtype=float32) for _ in range(group.size)]
+                started = (comm.all_gather(parts, flat, group=group, async_op=True), parts,
+                           layout, idx)
+            if inflight is not None:
+                work, parts_, layout_, idx_ = inflight
+                work.wait()
+                for i, full in zip(idx_, layout_.unpack_full(parts_)):
+                    F.copy_(self.model_params[i], full.reshape(self.model_params[i].shape))
+            inflight = started
 
     # ------------------------------------------------------------------ state and checkpoints
     def state_tensors(self, param: Parameter) -> list:
