@@ -30,7 +30,8 @@ DO = ["--parallel.use_distributed_optimizer", "true"]
 # Five steps with the LR schedule of five, so 3 saved + 2 resumed steps continue one curve.
 STEPS = ["--training.max_steps", "5", "--training.lr_decay_steps", "5", "--training.jit", "false"]
 SAVE_AT_3 = ["--training.max_steps", "3"]
-MB2 = ["--training.micro_batch_size", "2"]     # dp=4: 8 samples = 4 ranks x 1 micro-batch of 2
+MB2 = ["--training.micro_batch_size", "2"]
+GROUPED = ["--model.moe_grouped_gemm", "true"]     # dp=4: 8 samples = 4 ranks x 1 micro-batch of 2
 
 
 # ------------------------------------------------------------------ fast, single process
@@ -177,7 +178,7 @@ def reference():
     dense = Trainer(load_config(CONFIG, BASE + STEPS))
     return {"moments": dense.optimizer.state_bytes()["exp_avg+exp_avg_sq"],
             "dense": run_record(dense),
-            "moe": run_record(Trainer(load_config(CONFIG, BASE + MOE + STEPS)))}
+            "moe": run_record(Trainer(load_config(CONFIG, BASE + MOE + GROUPED + STEPS)))}
 
 
 def spec(name, *arg_lists):
@@ -209,7 +210,8 @@ def test_four_workers(tmp_path, reference):
         spec("dp4_from_plain", STEPS, MB2, DO, resume, ["--checkpoint.save_dir", ck_plain]),
         spec("tp2_sp_dp2", STEPS, DO, tp2, ["--parallel.sequence_parallel", "true"]),
         spec("pp2_dp2", STEPS, DO, ["--parallel.pipeline_model_parallel_size", "2"]),
-        spec("ep2_edp2", MOE, STEPS, DO, ["--parallel.expert_model_parallel_size", "2"]),
+        # grouped experts: weight1's shards are rows of its stored view over edp=2
+        spec("ep2_edp2", MOE, GROUPED, STEPS, DO, ["--parallel.expert_model_parallel_size", "2"]),
     ])
     ref = reference["dense"]
     for name in ("dp4", "tp2_sp_dp2", "pp2_dp2"):
