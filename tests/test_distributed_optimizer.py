@@ -231,7 +231,7 @@ def test_four_workers(tmp_path, reference):
     # state of one dp=2 replica; each dp rank holds the same share
     tp_dp = res["tp2_sp_dp2"]["optimizer_bytes"]       # ranks: tp fastest
     assert tp_dp[0] == tp_dp[2] and tp_dp[1] == tp_dp[3]
-    log0 = open(tmp_path / "logs" / "worker_0.log", errors="replace").read()   # said at start
+    log0 = (tmp_path / "logs" / "worker_0.log").read_text(errors="replace")   # said at start
     assert "optimizer state per rank (moments + fp32 main-param shards): " + ", ".join(
         f"{b / 2 ** 20:.2f}" for b in res["dp4"]["optimizer_bytes"]) + " MiB" in log0
     # The dp=4 checkpoint (step 3) resumes in one process with plain AdamW (dp=1), continuing

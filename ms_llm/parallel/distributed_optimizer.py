@@ -221,7 +221,7 @@ class DistributedOptimizer:
     def lr(self) -> float:
         return self.inner.lr
 
-    def step(self, grads: Sequence[Tensor], lr: float = None) -> None:
+    def step(self, grads: Sequence[Tensor], lr: Optional[float] = None) -> None:
         """AdamW on the shards, then the updated shards all-gathered into the model."""
         self.inner.step(grads, lr)
         self.gather_params()
