@@ -106,6 +106,8 @@ def run_record(trainer) -> dict:
     from ms_llm.models.moe import moe_layers
     records = trainer.fit()
     out = {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records]}
+    if records and "optimizer_state_bytes_per_rank" in records[0]:   # every world rank's
+        out["optimizer_bytes"] = records[0]["optimizer_state_bytes_per_rank"]
     # Under pipeline parallel the model also holds other stages' layers, which never ran here.
     layers = [layer for layer in moe_layers(trainer.model) if layer.router.stats is not None]
     if layers:
