@@ -115,7 +115,7 @@ class GPTModel(nn.Module):
     def _rope_tables(self, rows: int):
         c = self.config
         inv_freq, attention_factor = rope_frequencies(c)
-        return hot.rope_cos_sin(rows, c.kv_channels, c.rotary_base, inv_freq=inv_freq,
+        return hot.rope_cos_sin(rows, c.rotary_dim, c.rotary_base, inv_freq=inv_freq,
                                 attention_factor=attention_factor)
 
     def forward(self, input_ids: Tensor, labels: Optional[Tensor] = None,

@@ -120,7 +120,11 @@ class TransformerLayer(nn.Module):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, c.params_dtype)
-        self.self_attention = SelfAttention(c)
+        if c.multi_latent_attention:
+            from .mla import MLASelfAttention   # mla builds on this module's RMSNorm
+            self.self_attention = MLASelfAttention(c)
+        else:
+            self.self_attention = SelfAttention(c)
         self.pre_mlp_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, c.params_dtype)
         self.mlp = mlp if mlp is not None else MLP(c)
         self.hidden_dropout = c.hidden_dropout

@@ -1,0 +1,86 @@
+"""DeepSeek-V3 (MLA, YaRN mscale, group-limited sigmoid routing with expert bias, shared experts,
+dense first layers) and GLM-4.5 (partial rotary, QKV bias, QK-norm, same router) loaded with
+``from_pretrained`` from folders transformers wrote, against transformers itself.
+
+Tolerances (both sides compute in float32):
+
+* logits 1e-4 absolute (rtol 1e-4): logits reach ~5; float32 rounding through 3 layers of
+  64-wide matmuls gives ~1e-6..1e-5, while a wrong rope layout / scale / routing gives O(0.1).
+* loss and global grad norm 1e-5 relative: sums over ~1e5 float32 terms accumulate ~1e-6
+  relative error; a missing gradient path changes the norm by > 1e-3.
+* chosen experts per token: identical sets (a routing bug is a discrete change).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import deepseek_fixtures as fx
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=list(fx.CASES))
+def case(request, tmp_path_factory):
+    kind, kwargs = fx.CASES[request.param]
+    hf = fx.build_hf(kind, kwargs, seed=len(request.param))
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf.save_pretrained(path)
+    from ms_llm.models import from_pretrained
+    return request.param, hf, from_pretrained(path), path
+
+
+def _ms_loss_grad_norm(model, ids, labels):
+    import mindspore as ms
+    mask = ms.Tensor((labels != -100).astype(np.float32))
+    params = model.trainable_params()
+
+    def fn(x, y):
+        per_tok = model(x, labels=y)
+        return (per_tok * mask).sum() / mask.sum()
+
+    loss, grads = ms.value_and_grad(fn, None, params)(ms.Tensor(ids.astype(np.int32)),
+                                                      ms.Tensor(labels.astype(np.int32)))
+    norm = float(np.sqrt(sum((g.asnumpy().astype(np.float64) ** 2).sum() for g in grads)))
+    return float(loss.asnumpy()), norm
+
+
+def test_matches_transformers(case):
+    import mindspore as ms
+    from ms_llm.models.moe import moe_layers
+    name, hf, model, _ = case
+    ids, labels = fx.batch()
+    want_logits, want_loss, want_norm, want_routes = fx.hf_reference(hf, ids, labels)
+    got = model(ms.Tensor(ids.astype(np.int32))).asnumpy().astype(np.float64)
+    np.testing.assert_allclose(got, want_logits, rtol=1e-4, atol=1e-4, err_msg=name)
+    layers = {i: l.mlp for i, l in enumerate(model.decoder.layers)}
+    assert sorted(want_routes) == [i for i, m in layers.items() if m in moe_layers(model)]
+    for i, want in want_routes.items():
+        got_idx = np.sort(layers[i].last_top_indices.asnumpy(), -1)
+        assert np.array_equal(got_idx, want), f"{name}: layer {i} routing differs"
+    loss, norm = _ms_loss_grad_norm(model, ids, labels)
+    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (name, loss, want_loss)
+    assert abs(norm - want_norm) <= 1e-5 * want_norm, (name, norm, want_norm)
+
+
+def test_expert_bias_loaded_and_updates(case):
+    """``e_score_correction_bias`` lands in ``router.expert_bias`` (fp32, not trained) and the
+    aux-loss-free update moves it by rate * sign(mean - count)."""
+    from ms_llm.models.moe import moe_layers, update_expert_bias
+    _, hf, model, _ = case
+    hf_bias = hf.model.layers[1].mlp.gate.e_score_correction_bias.numpy()
+    router = moe_layers(model)[0].router
+    before = router.expert_bias.asnumpy().copy()
+    np.testing.assert_array_equal(before, hf_bias)
+    assert not router.expert_bias.requires_grad
+    counts = np.arange(router.num_experts, dtype=np.float64)
+    router.local_tokens_per_expert = counts.copy()
+    update_expert_bias(router)
+    step = np.sign(counts.mean() - counts) * model.config.moe_router_bias_update_rate
+    np.testing.assert_allclose(router.expert_bias.asnumpy(), before + step, rtol=0, atol=1e-7)
+    router.expert_bias.set_data(ms_tensor(before))
+
+
+def ms_tensor(x):
+    import mindspore as ms
+    return ms.Tensor(x)
