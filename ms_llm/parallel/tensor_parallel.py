@@ -205,11 +205,15 @@ def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None
     model.embedding.word_embeddings = emb
     for layer in model.decoder.layers:
         attn = layer.self_attention
-        attn.linear_qkv = ColumnParallelLinear(attn.linear_qkv, group, sequence_parallel=sp)
-        attn.linear_proj = RowParallelLinear(attn.linear_proj, group, sequence_parallel=sp)
-        if attn.q_layernorm is not None:  # each rank sees only its heads
-            _mark_partial(attn.q_layernorm)
-            _mark_partial(attn.k_layernorm)
+        if c.multi_latent_attention:
+            from .tensor_parallel_mla import apply_mla_tensor_parallel
+            apply_mla_tensor_parallel(attn, group, sp)
+        else:
+            attn.linear_qkv = ColumnParallelLinear(attn.linear_qkv, group, sequence_parallel=sp)
+            attn.linear_proj = RowParallelLinear(attn.linear_proj, group, sequence_parallel=sp)
+            if attn.q_layernorm is not None:  # each rank sees only its heads
+                _mark_partial(attn.q_layernorm)
+                _mark_partial(attn.k_layernorm)
         mlp = layer.mlp
         rows = glu_rows(mlp.linear_fc1.out_features, group.rank, tp) \
             if c.gated_linear_unit else None
