@@ -123,11 +123,11 @@ class TransformerConfig:
                              f"(only 'RMSNorm')")
         if self.position_embedding_type not in ("rope", "yarn"):
             raise ValueError("model.position_embedding_type must be 'rope' or 'yarn'")
+        if self.multi_latent_attention:
+            self._validate_mla()
         if not 0 < self.rotary_percent <= 1.0 or self.rotary_dim % 2:
             raise ValueError(f"model.rotary_percent ({self.rotary_percent}) must be in (0, 1] "
                              f"and rotate an even number of head dims")
-        if self.multi_latent_attention:
-            self._validate_mla()
         if self.mtp_num_layers:
             raise ValueError("model.mtp_num_layers: multi-token prediction is not built yet "
                              "(HF MTP weights are reported as skipped on load)")
