@@ -86,15 +86,18 @@ def test_megatron_keys_and_tp_splits(hf_dir):
         assert same(sd[L1 + "mlp.shared_experts.linear_fc1.weight"], fc1)
         if name.startswith("deepseek"):
             a = p + "self_attn."
+            # MindSpeed-LLM's names on disk: linear_qkv = [q_a_proj; kv_a_proj_with_mqa]
+            # (replicated), linear_qb / linear_kvb = up-projections split by heads.
             up = hf[a + "q_b_proj.weight"]
-            assert same(sd[L1 + "self_attention.linear_q_up_proj.weight"],
+            assert same(sd[L1 + "self_attention.linear_qb.weight"],
                         np.split(up, 2, axis=0)[t])       # heads 2t, 2t+1
-            assert same(sd[L1 + "self_attention.linear_kv_up_proj.weight"],
+            assert same(sd[L1 + "self_attention.linear_kvb.weight"],
                         np.split(hf[a + "kv_b_proj.weight"], 2, axis=0)[t])
-            assert same(sd[L1 + "self_attention.linear_kv_down_proj.weight"],
-                        hf[a + "kv_a_proj_with_mqa.weight"])
-            assert same(sd[L1 + "self_attention.linear_q_down_proj.weight"], hf[a + "q_a_proj.weight"])
-            assert same(sd[L1 + "self_attention.kv_layernorm.weight"], hf[a + "kv_a_layernorm.weight"])
+            assert same(sd[L1 + "self_attention.linear_qkv.weight"], np.concatenate(
+                [hf[a + "q_a_proj.weight"], hf[a + "kv_a_proj_with_mqa.weight"]]))
+            assert same(sd[L1 + "self_attention.q_layernorm.weight"], hf[a + "q_a_layernorm.weight"])
+            assert same(sd[L1 + "self_attention.k_layernorm.weight"], hf[a + "kv_a_layernorm.weight"])
+            assert not any("linear_q_down_proj" in k or "linear_kv_up_proj" in k for k in sd)
             assert same(sd[L1 + "self_attention.linear_proj.weight"],
                         np.split(hf[a + "o_proj.weight"], 2, axis=1)[t])
 
@@ -156,3 +159,35 @@ def test_trained_proxy_exports_to_hf(tmp_path, variant):
     with torch.no_grad():
         got = hf(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("q_lora", [24, 0])
+def test_mla_shards_read_back_from_both_namings(q_lora):
+    """``mla_merge`` undoes ``mla_shard`` (MindSpeed's names with ``q_lora_rank``, Megatron-Core's
+    without) and also reads a checkpoint written with Megatron-Core's names."""
+    from ms_llm.checkpoint import layouts as L
+    from ms_llm.checkpoint import layouts_deepseek as DS
+    spec = L.ModelSpec(family="deepseek-v3", num_layers=1, hidden=16, ffn=32, heads=4, groups=4,
+                       head_dim=12, vocab=8, tied=False, qkv_bias=False, qk_norm=False, mla=True,
+                       q_lora_rank=q_lora, kv_lora_rank=8, qk_nope=8, qk_rope=4, v_head=6,
+                       attn_bias=True)
+    rng = np.random.default_rng(0)
+    full = {mg: rng.standard_normal(shape).astype(np.float32) for mg, _, shape in
+            [(mg, hf, shape) for mg, hf, shape in DS._mla_pairs(spec)]}
+    mcore = {t: {mg: (np.split(x, 2, 0)[t] if mg in DS._MLA_ROWS else
+                      np.split(x, 2, 1)[t] if mg in DS._MLA_COLS else x)
+                 for mg, x in full.items()} for t in range(2)}
+    written = {t: DS.mla_shard(spec, full, 2, t) for t in range(2)}
+    if q_lora:
+        assert "self_attention.linear_qkv.bias" in written[0]
+    else:
+        assert set(k for k in written[0] if not k.endswith("_extra_state")) == set(mcore[0])
+    for shards in (written, mcore):
+        def part(t, e, key, shards=shards):
+            if key not in shards[t]:
+                raise KeyError(key)
+            return shards[t][key]
+        back = DS.mla_merge(spec, part, 2)
+        assert set(back) == set(full)
+        for k in full:
+            assert same(back[k], full[k]), k

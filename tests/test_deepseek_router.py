@@ -95,3 +95,36 @@ def test_config_errors_are_one_line(kwargs, match):
     with pytest.raises(ValueError, match=match) as e:
         TransformerConfig(**{**base, **kwargs})
     assert "\n" not in str(e.value)
+
+
+def test_mla_tensor_parallel_placements():
+    """Rank 1 of tp=2 (no collective runs at build time): the up-projections hold heads 2-3 as
+    a ("tp", 0) shard, ``linear_proj`` the matching columns as ("tp", 1); the down-projections
+    and their norms stay whole, with full (not partial) gradients."""
+    from types import SimpleNamespace
+
+    from ms_llm.models.gpt import GPTModel
+    from ms_llm.parallel.parallelize import describe_layouts
+    from ms_llm.parallel.placement import placement_of
+    from ms_llm.parallel.tensor_parallel import apply_tensor_parallel
+    c = TransformerConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                          padded_vocab_size=64, multi_latent_attention=True, q_lora_rank=24,
+                          kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
+    model = GPTModel(c)
+    attn = model.decoder.layers[0].self_attention
+    full = {n: attn.__getattr__(n).weight.asnumpy().copy() for n in (
+        "linear_q_up_proj", "linear_kv_up_proj", "linear_proj", "linear_q_down_proj",
+        "linear_kv_down_proj")}
+    describe_layouts(model)          # parallelize_model's first step ([gate; up] halves)
+    apply_tensor_parallel(model, SimpleNamespace(size=2, rank=1))
+    for name, dim in (("linear_q_up_proj", 0), ("linear_kv_up_proj", 0), ("linear_proj", 1)):
+        w = attn.__getattr__(name).weight
+        assert placement_of(w).shards == (("tp", dim),), name
+        np.testing.assert_array_equal(w.asnumpy(), np.split(full[name], 2, axis=dim)[1])
+    for name in ("linear_q_down_proj", "linear_kv_down_proj"):
+        w = attn.__getattr__(name).weight
+        assert placement_of(w).shards == () and placement_of(w).partial == (), name
+        np.testing.assert_array_equal(w.asnumpy(), full[name])
+    for norm in (attn.q_layernorm, attn.kv_layernorm):
+        assert placement_of(norm.weight).partial == ()
+    assert attn.rope_key_grad.func.__name__ == "copy_to_group"

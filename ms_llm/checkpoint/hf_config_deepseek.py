@@ -11,9 +11,11 @@ from typing import Optional, Tuple
 
 
 def is_deepseek_family(c) -> bool:
+    """MLA, or GLM-4.5's MoE (sigmoid router with expert bias and shared experts; without
+    shared experts the model is left to the Qwen3-MoE export, which says what it lacks)."""
     return bool(c.multi_latent_attention) or (
         c.mlp_type == "moe" and c.moe_router_score_function == "sigmoid"
-        and c.moe_router_enable_expert_bias)
+        and c.moe_router_enable_expert_bias and bool(c.moe_shared_expert_intermediate_size))
 
 
 def _refusal(c) -> Optional[str]:

@@ -14,7 +14,11 @@ Megatron-Core keys (relative to ``decoder.layers.{i}.``) and their HF names:
 * ``mlp.shared_experts.linear_fc1`` = ``[gate_proj; up_proj]`` of ``mlp.shared_experts``,
   ``mlp.shared_experts.linear_fc2`` = its ``down_proj``.
 
-Tensor parallel: the up-projections (and ``linear_q_proj``) split their rows by whole heads
+On disk (Megatron checkpoint files) the MLA tensors of a model with ``q_lora_rank`` take
+MindSpeed-LLM's names, so its DeepSeek-V3 checkpoints load and ours load there:
+``self_attention.linear_qkv`` = ``[linear_q_down_proj; linear_kv_down_proj]`` rows,
+``linear_qb`` / ``linear_kvb`` = the up-projections, ``k_layernorm`` = ``kv_layernorm``; reading
+also accepts the Megatron-Core names. Tensor parallel: the up-projections (and ``linear_q_proj``) split their rows by whole heads
 (dim 0), ``linear_proj`` its columns (dim 1); the down-projections, their norms and all biases
 but none of the up-projections' are replicated; the shared experts split like the dense MLP.
 Weights are kept exactly as released (DeepSeek's interleaved rope rows included: the model
@@ -99,28 +103,65 @@ def mla_full_to_hf(spec, full: Dict, prefix: str) -> Dict:
     return {prefix + "self_attn." + hf: full[mg] for mg, hf, _ in _mla_pairs(spec)}
 
 
+# MindSpeed-LLM's on-disk names for DeepSeek-V3 with ``q_lora_rank`` (its convert_ckpt_deepseek3):
+# the two down-projections fused as ``linear_qkv`` ([q_down; kv_down] rows, replicated), the
+# up-projections as ``linear_qb`` / ``linear_kvb`` and ``kv_layernorm`` as ``k_layernorm``.
+# Without ``q_lora_rank`` the Megatron-Core names are written.
+_MINDSPEED = {A + "linear_q_up_proj.weight": A + "linear_qb.weight",
+              A + "linear_kv_up_proj.weight": A + "linear_kvb.weight",
+              A + "kv_layernorm.weight": A + "k_layernorm.weight"}
+_DOWN = (A + "linear_q_down_proj.", A + "linear_kv_down_proj.")
+
+
 def mla_shard(spec, full: Dict, tp: int, t: int) -> "OrderedDict":
+    """Megatron shard ``t`` of ``tp`` in MindSpeed's layout (see ``_MINDSPEED``)."""
     out = OrderedDict()
+    fused = bool(spec.q_lora_rank)
     for mg, _, _ in _mla_pairs(spec):
         x = full[mg]
         if mg in _MLA_ROWS:
             x = np.split(x, tp, axis=0)[t]
         elif mg in _MLA_COLS:
             x = np.split(x, tp, axis=1)[t]
-        out[mg] = x
-        if mg.endswith("proj.weight"):
-            out[mg[:-len("weight")] + "_extra_state"] = None
+        if fused and mg.startswith(_DOWN):
+            if mg.startswith(_DOWN[1]):
+                continue
+            part = mg[len(_DOWN[0]):]                               # "weight" / "bias"
+            out[A + "linear_qkv." + part] = np.concatenate(
+                [full[_DOWN[0] + part], full[_DOWN[1] + part]], axis=0)
+            if part == "weight":
+                out[A + "linear_qkv._extra_state"] = None
+            continue
+        key = _MINDSPEED.get(mg, mg) if fused else mg
+        out[key] = x
+        if key.endswith("proj.weight") or key.endswith("b.weight"):
+            out[key[:-len("weight")] + "_extra_state"] = None
     return out
 
 
 def mla_merge(spec, part: Callable[[int, int, str], np.ndarray], tp: int) -> "OrderedDict":
+    """Inverse of ``mla_shard``; also reads Megatron-Core's own names (``linear_q_down_proj``
+    ...), which Megatron-LM writes."""
+    fused = bool(spec.q_lora_rank)
+    try:
+        if fused:
+            part(0, 0, A + "linear_qkv.weight")
+    except KeyError:
+        fused = False                                              # Megatron-Core names
     out = OrderedDict()
     for mg, _, _ in _mla_pairs(spec):
+        if fused and mg.startswith(_DOWN):
+            name = mg[len(_DOWN[0] if mg.startswith(_DOWN[0]) else _DOWN[1]):]
+            both = part(0, 0, A + "linear_qkv." + name)
+            out[mg] = both[:spec.q_lora_rank] if mg.startswith(_DOWN[0]) \
+                else both[spec.q_lora_rank:]
+            continue
+        key = _MINDSPEED.get(mg, mg) if fused else mg
         if mg in _MLA_ROWS or mg in _MLA_COLS:
             axis = 0 if mg in _MLA_ROWS else 1
-            out[mg] = np.concatenate([part(t, 0, mg) for t in range(tp)], axis=axis)
+            out[mg] = np.concatenate([part(t, 0, key) for t in range(tp)], axis=axis)
         else:
-            out[mg] = part(0, 0, mg)
+            out[mg] = part(0, 0, key)
     return out
 
 

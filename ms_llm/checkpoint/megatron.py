@@ -104,9 +104,12 @@ def _deepseek_args(spec: ModelSpec, hf_cfg: dict) -> dict:
     """Megatron's MLA / DeepSeek-router arguments (empty for the other families)."""
     out = {}
     if spec.mla:
+        # Megatron-Core's names and MindSpeed-LLM's (--multi-head-latent-attention ...).
         out.update(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank or None,
                    kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_nope,
-                   qk_pos_emb_head_dim=spec.qk_rope, v_head_dim=spec.v_head)
+                   qk_pos_emb_head_dim=spec.qk_rope, v_head_dim=spec.v_head,
+                   multi_head_latent_attention=True, qk_nope_head_dim=spec.qk_nope,
+                   qk_rope_head_dim=spec.qk_rope)
     if spec.expert_bias:
         out.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                    moe_router_num_groups=hf_cfg.get("n_group"),
