@@ -24,6 +24,9 @@ LAYOUTS = {  # name -> converter flags
     "tp2": ["--target-tensor-parallel-size", "2"],
     "ep2_pp2": ["--target-expert-parallel-size", "2", "--target-pipeline-parallel-size", "2",
                 "--num-layer-list", "1,2"],
+    # 3 layers + 1 noop layer over pp=2 with virtual stages of 1 layer (2 chunks per stage)
+    "pp2_vpp_noop": ["--target-pipeline-parallel-size", "2",
+                     "--num-layers-per-virtual-pipeline-stage", "1", "--noop-layers", "3"],
 }
 
 
