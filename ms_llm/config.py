@@ -116,6 +116,18 @@ class MoEConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the base weights of ``checkpoint.load`` (off while ``r`` is 0)."""
+    r: int = 0                        # adapter rank; 0 = no LoRA
+    alpha: float = 16.0               # output scale alpha / r
+    dropout: float = 0.0              # dropout on the adapter's input
+    # Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2) or globs over module
+    # names, e.g. "decoder.layers.*.self_attention.linear_qkv"
+    target_modules: List[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj",
+                                                               "linear_fc1", "linear_fc2"])
+
+
+@dataclass
 class RunConfig:
     model: TransformerConfig
     model_family: Optional[str]
@@ -125,6 +137,7 @@ class RunConfig:
     checkpoint: CheckpointConfig
     quant: QuantConfig
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     model_overrides: Dict[str, Any] = field(default_factory=dict)
     # "section.key" -> where its value came from (YAML path or "command line --section.key"),
     # so a check that fails later can still name the source that set the key.
@@ -133,7 +146,7 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         d = {s: dataclasses.asdict(getattr(self, s))
-             for s in ("data", "training", "parallel", "checkpoint", "quant", "moe")}
+             for s in ("data", "training", "parallel", "checkpoint", "quant", "moe", "lora")}
         d["model"] = {"family": self.model_family, **dataclasses.asdict(self.model)}
         return d
 
@@ -146,7 +159,8 @@ class RunConfig:
 
 
 _SECTIONS = {"data": DataConfig, "training": TrainingConfig, "parallel": ParallelConfig,
-             "checkpoint": CheckpointConfig, "quant": QuantConfig, "moe": MoEConfig}
+             "checkpoint": CheckpointConfig, "quant": QuantConfig, "moe": MoEConfig,
+             "lora": LoRAConfig}
 _MODEL_FIELDS = {f.name: f for f in fields(TransformerConfig)}
 COMMAND_LINE = "command line"
 
@@ -320,7 +334,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Ru
 def validate(cfg: RunConfig) -> None:
     """Checks that involve more than one key (single values were checked while parsing). Each
     error names the source of the key it is about."""
-    for check in (_check_schedule, _check_parallel, _check_moe, _check_misc):
+    for check in (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora):
         check(cfg)
 
 
@@ -389,3 +403,9 @@ def _check_misc(cfg: RunConfig) -> None:
     if cfg.training.resume == "auto" and not cfg.checkpoint.save_dir:
         _fail(cfg, ("training.resume", "checkpoint.save_dir"),
               "training.resume=auto needs checkpoint.save_dir")
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    if cfg.lora.r and not cfg.checkpoint.load:
+        _fail(cfg, ("lora.r", "checkpoint.load"),
+              "lora.r > 0 needs checkpoint.load (the base weights the adapters train on)")

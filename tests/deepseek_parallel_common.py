@@ -4,6 +4,8 @@ everywhere, so 1- and 2-worker runs see the same micro-batches (the sequence aux
 expert-bias counts are per micro-batch)."""
 import os
 
+# Per pytest-xdist worker (msrun workers inherit it), as in parallel_common.
+_SUFFIX = os.environ.get("PYTEST_XDIST_WORKER", "main")
 DS_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                          "deepseek_v3_proxy.yaml")
 DS_BASE = ["--model.hidden_size", "64", "--model.ffn_hidden_size", "96",
@@ -15,5 +17,5 @@ DS_BASE = ["--model.hidden_size", "64", "--model.ffn_hidden_size", "96",
            "--training.global_batch_size", "4", "--training.max_steps", "5",
            "--data.embedded_vocab_size", "512",
            "--training.log_interval", "1", "--training.progress_bar", "false",
-           "--training.lr_warmup_steps", "2", "--training.output_dir", "/tmp/ms_llm_ds_test"]
+           "--training.lr_warmup_steps", "2", "--training.output_dir", f"/tmp/ms_llm_ds_test_{_SUFFIX}"]
 DENSE_MLA = ["--model.mlp_type", "dense"]

@@ -185,11 +185,11 @@ def apply_mla_tensor_parallel(attn, group, sequence_parallel: bool = False) -> N
         raise ValueError(f"model.num_attention_heads ({heads}) is not divisible by "
                          f"parallel.tensor_model_parallel_size ({group.size})")
     if attn.linear_q_proj is not None:
-        attn.linear_q_proj = ColumnParallelLinear(attn.linear_q_proj, group)
+        attn.linear_q_proj = _column(attn.linear_q_proj, group)
     else:
-        attn.linear_q_up_proj = ColumnParallelLinear(attn.linear_q_up_proj, group)
-    attn.linear_kv_up_proj = ColumnParallelLinear(attn.linear_kv_up_proj, group)
-    attn.linear_proj = RowParallelLinear(attn.linear_proj, group)
+        attn.linear_q_up_proj = _column(attn.linear_q_up_proj, group)
+    attn.linear_kv_up_proj = _column(attn.linear_kv_up_proj, group)
+    attn.linear_proj = _row(attn.linear_proj, group)
     attn.rope_key_grad = functools.partial(pa.copy_to_group, group=group)
 
 
@@ -218,6 +218,18 @@ def _mark_partial(module) -> None:
         add_partial(p, "tp")
 
 
+def _column(full: nn.Module, group, **kwargs) -> nn.Module:
+    """A module may shard itself (LoRA adapters follow their base weight's split)."""
+    make = getattr(full, "column_parallel", None)
+    return make(group, **kwargs) if make is not None else ColumnParallelLinear(full, group,
+                                                                                **kwargs)
+
+
+def _row(full: nn.Module, group, **kwargs) -> nn.Module:
+    make = getattr(full, "row_parallel", None)
+    return make(group, **kwargs) if make is not None else RowParallelLinear(full, group, **kwargs)
+
+
 def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None:
     """Shard a ``GPTModel`` over ``group`` (Megatron's column/row split of every layer, the
     vocabulary-parallel embedding, head and loss), in place."""
@@ -235,17 +247,16 @@ def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None
         if c.multi_latent_attention:
             apply_mla_tensor_parallel(attn, group, sp)
         else:
-            attn.linear_qkv = ColumnParallelLinear(attn.linear_qkv, group, sequence_parallel=sp)
-            attn.linear_proj = RowParallelLinear(attn.linear_proj, group, sequence_parallel=sp)
+            attn.linear_qkv = _column(attn.linear_qkv, group, sequence_parallel=sp)
+            attn.linear_proj = _row(attn.linear_proj, group, sequence_parallel=sp)
             if attn.q_layernorm is not None:  # each rank sees only its heads
                 _mark_partial(attn.q_layernorm)
                 _mark_partial(attn.k_layernorm)
         mlp = layer.mlp
         rows = glu_rows(mlp.linear_fc1.out_features, group.rank, tp) \
             if c.gated_linear_unit else None
-        mlp.linear_fc1 = ColumnParallelLinear(mlp.linear_fc1, group, sequence_parallel=sp,
-                                              rows=rows)
-        mlp.linear_fc2 = RowParallelLinear(mlp.linear_fc2, group, sequence_parallel=sp)
+        mlp.linear_fc1 = _column(mlp.linear_fc1, group, sequence_parallel=sp, rows=rows)
+        mlp.linear_fc2 = _row(mlp.linear_fc2, group, sequence_parallel=sp)
         if sp:
             _mark_partial(layer.input_layernorm)
             _mark_partial(layer.pre_mlp_layernorm)
