@@ -17,5 +17,6 @@ DS_BASE = ["--model.hidden_size", "64", "--model.ffn_hidden_size", "96",
            "--training.global_batch_size", "4", "--training.max_steps", "5",
            "--data.embedded_vocab_size", "512",
            "--training.log_interval", "1", "--training.progress_bar", "false",
-           "--training.lr_warmup_steps", "2", "--training.output_dir", f"/tmp/ms_llm_ds_test_{_SUFFIX}"]
+           "--training.lr_warmup_steps", "2",
+           "--training.output_dir", f"/tmp/ms_llm_ds_test_{_SUFFIX}"]
 DENSE_MLA = ["--model.mlp_type", "dense"]
