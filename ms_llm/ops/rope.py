@@ -36,7 +36,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
         head, tail = F.split(x, [rot, x.shape[-1] - rot], -1)
-        return F.cat([apply_rope(head, cos, sin), tail], -1)
+        return F.cat([_apply_rope_full(head, cos, sin), tail], -1)
+    return _apply_rope_full(x, cos, sin)
+
+
+def _apply_rope_full(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     path = path_for("rope") if cos.ndim == 2 else "composed"
     if path == "native" and x.ndim == 4:
         # Ascend fused kernel; mode 0 is rotate-half. No CPU kernel (RotaryPositionEmbedding).
