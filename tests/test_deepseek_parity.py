@@ -137,3 +137,29 @@ def test_published_configs():
     assert abs(count(glm) - 352.8e9) < 0.1e9 and glm.rotary_dim == 64
     proxy = load_config(os.path.join(root, "deepseek_v3_proxy.yaml")).model
     assert GPTModel(proxy).num_parameters() == count(proxy)
+
+
+def test_bf16_sharded_folder_loads(tmp_path):
+    """A BF16 DeepSeek-V3 folder in several safetensors shards (the router's
+    ``e_score_correction_bias`` stays float32, as HF keeps it) loads; its logits equal
+    transformers' on the same folder read as float32 (1e-4, as above)."""
+    import json
+    import os
+
+    import mindspore as ms
+    import torch
+    import transformers as tf
+    from ms_llm.models import from_pretrained
+    kind, kwargs = fx.CASES["deepseek_q_lora"]
+    hf = fx.build_hf(kind, kwargs, seed=11).to(torch.bfloat16)
+    hf.save_pretrained(str(tmp_path), max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert os.path.isfile(tmp_path / "config.json")
+    ref = tf.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32)
+    ref.config._attn_implementation = "eager"
+    ids, _ = fx.batch()
+    with torch.no_grad():
+        want = ref.eval()(torch.tensor(ids)).logits.numpy()
+    got = from_pretrained(str(tmp_path))(ms.Tensor(ids.astype(np.int32))).asnumpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
