@@ -22,7 +22,8 @@ log = logging.getLogger("ms_llm.checkpoint")
 
 
 def pretrained_architecture(path: str) -> Tuple[TransformerConfig, str]:
-    """The ``TransformerConfig`` and family (``llama``, ``qwen25``, ``qwen3``, ``qwen3-moe``)
+    """The ``TransformerConfig`` and family (``llama``, ``qwen25``, ``qwen3``, ``qwen3-moe``,
+    ``deepseek-v3``, ``glm45``)
     that ``from_pretrained(path)`` builds, read from the folder's config (and, for a Megatron
     folder, its embedding rows: the padded vocabulary) without loading any weight, so a run can
     take its architecture from the folder before it builds anything."""

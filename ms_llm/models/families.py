@@ -33,7 +33,8 @@ def family_defaults(name: str) -> dict:
 
 
 def config_from_hf(hf: dict, source: str = "config.json") -> TransformerConfig:
-    """Translate a Hugging Face ``config.json`` dict (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE)."""
+    """Translate a Hugging Face ``config.json`` dict (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE,
+    DeepSeek-V3, GLM-4.5)."""
     model_type = hf.get("model_type")
     if model_type not in _HF_MODEL_TYPES:
         raise ValueError(f"{source}: model_type {model_type!r} is not supported; "
