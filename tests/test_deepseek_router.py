@@ -128,3 +128,20 @@ def test_mla_tensor_parallel_placements():
     for norm in (attn.q_layernorm, attn.kv_layernorm):
         assert placement_of(norm.weight).partial == ()
     assert attn.rope_key_grad.func.__name__ == "copy_to_group"
+
+
+def test_hf_config_errors_name_the_file_and_key():
+    from ms_llm.models.families import config_from_hf
+    base = {"model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": 32,
+            "intermediate_size": 64, "moe_intermediate_size": 16, "num_attention_heads": 4,
+            "vocab_size": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": None,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}
+    assert config_from_hf(base).multi_latent_attention
+    with pytest.raises(ValueError, match=r"^x/config.json: attention_bias=true"):
+        config_from_hf(dict(base, attention_bias=True), source="x/config.json")
+    with pytest.raises(ValueError, match=r"^x/config.json: missing key 'kv_lora_rank'"):
+        config_from_hf({k: v for k, v in base.items() if k != "kv_lora_rank"},
+                       source="x/config.json")
+    with pytest.raises(ValueError, match="leaves no MoE layer"):
+        config_from_hf(dict(base, first_k_dense_replace=2))

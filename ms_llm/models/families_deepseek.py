@@ -51,6 +51,10 @@ def moe_fields_from_hf(hf: dict, source: str) -> dict:
 
 
 def mla_fields_from_hf(hf: dict, source: str) -> dict:
+    if hf.get("attention_bias"):
+        # add_bias_linear would also put biases on the MLPs (and experts have none).
+        raise ValueError(f"{source}: attention_bias=true is not supported for deepseek_v3 "
+                         f"models yet (ms-llm convert handles its tensors)")
     q_lora = hf.get("q_lora_rank")
     return dict(multi_latent_attention=True,
                 q_lora_rank=int(q_lora) if q_lora else None,
@@ -59,7 +63,6 @@ def mla_fields_from_hf(hf: dict, source: str) -> dict:
                 qk_pos_emb_head_dim=int(_need(hf, "qk_rope_head_dim", source)),
                 v_head_dim=int(_need(hf, "v_head_dim", source)),
                 mla_rope_interleaved=bool(hf.get("rope_interleave", True)),
-                add_bias_linear=bool(hf.get("attention_bias", False)),
                 kv_channels=int(hf["qk_nope_head_dim"]) + int(hf["qk_rope_head_dim"]),
                 num_query_groups=int(hf["num_attention_heads"]))
 
