@@ -1,7 +1,8 @@
 """Worker for tests/test_deepseek_parallel.py: several short DeepSeek-proxy trainings in one
 msrun job; rank 0 writes each run's losses and grad norms as JSON.
 
-argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], RUN_SPEC = "name:--key=value,--key=value"."""
+argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], RUN_SPEC = "name:--key=value,--key=value" ("|" inside a
+value stands for a list's comma, e.g. ``--parallel.num_layer_list=1|2``)."""
 import json
 import sys
 
@@ -20,7 +21,7 @@ info = init_distributed()
 results = {}
 for spec in sys.argv[2:]:
     name, _, extra = spec.partition(":")
-    args = [a for a in extra.split(",") if a]
+    args = [a.replace("|", ",") for a in extra.split(",") if a]
     results[name] = run_record(Trainer(load_config(DS_CONFIG, DS_BASE + args), info))
     print(f"RUN {name} DONE", flush=True)
 if info.rank == 0:
