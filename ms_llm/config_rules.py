@@ -114,7 +114,10 @@ RULES: Dict[str, Rule] = {
     "model.activation_func": _one_of("silu", "gelu"),
     "model.mlp_type": _one_of("dense", "moe"),
     "model.moe_router_score_function": _one_of("softmax", "sigmoid"),
-    "model.moe_router_load_balancing_type": _one_of("aux_loss", "none"),
+    "model.moe_router_load_balancing_type": _one_of("aux_loss", "seq_aux_loss", "none"),
+    **{f"model.{k}": _POSITIVE for k in (
+        "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+        "moe_router_num_groups", "moe_router_group_topk")},
 }
 
 

@@ -136,7 +136,7 @@ def test_hf_cfg_dir_of_another_model_is_one_line(folders, tmp_path, capsys):
                                                    "not supported"),
     (["--mamba-state-dim", "64"], "--mamba-state-dim 64: not supported"),
     (["--num-layers", "3"], "--num-layers 3: the checkpoint has 2 decoder layers"),
-    (["--model-type-hf", "deepseek3"], "--model-type-hf: invalid choice: 'deepseek3'"),
+    (["--model-type-hf", "mixtral"], "--model-type-hf: invalid choice: 'mixtral'"),
     (["--ckpt-iter", "1"], "unrecognized arguments: --ckpt-iter 1"),
 ])
 def test_flags_that_cannot_be_honoured_are_one_line(folders, tmp_path, capsys, flags,

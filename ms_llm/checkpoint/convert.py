@@ -25,6 +25,7 @@ unknown flags are refused naming them.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -40,6 +41,8 @@ from .hf_io import HFReader, HFWriter, copy_hf_side_files, read_hf_config
 from .megatron import (MegatronReader, MegatronWriter, check_hf_template, hf_config_from_args,
                        make_args, write_hf_config)
 from .torch_pickle import ForbiddenGlobalError, TorchFormatError
+
+log = logging.getLogger("ms_llm.checkpoint")
 
 # --------------------------------------------------------------------------------------------
 # Sources: full (tp = ep = 1) tensors, one layer at a time
@@ -62,8 +65,13 @@ class HFSource:
                 raise ConvertError(f"{path}: tensor {name!r} has shape "
                                    f"{list(self.reader.shape(name))}, config.json implies "
                                    f"{list(shape)}")
+        self.skipped_mtp = [n for n in self.reader.names() if L.DS.is_mtp_tensor(self.spec, n)]
+        if self.skipped_mtp:
+            log.warning("%s: skipped %d MTP tensors (model.layers.%d.*): multi-token "
+                        "prediction is not built yet", path, len(self.skipped_mtp),
+                        self.spec.num_layers)
         extra = [n for n in self.reader.names() if n not in expected
-                 and not n.endswith("rotary_emb.inv_freq")
+                 and n not in self.skipped_mtp and not n.endswith("rotary_emb.inv_freq")
                  and not (self.spec.tied and n == "lm_head.weight")]
         if extra:
             raise ConvertError(f"{path}: tensors {sorted(extra)[:3]} do not belong to a "

@@ -72,13 +72,14 @@ _REFUSED = [
     ("--pipeline-model-parallel-layout", {}, "custom layouts; use --num-layer-list, "
      "--num-layers-per-virtual-pipeline-stage and --noop-layers"),
     ("--moe-tp-extend-ep", _FLAG, "experts are split by expert parallel only"),
-    ("--mla-mm-split", _FLAG, "no multi-latent-attention family here"),
+    ("--mla-mm-split", _FLAG, "MLA up-projections are written whole (linear_qb / linear_kvb)"),
     ("--schedules-method", dict(choices=["dualpipev"]), "1F1B and interleaved layouts only"),
-    ("--first-k-dense-replace", _INT, "Qwen3-MoE's dense layers come from config.json "
-     "mlp_only_layers / decoder_sparse_step"),
+    ("--first-k-dense-replace", _INT, "the dense layers come from config.json "
+     "(first_k_dense_replace, or mlp_only_layers / decoder_sparse_step)"),
     ("--input-tp-rank", _INT, "the whole checkpoint is converted"),
     ("--input-pp-rank", _INT, "the whole checkpoint is converted"),
-    ("--mtp-num-layers", dict(type=int, default=0), "no multi-token-prediction layers"),
+    ("--mtp-num-layers", dict(type=int, default=0), "multi-token prediction is not built yet; "
+     "HF MTP weights are reported as skipped"),
     ("--transformer-impl", dict(choices=["local", "transformer_engine"], default="local"),
      "checkpoints use the local spec's parameter names"),
     ("--hidden-size", _INT, _MAMBA), ("--mamba-state-dim", _INT, _MAMBA),

@@ -69,6 +69,12 @@ def hf_config_from_transformer_config(config, model_type_hf: Optional[str] = Non
     ``model_type_hf`` says)."""
     c = config
     moe = c.mlp_type == "moe"
+    from .hf_config_deepseek import hf_config_deepseek, is_deepseek_family
+    if is_deepseek_family(c):
+        try:
+            return hf_config_deepseek(c, model_type_hf)
+        except ValueError as e:
+            raise DCPError(str(e)) from None
     if moe:
         mt = model_type_hf or "qwen3-moe"
         if L.MODEL_TYPES.get(mt, (None,))[0] != "qwen3-moe":
@@ -118,6 +124,10 @@ def hf_config_from_transformer_config(config, model_type_hf: Optional[str] = Non
 def _layer_shapes(spec: L.ModelSpec, i: int) -> Dict[str, tuple]:
     """Full-layer keys (converter form, relative to ``decoder.layers.{i}.``) and shapes."""
     H, d = spec.hidden, spec.head_dim
+    if spec.mla or spec.expert_bias:   # DeepSeek-V3 / GLM-4.5: the shapes the layouts make
+        shapes = dict(L.hf_layer_names(spec, i))
+        full = L.hf_layer_to_full(spec, lambda n: np.empty(shapes[n], np.uint8), i)
+        return {k: tuple(v.shape) for k, v in full.items()}
     out = {"input_layernorm.weight": (H,),
            "self_attention.linear_qkv.weight": ((spec.heads + 2 * spec.groups) * d, H),
            "self_attention.linear_proj.weight": (H, spec.heads * d),
@@ -194,7 +204,7 @@ class _Source:
             if key.endswith(":up") and key[:-3] + ":gate" not in raw:
                 raise DCPError(f"{where}{key} has no matching ':gate' half")
         self._ungroup(full, where)
-        bias = full.pop("mlp.router.expert_bias", None)
+        bias = None if self.spec.expert_bias else full.pop("mlp.router.expert_bias", None)
         if bias is not None and np.any(np.asarray(bias, dtype=np.float32) != 0):
             raise DCPError(f"{where}mlp.router.expert_bias is non-zero (max |b| "
                            f"{float(np.abs(np.asarray(bias, np.float32)).max()):.3g}): HF "

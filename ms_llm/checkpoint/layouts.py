@@ -30,15 +30,21 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from . import layouts_deepseek as DS
+
 MODEL_TYPES = {  # --model-type-hf -> (family, config.json model_type)
     "llama2": ("llama", "llama"), "llama3": ("llama", "llama"), "llama": ("llama", "llama"),
     "qwen25": ("qwen25", "qwen2"), "qwen2.5": ("qwen25", "qwen2"), "qwen2": ("qwen25", "qwen2"),
     "qwen3": ("qwen3", "qwen3"), "qwen3-moe": ("qwen3-moe", "qwen3_moe"),
     "qwen3_moe": ("qwen3-moe", "qwen3_moe"),
+    "deepseek3": ("deepseek-v3", "deepseek_v3"), "deepseek-v3": ("deepseek-v3", "deepseek_v3"),
+    "deepseek_v3": ("deepseek-v3", "deepseek_v3"), "glm45": ("glm45", "glm4_moe"),
+    "glm45-moe": ("glm45", "glm4_moe"), "glm4_moe": ("glm45", "glm4_moe"),
 }
 # config.json model_type -> the --model-type-hf name used when none is given.
 HF_MODEL_TYPE_DEFAULTS = {"llama": "llama2", "qwen2": "qwen25", "qwen3": "qwen3",
-                          "qwen3_moe": "qwen3-moe"}
+                          "qwen3_moe": "qwen3-moe", "deepseek_v3": "deepseek3",
+                          "glm4_moe": "glm45"}
 EXTRA = "_extra_state"
 
 
@@ -61,6 +67,17 @@ class ModelSpec:
     moe_ffn: int = 0
     moe_topk: int = 0
     moe_layers: Tuple[bool, ...] = ()
+    # DeepSeek-V3 / GLM-4.5 (layouts_deepseek): MLA dims, shared experts, expert bias, MTP.
+    mla: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
+    attn_bias: bool = False
+    shared_ffn: int = 0
+    expert_bias: bool = False
+    mtp_layers: int = 0
 
     def is_moe(self, hf_layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[hf_layer]
@@ -88,6 +105,13 @@ def spec_from_hf_config(cfg: dict, model_type_hf: str, source: str = "config.jso
             qkv_bias=family == "qwen25", qk_norm=family in ("qwen3", "qwen3-moe"))
     except KeyError as e:
         raise ValueError(f"{source}: missing key {e.args[0]!r}") from None
+    if family in ("deepseek-v3", "glm45"):
+        try:
+            for k, v in DS.spec_fields(cfg, family).items():
+                setattr(spec, k, v)
+        except KeyError as e:
+            raise ValueError(f"{source}: missing key {e.args[0]!r}") from None
+        return spec
     if cfg.get("attention_bias") and family != "qwen25":
         raise ValueError(f"{source}: attention_bias=true (biases on o_proj too) has no Megatron "
                          f"local-spec equivalent here")
@@ -140,6 +164,12 @@ class ParallelLayout:
         if spec.groups % self.tp or spec.heads % self.tp:
             raise ValueError(f"{w}: tensor-parallel size {self.tp} must divide the query groups "
                              f"({spec.groups}) and heads ({spec.heads})")
+        if spec.mla and spec.heads % self.tp:
+            raise ValueError(f"{w}: tensor-parallel size {self.tp} must divide the heads "
+                             f"({spec.heads})")
+        if spec.shared_ffn % self.tp:
+            raise ValueError(f"{w}: tensor-parallel size {self.tp} must divide the shared "
+                             f"experts' FFN size ({spec.shared_ffn})")
         if spec.ffn % self.tp:
             raise ValueError(f"{w}: tensor-parallel size {self.tp} must divide "
                              f"intermediate_size ({spec.ffn})")
@@ -233,6 +263,8 @@ def _split_qkv(qkv, nh, ng, d):
 def hf_layer_names(spec: ModelSpec, i: int) -> List[Tuple[str, tuple]]:
     """HF tensor names and shapes of layer ``i`` in HF module order."""
     p, H, d = f"model.layers.{i}.", spec.hidden, spec.head_dim
+    if spec.mla:
+        return DS.mla_hf_names(spec, p) + _mlp_hf_names(spec, i, p)
     out = [(p + "self_attn.q_proj.weight", (spec.heads * d, H))]
     if spec.qkv_bias:
         out.append((p + "self_attn.q_proj.bias", (spec.heads * d,)))
@@ -245,9 +277,15 @@ def hf_layer_names(spec: ModelSpec, i: int) -> List[Tuple[str, tuple]]:
     out.append((p + "self_attn.o_proj.weight", (H, spec.heads * d)))
     if spec.qk_norm:
         out += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
+    return out + _mlp_hf_names(spec, i, p)
+
+
+def _mlp_hf_names(spec: ModelSpec, i: int, p: str) -> List[Tuple[str, tuple]]:
+    H, out = spec.hidden, []
     if spec.is_moe(i):
         F = spec.moe_ffn
         out.append((p + "mlp.gate.weight", (spec.num_experts, H)))
+        out += DS.moe_extra_hf_names(spec, p)
         for e in range(spec.num_experts):
             q = f"{p}mlp.experts.{e}."
             out += [(q + "gate_proj.weight", (F, H)), (q + "up_proj.weight", (F, H)),
@@ -277,6 +315,9 @@ def hf_layer_to_full(spec: ModelSpec, get: Callable[[str], np.ndarray], i: int) 
     a = p + "self_attn."
     full = OrderedDict()
     full["input_layernorm.weight"] = get(p + "input_layernorm.weight")
+    if spec.mla:
+        full.update(DS.mla_hf_to_full(spec, get, p))
+        return _mlp_hf_to_full(spec, get, i, p, full)
     full["self_attention.linear_proj.weight"] = get(a + "o_proj.weight")
     full["self_attention.linear_qkv.weight"] = _fuse_qkv(
         get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight"), ng)
@@ -286,9 +327,15 @@ def hf_layer_to_full(spec: ModelSpec, get: Callable[[str], np.ndarray], i: int) 
     if spec.qk_norm:
         full["self_attention.q_layernorm.weight"] = get(a + "q_norm.weight")
         full["self_attention.k_layernorm.weight"] = get(a + "k_norm.weight")
+    return _mlp_hf_to_full(spec, get, i, p, full)
+
+
+def _mlp_hf_to_full(spec: ModelSpec, get: Callable[[str], np.ndarray], i: int, p: str,
+                    full: Dict) -> Dict:
     full["pre_mlp_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
     if spec.is_moe(i):
         full["mlp.router.weight"] = get(p + "mlp.gate.weight")
+        full.update(DS.moe_extra_hf_to_full(spec, get, p))
         for e in range(spec.num_experts):
             q, m = f"{p}mlp.experts.{e}.", f"mlp.experts.local_experts.{e}."
             full[m + "linear_fc1.weight"] = np.concatenate(
@@ -307,6 +354,10 @@ def full_layer_to_hf(spec: ModelSpec, full: Dict, i: int) -> Dict[str, np.ndarra
     hf = {p + "input_layernorm.weight": full["input_layernorm.weight"],
           a + "o_proj.weight": full["self_attention.linear_proj.weight"],
           p + "post_attention_layernorm.weight": full["pre_mlp_layernorm.weight"]}
+    if spec.mla:
+        del hf[a + "o_proj.weight"]
+        hf.update(DS.mla_full_to_hf(spec, full, p))
+        return _mlp_full_to_hf(spec, full, i, p, hf)
     q, k, v = _split_qkv(full["self_attention.linear_qkv.weight"], spec.heads, spec.groups,
                          spec.head_dim)
     hf.update({a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v})
@@ -317,8 +368,13 @@ def full_layer_to_hf(spec: ModelSpec, full: Dict, i: int) -> Dict[str, np.ndarra
     if spec.qk_norm:
         hf[a + "q_norm.weight"] = full["self_attention.q_layernorm.weight"]
         hf[a + "k_norm.weight"] = full["self_attention.k_layernorm.weight"]
+    return _mlp_full_to_hf(spec, full, i, p, hf)
+
+
+def _mlp_full_to_hf(spec: ModelSpec, full: Dict, i: int, p: str, hf: Dict) -> Dict:
     if spec.is_moe(i):
         hf[p + "mlp.gate.weight"] = full["mlp.router.weight"]
+        hf.update(DS.moe_extra_full_to_hf(spec, full, p))
         for e in range(spec.num_experts):
             m = f"mlp.experts.local_experts.{e}."
             fc1 = full[m + "linear_fc1.weight"]
@@ -357,18 +413,10 @@ def shard_layer(spec: ModelSpec, lay: ParallelLayout, full: Dict, hf_layer: int
     for t in range(tp):
         dense = OrderedDict()
         dense["input_layernorm.weight"] = full["input_layernorm.weight"]
-        dense["self_attention.linear_proj.weight"] = np.split(
-            full["self_attention.linear_proj.weight"], tp, axis=1)[t]
-        dense["self_attention.linear_proj." + EXTRA] = None
-        dense["self_attention.linear_qkv.weight"] = np.split(
-            full["self_attention.linear_qkv.weight"], tp, axis=0)[t]
-        if spec.qkv_bias:
-            dense["self_attention.linear_qkv.bias"] = np.split(
-                full["self_attention.linear_qkv.bias"], tp, axis=0)[t]
-        dense["self_attention.linear_qkv." + EXTRA] = None
-        if spec.qk_norm:
-            dense["self_attention.q_layernorm.weight"] = full["self_attention.q_layernorm.weight"]
-            dense["self_attention.k_layernorm.weight"] = full["self_attention.k_layernorm.weight"]
+        if spec.mla:
+            dense.update(DS.mla_shard(spec, full, tp, t))
+        else:
+            _attention_shard(spec, full, tp, t, dense)
         dense["pre_mlp_layernorm.weight"] = full["pre_mlp_layernorm.weight"]
         if not spec.is_moe(hf_layer):
             dense["mlp.linear_fc1.weight"] = _fc1_shard(full["mlp.linear_fc1.weight"], tp, t)
@@ -383,25 +431,47 @@ def shard_layer(spec: ModelSpec, lay: ParallelLayout, full: Dict, hf_layer: int
         for q in range(ep):
             sd = OrderedDict(dense)
             sd["mlp.router.weight"] = full["mlp.router.weight"]
-            fc1 = [_fc1_shard(full[f"mlp.experts.local_experts.{q * n_local + j}.linear_fc1."
-                                   f"weight"], tp, t) for j in range(n_local)]
-            fc2 = [np.split(full[f"mlp.experts.local_experts.{q * n_local + j}.linear_fc2."
-                                 f"weight"], tp, axis=1)[t] for j in range(n_local)]
-            if lay.grouped_gemm:
-                H = spec.hidden
-                sd["mlp.experts.weight1"] = np.ascontiguousarray(
-                    np.stack([w.T for w in fc1])).reshape(H, -1)
-                sd["mlp.experts.weight2"] = np.ascontiguousarray(
-                    np.stack([w.T for w in fc2])).reshape(-1, H)
-            else:
-                for j in range(n_local):
-                    m = f"mlp.experts.local_experts.{j}."
-                    sd[m + "linear_fc1.weight"] = fc1[j]
-                    sd[m + "linear_fc1." + EXTRA] = None
-                    sd[m + "linear_fc2.weight"] = fc2[j]
-                    sd[m + "linear_fc2." + EXTRA] = None
+            sd.update(DS.moe_extra_shard(spec, full, tp, t, _fc1_shard))
+            _experts_shard(spec, lay, full, t, q, n_local, sd)
             out[(t, q)] = sd
     return out
+
+
+def _attention_shard(spec: ModelSpec, full: Dict, tp: int, t: int, dense: Dict) -> None:
+    dense["self_attention.linear_proj.weight"] = np.split(
+        full["self_attention.linear_proj.weight"], tp, axis=1)[t]
+    dense["self_attention.linear_proj." + EXTRA] = None
+    dense["self_attention.linear_qkv.weight"] = np.split(
+        full["self_attention.linear_qkv.weight"], tp, axis=0)[t]
+    if spec.qkv_bias:
+        dense["self_attention.linear_qkv.bias"] = np.split(
+            full["self_attention.linear_qkv.bias"], tp, axis=0)[t]
+    dense["self_attention.linear_qkv." + EXTRA] = None
+    if spec.qk_norm:
+        dense["self_attention.q_layernorm.weight"] = full["self_attention.q_layernorm.weight"]
+        dense["self_attention.k_layernorm.weight"] = full["self_attention.k_layernorm.weight"]
+
+
+def _experts_shard(spec: ModelSpec, lay: ParallelLayout, full: Dict, t: int, q: int,
+                   n_local: int, sd: Dict) -> None:
+    tp = lay.tp
+    fc1 = [_fc1_shard(full[f"mlp.experts.local_experts.{q * n_local + j}.linear_fc1."
+                           f"weight"], tp, t) for j in range(n_local)]
+    fc2 = [np.split(full[f"mlp.experts.local_experts.{q * n_local + j}.linear_fc2."
+                         f"weight"], tp, axis=1)[t] for j in range(n_local)]
+    if lay.grouped_gemm:
+        H = spec.hidden
+        sd["mlp.experts.weight1"] = np.ascontiguousarray(
+            np.stack([w.T for w in fc1])).reshape(H, -1)
+        sd["mlp.experts.weight2"] = np.ascontiguousarray(
+            np.stack([w.T for w in fc2])).reshape(-1, H)
+    else:
+        for j in range(n_local):
+            m = f"mlp.experts.local_experts.{j}."
+            sd[m + "linear_fc1.weight"] = fc1[j]
+            sd[m + "linear_fc1." + EXTRA] = None
+            sd[m + "linear_fc2.weight"] = fc2[j]
+            sd[m + "linear_fc2." + EXTRA] = None
 
 
 def merge_layer(spec: ModelSpec, lay: ParallelLayout, part: Callable[[int, int, str], np.ndarray],
@@ -410,6 +480,24 @@ def merge_layer(spec: ModelSpec, lay: ParallelLayout, part: Callable[[int, int, 
     tp = lay.tp
     full = OrderedDict()
     full["input_layernorm.weight"] = part(0, 0, "input_layernorm.weight")
+    if spec.mla:
+        full.update(DS.mla_merge(spec, part, tp))
+    else:
+        _attention_merge(spec, part, tp, full)
+    full["pre_mlp_layernorm.weight"] = part(0, 0, "pre_mlp_layernorm.weight")
+    if not spec.is_moe(hf_layer):
+        full["mlp.linear_fc1.weight"] = _fc1_merge([part(t, 0, "mlp.linear_fc1.weight")
+                                                    for t in range(tp)])
+        full["mlp.linear_fc2.weight"] = np.concatenate(
+            [part(t, 0, "mlp.linear_fc2.weight") for t in range(tp)], axis=1)
+        return full
+    full["mlp.router.weight"] = part(0, 0, "mlp.router.weight")
+    full.update(DS.moe_extra_merge(spec, part, tp, _fc1_merge))
+    _experts_merge(spec, lay, part, full)
+    return full
+
+
+def _attention_merge(spec: ModelSpec, part, tp: int, full: Dict) -> None:
     full["self_attention.linear_proj.weight"] = np.concatenate(
         [part(t, 0, "self_attention.linear_proj.weight") for t in range(tp)], axis=1)
     full["self_attention.linear_qkv.weight"] = np.concatenate(
@@ -420,15 +508,10 @@ def merge_layer(spec: ModelSpec, lay: ParallelLayout, part: Callable[[int, int, 
     if spec.qk_norm:
         full["self_attention.q_layernorm.weight"] = part(0, 0, "self_attention.q_layernorm.weight")
         full["self_attention.k_layernorm.weight"] = part(0, 0, "self_attention.k_layernorm.weight")
-    full["pre_mlp_layernorm.weight"] = part(0, 0, "pre_mlp_layernorm.weight")
-    if not spec.is_moe(hf_layer):
-        full["mlp.linear_fc1.weight"] = _fc1_merge([part(t, 0, "mlp.linear_fc1.weight")
-                                                    for t in range(tp)])
-        full["mlp.linear_fc2.weight"] = np.concatenate(
-            [part(t, 0, "mlp.linear_fc2.weight") for t in range(tp)], axis=1)
-        return full
-    full["mlp.router.weight"] = part(0, 0, "mlp.router.weight")
-    n_local, H = spec.num_experts // lay.ep, spec.hidden
+
+
+def _experts_merge(spec: ModelSpec, lay: ParallelLayout, part, full: Dict) -> None:
+    tp, n_local, H = lay.tp, spec.num_experts // lay.ep, spec.hidden
     for q in range(lay.ep):
         if lay.grouped_gemm:
             w1 = [part(t, q, "mlp.experts.weight1").reshape(n_local, H, -1) for t in range(tp)]
@@ -444,7 +527,6 @@ def merge_layer(spec: ModelSpec, lay: ParallelLayout, part: Callable[[int, int, 
             m = f"mlp.experts.local_experts.{q * n_local + j}."
             full[m + "linear_fc1.weight"] = np.ascontiguousarray(_fc1_merge(fc1[j]))
             full[m + "linear_fc2.weight"] = np.ascontiguousarray(np.concatenate(fc2[j], axis=1))
-    return full
 
 
 # --------------------------------------------------------------------------------------------

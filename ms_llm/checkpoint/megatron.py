@@ -97,7 +97,26 @@ def make_args(spec: ModelSpec, lay: ParallelLayout, hf_cfg: dict, dtype: np.dtyp
         moe_norm_topk_prob=bool(hf_cfg.get("norm_topk_prob", False)) if moe else False,
         model_type_hf=model_type_hf, transformer_impl="local", use_mcore_models=True,
         ckpt_format="torch", iteration=iteration, consumed_train_samples=0,
-        consumed_valid_samples=0)
+        consumed_valid_samples=0, **_deepseek_args(spec, hf_cfg))
+
+
+def _deepseek_args(spec: ModelSpec, hf_cfg: dict) -> dict:
+    """Megatron's MLA / DeepSeek-router arguments (empty for the other families)."""
+    out = {}
+    if spec.mla:
+        # Megatron-Core's names and MindSpeed-LLM's (--multi-head-latent-attention ...).
+        out.update(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank or None,
+                   kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_nope,
+                   qk_pos_emb_head_dim=spec.qk_rope, v_head_dim=spec.v_head,
+                   multi_head_latent_attention=True, qk_nope_head_dim=spec.qk_nope,
+                   qk_rope_head_dim=spec.qk_rope)
+    if spec.expert_bias:
+        out.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                   moe_router_num_groups=hf_cfg.get("n_group"),
+                   moe_router_group_topk=hf_cfg.get("topk_group"),
+                   moe_router_topk_scaling_factor=hf_cfg.get("routed_scaling_factor"),
+                   moe_shared_expert_intermediate_size=spec.shared_ffn or None)
+    return out
 
 
 def _int_list(value) -> Optional[List[int]]:
@@ -115,6 +134,10 @@ def hf_config_from_args(args: argparse.Namespace, model_type_hf: str) -> dict:
     if model_type_hf not in MODEL_TYPES:
         raise ValueError(f"--model-type-hf: {model_type_hf!r} is not supported")
     family, model_type = MODEL_TYPES[model_type_hf]
+    if family in ("deepseek-v3", "glm45"):
+        raise ValueError(f"--model-type-hf {model_type_hf}: rebuilding config.json from Megatron "
+                         f"args is not built for this family; pass --hf-cfg-dir with its "
+                         f"config.json")
     a = vars(args)
     noop = _int_list(a.get("noop_layers")) or []
     heads = a["num_attention_heads"]

@@ -66,6 +66,32 @@ class TransformerConfig:
     moe_layer_freq: int = 1                        # layer i is MoE when i % freq == 0
     moe_layer_pattern: Optional[List[int]] = None  # 1 = MoE, 0 = dense, per layer (overrides freq)
     moe_grouped_gemm: bool = False                 # experts as weight1/weight2 instead of local_experts
+    # DeepSeek-V3 / GLM-4.5 routing (HF n_group / topk_group / norm_topk_prob): experts in
+    # moe_router_num_groups groups, tokens routed inside their moe_router_group_topk best groups.
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_norm_topk_prob: bool = True         # sigmoid router: renormalise the k weights
+
+    # Multi-head latent attention (DeepSeek-V3; Megatron-Core's MLATransformerConfig names:
+    # qk_head_dim = HF qk_nope_head_dim, qk_pos_emb_head_dim = HF qk_rope_head_dim).
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None              # None: linear_q_proj instead of down/up
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_rope_interleaved: bool = True              # HF rope_interleave: rope dims in (x0,x1) pairs
+    # Multi-token prediction (Megatron-Core's names).
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
+
+    @property
+    def rotary_dim(self) -> int:
+        """Width RoPE rotates: MLA's decoupled rope part, else ``kv_channels * rotary_percent``
+        (GLM-4.5's partial rotary; the rest of each head passes through)."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
+        return int(self.kv_channels * self.rotary_percent)
 
     @property
     def swiglu(self) -> bool:
@@ -78,6 +104,8 @@ class TransformerConfig:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.multi_latent_attention:
+            self.kv_channels = self.qk_head_dim + self.qk_pos_emb_head_dim
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"model.hidden_size ({self.hidden_size}) must be divisible by "
@@ -93,9 +121,16 @@ class TransformerConfig:
         if self.normalization != "RMSNorm":
             raise ValueError(f"model.normalization: {self.normalization!r} is not supported "
                              f"(only 'RMSNorm')")
-        if self.position_embedding_type not in ("rope", "yarn") or self.rotary_percent != 1.0:
-            raise ValueError("model.position_embedding_type must be 'rope' or 'yarn' with "
-                             "rotary_percent 1.0")
+        if self.position_embedding_type not in ("rope", "yarn"):
+            raise ValueError("model.position_embedding_type must be 'rope' or 'yarn'")
+        if self.multi_latent_attention:
+            self._validate_mla()
+        if not 0 < self.rotary_percent <= 1.0 or self.rotary_dim % 2:
+            raise ValueError(f"model.rotary_percent ({self.rotary_percent}) must be in (0, 1] "
+                             f"and rotate an even number of head dims")
+        if self.mtp_num_layers:
+            raise ValueError("model.mtp_num_layers: multi-token prediction is not built yet "
+                             "(HF MTP weights are reported as skipped on load)")
         if self.position_embedding_type == "yarn":
             self._validate_yarn()
         if self.activation_func not in ("silu", "gelu"):
@@ -110,6 +145,19 @@ class TransformerConfig:
                              "kernels here have no dropout); use model.hidden_dropout")
         if self.kv_channels % 2:
             raise ValueError(f"model.kv_channels ({self.kv_channels}) must be even for RoPE")
+
+    def _validate_mla(self) -> None:
+        for key in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key} ({getattr(self, key)}) must be >= 1")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"model.q_lora_rank ({self.q_lora_rank}) must be >= 1 or null")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"model.qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must be "
+                             f"even for RoPE")
+        if self.qk_layernorm or self.add_qkv_bias:
+            raise ValueError("model.multi_latent_attention: qk_layernorm / add_qkv_bias do not "
+                             "apply (MLA normalises its compressed q and kv)")
 
     def _validate_yarn(self) -> None:
         factor = self.yarn_rotary_scaling_factor
@@ -142,10 +190,19 @@ class TransformerConfig:
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"model.moe_router_score_function: "
                              f"{self.moe_router_score_function!r} is not 'softmax' or 'sigmoid'")
-        if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
             raise ValueError(f"model.moe_router_load_balancing_type: "
                              f"{self.moe_router_load_balancing_type!r} is not supported "
-                             f"('aux_loss' or 'none')")
+                             f"('aux_loss', 'seq_aux_loss' or 'none')")
+        g, gk = self.moe_router_num_groups, self.moe_router_group_topk
+        if g is not None and g > 1:
+            if e % g or not gk or not 1 <= gk <= g or e // g < 2:
+                raise ValueError(f"model.moe_router_num_groups ({g}) must divide "
+                                 f"num_moe_experts ({e}) into groups of >= 2 experts and "
+                                 f"moe_router_group_topk ({gk}) must be in [1, {g}]")
+            if k > gk * (e // g):
+                raise ValueError(f"model.moe_router_topk ({k}) exceeds the experts of "
+                                 f"moe_router_group_topk ({gk}) groups")
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise ValueError("model.moe_router_enable_expert_bias needs "
                              "moe_router_score_function 'sigmoid' (as in Megatron-Core)")

@@ -5,6 +5,7 @@ from typing import Dict
 
 from .config import TransformerConfig
 from .yarn import rope_fields_from_hf
+from . import families_deepseek as _ds
 
 # Architecture switches per family; sizes come from the YAML config or the HF config.json.
 FAMILIES: Dict[str, dict] = {
@@ -17,10 +18,11 @@ FAMILIES: Dict[str, dict] = {
     "qwen3-moe": dict(qk_layernorm=True, add_qkv_bias=False, layernorm_epsilon=1e-6,
                       rotary_base=1000000.0, mlp_type="moe"),
 }
+FAMILIES.update(_ds.FAMILIES)      # deepseek-v3, glm45
 ALIASES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen25", "qwen2.5": "qwen25",
-           "qwen3_moe": "qwen3-moe"}
+           "qwen3_moe": "qwen3-moe", **_ds.ALIASES}
 _HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen25", "qwen3": "qwen3",
-                   "qwen3_moe": "qwen3-moe"}
+                   "qwen3_moe": "qwen3-moe", **_ds.HF_MODEL_TYPES}
 
 
 def family_defaults(name: str) -> dict:
@@ -31,13 +33,16 @@ def family_defaults(name: str) -> dict:
 
 
 def config_from_hf(hf: dict, source: str = "config.json") -> TransformerConfig:
-    """Translate a Hugging Face ``config.json`` dict (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE)."""
+    """Translate a Hugging Face ``config.json`` dict (Llama, Qwen2/2.5, Qwen3, Qwen3-MoE,
+    DeepSeek-V3, GLM-4.5)."""
     model_type = hf.get("model_type")
     if model_type not in _HF_MODEL_TYPES:
         raise ValueError(f"{source}: model_type {model_type!r} is not supported; "
                          f"supported: {sorted(_HF_MODEL_TYPES)}")
     rope = rope_fields_from_hf(hf, source)
     family = _HF_MODEL_TYPES[model_type]
+    if family in _ds.FAMILIES:
+        return _ds.config_from_hf_deepseek(hf, family, rope, source)
     heads = hf["num_attention_heads"]
     bias = bool(hf.get("attention_bias", False))
     if family == "llama" and bias:

@@ -15,6 +15,7 @@ from ms_llm.compat import float32, nn
 from .config import TransformerConfig
 from .kv_cache import KVCache
 from .layers import RMSNorm, TransformerLayer
+from .mla import MLASelfAttention
 from .moe import aux_loss as moe_aux_loss, moe_mlp_factory
 from .yarn import rope_frequencies
 
@@ -36,7 +37,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: TransformerConfig, mlp_factory: Optional[MLPFactory] = None):
         super().__init__()
         self.layers = nn.ModuleList([
-            TransformerLayer(config, mlp_factory(config, i) if mlp_factory else None)
+            TransformerLayer(config, mlp_factory(config, i) if mlp_factory else None,
+                             MLASelfAttention(config) if config.multi_latent_attention else None)
             for i in range(config.num_layers)])
         self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon,
                                        config.params_dtype)
@@ -115,7 +117,7 @@ class GPTModel(nn.Module):
     def _rope_tables(self, rows: int):
         c = self.config
         inv_freq, attention_factor = rope_frequencies(c)
-        return hot.rope_cos_sin(rows, c.kv_channels, c.rotary_base, inv_freq=inv_freq,
+        return hot.rope_cos_sin(rows, c.rotary_dim, c.rotary_base, inv_freq=inv_freq,
                                 attention_factor=attention_factor)
 
     def forward(self, input_ids: Tensor, labels: Optional[Tensor] = None,

@@ -116,11 +116,15 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: TransformerConfig, mlp: Optional[nn.Module] = None):
+    """``attention`` / ``mlp`` plug in other modules (MLA, MoE); default the GQA ``SelfAttention``
+    and the dense ``MLP``."""
+
+    def __init__(self, config: TransformerConfig, mlp: Optional[nn.Module] = None,
+                 attention: Optional[nn.Module] = None):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, c.params_dtype)
-        self.self_attention = SelfAttention(c)
+        self.self_attention = attention if attention is not None else SelfAttention(c)
         self.pre_mlp_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, c.params_dtype)
         self.mlp = mlp if mlp is not None else MLP(c)
         self.hidden_dropout = c.hidden_dropout

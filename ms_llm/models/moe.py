@@ -87,6 +87,7 @@ class TopKRouter(nn.Module):
         self.local_tokens_per_expert = np.zeros(self.num_experts, dtype=np.float64)
         self.pending_counts: Optional[Tensor] = None
         self.aux_loss: Optional[Tensor] = None
+        self.seq_length: Optional[int] = None    # set by MoELayer: tokens are [b*s] batch-first
         # (sum over tokens of the aux-loss scores [E], routed counts [E], tokens) of the last call.
         self.stats: Optional[Tuple[Tensor, Tensor, int]] = None
 
@@ -103,12 +104,15 @@ class TopKRouter(nn.Module):
             aux_scores = F.softmax(logits, -1)
         else:
             scores = F.sigmoid(logits)
+            choice = scores
             if self.expert_bias is not None:
-                _, idx = F.topk(scores + F.stop_gradient(self.expert_bias), k, -1)
-                probs = F.gather(scores, 1, idx)
-            else:
-                probs, idx = F.topk(scores, k, -1)
-            if k > 1:
+                choice = scores + F.stop_gradient(self.expert_bias.astype(float32))
+            if c.moe_router_num_groups and c.moe_router_num_groups > 1:
+                choice = group_limited_scores(choice, c.moe_router_num_groups,
+                                              c.moe_router_group_topk)
+            _, idx = F.topk(F.stop_gradient(choice), k, -1)
+            probs = F.gather(scores, 1, idx)
+            if k > 1 and c.moe_router_norm_topk_prob:
                 probs = probs / (F.sum(probs, -1, keepdim=True) + 1e-20)
             aux_scores = scores / (F.sum(scores, -1, keepdim=True) + 1e-20)
         if c.moe_router_topk_scaling_factor:
@@ -123,6 +127,9 @@ class TopKRouter(nn.Module):
         score_sum = F.sum(aux_scores, 0)
         self.stats = (score_sum, counts, n_tok)
         loss = None
+        if c.moe_router_load_balancing_type == "seq_aux_loss" and c.moe_aux_loss_coeff:
+            loss = seq_aux_loss(aux_scores, idx, self.num_experts, self.topk,
+                                self.seq_length or n_tok) * c.moe_aux_loss_coeff
         if c.moe_router_load_balancing_type == "aux_loss" and c.moe_aux_loss_coeff:
             # Megatron's switch_load_balancing_loss_func: E / (k T^2) * sum_e P_e * C_e.
             scale = c.moe_aux_loss_coeff * self.num_experts / (self.topk * n_tok * n_tok)
@@ -162,6 +169,36 @@ class TopKRouter(nn.Module):
         bias = self.expert_bias.asnumpy().astype(np.float64) + step
         self.expert_bias.set_data(Tensor(bias.astype(np.float32)).astype(self.expert_bias.dtype))
         self.local_tokens_per_expert = np.zeros_like(counts)
+
+
+_MASKED = -1e30
+
+
+def group_limited_scores(choice: Tensor, num_groups: int, group_topk: int) -> Tensor:
+    """DeepSeek-V3's node-limited routing (HF ``DeepseekV3TopkRouter``): a group's score is the
+    sum of its two best experts' choice scores; experts outside the ``group_topk`` best groups
+    get a score no top-k picks. (Megatron sums the best ``topk / group_topk`` instead; DeepSeek-V3
+    has 8 / 4 = 2, and the released checkpoints define the rule, so HF's is followed.)"""
+    t, e = choice.shape
+    grouped = choice.reshape(t, num_groups, e // num_groups)
+    best, _ = F.topk(grouped, min(2, e // num_groups), -1)
+    _, top_groups = F.topk(F.sum(best, -1), group_topk, -1)                     # [T, gk]
+    keep = F.sum(F.one_hot(top_groups.astype(int32), num_groups), 1)             # [T, G] 0/1
+    keep = keep.expand_dims(-1).broadcast_to(grouped.shape).reshape(t, e)
+    return F.where(keep > 0.5, choice, F.full_like(choice, _MASKED))
+
+
+def seq_aux_loss(scores: Tensor, idx: Tensor, num_experts: int, topk: int,
+                 seq_length: int) -> Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss (without its coefficient): per
+    sequence ``sum_e f_e P_e`` with ``f_e = E / (k s) * count_e`` and ``P_e`` the mean over the
+    sequence of the normalised scores, averaged over sequences. Rows are ``[b*s]`` batch-first."""
+    t = scores.shape[0]
+    b = t // seq_length
+    counts = F.sum(F.one_hot(idx.reshape(b, -1), num_experts), 1)               # [b, E]
+    f = F.stop_gradient(counts) * (num_experts / (topk * seq_length))
+    p = F.mean(scores.reshape(b, seq_length, num_experts), 1)
+    return F.mean(F.sum(f * p, -1))
 
 
 class MoELocalTokenDispatcher:
@@ -325,6 +362,7 @@ class MoELayer(nn.Module):
             raise RuntimeError(JIT_UNSUPPORTED)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
+        self.router.seq_length = shape[1] if len(shape) == 3 else None
         probs, top_indices = self.router(x)
         self.last_top_indices = top_indices
         y = self.token_dispatcher.run(x, probs, top_indices, self.experts)

@@ -75,7 +75,7 @@ def rope_frequencies(config: TransformerConfig) -> Tuple[Optional[np.ndarray], f
     factor = c.yarn_rotary_scaling_factor
     if factor is None:
         factor = c.max_position_embeddings / original
-    return yarn_parameters(c.kv_channels, c.rotary_base, factor, original, c.yarn_beta_fast,
+    return yarn_parameters(c.rotary_dim, c.rotary_base, factor, original, c.yarn_beta_fast,
                            c.yarn_beta_slow, c.yarn_mscale, c.yarn_mscale_all_dim,
                            c.yarn_attention_factor, c.yarn_correction_range_round_to_int)
 

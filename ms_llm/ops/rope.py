@@ -31,7 +31,16 @@ def rope_cos_sin(seq_len: int, dim: int, base: float, position_offset: int = 0,
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [..., s, d]; cos/sin: [s, d] (broadcast over leading dims), or per-sample tables
     that broadcast against x (``[b, 1, s, d]``: packed documents), which take the composed form
-    because the fused kernels read one [s, d] table."""
+    because the fused kernels read one [s, d] table. Tables narrower than ``x`` rotate its first
+    ``cos.shape[-1]`` dims and pass the rest through (partial rotary, GLM-4.5)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        head, tail = F.split(x, [rot, x.shape[-1] - rot], -1)
+        return F.cat([_apply_rope_full(head, cos, sin), tail], -1)
+    return _apply_rope_full(x, cos, sin)
+
+
+def _apply_rope_full(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     path = path_for("rope") if cos.ndim == 2 else "composed"
     if path == "native" and x.ndim == 4:
         # Ascend fused kernel; mode 0 is rotate-half. No CPU kernel (RotaryPositionEmbedding).

@@ -166,6 +166,33 @@ def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, group, vocab_st
     return F.where(valid, loss, F.zeros_like(loss))
 
 
+def apply_mla_tensor_parallel(attn, group, sequence_parallel: bool = False) -> None:
+    """Shard one ``MLASelfAttention`` over ``group`` in place (Megatron-Core's MLA split).
+
+    The up-projections (``linear_q_up_proj`` or ``linear_q_proj``, ``linear_kv_up_proj``) are
+    column-parallel over whole heads and ``linear_proj`` is row-parallel; the down-projections and
+    their norms stay replicated (each rank computes the full, small latent). Their gradients are
+    full on every rank, not partial: the column-parallel up-projections all-reduce the gradient of
+    their input, and the rope key, which every rank's heads read but no column-parallel layer
+    consumes, passes ``copy_to_group`` (identity forward, all-reduce backward) through the
+    attention's ``rope_key_grad`` step."""
+    if sequence_parallel:
+        raise ValueError("parallel.sequence_parallel with model.multi_latent_attention is not "
+                         "built yet (the replicated down-projections would see a sequence "
+                         "shard)")
+    heads = attn.config.num_attention_heads
+    if heads % group.size:
+        raise ValueError(f"model.num_attention_heads ({heads}) is not divisible by "
+                         f"parallel.tensor_model_parallel_size ({group.size})")
+    if attn.linear_q_proj is not None:
+        attn.linear_q_proj = _column(attn.linear_q_proj, group)
+    else:
+        attn.linear_q_up_proj = _column(attn.linear_q_up_proj, group)
+    attn.linear_kv_up_proj = _column(attn.linear_kv_up_proj, group)
+    attn.linear_proj = _row(attn.linear_proj, group)
+    attn.rope_key_grad = functools.partial(pa.copy_to_group, group=group)
+
+
 # --------------------------------------------------------------------------- applying it
 def validate_tp(config, tp: int) -> None:
     checks = (("model.num_attention_heads", config.num_attention_heads),
@@ -217,11 +244,14 @@ def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None
     model.embedding.word_embeddings = emb
     for layer in model.decoder.layers:
         attn = layer.self_attention
-        attn.linear_qkv = _column(attn.linear_qkv, group, sequence_parallel=sp)
-        attn.linear_proj = _row(attn.linear_proj, group, sequence_parallel=sp)
-        if attn.q_layernorm is not None:  # each rank sees only its heads
-            _mark_partial(attn.q_layernorm)
-            _mark_partial(attn.k_layernorm)
+        if c.multi_latent_attention:
+            apply_mla_tensor_parallel(attn, group, sp)
+        else:
+            attn.linear_qkv = _column(attn.linear_qkv, group, sequence_parallel=sp)
+            attn.linear_proj = _row(attn.linear_proj, group, sequence_parallel=sp)
+            if attn.q_layernorm is not None:  # each rank sees only its heads
+                _mark_partial(attn.q_layernorm)
+                _mark_partial(attn.k_layernorm)
         mlp = layer.mlp
         rows = glu_rows(mlp.linear_fc1.out_features, group.rank, tp) \
             if c.gated_linear_unit else None

@@ -1,0 +1,235 @@
+"""HF <-> Megatron-Core layouts of the DeepSeek-V3 / GLM-4.5 parts ``layouts`` calls into:
+multi-head latent attention, the router's expert bias and the shared experts.
+
+Megatron-Core keys (relative to ``decoder.layers.{i}.``) and their HF names:
+
+* ``self_attention.linear_q_down_proj`` = ``self_attn.q_a_proj`` (+ ``.bias`` with
+  ``attention_bias``), ``self_attention.q_layernorm`` = ``q_a_layernorm``,
+  ``self_attention.linear_q_up_proj`` = ``q_b_proj``; without ``q_lora_rank``
+  ``self_attention.linear_q_proj`` = ``q_proj``;
+* ``self_attention.linear_kv_down_proj`` = ``kv_a_proj_with_mqa`` (+ bias),
+  ``self_attention.kv_layernorm`` = ``kv_a_layernorm``, ``self_attention.linear_kv_up_proj`` =
+  ``kv_b_proj``, ``self_attention.linear_proj`` = ``o_proj`` (+ bias);
+* ``mlp.router.expert_bias`` = ``mlp.gate.e_score_correction_bias``;
+* ``mlp.shared_experts.linear_fc1`` = ``[gate_proj; up_proj]`` of ``mlp.shared_experts``,
+  ``mlp.shared_experts.linear_fc2`` = its ``down_proj``.
+
+On disk (Megatron checkpoint files) the MLA tensors of a model with ``q_lora_rank`` take
+MindSpeed-LLM's names, so its DeepSeek-V3 checkpoints load and ours load there:
+``self_attention.linear_qkv`` = ``[linear_q_down_proj; linear_kv_down_proj]`` rows,
+``linear_qb`` / ``linear_kvb`` = the up-projections, ``k_layernorm`` = ``kv_layernorm``; reading
+also accepts the Megatron-Core names. Tensor parallel: the up-projections (and ``linear_q_proj``) split their rows by whole heads
+(dim 0), ``linear_proj`` its columns (dim 1); the down-projections, their norms and all biases
+but none of the up-projections' are replicated; the shared experts split like the dense MLP.
+Weights are kept exactly as released (DeepSeek's interleaved rope rows included: the model
+de-interleaves at run time, as Megatron-Core's MLA does), so HF -> Megatron -> HF is bit-exact.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Dict, List, Tuple
+
+import numpy as np
+
+A = "self_attention."
+
+
+def spec_fields(cfg: dict, family: str) -> dict:
+    """Extra ``ModelSpec`` fields of a ``deepseek_v3`` / ``glm4_moe`` config.json."""
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    layers = int(cfg["num_hidden_layers"])
+    moe_ffn = int(cfg["moe_intermediate_size"])
+    out = dict(num_experts=int(cfg["n_routed_experts"]), moe_ffn=moe_ffn,
+               moe_topk=int(cfg.get("num_experts_per_tok", 0)),
+               moe_layers=tuple(i >= first_dense for i in range(layers)),
+               shared_ffn=moe_ffn * int(cfg.get("n_shared_experts") or 0), expert_bias=True,
+               mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
+    if family == "deepseek-v3":
+        q_lora = cfg.get("q_lora_rank")
+        out.update(mla=True, q_lora_rank=int(q_lora) if q_lora else 0,
+                   kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope=int(cfg["qk_nope_head_dim"]),
+                   qk_rope=int(cfg["qk_rope_head_dim"]), v_head=int(cfg["v_head_dim"]),
+                   attn_bias=bool(cfg.get("attention_bias", False)),
+                   groups=int(cfg["num_attention_heads"]),
+                   head_dim=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]))
+    else:
+        out.update(qkv_bias=bool(cfg.get("attention_bias", False)),
+                   qk_norm=bool(cfg.get("use_qk_norm", False)))
+    return out
+
+
+# ------------------------------------------------------------------------------------ MLA
+def _mla_pairs(spec) -> List[Tuple[str, str, tuple]]:
+    """(Megatron key, HF name under ``self_attn.``, HF shape) in HF module order."""
+    H, nh = spec.hidden, spec.heads
+    qd = spec.qk_nope + spec.qk_rope
+    out = []
+    if spec.q_lora_rank:
+        out.append((A + "linear_q_down_proj.weight", "q_a_proj.weight", (spec.q_lora_rank, H)))
+        if spec.attn_bias:
+            out.append((A + "linear_q_down_proj.bias", "q_a_proj.bias", (spec.q_lora_rank,)))
+        out += [(A + "q_layernorm.weight", "q_a_layernorm.weight", (spec.q_lora_rank,)),
+                (A + "linear_q_up_proj.weight", "q_b_proj.weight", (nh * qd, spec.q_lora_rank))]
+    else:
+        out.append((A + "linear_q_proj.weight", "q_proj.weight", (nh * qd, H)))
+    kv_a = spec.kv_lora_rank + spec.qk_rope
+    out.append((A + "linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight", (kv_a, H)))
+    if spec.attn_bias:
+        out.append((A + "linear_kv_down_proj.bias", "kv_a_proj_with_mqa.bias", (kv_a,)))
+    out += [(A + "kv_layernorm.weight", "kv_a_layernorm.weight", (spec.kv_lora_rank,)),
+            (A + "linear_kv_up_proj.weight", "kv_b_proj.weight",
+             (nh * (spec.qk_nope + spec.v_head), spec.kv_lora_rank)),
+            (A + "linear_proj.weight", "o_proj.weight", (H, nh * spec.v_head))]
+    if spec.attn_bias:
+        out.append((A + "linear_proj.bias", "o_proj.bias", (H,)))
+    return out
+
+
+# Row-split (dim 0) and column-split (dim 1) MLA tensors; everything else is replicated.
+_MLA_ROWS = (A + "linear_q_up_proj.weight", A + "linear_q_proj.weight",
+             A + "linear_kv_up_proj.weight")
+_MLA_COLS = (A + "linear_proj.weight",)
+
+
+def mla_hf_names(spec, prefix: str) -> List[Tuple[str, tuple]]:
+    return [(prefix + "self_attn." + hf, shape) for _, hf, shape in _mla_pairs(spec)]
+
+
+def mla_hf_to_full(spec, get: Callable[[str], np.ndarray], prefix: str) -> Dict:
+    return OrderedDict((mg, get(prefix + "self_attn." + hf)) for mg, hf, _ in _mla_pairs(spec))
+
+
+def mla_full_to_hf(spec, full: Dict, prefix: str) -> Dict:
+    return {prefix + "self_attn." + hf: full[mg] for mg, hf, _ in _mla_pairs(spec)}
+
+
+# MindSpeed-LLM's on-disk names for DeepSeek-V3 with ``q_lora_rank`` (its convert_ckpt_deepseek3):
+# the two down-projections fused as ``linear_qkv`` ([q_down; kv_down] rows, replicated), the
+# up-projections as ``linear_qb`` / ``linear_kvb`` and ``kv_layernorm`` as ``k_layernorm``.
+# Without ``q_lora_rank`` the Megatron-Core names are written.
+_MINDSPEED = {A + "linear_q_up_proj.weight": A + "linear_qb.weight",
+              A + "linear_kv_up_proj.weight": A + "linear_kvb.weight",
+              A + "kv_layernorm.weight": A + "k_layernorm.weight"}
+_DOWN = (A + "linear_q_down_proj.", A + "linear_kv_down_proj.")
+
+
+def mla_shard(spec, full: Dict, tp: int, t: int) -> "OrderedDict":
+    """Megatron shard ``t`` of ``tp`` in MindSpeed's layout (see ``_MINDSPEED``)."""
+    out = OrderedDict()
+    fused = bool(spec.q_lora_rank)
+    for mg, _, _ in _mla_pairs(spec):
+        x = full[mg]
+        if mg in _MLA_ROWS:
+            x = np.split(x, tp, axis=0)[t]
+        elif mg in _MLA_COLS:
+            x = np.split(x, tp, axis=1)[t]
+        if fused and mg.startswith(_DOWN):
+            if mg.startswith(_DOWN[1]):
+                continue
+            part = mg[len(_DOWN[0]):]                               # "weight" / "bias"
+            out[A + "linear_qkv." + part] = np.concatenate(
+                [full[_DOWN[0] + part], full[_DOWN[1] + part]], axis=0)
+            if part == "weight":
+                out[A + "linear_qkv._extra_state"] = None
+            continue
+        key = _MINDSPEED.get(mg, mg) if fused else mg
+        out[key] = x
+        if key.endswith("proj.weight") or key.endswith("b.weight"):
+            out[key[:-len("weight")] + "_extra_state"] = None
+    return out
+
+
+def mla_merge(spec, part: Callable[[int, int, str], np.ndarray], tp: int) -> "OrderedDict":
+    """Inverse of ``mla_shard``; also reads Megatron-Core's own names (``linear_q_down_proj``
+    ...), which Megatron-LM writes."""
+    fused = bool(spec.q_lora_rank)
+    try:
+        if fused:
+            part(0, 0, A + "linear_qkv.weight")
+    except KeyError:
+        fused = False                                              # Megatron-Core names
+    out = OrderedDict()
+    for mg, _, _ in _mla_pairs(spec):
+        if fused and mg.startswith(_DOWN):
+            name = mg[len(_DOWN[0] if mg.startswith(_DOWN[0]) else _DOWN[1]):]
+            both = part(0, 0, A + "linear_qkv." + name)
+            out[mg] = both[:spec.q_lora_rank] if mg.startswith(_DOWN[0]) \
+                else both[spec.q_lora_rank:]
+            continue
+        key = _MINDSPEED.get(mg, mg) if fused else mg
+        if mg in _MLA_ROWS or mg in _MLA_COLS:
+            axis = 0 if mg in _MLA_ROWS else 1
+            out[mg] = np.concatenate([part(t, 0, key) for t in range(tp)], axis=axis)
+        else:
+            out[mg] = part(0, 0, key)
+    return out
+
+
+# ------------------------------------------------------------- expert bias, shared experts
+def moe_extra_hf_names(spec, prefix: str) -> List[Tuple[str, tuple]]:
+    out = []
+    if spec.expert_bias:
+        out.append((prefix + "mlp.gate.e_score_correction_bias", (spec.num_experts,)))
+    if spec.shared_ffn:
+        s, H, F = prefix + "mlp.shared_experts.", spec.hidden, spec.shared_ffn
+        out += [(s + "gate_proj.weight", (F, H)), (s + "up_proj.weight", (F, H)),
+                (s + "down_proj.weight", (H, F))]
+    return out
+
+
+def moe_extra_hf_to_full(spec, get: Callable[[str], np.ndarray], prefix: str) -> Dict:
+    out = OrderedDict()
+    if spec.expert_bias:
+        out["mlp.router.expert_bias"] = get(prefix + "mlp.gate.e_score_correction_bias")
+    if spec.shared_ffn:
+        s = prefix + "mlp.shared_experts."
+        out["mlp.shared_experts.linear_fc1.weight"] = np.concatenate(
+            [get(s + "gate_proj.weight"), get(s + "up_proj.weight")], axis=0)
+        out["mlp.shared_experts.linear_fc2.weight"] = get(s + "down_proj.weight")
+    return out
+
+
+def moe_extra_full_to_hf(spec, full: Dict, prefix: str) -> Dict:
+    out = {}
+    if spec.expert_bias:
+        out[prefix + "mlp.gate.e_score_correction_bias"] = full["mlp.router.expert_bias"]
+    if spec.shared_ffn:
+        s, fc1 = prefix + "mlp.shared_experts.", full["mlp.shared_experts.linear_fc1.weight"]
+        out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = np.split(fc1, 2, axis=0)
+        out[s + "down_proj.weight"] = full["mlp.shared_experts.linear_fc2.weight"]
+    return out
+
+
+def moe_extra_shard(spec, full: Dict, tp: int, t: int, fc1_shard) -> "OrderedDict":
+    out = OrderedDict()
+    if spec.expert_bias:
+        out["mlp.router.expert_bias"] = full["mlp.router.expert_bias"]
+    if spec.shared_ffn:
+        out["mlp.shared_experts.linear_fc1.weight"] = fc1_shard(
+            full["mlp.shared_experts.linear_fc1.weight"], tp, t)
+        out["mlp.shared_experts.linear_fc1._extra_state"] = None
+        out["mlp.shared_experts.linear_fc2.weight"] = np.split(
+            full["mlp.shared_experts.linear_fc2.weight"], tp, axis=1)[t]
+        out["mlp.shared_experts.linear_fc2._extra_state"] = None
+    return out
+
+
+def moe_extra_merge(spec, part: Callable[[int, int, str], np.ndarray], tp: int,
+                    fc1_merge) -> "OrderedDict":
+    out = OrderedDict()
+    if spec.expert_bias:
+        out["mlp.router.expert_bias"] = part(0, 0, "mlp.router.expert_bias")
+    if spec.shared_ffn:
+        out["mlp.shared_experts.linear_fc1.weight"] = fc1_merge(
+            [part(t, 0, "mlp.shared_experts.linear_fc1.weight") for t in range(tp)])
+        out["mlp.shared_experts.linear_fc2.weight"] = np.concatenate(
+            [part(t, 0, "mlp.shared_experts.linear_fc2.weight") for t in range(tp)], axis=1)
+    return out
+
+
+def is_mtp_tensor(spec, name: str) -> bool:
+    """HF keeps DeepSeek's / GLM's MTP module as ``model.layers.{num_layers + j}.*``."""
+    if not spec.mtp_layers or not name.startswith("model.layers."):
+        return False
+    idx = name.split(".")[2]
+    return idx.isdigit() and spec.num_layers <= int(idx) < spec.num_layers + spec.mtp_layers
