@@ -15,7 +15,7 @@ from mindspore import Tensor
 
 from finetune_fixtures import RUN, make_hf_folder, pairwise_rows, preprocess, write_jsonl
 from ms_llm.cli import main as cli_main
-from ms_llm.config import DPOConfig, load_config
+from ms_llm.config import ConfigError, DPOConfig, load_config
 from ms_llm.models import from_pretrained
 from ms_llm.ops.cross_entropy import cross_entropy
 from ms_llm.training.dpo import DPOObjective, dpo_loss, sequence_logps
@@ -177,3 +177,26 @@ def test_pairwise_data_with_the_wrong_stage_is_one_line(tiny, tmp_path, capsys):
     rc, err = _cli(capsys, *common, "--training.stage", "dpo", "--data.data_path",
                    str(tiny / "pairs"), "--dpo.loss_type", "ipo", "--dpo.label_smoothing", "0.1")
     assert rc == 2 and "dpo.label_smoothing applies to dpo.loss_type sigmoid only" in err, err
+
+
+def test_layouts_and_keys_dpo_does_not_take_are_config_errors(tiny):
+    data = ["--data.data_path", str(tiny / "pairs"), "--data.tokenizer", str(tiny / "hf")]
+    cases = [
+        (["--training.stage", "dpo", "--parallel.pipeline_model_parallel_size", "2"],
+         "command line --training.stage: training.stage dpo with "
+         "parallel.pipeline_model_parallel_size > 1 is not built yet"),
+        (["--training.eval_interval", "5", "--parallel.pipeline_model_parallel_size", "2"],
+         "command line --training.eval_interval: training.eval_interval with "
+         "parallel.pipeline_model_parallel_size > 1 is not built yet"),
+        (["--training.stage", "dpo", "--model.hidden_dropout", "0.1"],
+         "command line --model.hidden_dropout: training.stage dpo needs model.hidden_dropout and "
+         "model.attention_dropout 0"),
+        (["--dpo.loss_type", "kto"], "command line --dpo.loss_type: dpo.loss_type must be one "
+                                     "of sigmoid, hinge, ipo, got 'kto'"),
+        (["--training.stage", "ppo"], "command line --training.stage: training.stage must be "
+                                      "null or one of dpo, got 'ppo'"),
+    ]
+    for extra, want in cases:
+        with pytest.raises(ConfigError) as e:
+            load_config(None, data + extra)
+        assert str(e.value).startswith(want) and "\n" not in str(e.value), (extra, str(e.value))

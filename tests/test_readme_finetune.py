@@ -54,7 +54,8 @@ def metrics(path):
 
 
 def test_readme_sft_with_evaluation(workdir):
-    run_block(readme_block("### Evaluation"), workdir)
+    stdout = run_block(readme_block("### Evaluation"), workdir)
+    assert " validation loss at iteration 2 | eval_loss: " in stdout and "| eval_ppl: " in stdout
     rows = metrics(workdir / "outputs" / "sft" / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
     evals = [r for r in rows if "eval_loss" in r]
@@ -66,6 +67,8 @@ def test_readme_dpo_sequence(workdir):
     block = readme_block("### DPO")
     stdout = run_block(block, workdir)
     assert "resumed from" in stdout and "training.jit ignored" in stdout
+    assert "| rewards/accuracy: " in stdout and "| rewards/margin: " in stdout   # step lines
+    assert "| eval_rewards/accuracy: " in stdout
     rows = metrics(workdir / "outputs" / "dpo" / "metrics.jsonl")
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
