@@ -18,7 +18,8 @@ own model computes them under ``no_grad`` with the starting weights swapped in f
 (``FrozenReference``): one copy of this rank's parameter shards, not a second model. A second
 GPTModel would need its own parallelize pass (tensor-parallel splits, FSDP units and their
 communication) for the same memory; swapping reuses the policy's layout as is, at the price of
-a parameter copy per micro-batch (small next to a forward). The snapshot is taken before a
+three parameter-sized copies per micro-batch (small next to a forward). Precomputing every
+reference log-prob before training would need a pass over all the samples the run will read. The snapshot is taken before a
 resume loads the checkpoint, so a resumed run keeps the weights the run started from (they are
 rebuilt from ``checkpoint.load`` / the seed, as at the start). With LoRA the reference is the
 base model with the adapters off, no copy: ``reference_for`` is the one place that plugs it in.
@@ -63,7 +64,8 @@ def dpo_loss(pi_c: Tensor, pi_r: Tensor, ref_c: Tensor, ref_r: Tensor, beta: flo
 
 class FrozenReference:
     """The starting values of ``params``; ``with ref.active():`` runs code on them and puts the
-    current values back afterwards."""
+    current values back afterwards. Values are copied in place (not rebound with ``set_data``),
+    so whatever holds a parameter's storage (optimizer kernels, hooks) keeps seeing it."""
 
     def __init__(self, params: Sequence):
         self.params = list(params)
@@ -73,12 +75,12 @@ class FrozenReference:
     def active(self):
         current = [F.clone(p.value()) for p in self.params]
         for p, v in zip(self.params, self.initial):
-            p.set_data(v)
+            F.copy_(p, v)
         try:
             yield
         finally:
             for p, v in zip(self.params, current):
-                p.set_data(v)
+                F.copy_(p, v)
 
 
 def reference_for(model, params: Sequence) -> Callable[[], ContextManager]:
