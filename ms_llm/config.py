@@ -127,6 +127,18 @@ class DPOConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the base weights of ``checkpoint.load`` (off while ``r`` is 0)."""
+    r: int = 0                        # adapter rank; 0 = no LoRA
+    alpha: float = 16.0               # output scale alpha / r
+    dropout: float = 0.0              # dropout on the adapter's input
+    # Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2) or globs over module
+    # names, e.g. "decoder.layers.*.self_attention.linear_qkv"
+    target_modules: List[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj",
+                                                               "linear_fc1", "linear_fc2"])
+
+
+@dataclass
 class RunConfig:
     model: TransformerConfig
     model_family: Optional[str]
@@ -137,6 +149,7 @@ class RunConfig:
     quant: QuantConfig
     moe: MoEConfig = field(default_factory=MoEConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     model_overrides: Dict[str, Any] = field(default_factory=dict)
     # "section.key" -> where its value came from (YAML path or "command line --section.key"),
     # so a check that fails later can still name the source that set the key.
@@ -145,7 +158,8 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         d = {s: dataclasses.asdict(getattr(self, s))
-             for s in ("data", "training", "parallel", "checkpoint", "quant", "moe", "dpo")}
+             for s in ("data", "training", "parallel", "checkpoint", "quant", "moe", "dpo",
+                       "lora")}
         d["model"] = {"family": self.model_family, **dataclasses.asdict(self.model)}
         return d
 
@@ -159,7 +173,7 @@ class RunConfig:
 
 _SECTIONS = {"data": DataConfig, "training": TrainingConfig, "parallel": ParallelConfig,
              "checkpoint": CheckpointConfig, "quant": QuantConfig, "moe": MoEConfig,
-             "dpo": DPOConfig}
+             "dpo": DPOConfig, "lora": LoRAConfig}
 _MODEL_FIELDS = {f.name: f for f in fields(TransformerConfig)}
 COMMAND_LINE = "command line"
 
@@ -333,7 +347,8 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Ru
 def validate(cfg: RunConfig) -> None:
     """Checks that involve more than one key (single values were checked while parsing). Each
     error names the source of the key it is about."""
-    for check in (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_stage):
+    for check in (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora,
+                  _check_stage):
         check(cfg)
 
 
@@ -410,3 +425,9 @@ def _check_stage(cfg: RunConfig) -> None:
     problem = stage_problem(cfg)
     if problem is not None:
         _fail(cfg, problem[0], problem[1])
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    if cfg.lora.r and not cfg.checkpoint.load:
+        _fail(cfg, ("lora.r", "checkpoint.load"),
+              "lora.r > 0 needs checkpoint.load (the base weights the adapters train on)")

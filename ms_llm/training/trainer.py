@@ -18,6 +18,8 @@ from ms_llm.compat import manual_seed, setup_device
 from ms_llm.config import ConfigError, RunConfig
 from ms_llm.models import GPTModel, from_pretrained
 from ms_llm.models.moe import collect_router_counts, update_expert_bias
+from ms_llm.lora import base as lora_base
+from ms_llm.lora.modules import is_frozen_base, lora_module_names
 from ms_llm.ops._dispatch import resolve_paths
 from ms_llm.parallel import comm
 from ms_llm.compat import F, to_ms_dtype
@@ -97,6 +99,7 @@ class Trainer:
             self._say("training.jit ignored: training.stage dpo runs in PyNative")
         self.fwd_bwd = self._fwd_bwd_jit() if par.jit and self.dpo is None else None
         self.step = 0
+        self._lora_state = None
         self._maybe_resume()
         self.evaluator = None if self.data.valid is None else \
             Evaluator(self, self.data.valid, self.step)
@@ -192,6 +195,12 @@ class Trainer:
             self._say(f"resume=auto: no complete checkpoint in {ck.save_dir}, starting fresh")
             return
         state = ckpt.load(latest, self._checkpointed(), self.optimizer, self.pstate)
+        if self.cfg.lora.r:   # the adapters only fit the base they were trained on
+            try:
+                lora_base.check_base(state.get(lora_base.STATE_KEY), self.cfg.checkpoint.load,
+                                     latest)
+            except ValueError as e:
+                raise ConfigError(f"training.resume=auto: {e}") from None
         self.step = state["step"]
         self.data.loader.load_state_dict(state["data"])
         np.random.set_state(tuple(state["numpy_rng"]))
@@ -200,7 +209,7 @@ class Trainer:
     def _checkpointed(self) -> list:
         """Every parameter this rank holds (trainable ones with their AdamW state, plus buffers
         such as the routers' expert_bias)."""
-        return list(self.named_params)
+        return [(n, q) for n, q in self.named_params if not is_frozen_base(q)]
 
     def save(self) -> str:
         """Collective: every rank writes its rows; rank 0 publishes the checkpoint."""
@@ -208,6 +217,12 @@ class Trainer:
         state = {"step": self.step, "data": self.data.loader.state_dict(),
                  "numpy_rng": [rng[0], rng[1].tolist(), rng[2], rng[3], rng[4]],
                  "model_config": dataclasses.asdict(self.cfg.model)}
+        if self.cfg.lora.r:   # adapters only: record the base they belong to (rank 0 writes)
+            if self._lora_state is None and self.dist.rank == 0:
+                self._lora_state = lora_base.lora_state(
+                    self.cfg.lora, self.cfg.checkpoint.load,
+                    lora_module_names(self.model))
+            state[lora_base.STATE_KEY] = self._lora_state
         return ckpt.save(self.cfg.checkpoint.save_dir, self.step, self._checkpointed(),
                          self.optimizer,
                          self.pstate, state, barrier=comm.barrier, rank=self.dist.rank,
