@@ -200,3 +200,25 @@ def test_layouts_and_keys_dpo_does_not_take_are_config_errors(tiny):
         with pytest.raises(ConfigError) as e:
             load_config(None, data + extra)
         assert str(e.value).startswith(want) and "\n" not in str(e.value), (extra, str(e.value))
+
+
+def test_lora_dpo_reference_is_the_base_with_adapters_off(tiny, tmp_path):
+    """With LoRA the reference is the frozen base, adapters off (no weight snapshot): step 1
+    (B = 0) has policy == reference; later the reference log-probs still equal those of the
+    untouched HF model computed here, while the policy's moved."""
+    from ms_llm.training.dpo import FrozenReference
+    trainer = Trainer(dpo_cfg(tiny, tmp_path, "--data.data_path", str(tiny / "pairs"),
+                              "--training.max_steps", "2", "--lora.r", "4", "--lora.alpha", "8"))
+    assert not isinstance(getattr(trainer.dpo.reference, "__self__", None), FrozenReference)
+    recs = trainer.fit()
+    assert recs[0]["loss"] == pytest.approx(math.log(2.0), rel=1e-6)
+    assert recs[0]["rewards/margin"] == 0.0 and recs[1]["rewards/margin"] != 0.0
+    rows = trainer.dpo.rows(next(trainer.data.loader))
+    ref = trainer.dpo.reference_logps(rows).asnumpy()
+    base = from_pretrained(str(tiny / "hf"))
+    nll = base(rows["tokens"], labels=rows["labels"]).asnumpy()
+    want = -(nll * rows["loss_mask"].asnumpy()).sum(-1)
+    np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)   # same fp32 forward
+    policy = -(trainer.model(rows["tokens"], labels=rows["labels"]).asnumpy()
+               * rows["loss_mask"].asnumpy()).sum(-1)
+    assert np.abs(policy - want).max() > 1e-4                     # the adapters trained

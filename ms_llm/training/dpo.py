@@ -83,12 +83,15 @@ class FrozenReference:
                 F.copy_(p, v)
 
 
-def reference_for(model, params: Sequence) -> Callable[[], ContextManager]:
-    """THE REFERENCE HOOK: a factory of contexts under which ``model`` computes the reference.
+def reference_for(model, params: Sequence, lora: bool = False) -> Callable[[], ContextManager]:
+    """A factory of contexts under which ``model`` computes the reference.
 
-    Full fine-tuning: the starting weights swapped in (``FrozenReference``). A LoRA run returns
-    ``lambda: ms_llm.lora.adapters_disabled(model)`` here instead (the base weights are frozen,
-    so the base with the adapters off is the reference and nothing is copied)."""
+    Full fine-tuning: the starting weights swapped in (``FrozenReference``). LoRA: the base
+    weights are frozen, so the base with the adapters off (``ms_llm.lora.adapters_disabled``)
+    is the reference, and nothing is copied."""
+    if lora:
+        from ms_llm.lora import adapters_disabled
+        return lambda: adapters_disabled(model)
     return FrozenReference(params).active
 
 

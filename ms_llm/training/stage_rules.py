@@ -29,6 +29,10 @@ def stage_problem(cfg) -> Problem:
                 "training.stage dpo needs model.hidden_dropout and model.attention_dropout 0 "
                 "(policy and reference log-probs must come from the same deterministic forward, "
                 "as TRL's disable_dropout)")
+        if cfg.lora.r and cfg.lora.dropout > 0:
+            return ("lora.dropout", "training.stage"), (
+                "training.stage dpo needs lora.dropout 0 (as TRL's disable_dropout: the policy "
+                "and the adapters-off reference must see the same deterministic forward)")
         if cfg.dpo.label_smoothing > 0 and cfg.dpo.loss_type != "sigmoid":
             return ("dpo.label_smoothing", "dpo.loss_type"), (
                 f"dpo.label_smoothing applies to dpo.loss_type sigmoid only, not "

@@ -32,7 +32,7 @@ from ms_llm.parallel.state import initialize_model_parallel
 from . import grad as gradlib
 from . import checkpointing as ckpt
 from .data_setup import build_data
-from .dpo import DPOObjective
+from .dpo import DPOObjective, reference_for
 from .evaluate import Evaluator
 from .lr_schedule import lr_at
 from .metrics import MetricsLogger
@@ -120,8 +120,9 @@ class Trainer:
 
     def _dpo_objective(self) -> DPOObjective:
         scale = 1.0 / (self.accum_steps * self.dp_group.size) if self.moe else None
-        return DPOObjective(self.cfg.dpo, self.model, [q for _, q in self.named_params],
-                            self.dp_group, scale)
+        params = [q for _, q in self.named_params]
+        return DPOObjective(self.cfg.dpo, self.model, params, self.dp_group, scale,
+                            reference_for(self.model, params, lora=self.cfg.lora.r > 0))
 
     def _step_args(self, b: dict, inv: Tensor) -> tuple:
         """The differentiated loss function's arguments for one loader batch."""
