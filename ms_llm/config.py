@@ -91,6 +91,8 @@ class ParallelConfig:
     fsdp_prefetch: int = 1            # how many next units' all-gathers to start early
     fsdp_param_dtype: Optional[str] = None   # MixedPrecisionPolicy: dtype of gathered weights
     fsdp_reduce_dtype: Optional[str] = None  # and of the gradient reduce-scatter (None = fp32)
+    # Megatron's --use-distributed-optimizer: AdamW moments and fp32 main params sharded over dp
+    use_distributed_optimizer: bool = False
 
 
 @dataclass
@@ -370,6 +372,10 @@ def _check_parallel(cfg: RunConfig) -> None:
               f"parallel.context_parallel_size={p.context_parallel_size} is not available yet "
               f"(data, tensor, pipeline, expert and fully-sharded data parallel are)")
     _check_pipeline(cfg)
+    if p.use_distributed_optimizer and p.fsdp_size > 1:
+        _fail(cfg, ("parallel.use_distributed_optimizer", "parallel.fsdp_size"),
+              "parallel.use_distributed_optimizer with parallel.fsdp_size > 1: FSDP already "
+              "shards the optimizer state; use one of them")
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         _fail(cfg, ("parallel.sequence_parallel",),
               "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1")

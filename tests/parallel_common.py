@@ -108,8 +108,10 @@ def run_record(trainer) -> dict:
     records = trainer.fit()
     steps = [r for r in records if "loss" in r]          # not the evaluation rows
     out = {"loss": [r["loss"] for r in steps], "grad_norm": [r["grad_norm"] for r in steps]}
+    if steps and "optimizer_state_bytes_per_rank" in steps[0]:   # every world rank's
+        out["optimizer_bytes"] = steps[0]["optimizer_state_bytes_per_rank"]
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin"):
-        if key in steps[0]:                               # DPO
+        if steps and key in steps[0]:                     # DPO
             out[key] = [r[key] for r in steps]
     evals = [r for r in records if "eval_loss" in r]
     if evals:

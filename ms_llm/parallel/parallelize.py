@@ -183,5 +183,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
     # Gradient hooks overlap the all-reduce with one autograd pass; the pipeline runs one vjp
     # per action instead, so it reduces after the step.
     overlap = p.ddp_overlap and not jit and chunks is None
+    # (the distributed optimizer brings its own reduce-scatter; no all-reduce hooks here)
+    overlap = overlap and not p.use_distributed_optimizer
     grad_sync = build_grad_sync(params, pstate, cfg, overlap=overlap)
     return ParallelizedModel(model, named, params, grad_sync, fsdp, jit, notes, chunks)

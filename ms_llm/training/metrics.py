@@ -55,7 +55,8 @@ class MetricsLogger:
                 f" | lm loss: {loss:.6E} | grad norm: {grad_norm:.4f}"
                 f" | tokens/s: {record['tokens_per_s']:.1f} | elapsed: {record['elapsed_s']:.1f} s"
                 f" | mem: {record['peak_rss_gb']:.2f} GB | {self._progress(step)} |"
-                + "".join(f" {k}: {v:.6E} |" for k, v in (extra or {}).items()))
+                + "".join(f" {k}: {v:.6E} |" for k, v in (extra or {}).items()
+                          if isinstance(v, float)))   # scalar metrics (DPO rewards)
         if self._bar is not None:
             self._bar.write(line)
             self._bar.update(step - self._bar.n)

@@ -22,6 +22,7 @@ from ms_llm.lora import base as lora_base
 from ms_llm.lora.modules import is_frozen_base, lora_module_names
 from ms_llm.ops._dispatch import resolve_paths
 from ms_llm.parallel import comm
+from ms_llm.parallel.distributed_optimizer import build_optimizer, bytes_per_rank
 from ms_llm.compat import F, to_ms_dtype
 from ms_llm.parallel.parallelize import parallelize_model
 from ms_llm.parallel.pipeline.executor import PipelineExecutor
@@ -36,7 +37,6 @@ from .dpo import DPOObjective, reference_for
 from .evaluate import Evaluator
 from .lr_schedule import lr_at
 from .metrics import MetricsLogger
-from .optimizer import AdamW
 
 log = logging.getLogger("ms_llm.train")
 
@@ -87,8 +87,13 @@ class Trainer:
         self.mesh = Mesh.of(self.pstate)
         self.pipeline = None if par.chunks is None else self._pipeline_executor(par.chunks)
         named = [(n, q) for n, q in self.named_params if q.requires_grad]
-        self.optimizer = AdamW(named, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                               weight_decay=t.weight_decay)
+        self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit)
+        # The distributed optimizer reduce-scatters instead of all-reducing (its own grad sync).
+        self.grad_sync = getattr(self.optimizer, "grad_sync", self.grad_sync)
+        self.optimizer_bytes = bytes_per_rank(sum(self.optimizer.state_bytes().values()))
+        self._say(f"optimizer state per rank (moments + fp32 main-param shards): "
+                  f"{', '.join(f'{b / 2 ** 20:.2f}' for b in self.optimizer_bytes)} MiB "
+                  f"({type(self.optimizer).__name__})")
         # DPO snapshots the starting weights (its reference) here, before a resume loads others.
         self.dpo = self._dpo_objective() if t.stage == "dpo" else None
         self.grad_fn = ms.value_and_grad(self._loss if self.dpo is None else self.dpo.loss,
@@ -260,13 +265,15 @@ class Trainer:
         if self.pipeline is None:
             grads = self.grad_sync.finish() if self.grad_sync.overlap \
                 else self.grad_sync.reduce(grads)
-        grads = gradlib.reduce_partial_grads(self.params, grads, self.pstate.group)
+        # The optimizer's params match the gradients (shards under the distributed optimizer).
+        grads = gradlib.reduce_partial_grads(self.optimizer.params, grads, self.pstate.group)
         comm.all_reduce(total_loss, group=self.dp_group)
         total_loss = float(total_loss.asnumpy())
         if len(batches) == 1 and sumsq is not None and self.dist.world_size == 1:
             norm = math.sqrt(float(sumsq.asnumpy()))
         else:
-            norm = gradlib.global_norm(grads, self.params, self.pstate.group, self.mesh)
+            norm = gradlib.global_norm(grads, self.optimizer.params, self.pstate.group,
+                                       self.mesh)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step += 1
         lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,
@@ -313,7 +320,9 @@ class Trainer:
                         self.step, loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],
                         tokens=out["tokens"], step_time=dt,
                         consumed_samples=self.data.loader.consumed_samples,
-                        global_batch_size=t.global_batch_size, extra=out["metrics"]))
+                        global_batch_size=t.global_batch_size, extra={**out["metrics"], **(
+                            {} if records else
+                            {"optimizer_state_bytes_per_rank": self.optimizer_bytes})}))
                 if self.evaluator is not None and \
                         self.evaluator.due(self.step, final=self.step == t.max_steps):
                     records.append(logger.log_eval(self.step, self.evaluator.run(self.step)))
