@@ -66,6 +66,9 @@ class TrainingConfig:
     recompute_method: Optional[str] = None        # null | uniform (every layer) | block
     recompute_num_layers: Optional[int] = None    # block: first N layers of each stage
     recompute_norm: bool = False                  # recompute the RMSNorms (MindSpeed)
+    stage: Optional[str] = None       # null (pretrain / sft, per data.dataset_type) | dpo
+    eval_interval: Optional[int] = None  # evaluate the data.split validation part every N steps
+    eval_iters: int = 10              # global batches per evaluation
 
 
 @dataclass
@@ -118,6 +121,14 @@ class MoEConfig:
 
 
 @dataclass
+class DPOConfig:
+    """``training.stage: dpo`` (TRL / MindSpeed names)."""
+    beta: float = 0.1
+    loss_type: str = "sigmoid"        # sigmoid | hinge | ipo
+    label_smoothing: float = 0.0      # sigmoid only (conservative DPO)
+
+
+@dataclass
 class LoRAConfig:
     """LoRA adapters on the base weights of ``checkpoint.load`` (off while ``r`` is 0)."""
     r: int = 0                        # adapter rank; 0 = no LoRA
@@ -139,6 +150,7 @@ class RunConfig:
     checkpoint: CheckpointConfig
     quant: QuantConfig
     moe: MoEConfig = field(default_factory=MoEConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     model_overrides: Dict[str, Any] = field(default_factory=dict)
     # "section.key" -> where its value came from (YAML path or "command line --section.key"),
@@ -148,7 +160,8 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         d = {s: dataclasses.asdict(getattr(self, s))
-             for s in ("data", "training", "parallel", "checkpoint", "quant", "moe", "lora")}
+             for s in ("data", "training", "parallel", "checkpoint", "quant", "moe", "dpo",
+                       "lora")}
         d["model"] = {"family": self.model_family, **dataclasses.asdict(self.model)}
         return d
 
@@ -162,7 +175,7 @@ class RunConfig:
 
 _SECTIONS = {"data": DataConfig, "training": TrainingConfig, "parallel": ParallelConfig,
              "checkpoint": CheckpointConfig, "quant": QuantConfig, "moe": MoEConfig,
-             "lora": LoRAConfig}
+             "dpo": DPOConfig, "lora": LoRAConfig}
 _MODEL_FIELDS = {f.name: f for f in fields(TransformerConfig)}
 COMMAND_LINE = "command line"
 
@@ -336,7 +349,8 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Ru
 def validate(cfg: RunConfig) -> None:
     """Checks that involve more than one key (single values were checked while parsing). Each
     error names the source of the key it is about."""
-    for check in (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora):
+    for check in (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora,
+                  _check_stage):
         check(cfg)
 
 
@@ -409,6 +423,14 @@ def _check_misc(cfg: RunConfig) -> None:
     if cfg.training.resume == "auto" and not cfg.checkpoint.save_dir:
         _fail(cfg, ("training.resume", "checkpoint.save_dir"),
               "training.resume=auto needs checkpoint.save_dir")
+
+
+def _check_stage(cfg: RunConfig) -> None:
+    """DPO and evaluation: what they need from the data and the layout."""
+    from ms_llm.training.stage_rules import stage_problem
+    problem = stage_problem(cfg)
+    if problem is not None:
+        _fail(cfg, problem[0], problem[1])
 
 
 def _check_lora(cfg: RunConfig) -> None:

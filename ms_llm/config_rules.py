@@ -66,6 +66,12 @@ RULES: Dict[str, Rule] = {
     "training.recompute_method": _one_of("uniform", "block", null=True),
     "training.recompute_num_layers": _ge(1),
     "training.device": _one_of("auto", "cpu", "ascend", case=False),
+    "training.stage": _one_of("dpo", null=True),
+    "training.eval_interval": _ge(1),
+    "training.eval_iters": _ge(1),
+    "dpo.beta": _POSITIVE,
+    "dpo.loss_type": _one_of("sigmoid", "hinge", "ipo"),
+    "dpo.label_smoothing": _within(0, 0.5, hi_open=True),
     **{f"data.{k}": _POSITIVE for k in (
         "seq_length", "embedded_vocab_size", "make_vocab_size_divisible_by")},
     "data.dataset_type": _one_of("pretrain", "sft"),

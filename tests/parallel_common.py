@@ -102,12 +102,20 @@ def kill_experts(trainer, experts=DEAD_EXPERTS) -> None:
 
 
 def run_record(trainer) -> dict:
-    """Losses, grad norms and (MoE) the last forward's routed-slot counts per layer."""
+    """Losses, grad norms, (DPO) rewards, (evaluation) eval rows and (MoE) the last forward's
+    routed-slot counts per layer."""
     from ms_llm.models.moe import moe_layers
     records = trainer.fit()
-    out = {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records]}
-    if records and "optimizer_state_bytes_per_rank" in records[0]:   # every world rank's
-        out["optimizer_bytes"] = records[0]["optimizer_state_bytes_per_rank"]
+    steps = [r for r in records if "loss" in r]          # not the evaluation rows
+    out = {"loss": [r["loss"] for r in steps], "grad_norm": [r["grad_norm"] for r in steps]}
+    if steps and "optimizer_state_bytes_per_rank" in steps[0]:   # every world rank's
+        out["optimizer_bytes"] = steps[0]["optimizer_state_bytes_per_rank"]
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin"):
+        if steps and key in steps[0]:                     # DPO
+            out[key] = [r[key] for r in steps]
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        out["eval"] = [{k: v for k, v in r.items()} for r in evals]
     # Under pipeline parallel the model also holds other stages' layers, which never ran here.
     layers = [layer for layer in moe_layers(trainer.model) if layer.router.stats is not None]
     if layers:

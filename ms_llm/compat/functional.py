@@ -196,6 +196,17 @@ def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
     return _back(y, back)
 
 
+def logsigmoid(x: Tensor) -> Tensor:
+    """``log(sigmoid(x))`` without overflow: ``min(x, 0) - log1p(exp(-|x|))``. MindSpore 2.10
+    has no CPU kernel behind ``mint.nn.functional.logsigmoid`` (LogSigmoid unregistered)."""
+    (x,), back = _fp32_on_cpu(x)
+    if is_cpu():
+        y = mint.minimum(x, ops.zeros_like(x)) - mint.log1p(mint.exp(-mint.abs(x)))
+    else:
+        y = mint.nn.functional.logsigmoid(x)
+    return _back(y, back)
+
+
 def silu(x: Tensor) -> Tensor:
     (x,), back = _fp32_on_cpu(x)
     return _back(mint.nn.functional.silu(x), back)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 from ms_llm.checkpoint.pretrained import adopt_pretrained_architecture
 from ms_llm.config import ConfigError, RunConfig, validate
@@ -20,6 +21,7 @@ class TrainData:
     loader: BatchIterator
     num_tokens: int
     model_config: TransformerConfig
+    valid: Optional[object] = None      # the data.split validation part (when evaluating)
 
 
 def padded_vocab(vocab_size: int, divisible_by: int) -> int:
@@ -46,13 +48,19 @@ def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
         raise ConfigError(f"data.tokenizer: {e}") from None
     tokens = None
     if d.data_path:
-        dataset = _indexed_dataset(cfg, tokenizer)
+        dataset, valid = _indexed_dataset(cfg, tokenizer)
     else:
         try:
             tokens = tokenize_corpus(corpus, tokenizer, text_key=d.json_key)
         except FileNotFoundError as e:
             raise ConfigError(f"data.corpus: {e}") from None
-        dataset = PretrainDataset(tokens, d.seq_length)
+        dataset, valid = _split(cfg, PretrainDataset(tokens, d.seq_length))
+    if cfg.training.eval_interval is None:
+        valid = None
+    elif valid is None:
+        raise ConfigError(f"{cfg.source_of('training.eval_interval', 'data.split')}: "
+                          f"training.eval_interval needs validation samples, but data.split "
+                          f"{d.split!r} gives none")
     model_cfg = cfg.model
     if cfg.checkpoint.load:
         _check_loaded_vocab(cfg, tokenizer, tok_path)
@@ -67,7 +75,7 @@ def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
     loader = BatchIterator(dataset, cfg.training.micro_batch_size, cfg.training.seed,
                            dp_rank=dp_rank, dp_size=dp_size, shuffle=shuffle)
     n_tokens = int(len(tokens)) if tokens is not None else len(dataset) * d.seq_length
-    return TrainData(tokenizer, loader, n_tokens, model_cfg)
+    return TrainData(tokenizer, loader, n_tokens, model_cfg, valid)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -90,19 +98,46 @@ def _check_loaded_vocab(cfg: RunConfig, tokenizer: Tokenizer, tok_path: str) -> 
                     folder, own[0], folder)
 
 
+def _split(cfg: RunConfig, dataset):
+    """(train, validation or None) of a sample-level dataset by ``data.split``."""
+    from ms_llm.data.splits import split_samples
+    try:
+        return split_samples(dataset, cfg.data.split)
+    except ValueError as e:
+        raise ConfigError(f"{cfg.source_of('data.split')}: data.split: {e}") from None
+
+
+def valid_samples(cfg: RunConfig) -> int:
+    """Megatron's validation sample count: ``eval_iters`` global batches per evaluation, one
+    evaluation every ``eval_interval`` steps plus the final one."""
+    t = cfg.training
+    if t.eval_interval is None:
+        return 0
+    return t.eval_iters * t.global_batch_size * (t.max_steps // t.eval_interval + 1)
+
+
 def _indexed_dataset(cfg: RunConfig, tokenizer: Tokenizer):
-    """Megatron indexed datasets (``ms-llm preprocess`` output) as pretraining or SFT data."""
-    from ms_llm.data.gpt_dataset import build_pretrain_dataset
+    """Megatron indexed datasets (``ms-llm preprocess`` output) as pretraining, SFT or pairwise
+    (DPO) data: (train part, validation part or None)."""
+    from ms_llm.data.gpt_dataset import build_pretrain_datasets
+    from ms_llm.data.pairwise import stage_data_mismatch
     from ms_llm.data.sft import open_sft_dataset
     d, t = cfg.data, cfg.training
+    src = cfg.source_of("data.data_path", "training.stage", "data.dataset_type")
+    mismatch = stage_data_mismatch(d.data_path[0], t.stage)
+    if mismatch:
+        raise ConfigError(f"{src}: data.data_path: {mismatch}")
     try:
-        if d.dataset_type == "sft":
-            return open_sft_dataset(d.data_path[0], d.seq_length, tokenizer.pad)
-        return build_pretrain_dataset(
-            d.data_path, d.seq_length, t.max_steps * t.global_batch_size, seed=t.seed,
-            eod=tokenizer.eod, split=d.split, cache_dir=d.data_cache_path,
+        if d.dataset_type == "sft" or t.stage == "dpo":
+            return _split(cfg, open_sft_dataset(d.data_path[0], d.seq_length, tokenizer.pad))
+        out = build_pretrain_datasets(
+            d.data_path, d.seq_length, [t.max_steps * t.global_batch_size, valid_samples(cfg), 0],
+            seed=t.seed, eod=tokenizer.eod, split=d.split, cache_dir=d.data_cache_path,
             reset_position_ids=d.reset_position_ids,
             reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss,
             create_attention_mask=d.reset_attention_mask)
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.data_path: {e}") from None
+    if out["train"] is None:
+        raise ConfigError(f"data.data_path: data split {d.split!r} leaves no training documents")
+    return out["train"], out["valid"]

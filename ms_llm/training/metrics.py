@@ -54,11 +54,28 @@ class MetricsLogger:
                 f" | learning rate: {lr:.6E} | global batch size: {global_batch_size:5d}"
                 f" | lm loss: {loss:.6E} | grad norm: {grad_norm:.4f}"
                 f" | tokens/s: {record['tokens_per_s']:.1f} | elapsed: {record['elapsed_s']:.1f} s"
-                f" | mem: {record['peak_rss_gb']:.2f} GB | {self._progress(step)} |")
+                f" | mem: {record['peak_rss_gb']:.2f} GB | {self._progress(step)} |"
+                + "".join(f" {k}: {v:.6E} |" for k, v in (extra or {}).items()
+                          if isinstance(v, float)))   # scalar metrics (DPO rewards)
         if self._bar is not None:
             self._bar.write(line)
             self._bar.update(step - self._bar.n)
             self._bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        else:
+            print(line, flush=True)
+        return record
+
+    def log_eval(self, step: int, values: dict) -> dict:
+        """An evaluation row (``eval_loss``, ``eval_ppl``...) and Megatron's validation line."""
+        record = {"step": step, **values}
+        if not self.enabled:
+            return record
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        line = f" validation loss at iteration {step} |" + "".join(
+            f" {k}: {v:.6E} |" for k, v in values.items())
+        if self._bar is not None:
+            self._bar.write(line)
         else:
             print(line, flush=True)
         return record

@@ -25,7 +25,7 @@ def plot_loss(output_dir: str, out_path: str = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(output_dir)
+    rows = [r for r in read_metrics(output_dir) if "loss" in r]   # not the eval_* rows
     out_path = out_path or os.path.join(output_dir, "loss.png")
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.5, color="#1f77b4")

@@ -33,6 +33,8 @@ from ms_llm.parallel.state import initialize_model_parallel
 from . import grad as gradlib
 from . import checkpointing as ckpt
 from .data_setup import build_data
+from .dpo import DPOObjective, reference_for
+from .evaluate import Evaluator
 from .lr_schedule import lr_at
 from .metrics import MetricsLogger
 
@@ -92,12 +94,20 @@ class Trainer:
         self._say(f"optimizer state per rank (moments + fp32 main-param shards): "
                   f"{', '.join(f'{b / 2 ** 20:.2f}' for b in self.optimizer_bytes)} MiB "
                   f"({type(self.optimizer).__name__})")
-        self.grad_fn = ms.value_and_grad(self._loss, grad_position=None, weights=self.params)
+        # DPO snapshots the starting weights (its reference) here, before a resume loads others.
+        self.dpo = self._dpo_objective() if t.stage == "dpo" else None
+        self.grad_fn = ms.value_and_grad(self._loss if self.dpo is None else self.dpo.loss,
+                                         grad_position=None, weights=self.params,
+                                         has_aux=self.dpo is not None)
         resolve_paths()  # pick every op's kernel now, outside any graph capture
-        self.fwd_bwd = self._fwd_bwd_jit() if par.jit else None
+        if par.jit and self.dpo is not None:
+            self._say("training.jit ignored: training.stage dpo runs in PyNative")
+        self.fwd_bwd = self._fwd_bwd_jit() if par.jit and self.dpo is None else None
         self.step = 0
         self._lora_state = None
         self._maybe_resume()
+        self.evaluator = None if self.data.valid is None else \
+            Evaluator(self, self.data.valid, self.step)
 
     # The loss of one micro-batch, pre-divided by the global batch's loss-token count so summed
     # micro-batch gradients equal the gradient of the global per-token mean.
@@ -112,6 +122,23 @@ class Trainer:
             # summed over micro-batches and data-parallel ranks: average it accordingly.
             loss = loss + aux / (self.accum_steps * self.dp_group.size)
         return loss
+
+    def _dpo_objective(self) -> DPOObjective:
+        scale = 1.0 / (self.accum_steps * self.dp_group.size) if self.moe else None
+        params = [q for _, q in self.named_params]
+        return DPOObjective(self.cfg.dpo, self.model, params, self.dp_group, scale,
+                            reference_for(self.model, params, lora=self.cfg.lora.r > 0))
+
+    def _step_args(self, b: dict, inv: Tensor) -> tuple:
+        """The differentiated loss function's arguments for one loader batch."""
+        if self.dpo is not None:
+            return self.dpo.micro_batch_args(b, inv)
+        mb = self._micro_batch(b)
+        args = (mb["tokens"], mb["labels"], mb["loss_mask"], inv)
+        mask, pos = mb.get("attention_mask"), mb.get("position_ids")
+        if mask is not None or pos is not None:
+            args += (mask,) + ((pos,) if pos is not None else ())
+        return args
 
     def _pipeline_executor(self, chunks) -> PipelineExecutor:
         t, p = self.cfg.training, self.cfg.parallel
@@ -210,18 +237,16 @@ class Trainer:
     def train_step(self) -> Dict[str, float]:
         t = self.cfg.training
         batches = [next(self.data.loader) for _ in range(self.accum_steps)]
-        n_local = Tensor(np.array([sum(b["loss_mask"].sum() for b in batches)], np.float32))
-        comm.all_reduce(n_local, group=self.dp_group)   # loss tokens of the global batch
+        units = self.dpo.pairs(batches) if self.dpo is not None else \
+            sum(b["loss_mask"].sum() for b in batches)
+        n_local = Tensor(np.array([units], np.float32))
+        comm.all_reduce(n_local, group=self.dp_group)   # loss tokens (DPO: pairs) of the batch
         inv = Tensor(np.float32(1.0 / max(float(n_local.asnumpy()[0]), 1.0)))
         total_loss, grads, sumsq = None, None, None
         if self.pipeline is not None:
             total_loss, grads = self._pipeline_fwd_bwd(batches, inv)
         for i, b in enumerate(batches if self.pipeline is None else []):
-            mb = self._micro_batch(b)
-            args = (mb["tokens"], mb["labels"], mb["loss_mask"], inv)
-            mask, pos = mb.get("attention_mask"), mb.get("position_ids")
-            if mask is not None or pos is not None:
-                args += (mask,) + ((pos,) if pos is not None else ())
+            args = self._step_args(b, inv)
             self.grad_sync.begin_micro_batch(is_last=i == len(batches) - 1)
             if self.fsdp:   # reduce-scatter only on the last micro-batch of the step
                 self.model.set_requires_gradient_sync(i == len(batches) - 1)
@@ -229,6 +254,9 @@ class Trainer:
                 loss, g, sumsq = self.fwd_bwd(*args)
             else:
                 loss, g = self.grad_fn(*args)
+            if self.dpo is not None:      # (loss, policy log-probs); args[3]: reference ones
+                loss, logps = loss
+                self.dpo.record(logps, args[3])
             total_loss = loss if total_loss is None else total_loss + loss
             if self.moe:
                 collect_router_counts(self.model)
@@ -253,8 +281,10 @@ class Trainer:
         self.optimizer.step(grads, lr)
         if self.moe:
             update_expert_bias(self.model, self._sum_over_dp)
+        tokens = sum(int(v.size) for b in batches for k, v in b.items() if k.endswith("tokens"))
         return {"loss": total_loss, "grad_norm": norm, "lr": lr,
-                "tokens": sum(int(b["tokens"].size) for b in batches) * self.dp_group.size}
+                "tokens": tokens * self.dp_group.size,
+                "metrics": self.dpo.step_metrics() if self.dpo is not None else {}}
 
     def _sum_over_dp(self, counts: np.ndarray) -> np.ndarray:
         """Routed-token counts summed over the data-parallel replicas of the routers."""
@@ -290,8 +320,12 @@ class Trainer:
                         self.step, loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],
                         tokens=out["tokens"], step_time=dt,
                         consumed_samples=self.data.loader.consumed_samples,
-                        global_batch_size=t.global_batch_size, extra=None if records else
-                        {"optimizer_state_bytes_per_rank": self.optimizer_bytes}))
+                        global_batch_size=t.global_batch_size, extra={**out["metrics"], **(
+                            {} if records else
+                            {"optimizer_state_bytes_per_rank": self.optimizer_bytes})}))
+                if self.evaluator is not None and \
+                        self.evaluator.due(self.step, final=self.step == t.max_steps):
+                    records.append(logger.log_eval(self.step, self.evaluator.run(self.step)))
                 if ck.save_dir and ((ck.save_interval and self.step % ck.save_interval == 0)
                                     or self.step == t.max_steps):
                     self._say(f"saved checkpoint {self.save()}")

@@ -1,0 +1,189 @@
+"""Direct Preference Optimization (``training.stage: dpo``), as TRL's ``DPOTrainer`` and
+MindSpeed-LLM's DPO stage compute it.
+
+Per pair, with ``pi_*`` / ``ref_*`` the summed log-probabilities of the reply tokens (the SFT
+loss mask) under the policy / the frozen reference, and ``logits = (pi_c - pi_r) - (ref_c - ref_r)``:
+
+* ``sigmoid``: ``-logsigmoid(beta*logits)*(1-ls) - logsigmoid(-beta*logits)*ls``
+* ``hinge``:   ``relu(1 - beta*logits)``
+* ``ipo``:     ``(logits - 1/(2*beta))**2``; as in TRL, the log-probabilities are averaged over
+  the reply tokens for ipo (TRL's ``concatenated_forward`` divides by the mask's length when
+  ``loss_type == "ipo"``), for the policy and the reference alike.
+
+Rewards (logged, not differentiated): ``beta * (pi - ref)`` per side; accuracy is the share of
+pairs whose chosen reward exceeds the rejected one, margin the mean difference.
+
+The reference. A frozen reference must give the starting weights' log-probs. Here the trainer's
+own model computes them under ``no_grad`` with the starting weights swapped in for the forward
+(``FrozenReference``): one copy of this rank's parameter shards, not a second model. A second
+GPTModel would need its own parallelize pass (tensor-parallel splits, FSDP units and their
+communication) for the same memory; swapping reuses the policy's layout as is, at the price of
+three parameter-sized copies per micro-batch (small next to a forward). Precomputing every
+reference log-prob before training would need a pass over all the samples the run will read. The snapshot is taken before a
+resume loads the checkpoint, so a resumed run keeps the weights the run started from (they are
+rebuilt from ``checkpoint.load`` / the seed, as at the start). With LoRA the reference is the
+base model with the adapters off, no copy: ``reference_for`` is the one place that plugs it in.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence
+
+import numpy as np
+from mindspore import Tensor, mint
+
+from ms_llm.compat import F, no_grad
+from ms_llm.data.pairwise import pair_rows
+from ms_llm.parallel import comm
+
+LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
+
+
+def sequence_logps(per_token_nll: Tensor, loss_mask: Tensor, average: bool) -> Tensor:
+    """Rows' reply log-probabilities ``[rows]`` from the model's per-token cross entropy."""
+    logp = -(per_token_nll * loss_mask).sum(-1)
+    if average:   # ipo (TRL): per-token mean; an empty reply counts as one token
+        logp = logp / mint.clamp(loss_mask.sum(-1), min=1.0)
+    return logp
+
+
+def dpo_loss(pi_c: Tensor, pi_r: Tensor, ref_c: Tensor, ref_r: Tensor, beta: float,
+             loss_type: str, label_smoothing: float = 0.0) -> Tensor:
+    """Per-pair DPO losses ``[pairs]`` (formulas in the module docstring)."""
+    logits = (pi_c - pi_r) - (ref_c - ref_r)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * logits) * (1.0 - label_smoothing) \
+            - F.logsigmoid(-beta * logits) * label_smoothing
+    if loss_type == "hinge":
+        return mint.nn.functional.relu(1.0 - beta * logits)
+    if loss_type == "ipo":
+        return (logits - 1.0 / (2.0 * beta)) ** 2
+    raise ValueError(f"dpo.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+
+
+class FrozenReference:
+    """The starting values of ``params``; ``with ref.active():`` runs code on them and puts the
+    current values back afterwards. Values are copied in place (not rebound with ``set_data``),
+    so whatever holds a parameter's storage (optimizer kernels, hooks) keeps seeing it."""
+
+    def __init__(self, params: Sequence):
+        self.params = list(params)
+        self.initial = [F.clone(p.value()) for p in self.params]
+
+    @contextlib.contextmanager
+    def active(self):
+        current = [F.clone(p.value()) for p in self.params]
+        for p, v in zip(self.params, self.initial):
+            F.copy_(p, v)
+        try:
+            yield
+        finally:
+            for p, v in zip(self.params, current):
+                F.copy_(p, v)
+
+
+def reference_for(model, params: Sequence, lora: bool = False) -> Callable[[], ContextManager]:
+    """A factory of contexts under which ``model`` computes the reference.
+
+    Full fine-tuning: the starting weights swapped in (``FrozenReference``). LoRA: the base
+    weights are frozen, so the base with the adapters off (``ms_llm.lora.adapters_disabled``)
+    is the reference, and nothing is copied."""
+    if lora:
+        from ms_llm.lora import adapters_disabled
+        return lambda: adapters_disabled(model)
+    return FrozenReference(params).active
+
+
+class DPOObjective:
+    """What the trainer needs for a DPO step: the micro-batch arguments (with the reference
+    log-probs), the differentiated loss (which returns the policy log-probs as auxiliary output)
+    and the reward metrics of the step."""
+
+    def __init__(self, cfg, model, params: Sequence, dp_group, moe_aux_scale: Optional[float],
+                 reference: Optional[Callable[[], ContextManager]] = None):
+        self.beta, self.loss_type = float(cfg.beta), cfg.loss_type
+        self.label_smoothing = float(cfg.label_smoothing)
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"dpo.loss_type must be one of {', '.join(LOSS_TYPES)}")
+        self.model, self.dp_group = model, dp_group
+        self.moe_aux_scale = moe_aux_scale
+        self.reference = reference or reference_for(model, params)
+        self._sums: List[np.ndarray] = []
+
+    # ------------------------------------------------------------------ per micro-batch
+    @staticmethod
+    def pairs(batches: Sequence[dict]) -> int:
+        return sum(len(b["chosen_tokens"]) for b in batches)
+
+    def rows(self, b: dict) -> Dict[str, Tensor]:
+        return {k: Tensor(v) for k, v in pair_rows(b).items() if k != "position_ids"}
+
+    def reference_logps(self, rows: Dict[str, Tensor]) -> Tensor:
+        """Reference log-probs of the ``2B`` rows: no gradient, reference weights."""
+        with no_grad(), self.reference():
+            nll = self.model(rows["tokens"], labels=rows["labels"])
+            return F.clone(sequence_logps(nll, rows["loss_mask"], self.loss_type == "ipo"))
+
+    def micro_batch_args(self, b: dict, inv_pairs: Tensor) -> tuple:
+        rows = self.rows(b)
+        return (rows["tokens"], rows["labels"], rows["loss_mask"],
+                self.reference_logps(rows), inv_pairs)
+
+    def loss(self, tokens: Tensor, labels: Tensor, loss_mask: Tensor, ref_logps: Tensor,
+             inv_pairs: Tensor):
+        """(sum of the pairs' losses x ``inv_pairs``, policy log-probs): summed over micro-batches
+        and data-parallel ranks, the gradients are those of the global batch's mean loss."""
+        nll = self.model(tokens, labels=labels)
+        logps = sequence_logps(nll, loss_mask, self.loss_type == "ipo")
+        n = logps.shape[0] // 2
+        losses = dpo_loss(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], self.beta,
+                          self.loss_type, self.label_smoothing)
+        loss = losses.sum() * inv_pairs
+        if self.moe_aux_scale is not None:
+            aux = self.model.aux_loss()
+            if aux is not None:
+                loss = loss + aux * self.moe_aux_scale
+        return loss, logps
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_sums(self, b: dict) -> np.ndarray:
+        """(loss sum, chosen, rejected, correct, margin sums, pairs) of one validation
+        micro-batch; the caller holds no_grad."""
+        rows = self.rows(b)
+        ref = self.reference_logps(rows)
+        nll = self.model(rows["tokens"], labels=rows["labels"])
+        pi = sequence_logps(nll, rows["loss_mask"], self.loss_type == "ipo")
+        n = pi.shape[0] // 2
+        losses = dpo_loss(pi[:n], pi[n:], ref[:n], ref[n:], self.beta, self.loss_type,
+                          self.label_smoothing)
+        return np.concatenate([[float(losses.sum().asnumpy())], self._reward_sums(pi, ref)])
+
+    @staticmethod
+    def eval_values(sums: np.ndarray) -> Dict[str, float]:
+        n = max(sums[5], 1.0)
+        return {"eval_loss": float(sums[0] / n),
+                **{f"eval_{k}": float(sums[1 + i] / n) for i, k in enumerate(METRICS)}}
+
+    # ------------------------------------------------------------------ metrics
+    def _reward_sums(self, policy_logps: Tensor, ref_logps: Tensor) -> np.ndarray:
+        pi, ref = policy_logps.asnumpy().astype(np.float64), ref_logps.asnumpy().astype(np.float64)
+        n = len(pi) // 2
+        chosen, rejected = self.beta * (pi[:n] - ref[:n]), self.beta * (pi[n:] - ref[n:])
+        return np.array([chosen.sum(), rejected.sum(), (chosen > rejected).sum(),
+                         (chosen - rejected).sum(), n])
+
+    def record(self, policy_logps: Tensor, ref_logps: Tensor) -> None:
+        """Accumulate the micro-batch's reward sums (chosen, rejected, correct, margin, pairs)."""
+        self._sums.append(self._reward_sums(policy_logps, ref_logps))
+
+    def step_metrics(self) -> Dict[str, float]:
+        """The recorded micro-batches' means over the data-parallel group; resets the sums."""
+        total = np.sum(self._sums, axis=0) if self._sums else np.zeros(5)
+        self._sums = []
+        if self.dp_group.size > 1:
+            t = Tensor(total.astype(np.float32))
+            comm.all_reduce(t, group=self.dp_group)
+            total = t.asnumpy().astype(np.float64)
+        n = max(total[4], 1.0)
+        return dict(zip(METRICS, (float(total[i] / n) for i in range(4))))

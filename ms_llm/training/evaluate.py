@@ -1,0 +1,80 @@
+"""Validation during training: ``training.eval_interval`` / ``training.eval_iters`` over the
+``data.split`` validation part, with Megatron's semantics.
+
+* Every ``eval_interval`` steps, and once more at the end (unless the last step was just
+  evaluated), ``eval_iters`` global batches of validation samples run forward only: no
+  gradient, dropout off, no optimizer or data-loader state touched.
+* The validation stream continues from one evaluation to the next (Megatron's valid iterator),
+  so each evaluation sees new samples; evaluation ``k`` starts at sample
+  ``k * eval_iters * global_batch_size``, which is also where a resumed run picks it up.
+* ``eval_loss`` is the token-weighted mean loss over all of an evaluation's micro-batches and
+  data-parallel ranks (Megatron sums the loss and the token count, then divides);
+  ``eval_ppl = exp(min(20, eval_loss))`` as Megatron prints it. A DPO run logs the mean DPO loss
+  over the pairs and the reward metrics instead (``eval_rewards/accuracy``...).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import numpy as np
+from mindspore import Tensor
+
+from ms_llm.compat import no_grad
+from ms_llm.data import BatchIterator
+from ms_llm.parallel import comm
+
+
+class Evaluator:
+    def __init__(self, trainer, valid, start_step: int = 0):
+        t = trainer.cfg.training
+        self.trainer, self.interval, self.iters = trainer, t.eval_interval, t.eval_iters
+        self.loader = BatchIterator(valid, t.micro_batch_size, t.seed,
+                                    dp_rank=trainer.pstate.dp_rank,
+                                    dp_size=trainer.dp_group.size, shuffle=False)
+        self.done = start_step // self.interval   # evaluations before a resumed run's start
+        self.last_step: Optional[int] = None
+
+    def due(self, step: int, final: bool) -> bool:
+        if step == self.last_step:
+            return False
+        return step % self.interval == 0 or final
+
+    def run(self, step: int) -> Dict[str, float]:
+        """One evaluation (collective over the data-parallel group)."""
+        tr = self.trainer
+        gbs = tr.cfg.training.global_batch_size
+        self.loader.load_state_dict({"consumed_samples": self.done * self.iters * gbs})
+        model = tr.model
+        was_training = model.training
+        model.set_train(False)
+        try:
+            with no_grad():
+                sums = sum(self._batch_sums(next(self.loader))
+                           for _ in range(self.iters * tr.accum_steps))
+        finally:
+            model.set_train(was_training)
+        if tr.dp_group.size > 1:
+            t = Tensor(np.asarray(sums, np.float32))
+            comm.all_reduce(t, group=tr.dp_group)
+            sums = t.asnumpy().astype(np.float64)
+        self.done += 1
+        self.last_step = step
+        return self._values(sums)
+
+    def _batch_sums(self, b: dict) -> np.ndarray:
+        tr = self.trainer
+        if tr.dpo is not None:
+            return tr.dpo.eval_sums(b)
+        mb = tr._micro_batch(b)
+        per_token = tr.model(mb["tokens"], labels=mb["labels"],
+                             attention_mask=mb.get("attention_mask"),
+                             position_ids=mb.get("position_ids"))
+        loss_sum = float((per_token * mb["loss_mask"]).sum().asnumpy())
+        return np.array([loss_sum, float(b["loss_mask"].sum())])
+
+    def _values(self, sums: np.ndarray) -> Dict[str, float]:
+        if self.trainer.dpo is not None:
+            return self.trainer.dpo.eval_values(sums)
+        loss = float(sums[0] / max(sums[1], 1.0))
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(20.0, loss))}
