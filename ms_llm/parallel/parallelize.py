@@ -138,7 +138,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
         names = apply_quantization(model, cfg.quant)
         notes.append(f"quant {cfg.quant.recipe} ({cfg.quant.scale_mode}) replaced "
                      f"{len(names)} modules: {', '.join(names)}")
-    lora = cfg.lora if getattr(cfg, "lora", None) is not None and cfg.lora.r else None
+    lora = cfg.lora if cfg.lora.r else None
     if lora is not None:
         names = apply_lora(model, lora, seed=cfg.training.seed)
         notes.append(f"lora r={lora.r} alpha={lora.alpha} on {len(names)} modules; "
