@@ -124,11 +124,10 @@ def build_grad_sync(params: list, pstate: ParallelState, cfg, overlap: bool
                     ) -> PartitionedGradSync:
     """Partition the parameters by the mesh dim their gradients are summed over."""
     parts = []
-    for dims in ((), ("dp", "cp"), ("edp", "cp")):
+    for dims in (("cp",), ("dp", "cp"), ("edp", "cp")):
         idx = [i for i, q in enumerate(params) if grad_replica_dims(placement_of(q)) == dims]
-        dim = "_".join(dims) or None
-        group = pstate.group(dim or "dp")
-        parts.append((idx, [params[i] for i in idx], group, dim is not None))
+        group = pstate.group("_".join(dims))
+        parts.append((idx, [params[i] for i in idx], group, group.size > 1))
     return PartitionedGradSync(parts, bucket_mb=cfg.parallel.ddp_bucket_mb, overlap=overlap)
 
 
@@ -178,6 +177,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
     params = [q for _, q in named if q.requires_grad]
     # Gradient hooks overlap the all-reduce with one autograd pass; the pipeline runs one vjp
     # per action instead, so it reduces after the step.
-    overlap = p.ddp_overlap and not jit and chunks is None
+    # (FSDP with context parallel: the cp all-reduce of FSDP's shards runs after backward)
+    overlap = p.ddp_overlap and not jit and chunks is None and not (fsdp and pstate.sizes.cp > 1)
     grad_sync = build_grad_sync(params, pstate, cfg, overlap=overlap)
     return ParallelizedModel(model, named, params, grad_sync, fsdp, jit, notes, chunks, cp)

@@ -164,9 +164,10 @@ def grad_replica_dim(pl: Placement) -> Optional[str]:
 def grad_replica_dims(pl: Placement) -> Tuple[str, ...]:
     """Every mesh dim this parameter's gradient is summed over: ``grad_replica_dim`` and
     context parallel, whose ranks hold the same weights for other tokens (Megatron's
-    data-parallel-with-context-parallel group); empty when FSDP reduced it already."""
+    data-parallel-with-context-parallel group); only cp when FSDP's reduce-scatter already
+    summed it over dp (FSDP shards over dp; its cp replicas are all-reduced, as in HSDP)."""
     dim = grad_replica_dim(pl)
-    return () if dim is None else (dim, "cp")
+    return ("cp",) if dim is None else (dim, "cp")
 
 
 def norm_dims(pl: Placement) -> Tuple[str, ...]:

@@ -41,9 +41,6 @@ def check_context_parallel(cfg, fail: Callable) -> None:
     if p.pipeline_model_parallel_size > 1:
         fail(cfg, (_CP, "parallel.pipeline_model_parallel_size"),
              f"{_CP} > 1 with pipeline_model_parallel_size > 1 is not built yet")
-    if p.fsdp_size > 1:
-        fail(cfg, (_CP, "parallel.fsdp_size"),
-             f"{_CP} > 1 with parallel.fsdp_size > 1 is not built yet")
     if cfg.training.recompute_granularity or cfg.training.recompute_norm:
         fail(cfg, (_CP, "training.recompute_granularity", "training.recompute_norm"),
              f"{_CP} > 1 with activation recompute is not built yet")
