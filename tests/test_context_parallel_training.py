@@ -48,10 +48,10 @@ def single(extra, packed=False, out="/tmp/ms_llm_cp_ref"):
     return run_record(trainer)
 
 
-def assert_matches(run, ref, name, steps=5):
+def assert_matches(run, ref, name, steps=5, norm_rtol=RTOL):
     assert len(run["loss"]) == steps, name
     np.testing.assert_allclose(run["loss"], ref["loss"][:steps], rtol=RTOL, err_msg=name)
-    np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"][:steps], rtol=RTOL,
+    np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"][:steps], rtol=norm_rtol,
                                err_msg=name)
 
 
@@ -76,7 +76,11 @@ def test_context_parallel_matches_single_process(tmp_path):
                  "cp2_fsdp2"):
         assert_matches(runs[name], ref, name)
     assert_matches(runs["cp2_packed"], single(PACKED, packed=True), "cp2_packed")
-    assert_matches(runs["cp2_moe_ep2"], single(MOE), "cp2_moe_ep2")
+    # MoE gradient norms: 3e-5. The loss stays within 1e-5 (measured 1.2e-7), but the expert
+    # weight gradients sum few tokens in another order, and Adam turns the rounding of
+    # near-cancelled elements into lr-sized updates: without cp, ep=2 x dp=4 drifts 3e-6 from
+    # one process in the same 5 steps, cp=2 x ep=2 1.1e-5 (step 5; measured).
+    assert_matches(runs["cp2_moe_ep2"], single(MOE), "cp2_moe_ep2", norm_rtol=3e-5)
     assert_matches(runs["cp2_save"], ref, "cp2_save", steps=3)
     # the cp=2 checkpoint resumes in one process: steps 4-5 continue the reference run
     resumed = run_record(Trainer(load_config(CONFIG, BASE + FIVE + [
