@@ -1,7 +1,7 @@
 """Context parallel training under real msrun matches the single-process run.
 
 One 4-worker job trains every configuration for 5 AdamW steps (fp32): ring attention over
-cp=4 and cp=2 (x dp=2), Ulysses cp=2, hybrid cp=4 (Ulysses 2 x ring 2), cp=2 x tp=2 with
+cp=4 and cp=2 (x dp=2), Ulysses cp=2 and cp=4 (2 KV heads replicated), hybrid cp=4 (Ulysses 2 x ring 2), cp=2 x tp=2 with
 sequence parallel, cp=2 x FSDP 2, cp=2 with packed documents crossing the chunk boundaries, and
 cp=2 on the MoE model with expert parallel 2. A cp=2 run saves at step 3 and the test resumes it
 in one process (cp=1), so checkpoints do not depend on cp.
@@ -62,6 +62,7 @@ def test_context_parallel_matches_single_process(tmp_path):
         spec("ring_cp4", FIVE, cp(4)),
         spec("ring_cp2_dp2", FIVE, cp(2)),
         spec("ulysses_cp2", FIVE, cp(2, "ulysses_cp_algo")),
+        spec("ulysses_cp4_gqa", FIVE, cp(4, "ulysses_cp_algo")),   # 2 KV heads replicated to 4
         spec("hybrid_cp4", FIVE, cp(4, "hybrid_cp_algo"), ["--parallel.ulysses_degree_in_cp",
                                                            "2"]),
         spec("cp2_tp2_sp", FIVE, cp(2), ["--parallel.tensor_model_parallel_size", "2",
@@ -72,7 +73,8 @@ def test_context_parallel_matches_single_process(tmp_path):
         spec("cp2_save", FIVE, cp(2), SAVE_AT_3, ["--checkpoint.save_dir", ck]),
     ], timeout=1500)
     ref = single([])
-    for name in ("ring_cp4", "ring_cp2_dp2", "ulysses_cp2", "hybrid_cp4", "cp2_tp2_sp",
+    for name in ("ring_cp4", "ring_cp2_dp2", "ulysses_cp2", "ulysses_cp4_gqa", "hybrid_cp4",
+                 "cp2_tp2_sp",
                  "cp2_fsdp2"):
         assert_matches(runs[name], ref, name)
     assert_matches(runs["cp2_packed"], single(PACKED, packed=True), "cp2_packed")

@@ -28,6 +28,10 @@ ALGOS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo")
 
 
 def ulysses_degree(cp: int, algo: str, degree_in_cp: Optional[int]) -> int:
+    """The Ulysses group size of ``algo`` (1: pure ring; cp: pure Ulysses)."""
+    if degree_in_cp is not None and algo != "hybrid_cp_algo":
+        raise ValueError(f"parallel.ulysses_degree_in_cp is only used with "
+                         f"context_parallel_algo hybrid_cp_algo, not {algo}")
     if algo == "megatron_cp_algo":
         return 1
     if algo == "ulysses_cp_algo":
