@@ -112,3 +112,28 @@ def test_causal_work_is_balanced_and_masked_blocks_skipped():
     masks = ChunkMask(16, 4, doc_mask(docs))
     assert masks.pair(3, 0) is SKIP and masks.pair(3, 1) is SKIP
     assert masks.pair(2, 1) is SKIP and masks.pair(1, 0) == "full"
+
+
+def test_skipped_blocks_are_not_computed(monkeypatch):
+    """Forward and backward run one pair computation per non-skipped (query, key) chunk pair."""
+    from ms_llm.parallel.context_parallel import kernel
+    calls = {"fwd": 0, "bwd": 0}
+    fwd, bwd = kernel.pair_forward, kernel.pair_backward
+
+    def count(key, fn):
+        def wrapped(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+        return wrapped
+    monkeypatch.setattr(kernel, "pair_forward", count("fwd", fwd))
+    monkeypatch.setattr(kernel, "pair_backward", count("bwd", bwd))
+    rng = np.random.default_rng(0)
+    cp, s = 2, 16
+    q = rng.standard_normal((1, 2, s, 4)).astype(np.float32)
+    k = rng.standard_normal((1, 1, s, 4)).astype(np.float32)
+    mask = doc_mask(np.array([[0] * 8 + [1] * 8]))
+    _, masks, *_ = simulate(q, k, k.copy(), q.copy(), cp, mask)
+    every = list(range(2 * cp))
+    expected = sum(masks.work(rank_chunks(cp, i), every) for i in range(cp))
+    assert expected == 6 < (2 * cp) * (2 * cp + 1) // 2   # two documents: fewer than causal
+    assert calls == {"fwd": expected, "bwd": expected}
