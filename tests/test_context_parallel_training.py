@@ -1,8 +1,8 @@
 """Context parallel training under real msrun matches the single-process run.
 
 One 4-worker job trains every configuration for 5 AdamW steps (fp32): ring attention over
-cp=4 and cp=2 (x dp=2), Ulysses cp=2 and cp=4 (2 KV heads replicated), hybrid cp=4 (Ulysses 2 x ring 2), cp=2 x tp=2 with
-sequence parallel, cp=2 x FSDP 2, cp=2 with packed documents crossing the chunk boundaries, and
+cp=4 and cp=2 (x dp=2), Ulysses cp=2 and cp=4 (2 KV heads replicated), hybrid cp=4 (Ulysses
+2 x ring 2), cp=2 x tp=2 with sequence parallel, cp=2 x FSDP 2, cp=2 with packed documents crossing the chunk boundaries, and
 cp=2 on the MoE model with expert parallel 2. A cp=2 run saves at step 3 and the test resumes it
 in one process (cp=1), so checkpoints do not depend on cp.
 
@@ -40,9 +40,9 @@ def spec(name, *arg_lists, flags=()):
                                  list(flags))
 
 
-def single(extra, packed=False, out="/tmp/ms_llm_cp_ref"):
+def single(extra, out, packed=False):
     trainer = Trainer(load_config(CONFIG, BASE + FIVE + extra + [
-        "--training.output_dir", out]))
+        "--training.output_dir", str(out)]))
     if packed:
         trainer.data.loader = PackedLoader(trainer.data.loader)
     return run_record(trainer)
@@ -58,31 +58,34 @@ def assert_matches(run, ref, name, steps=5, norm_rtol=RTOL):
 @pytest.mark.msrun
 def test_context_parallel_matches_single_process(tmp_path):
     ck = str(tmp_path / "ckpt")
+    # every run writes under this test's own folder (BASE's /tmp folder is shared by sessions)
+    five = FIVE + ["--training.output_dir", str(tmp_path / "runs")]
     runs = run_worker_job("train_parallel.py", tmp_path, 4, [
-        spec("ring_cp4", FIVE, cp(4)),
-        spec("ring_cp2_dp2", FIVE, cp(2)),
-        spec("ulysses_cp2", FIVE, cp(2, "ulysses_cp_algo")),
-        spec("ulysses_cp4_gqa", FIVE, cp(4, "ulysses_cp_algo")),   # 2 KV heads replicated to 4
-        spec("hybrid_cp4", FIVE, cp(4, "hybrid_cp_algo"), ["--parallel.ulysses_degree_in_cp",
+        spec("ring_cp4", five, cp(4)),
+        spec("ring_cp2_dp2", five, cp(2)),
+        spec("ulysses_cp2", five, cp(2, "ulysses_cp_algo")),
+        spec("ulysses_cp4_gqa", five, cp(4, "ulysses_cp_algo")),   # 2 KV heads replicated to 4
+        spec("hybrid_cp4", five, cp(4, "hybrid_cp_algo"), ["--parallel.ulysses_degree_in_cp",
                                                            "2"]),
-        spec("cp2_tp2_sp", FIVE, cp(2), ["--parallel.tensor_model_parallel_size", "2",
+        spec("cp2_tp2_sp", five, cp(2), ["--parallel.tensor_model_parallel_size", "2",
                                          "--parallel.sequence_parallel", "true"]),
-        spec("cp2_fsdp2", FIVE, cp(2), ["--parallel.fsdp_size", "2"]),
-        spec("cp2_packed", FIVE, cp(2), PACKED, flags=["@packed"]),
-        spec("cp2_moe_ep2", FIVE, cp(2), MOE, ["--parallel.expert_model_parallel_size", "2"]),
-        spec("cp2_save", FIVE, cp(2), SAVE_AT_3, ["--checkpoint.save_dir", ck]),
+        spec("cp2_fsdp2", five, cp(2), ["--parallel.fsdp_size", "2"]),
+        spec("cp2_packed", five, cp(2), PACKED, flags=["@packed"]),
+        spec("cp2_moe_ep2", five, cp(2), MOE, ["--parallel.expert_model_parallel_size", "2"]),
+        spec("cp2_save", five, cp(2), SAVE_AT_3, ["--checkpoint.save_dir", ck]),
     ], timeout=1500)
-    ref = single([])
+    ref = single([], tmp_path / "ref")
     for name in ("ring_cp4", "ring_cp2_dp2", "ulysses_cp2", "ulysses_cp4_gqa", "hybrid_cp4",
-                 "cp2_tp2_sp",
-                 "cp2_fsdp2"):
+                 "cp2_tp2_sp", "cp2_fsdp2"):
         assert_matches(runs[name], ref, name)
-    assert_matches(runs["cp2_packed"], single(PACKED, packed=True), "cp2_packed")
+    assert_matches(runs["cp2_packed"], single(PACKED, tmp_path / "ref_packed", packed=True),
+                   "cp2_packed")
     # MoE gradient norms: 3e-5. The loss stays within 1e-5 (measured 1.2e-7), but the expert
     # weight gradients sum few tokens in another order, and Adam turns the rounding of
     # near-cancelled elements into lr-sized updates: without cp, ep=2 x dp=4 drifts 3e-6 from
     # one process in the same 5 steps, cp=2 x ep=2 1.1e-5 (step 5; measured).
-    assert_matches(runs["cp2_moe_ep2"], single(MOE), "cp2_moe_ep2", norm_rtol=3e-5)
+    assert_matches(runs["cp2_moe_ep2"], single(MOE, tmp_path / "ref_moe"), "cp2_moe_ep2",
+                   norm_rtol=3e-5)
     assert_matches(runs["cp2_save"], ref, "cp2_save", steps=3)
     # the cp=2 checkpoint resumes in one process: steps 4-5 continue the reference run
     resumed = run_record(Trainer(load_config(CONFIG, BASE + FIVE + [
