@@ -122,3 +122,39 @@ def run_record(trainer) -> dict:
         out["expert_counts"] = [[int(c) for c in layer.router.stats[1].asnumpy()]
                                 for layer in layers]
     return out
+
+
+class PackedLoader:
+    """Packed documents over any loader: token ``eod`` at fixed, per-sample-shifted places (so
+    documents cross the context-parallel chunk boundaries), and Megatron's per-document causal
+    mask and restarting positions (data.reset_attention_mask / reset_position_ids)."""
+
+    def __init__(self, inner, eod: int = 0):
+        self.inner, self.eod = inner, eod
+
+    def __next__(self):
+        import numpy as np
+        from ms_llm.data.packing import ltor_masks_and_position_ids
+        b = dict(next(self.inner))
+        tokens = b["tokens"].copy()
+        s = tokens.shape[1]
+        masks, pos = [], []
+        for i in range(tokens.shape[0]):
+            for p in range(3 + i % 3, s - 1, 7 + i % 4):
+                tokens[i, p] = self.eod
+            m, _, ps = ltor_masks_and_position_ids(tokens[i], self.eod, True, True, False)
+            masks.append(m)
+            pos.append(ps)
+        b.update(tokens=tokens, attention_mask=np.stack(masks),
+                 position_ids=np.stack(pos).astype(np.int32))
+        return b
+
+    @property
+    def consumed_samples(self):
+        return self.inner.consumed_samples
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)

@@ -46,7 +46,7 @@ def test_explicit_key_beats_family_default(tmp_path):
     ("model:\n  hidden_size: 96\n  num_attention_heads: 6\n  num_query_groups: 4\n", [],
      "num_query_groups"),
     ("model:\n  family: gpt5\n", [], "gpt5"),
-    ("parallel:\n  context_parallel_size: 2\n", [], "context_parallel_size"),
+    ("parallel:\n  context_parallel_size: 3\n", [], "context_parallel_size"),
     ("parallel:\n  sequence_parallel: true\n", [], "sequence_parallel"),
 ])
 def test_bad_config_is_one_line_naming_key_and_source(tmp_path, text, override, needle):

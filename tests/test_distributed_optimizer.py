@@ -156,10 +156,13 @@ def test_checkpoint_regions_of_shards_tile_the_global_tensor(dp):
     _tile({"w1": w1.reshape(-1, 6)}, pieces)
 
 
-def test_config_refuses_fsdp():
-    with pytest.raises(ConfigError, match="parallel.use_distributed_optimizer with "
-                                          "parallel.fsdp_size > 1") as e:
-        load_config(CONFIG, BASE + DO + ["--parallel.fsdp_size", "2"])
+@pytest.mark.parametrize("extra,want", [
+    (["--parallel.fsdp_size", "2"], "parallel.fsdp_size > 1"),
+    (["--parallel.context_parallel_size", "2"], "parallel.context_parallel_size > 1 is not built"),
+])
+def test_config_refuses_fsdp_and_cp(extra, want):
+    with pytest.raises(ConfigError, match="parallel.use_distributed_optimizer with " + want) as e:
+        load_config(CONFIG, BASE + DO + extra)
     assert "\n" not in str(e.value)
 
 

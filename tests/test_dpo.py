@@ -188,6 +188,12 @@ def test_layouts_and_keys_dpo_does_not_take_are_config_errors(tiny):
         (["--training.eval_interval", "5", "--parallel.pipeline_model_parallel_size", "2"],
          "command line --training.eval_interval: training.eval_interval with "
          "parallel.pipeline_model_parallel_size > 1 is not built yet"),
+        (["--training.stage", "dpo", "--parallel.context_parallel_size", "2"],
+         "command line --training.stage: training.stage dpo with "
+         "parallel.context_parallel_size > 1 is not built yet"),
+        (["--training.eval_interval", "5", "--parallel.context_parallel_size", "2"],
+         "command line --training.eval_interval: training.eval_interval with "
+         "parallel.context_parallel_size > 1 is not built yet"),
         (["--training.stage", "dpo", "--model.hidden_dropout", "0.1"],
          "command line --model.hidden_dropout: training.stage dpo needs model.hidden_dropout and "
          "model.attention_dropout 0"),

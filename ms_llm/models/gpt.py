@@ -93,9 +93,13 @@ class GPTModel(nn.Module):
         """cos, sin ``[s, d]`` for positions ``0..s-1``, or ``[b, 1, s, d]`` at ``position_ids``
         ``[b, s]`` (packed documents restart their positions; every head shares them). The
         tables carry the config's RoPE scaling (YaRN)."""
-        if seq_len not in self._rope_cache:
-            self._rope_cache[seq_len] = self._rope_tables(seq_len)
-        cos, sin = self._rope_cache[seq_len]
+        # Positions may lie beyond the input's length (one context-parallel shard of a longer
+        # sequence): with position_ids the table covers max_position_embeddings.
+        rows = seq_len if position_ids is None else max(seq_len,
+                                                          self.config.max_position_embeddings)
+        if rows not in self._rope_cache:
+            self._rope_cache[rows] = self._rope_tables(rows)
+        cos, sin = self._rope_cache[rows]
         if position_ids is None:
             return cos, sin
         return (ops.gather(cos, position_ids, 0).expand_dims(1),

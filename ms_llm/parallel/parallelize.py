@@ -30,7 +30,8 @@ from .data_parallel import PartitionedGradSync
 from .expert_parallel import apply_expert_parallel
 from .fsdp import MixedPrecisionPolicy, apply_fsdp
 from .pipeline.stages import apply_noop_layers, split_model
-from .placement import grad_replica_dim, placement_of, update_placement
+from .context_parallel.apply import apply_context_parallel
+from .placement import grad_replica_dims, placement_of, update_placement
 from .recompute import apply_recompute
 from .state import ParallelState
 from .tensor_parallel import apply_tensor_parallel
@@ -49,6 +50,7 @@ class ParallelizedModel:
     jit: bool
     notes: List[str] = field(default_factory=list)   # one line each, printed by rank 0
     chunks: Optional[list] = None
+    context_parallel: Optional[object] = None   # ContextParallel: splits each micro-batch
 
 
 def describe_layouts(model: GPTModel) -> None:
@@ -79,6 +81,8 @@ def _jit_blockers(cfg, pstate: ParallelState) -> List[str]:
         out.append("MoE routing")
     if pstate.sizes.pp > 1:
         out.append("pipeline parallel")
+    if pstate.sizes.cp > 1:
+        out.append("context parallel")
     if cfg.training.recompute_granularity or cfg.training.recompute_norm:
         out.append("activation recompute")
     return out
@@ -122,10 +126,10 @@ def build_grad_sync(params: list, pstate: ParallelState, cfg, overlap: bool
                     ) -> PartitionedGradSync:
     """Partition the parameters by the mesh dim their gradients are summed over."""
     parts = []
-    for dim in (None, "dp", "edp"):
-        idx = [i for i, q in enumerate(params) if grad_replica_dim(placement_of(q)) == dim]
-        group = pstate.group(dim or "dp")
-        parts.append((idx, [params[i] for i in idx], group, dim is not None))
+    for dims in (("cp",), ("dp", "cp"), ("edp", "cp")):
+        idx = [i for i, q in enumerate(params) if grad_replica_dims(placement_of(q)) == dims]
+        group = pstate.group("_".join(dims))
+        parts.append((idx, [params[i] for i in idx], group, group.size > 1))
     return PartitionedGradSync(parts, bucket_mb=cfg.parallel.ddp_bucket_mb, overlap=overlap)
 
 
@@ -147,6 +151,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
     apply_tensor_parallel(model, pstate.group("tp"), sequence_parallel=p.sequence_parallel)
     if lora is not None:
         mark_frozen_shards(model, buffers)
+    cp = apply_context_parallel(model, cfg, pstate)
     expert_params = []
     if cfg.model.mlp_type == "moe":
         expert_params = apply_expert_parallel(
@@ -182,8 +187,9 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
     params = [q for _, q in named if q.requires_grad]
     # Gradient hooks overlap the all-reduce with one autograd pass; the pipeline runs one vjp
     # per action instead, so it reduces after the step.
-    overlap = p.ddp_overlap and not jit and chunks is None
-    # (the distributed optimizer brings its own reduce-scatter; no all-reduce hooks here)
-    overlap = overlap and not p.use_distributed_optimizer
+    # (the distributed optimizer brings its own reduce-scatter; no all-reduce hooks here;
+    # FSDP with context parallel: the cp all-reduce of FSDP's shards runs after backward)
+    overlap = (p.ddp_overlap and not jit and chunks is None and not p.use_distributed_optimizer
+               and not (fsdp and pstate.sizes.cp > 1))
     grad_sync = build_grad_sync(params, pstate, cfg, overlap=overlap)
-    return ParallelizedModel(model, named, params, grad_sync, fsdp, jit, notes, chunks)
+    return ParallelizedModel(model, named, params, grad_sync, fsdp, jit, notes, chunks, cp)

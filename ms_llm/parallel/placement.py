@@ -161,6 +161,15 @@ def grad_replica_dim(pl: Placement) -> Optional[str]:
     return None if pl.sharded_over(dim) or pl.sharded_over("dp") else dim
 
 
+def grad_replica_dims(pl: Placement) -> Tuple[str, ...]:
+    """Every mesh dim this parameter's gradient is summed over: ``grad_replica_dim`` and
+    context parallel, whose ranks hold the same weights for other tokens (Megatron's
+    data-parallel-with-context-parallel group); only cp when FSDP's reduce-scatter already
+    summed it over dp (FSDP shards over dp; its cp replicas are all-reduced, as in HSDP)."""
+    dim = grad_replica_dim(pl)
+    return ("cp",) if dim is None else (dim, "cp")
+
+
 def norm_dims(pl: Placement) -> Tuple[str, ...]:
     """Mesh dims over which the gradient's squares are summed: its distinct shard dims."""
     return tuple(dict.fromkeys(pl.mesh_dims))

@@ -57,7 +57,8 @@ class ParallelState:
 
     def ranks_along(self, dim: str) -> list:
         """Global ranks that differ from this one only along ``dim`` (tp, cp, dp, pp, ep, edp,
-        emb)."""
+        emb; dp_cp / edp_cp: along dp or edp and cp together, where gradients of parameters
+        replicated over context parallel are summed)."""
         s = self.sizes
         coords = {"tp": self.tp_rank, "cp": self.cp_rank, "dp": self.dp_rank, "pp": self.pp_rank}
         size = {"tp": s.tp, "cp": s.cp, "dp": s.dp, "pp": s.pp}
@@ -75,12 +76,17 @@ class ParallelState:
             return [rank_of({**coords, "dp": base + i}) for i in range(s.ep)]
         if dim == "edp":
             return [rank_of({**coords, "dp": self.ep_rank + s.ep * i}) for i in range(s.dp // s.ep)]
+        if dim in ("dp_cp", "edp_cp"):   # data parallel with context parallel (Megatron's)
+            return sorted(rank_of({**coords, "dp": d, "cp": c}) for c in range(s.cp)
+                          for d in (range(s.dp) if dim == "dp_cp"
+                                    else range(self.ep_rank, s.dp, s.ep)))
         raise ValueError(f"unknown parallel dimension {dim!r}")
 
     def build_groups(self) -> "ParallelState":
         # Every rank creates its own groups in the same dimension order, so the members of each
         # group reach its creation together (MindSpore's creation is collective among members).
-        for dim in ("tp", "cp", "dp", "pp", "ep", "edp", "emb"):
+        for dim in ("tp", "cp", "dp", "pp", "ep", "edp", "emb", "dp_cp", "edp_cp"):
+            # without context parallel dp_cp / edp_cp are the dp / edp groups (no new group)
             self.groups[dim] = comm.new_group(self.ranks_along(dim))
         return self
 

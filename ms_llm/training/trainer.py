@@ -61,6 +61,7 @@ class Trainer:
         try:
             self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
                                                     pp=p.pipeline_model_parallel_size,
+                                                    cp=p.context_parallel_size,
                                                     ep=p.expert_model_parallel_size)
         except ValueError as e:
             raise ConfigError(f"launch with {self.dist.world_size} worker(s): {e}") from None
@@ -84,6 +85,9 @@ class Trainer:
             self._say(note)
         self.fsdp, self.params, self.grad_sync = par.fsdp, par.params, par.grad_sync
         self.named_params = par.named_params
+        self.context_parallel = par.context_parallel
+        # gradients, loss and router counts of replicas sum over dp x cp (cp=1: the dp group)
+        self.dp_cp_group = self.pstate.group("dp_cp")
         self.mesh = Mesh.of(self.pstate)
         self.pipeline = None if par.chunks is None else self._pipeline_executor(par.chunks)
         named = [(n, q) for n, q in self.named_params if q.requires_grad]
@@ -120,7 +124,7 @@ class Trainer:
         if aux is not None:
             # Each rank's MoE auxiliary loss covers its own micro-batch while gradients are
             # summed over micro-batches and data-parallel ranks: average it accordingly.
-            loss = loss + aux / (self.accum_steps * self.dp_group.size)
+            loss = loss + aux / (self.accum_steps * self.dp_cp_group.size)
         return loss
 
     def _dpo_objective(self) -> DPOObjective:
@@ -159,6 +163,8 @@ class Trainer:
         """A loader batch as the model's inputs. Packed documents add their masks
         (data.reset_attention_mask) and restarting positions (data.reset_position_ids); plain
         position_ids are 0..s-1, the model's default, so they are not passed."""
+        if self.context_parallel is not None:   # this rank's chunks of the sequence
+            return self.context_parallel.micro_batch(b, self.cfg.data.reset_position_ids)
         mb = {k: Tensor(b[k]) for k in ("tokens", "labels", "loss_mask")}
         if "attention_mask" in b:
             mb["attention_mask"] = Tensor(b["attention_mask"])
@@ -267,7 +273,7 @@ class Trainer:
                 else self.grad_sync.reduce(grads)
         # The optimizer's params match the gradients (shards under the distributed optimizer).
         grads = gradlib.reduce_partial_grads(self.optimizer.params, grads, self.pstate.group)
-        comm.all_reduce(total_loss, group=self.dp_group)
+        comm.all_reduce(total_loss, group=self.dp_cp_group)
         total_loss = float(total_loss.asnumpy())
         if len(batches) == 1 and sumsq is not None and self.dist.world_size == 1:
             norm = math.sqrt(float(sumsq.asnumpy()))
@@ -288,10 +294,10 @@ class Trainer:
 
     def _sum_over_dp(self, counts: np.ndarray) -> np.ndarray:
         """Routed-token counts summed over the data-parallel replicas of the routers."""
-        if self.dp_group.size == 1:
+        if self.dp_cp_group.size == 1:
             return counts
         t = Tensor(counts.astype(np.float32))
-        comm.all_reduce(t, group=self.dp_group)
+        comm.all_reduce(t, group=self.dp_cp_group)
         return t.asnumpy().astype(np.float64)
 
     def fit(self) -> list:

@@ -2,7 +2,8 @@
 (one job start costs ~15 s here) and has rank 0 write each run's losses and grad norms as JSON.
 
 argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], where RUN_SPEC is "name:--key=value,--key=value"
-(``@dead`` among them: kill parallel_common.DEAD_EXPERTS before training; ``|`` inside a value
+(``@dead`` among them: kill parallel_common.DEAD_EXPERTS before training; ``@packed``: wrap the
+loader in parallel_common.PackedLoader; ``|`` inside a value
 stands for a list's comma, e.g. ``--parallel.num_layer_list=1|3``).
 """
 import json
@@ -16,7 +17,7 @@ from ms_llm.parallel.runtime import init_distributed  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from parallel_common import BASE, CONFIG, kill_experts, run_record  # noqa: E402
+from parallel_common import BASE, CONFIG, PackedLoader, kill_experts, run_record  # noqa: E402
 
 info = init_distributed()
 results = {}
@@ -27,6 +28,8 @@ for spec in sys.argv[2:]:
     trainer = Trainer(cfg, info)
     if "@dead" in args:
         kill_experts(trainer)
+    if "@packed" in args:
+        trainer.data.loader = PackedLoader(trainer.data.loader)
     results[name] = run_record(trainer)
     print(f"RUN {name} DONE", flush=True)
 if info.rank == 0:

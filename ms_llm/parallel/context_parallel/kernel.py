@@ -1,0 +1,206 @@
+"""Blockwise attention with online softmax: the arithmetic every context-parallel variant runs.
+
+Queries and keys are lists of sequence chunks (``ChunkMask`` ids). For each query chunk the
+state is (``out``, ``lse``) in fp32; each key block updates it with the running-max /
+running-sum merge (flash attention's online softmax), so no rank ever holds a score matrix wider
+than one chunk pair. The backward recomputes each pair's probabilities from the saved global LSE
+(``P = exp(S - lse)``) and yields ``dq`` plus ``dk``/``dv`` for every key block, which is what
+a ring sends back to the block's owner. Fully masked pairs are skipped in both passes.
+
+Tensors: q ``[b, nh, Sq, d]``, k/v ``[b, ng, Sk, d]`` (``nh % ng == 0``, grouped-query heads:
+query head h reads kv head ``h // (nh/ng)``), with ``Sq = len(q_chunks) * c``.
+``attention_over_blocks`` is the single-process entry (local q against a sequence of K/V
+blocks, autograd through a hand-written backward); ``ring.py`` drives the same functions with
+the K/V blocks arriving over the network.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+from mindspore import Tensor, mint
+
+from ms_llm.compat import F, float32
+from ms_llm.compat.autograd import Function
+from .layout import FULL, SKIP, ChunkMask
+
+
+# ------------------------------------------------------------------------------ grouped views
+def group_queries(q: Tensor, ng: int, n_chunks: int) -> List[Tensor]:
+    """q ``[b, nh, n*c, d]`` -> per chunk ``[b, ng, r*c, d]`` fp32 (the heads of one KV group
+    folded into rows, so K/V are never expanded)."""
+    b, nh, s, d = q.shape
+    r, c = nh // ng, s // n_chunks
+    q5 = q.astype(float32).reshape(b, ng, r, s, d)
+    return [q5[:, :, :, i * c:(i + 1) * c].reshape(b, ng, r * c, d) for i in range(n_chunks)]
+
+
+def ungroup(chunks: List[Tensor], nh: int) -> Tensor:
+    """Inverse of ``group_queries``: per-chunk ``[b, ng, r*c, d]`` -> ``[b, nh, n*c, d]``."""
+    b, ng, rc, d = chunks[0].shape
+    r = nh // ng
+    c = rc // r
+    parts = [x.reshape(b, ng, r, c, d) for x in chunks]
+    return mint.cat(parts, 3).reshape(b, nh, len(chunks) * c, d)
+
+
+def key_chunks(k: Tensor, n_chunks: int) -> List[Tensor]:
+    c = k.shape[2] // n_chunks
+    k = k.astype(float32)
+    return [k[:, :, i * c:(i + 1) * c].contiguous() for i in range(n_chunks)]
+
+
+def _scores(qg: Tensor, k: Tensor, bias, scale: float, r: int) -> Tensor:
+    s = F.matmul(qg, k.swapaxes(-1, -2)) * scale          # [b, ng, r*c, ck]
+    if bias is FULL:
+        return s
+    b, ng, rc, ck = s.shape
+    return (s.reshape(b, ng, r, rc // r, ck) + bias).reshape(b, ng, rc, ck)
+
+
+# ------------------------------------------------------------------------------ per-pair math
+def pair_forward(qg: Tensor, k: Tensor, v: Tensor, bias, scale: float, r: int
+                 ) -> Tuple[Tensor, Tensor]:
+    """Softmax attention of one (query chunk, key chunk) pair: normalised output and LSE."""
+    s = _scores(qg, k, bias, scale, r)
+    m = mint.amax(s, -1, keepdim=True)
+    p = mint.exp(s - m)
+    l_ = p.sum(-1, keepdims=True)
+    out = F.matmul(p, v) / l_
+    return out, (m + mint.log(l_)).squeeze(-1)
+
+
+def merge(state: Optional[Tuple[Tensor, Tensor]], out: Tensor, lse: Tensor
+          ) -> Tuple[Tensor, Tensor]:
+    """Online-softmax merge of two partial results over disjoint keys."""
+    if state is None:
+        return out, lse
+    o0, l0 = state
+    mx = mint.maximum(l0, lse)
+    e0, e1 = mint.exp(l0 - mx), mint.exp(lse - mx)
+    new = mx + mint.log(e0 + e1)
+    return (o0 * mint.exp(l0 - new).unsqueeze(-1) + out * mint.exp(lse - new).unsqueeze(-1),
+            new)
+
+
+def pair_backward(qg: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor, lse: Tensor,
+                  bias, scale: float, r: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Recompute ``P = exp(S - lse)`` for the pair and return its (dq, dk, dv) contributions."""
+    p = mint.exp(_scores(qg, k, bias, scale, r) - lse.unsqueeze(-1))
+    dv = F.matmul(p.swapaxes(-1, -2), dout)
+    dp = F.matmul(dout, v.swapaxes(-1, -2))
+    ds = p * (dp - delta.unsqueeze(-1)) * scale
+    return F.matmul(ds, k), F.matmul(ds.swapaxes(-1, -2), qg), dv
+
+
+# ------------------------------------------------------------------------------ block level
+class QueryState:
+    """Per query chunk: the grouped queries and the running (out, lse)."""
+
+    def __init__(self, q: Tensor, q_chunks: Sequence[int], ng: int, scale: float):
+        self.nh, self.ng, self.r = q.shape[1], ng, q.shape[1] // ng
+        self.q_chunks, self.scale = list(q_chunks), scale
+        self.qg = group_queries(q, ng, len(q_chunks))
+        self.state: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(q_chunks)
+
+    def absorb(self, k: Tensor, v: Tensor, k_chunks: Sequence[int], masks: ChunkMask) -> None:
+        """Fold one K/V block (its chunks ``k_chunks``) into every query chunk's state."""
+        ks, vs = key_chunks(k, len(k_chunks)), key_chunks(v, len(k_chunks))
+        for i, qc in enumerate(self.q_chunks):
+            for j, kc in enumerate(k_chunks):
+                bias = masks.pair(qc, kc)
+                if bias is SKIP:
+                    continue
+                out, lse = pair_forward(self.qg[i], ks[j], vs[j], bias, self.scale, self.r)
+                self.state[i] = merge(self.state[i], out, lse)
+
+    def result(self, dtype) -> Tuple[Tensor, List[Tensor]]:
+        for i, st in enumerate(self.state):
+            if st is None:
+                raise ValueError(f"context parallel: query chunk {self.q_chunks[i]} attends to "
+                                 f"no key (every block masked)")
+        out = ungroup([st[0] for st in self.state], self.nh).astype(dtype)
+        return out, [st[1] for st in self.state]
+
+
+class QueryGrads:
+    """The backward's per-query-chunk inputs (grouped q, dout, delta, lse) and dq accumulators."""
+
+    def __init__(self, q: Tensor, out: Tensor, dout: Tensor, lse: List[Tensor],
+                 q_chunks: Sequence[int], ng: int, scale: float):
+        n = len(q_chunks)
+        self.nh, self.ng, self.r = q.shape[1], ng, q.shape[1] // ng
+        self.q_chunks, self.scale, self.lse = list(q_chunks), scale, lse
+        self.qg = group_queries(q, ng, n)
+        self.dog = group_queries(dout, ng, n)
+        self.delta = [(a * b).sum(-1) for a, b in zip(self.dog, group_queries(out, ng, n))]
+        self.dq: List[Optional[Tensor]] = [None] * n
+
+    def block_grads(self, k: Tensor, v: Tensor, k_chunks: Sequence[int], masks: ChunkMask
+                    ) -> Tuple[Tensor, Tensor]:
+        """This rank's queries' contribution to dK/dV of one K/V block (and dq, accumulated)."""
+        n = len(k_chunks)
+        ks, vs = key_chunks(k, n), key_chunks(v, n)
+        dks: List[Optional[Tensor]] = [None] * n
+        dvs: List[Optional[Tensor]] = [None] * n
+        for i, qc in enumerate(self.q_chunks):
+            for j, kc in enumerate(k_chunks):
+                bias = masks.pair(qc, kc)
+                if bias is SKIP:
+                    continue
+                dq, dk, dv = pair_backward(self.qg[i], ks[j], vs[j], self.dog[i],
+                                           self.delta[i], self.lse[i], bias, self.scale, self.r)
+                self.dq[i] = dq if self.dq[i] is None else self.dq[i] + dq
+                dks[j] = dk if dks[j] is None else dks[j] + dk
+                dvs[j] = dv if dvs[j] is None else dvs[j] + dv
+        zero = mint.zeros(ks[0].shape, dtype=float32)
+        return (mint.cat([x if x is not None else zero for x in dks], 2),
+                mint.cat([x if x is not None else zero for x in dvs], 2))
+
+    def dq_total(self, dtype) -> Tensor:
+        b, ng, rc, d = self.qg[0].shape
+        zero = mint.zeros((b, ng, rc, d), dtype=float32)
+        return ungroup([x if x is not None else zero for x in self.dq], self.nh).astype(dtype)
+
+
+def default_scale(q: Tensor, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+# ------------------------------------------------------------------------------ single process
+class _BlockAttention(Function):
+    @staticmethod
+    def forward(ctx, q, q_chunks, k_chunk_lists, masks, scale, *kvs):
+        n = len(k_chunk_lists)
+        ks, vs = kvs[:n], kvs[n:]
+        st = QueryState(q, q_chunks, ks[0].shape[1], scale)
+        for k, v, kc in zip(ks, vs, k_chunk_lists):
+            st.absorb(k, v, kc, masks)
+        out, lse = st.result(q.dtype)
+        ctx.args = (q, out, lse, q_chunks, k_chunk_lists, masks, scale, ks, vs)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse, q_chunks, k_chunk_lists, masks, scale, ks, vs = ctx.args
+        ctx.args = None
+        g = QueryGrads(q, out, dout, lse, q_chunks, ks[0].shape[1], scale)
+        dks, dvs = [], []
+        for k, v, kc in zip(ks, vs, k_chunk_lists):
+            dk, dv = g.block_grads(k, v, kc, masks)
+            dks.append(dk.astype(k.dtype))
+            dvs.append(dv.astype(v.dtype))
+        return (g.dq_total(q.dtype), None, None, None, None) + tuple(dks) + tuple(dvs)
+
+
+def attention_over_blocks(q: Tensor, q_chunks: Sequence[int],
+                          blocks: Sequence[Tuple[Tensor, Tensor, Sequence[int]]],
+                          masks: ChunkMask, scale: Optional[float] = None) -> Tensor:
+    """Attention of local queries (global chunks ``q_chunks``) over K/V blocks
+    ``(k, v, k_chunks)``, with a hand-written backward that recomputes per pair and returns
+    dK/dV for each block. Returns ``[b, nh, Sq, d]`` in q's dtype."""
+    ks = [b[0] for b in blocks]
+    vs = [b[1] for b in blocks]
+    kcs = [list(b[2]) for b in blocks]
+    return _BlockAttention.apply(q, list(q_chunks), kcs, masks, default_scale(q, scale),
+                                 *ks, *vs)
