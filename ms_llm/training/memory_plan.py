@@ -1,0 +1,495 @@
+"""``ms-llm plan``: per-rank memory of a run before launching it, and the cheapest fix if it
+does not fit.
+
+What is counted, per rank (every pipeline stage is planned; the worst one decides):
+
+* parameters, gradients and AdamW state: exact per-rank element counts from
+  ``ms_llm.parallel.plan_shapes`` (training's own model, placement and sharding code);
+* activations: per micro-batch, per layer, the tensors the backward pass keeps (a sum of
+  ``[tokens, width]`` and ``[b, heads, s, s]`` terms, each with the number of copies the
+  PyNative executor keeps, ``ACT``), times the micro-batches in flight (the pipeline
+  schedule's own action lists), minus what recompute drops;
+* communication buffers: data-parallel buckets, FSDP's gathered units and flat gradients,
+  sequence-parallel gathers, expert all-to-all and pipeline send/receive buffers;
+* peak = model state + the largest of (activations at the end of forward, gradients at the end
+  of backward) + buffers + ``FIXED_BYTES``.
+
+"Peak" is what a training process adds above its resident memory just before the model is built
+(``rss_before_model_gb`` in ``metrics.jsonl``): the OS high-water mark (MindSpore's CPU memory
+pool never returns memory, so RSS is its high-water mark). The per-copy coefficients were
+measured on MindSpore 2.10's CPU backend (``tests/test_memory_plan.py`` checks six configs and
+layouts against measured peaks); on Ascend the same accounting applies with the device
+allocator's copies, which have not been measured here.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ms_llm.models.config import TransformerConfig
+
+GB = 1024 ** 3
+FP32 = 4
+
+# Copies of each activation the backward keeps per micro-batch and layer (MindSpore 2.10 CPU,
+# PyNative, fp32), in units of one tensor of that shape. Measured, see the module docstring.
+ACT = {
+    "hidden": 4.0,       # [T, h]: norm inputs/outputs, residual branches, attention/MLP outputs
+    "qkv": 1.5,          # [T, (nh + 2 ng) d / tp]: fused QKV output, q/k before and after RoPE
+    "ffn": 1.5,          # [T, F / tp]: fc1 output ([gate; up] = 2 F) and the SwiGLU output
+    "scores": 2.0,       # [b, nh / tp, s, s]: attention scores and probabilities, kept
+    "scores_backward": 4.8,   # the same shape, transient while one layer's backward runs
+    "logits": 2.0,       # [T, V / tp]: fp32 logits and log-softmax
+    "norm": 0.0,         # [T, h] per RMSNorm that training.recompute_norm drops: measured ~0
+}
+FIXED_BYTES = 0.04 * GB  # kernels' workspaces and the pool's first blocks, independent of size
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage's rank (the first data/tensor-parallel rank: it holds the largest
+    uneven shards)."""
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    comm: int
+    fixed: int
+    peak: int
+    num_params: int
+    in_flight: int        # micro-batches whose activations are held at once
+
+
+@dataclass
+class MemoryPlan:
+    nproc: int
+    layout: Dict[str, object]
+    total_params: int
+    stages: List[StagePlan]
+    device_memory_gb: Optional[float] = None
+    suggestion: Optional[dict] = None        # {"change": {...}, "peak_gb": ..., "why": ...}
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> StagePlan:
+        return max(self.stages, key=lambda s: s.peak)
+
+    @property
+    def peak_gb(self) -> float:
+        return self.worst.peak / GB
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.device_memory_gb is None else self.peak_gb <= self.device_memory_gb
+
+    def to_dict(self) -> dict:
+        return {"nproc": self.nproc, "layout": self.layout, "total_params": self.total_params,
+                "peak_gb": round(self.peak_gb, 3), "device_memory_gb": self.device_memory_gb,
+                "fits": self.fits, "stages": [dataclasses.asdict(s) for s in self.stages],
+                "suggestion": self.suggestion, "notes": self.notes}
+
+
+# --------------------------------------------------------------------------- model config
+def planned_model_config(cfg) -> TransformerConfig:
+    """The architecture training would build: a ``checkpoint.load`` folder's, or the config's
+    with the tokenizer's padded vocabulary (as ``build_data`` decides), without reading data."""
+    from ms_llm.training.data_setup import padded_vocab
+    if cfg.checkpoint.load:
+        from ms_llm.checkpoint.pretrained import adopt_pretrained_architecture
+        adopt_pretrained_architecture(cfg)
+        return cfg.model
+    if "padded_vocab_size" in cfg.model_overrides:
+        return cfg.model
+    from ms_llm.data import ensure_default_corpus, load_tokenizer
+    tok = cfg.data.tokenizer
+    if tok == "embedded":
+        _, tok = ensure_default_corpus(cfg.data.cache_dir, cfg.data.embedded_vocab_size)
+    vocab = load_tokenizer(tok).vocab_size
+    return cfg.model.replace(
+        padded_vocab_size=padded_vocab(vocab, cfg.data.make_vocab_size_divisible_by))
+
+
+def uses_distributed_optimizer(cfg) -> bool:
+    # distopt-merge: parallel.use_distributed_optimizer comes from another branch; read it when
+    # the schema has it (becomes a plain attribute read after the merge).
+    return bool(getattr(cfg.parallel, "use_distributed_optimizer", False))
+
+
+# --------------------------------------------------------------------------- the model
+def _in_flight(pp: int, vpp: int, num_micro: int, stage: int) -> Tuple[int, int]:
+    """(micro-batch x chunk activations held at once, chunks) on ``stage``: walked from the
+    pipeline schedule training runs."""
+    if pp == 1:
+        return 1, 1
+    from ms_llm.parallel.pipeline.schedules import build_schedule
+    actions = build_schedule(pp, num_micro, vpp)[stage]
+    live = peak = 0
+    for a in actions:
+        live += 1 if a.kind == "F" else -1
+        peak = max(peak, live)
+    return peak, vpp
+
+
+def _layer_activation_bytes(c: TransformerConfig, b: int, s: int, tp: int, sp: bool,
+                            t, moe_layer: bool) -> Tuple[int, int]:
+    """(kept through forward, re-materialized while its backward runs) for one layer and one
+    micro-batch, under the recompute settings ``t``."""
+    tokens = b * s
+    t_sp = tokens // tp if sp else tokens
+    h, d = c.hidden_size, c.kv_channels
+    nh, ng = c.num_attention_heads // tp, c.num_query_groups // tp
+    ffn = (c.moe_ffn_hidden_size * c.moe_router_topk if moe_layer else c.ffn_hidden_size) // tp
+    if moe_layer and c.moe_shared_expert_intermediate_size:
+        ffn += c.moe_shared_expert_intermediate_size // tp
+    hidden = FP32 * (ACT["hidden"] - (2 * ACT["norm"] if t.recompute_norm else 0)) * t_sp * h
+    if sp:   # column-parallel linears keep their all-gathered input (two per layer)
+        hidden += FP32 * 2 * tokens * h
+    qkv = FP32 * ACT["qkv"] * tokens * (nh + 2 * ng) * d
+    mlp = FP32 * ACT["ffn"] * tokens * ffn
+    if moe_layer:   # routed copies of the hidden states: permuted in, expert outputs back
+        mlp += FP32 * 2 * tokens * c.moe_router_topk * h
+    one_scores = FP32 * b * nh * s * s
+    scores = ACT["scores"] * one_scores
+    transient = ACT["scores_backward"] * one_scores    # every layer's backward makes these
+    whole = hidden + qkv + mlp + scores
+    if t.recompute_granularity == "full":
+        return FP32 * t_sp * h, whole + transient
+    if t.recompute_granularity == "selective":
+        return whole - scores, scores + transient
+    return whole, transient
+
+
+def _stage_layers(cfg, c: TransformerConfig, stage: int, pp: int, vpp: int) -> List[int]:
+    """Global indices of the layers on ``stage`` (training's own stage split)."""
+    from ms_llm.parallel.pipeline.stages import layer_ranges
+    if pp == 1:
+        return list(range(c.num_layers))
+    ranges = layer_ranges(c.num_layers, pp, vpp, cfg.parallel.num_layer_list or None)
+    out = []
+    for v in range(vpp):
+        out += list(ranges[v * pp + stage])
+    return out
+
+
+def _is_moe(c: TransformerConfig, i: int) -> bool:
+    if c.mlp_type != "moe":
+        return False
+    if c.moe_layer_pattern:
+        return bool(c.moe_layer_pattern[i])
+    return i % c.moe_layer_freq == 0
+
+
+def _recomputed(t, layers: List[int], position: int) -> object:
+    """The recompute settings that apply to the layer at ``position`` of its stage (``block``
+    covers the first ``recompute_num_layers`` of each stage)."""
+    if t.recompute_method == "block" and position >= (t.recompute_num_layers or 0):
+        return dataclasses.replace(t, recompute_granularity=None)
+    return t
+
+
+def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int,
+               distributed_optimizer: bool) -> StagePlan:
+    from ms_llm.parallel.state import ParallelSizes  # noqa: F401 (typing aid)
+    p, t = cfg.parallel, cfg.training
+    tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
+        p.virtual_pipeline_model_parallel_size
+    dp = _world(cfg) // (tp * pp * p.context_parallel_size)
+    ep = p.expert_model_parallel_size
+    b, s, sp = t.micro_batch_size, cfg.data.seq_length, p.sequence_parallel
+    num_micro = t.global_batch_size // (b * dp)
+    param_bytes = sum(q.numel * q.itemsize for q in params)
+    trainable = [q for q in params if q.trainable]
+    grad_bytes = sum(q.numel * FP32 for q in trainable)
+    opt_elems = 0
+    for q in trainable:
+        if distributed_optimizer:
+            group = dp // ep if q.expert else dp
+            opt_elems += -(-q.numel // group)       # this rank's (first, largest) shard
+        else:
+            opt_elems += q.numel
+    opt_bytes = 2 * FP32 * opt_elems
+    # activations: the layers this stage runs, times the micro-batches in flight per chunk
+    layers = _stage_layers(cfg, c, stage, pp, vpp)
+    in_flight, chunks = _in_flight(pp, vpp, num_micro, stage)
+    kept, remat = 0, 0
+    per_chunk = max(1, len(layers) // chunks)
+    for pos, i in enumerate(layers):
+        k, r = _layer_activation_bytes(c, b, s, tp, sp, _recomputed(t, layers, pos % per_chunk),
+                                       _is_moe(c, i))
+        kept += k
+        remat = max(remat, r)
+    kept = kept * in_flight // chunks if pp > 1 else kept
+    last = stage == pp - 1
+    logits = FP32 * ACT["logits"] * b * s * c.padded_vocab_size // tp if last else 0
+    acts = kept + remat + logits
+    # communication buffers
+    comm = 0
+    if dp > 1 and not p.fsdp_size > 1:
+        comm += 2 * min(int(p.ddp_bucket_mb * 2 ** 20), grad_bytes)
+    if p.fsdp_size > 1:
+        units: Dict[str, int] = {}
+        for q in params:
+            if q.fsdp:
+                units[q.unit] = units.get(q.unit, 0) + q.full_numel * q.itemsize
+        biggest = max(units.values(), default=0)
+        # one unit gathered + prefetched ones, and a unit's full-size gradient before its
+        # reduce-scatter; the root and the last unit keep their gathered weights
+        comm += (2 + p.fsdp_prefetch) * biggest
+        comm += sum(v for k, v in units.items() if k.endswith(":root"))
+    if sp:
+        comm += 2 * FP32 * b * s * c.hidden_size
+    if ep > 1:
+        comm += 2 * FP32 * b * s * c.moe_router_topk * c.hidden_size
+    if pp > 1:
+        comm += 2 * FP32 * b * (s // tp if sp else s) * c.hidden_size
+    # Gradients of several micro-batches are summed into an accumulator (without overlap).
+    accum = 2 if num_micro > 1 and pp == 1 else 1
+    state = param_bytes + opt_bytes
+    peak = state + max(acts, accum * grad_bytes + remat) + comm + int(FIXED_BYTES)
+    return StagePlan(rank, param_bytes, grad_bytes * accum, opt_bytes, acts, comm,
+                     int(FIXED_BYTES), peak, sum(q.numel for q in params), in_flight)
+
+
+def _world(cfg) -> int:
+    return cfg._plan_nproc
+
+
+def _layout(cfg, nproc: int, distributed_optimizer: bool) -> Dict[str, object]:
+    p, t = cfg.parallel, cfg.training
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dp = nproc // (tp * pp * p.context_parallel_size)
+    return {"tp": tp, "sp": p.sequence_parallel, "pp": pp,
+            "vpp": p.virtual_pipeline_model_parallel_size, "ep": p.expert_model_parallel_size,
+            "dp": dp, "fsdp": p.fsdp_size, "distributed_optimizer": distributed_optimizer,
+            "micro_batch": t.micro_batch_size, "seq": cfg.data.seq_length,
+            "micro_batches_per_step": t.global_batch_size // max(1, t.micro_batch_size * dp),
+            "recompute": t.recompute_granularity, "recompute_method": t.recompute_method,
+            "recompute_num_layers": t.recompute_num_layers, "recompute_norm": t.recompute_norm}
+
+
+def check_layout(cfg, nproc: int) -> None:
+    """The layout rules training applies before building anything (one-line errors)."""
+    from ms_llm.parallel.state import ParallelSizes
+    p, t = cfg.parallel, cfg.training
+    if p.context_parallel_size > 1:
+        raise ValueError("parallel.context_parallel_size > 1: context parallel is not built yet, "
+                         "so it cannot be planned")
+    sizes = ParallelSizes(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                          ep=p.expert_model_parallel_size, world=nproc)
+    sizes.validate()
+    mb_total = t.micro_batch_size * sizes.dp
+    if t.global_batch_size % mb_total:
+        raise ValueError(f"training.global_batch_size ({t.global_batch_size}) must be a multiple "
+                         f"of micro_batch_size x data-parallel size ({mb_total})")
+    if p.fsdp_size > 1 and (t.recompute_granularity or t.recompute_norm):
+        raise ValueError("training.recompute_* with parallel.fsdp_size > 1 is not built yet")
+
+
+def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
+                distributed_optimizer: Optional[bool] = None, model_config=None,
+                suggest: bool = True, _shapes=None) -> MemoryPlan:
+    """Plan ``cfg`` on ``nproc`` workers. ``distributed_optimizer`` None: the config's setting
+    (what-if otherwise). ``model_config``: the architecture (default: ``planned_model_config``)."""
+    from ms_llm.parallel.plan_shapes import full_shapes, rank_params
+    from ms_llm.parallel.state import ParallelSizes
+    cfg = copy.copy(cfg)
+    cfg._plan_nproc = nproc
+    check_layout(cfg, nproc)
+    if distributed_optimizer is None:
+        distributed_optimizer = uses_distributed_optimizer(cfg)
+    c = model_config or planned_model_config(cfg)
+    shapes = _shapes or full_shapes(c)
+    p = cfg.parallel
+    sizes = ParallelSizes(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                          ep=p.expert_model_parallel_size, world=nproc)
+    stages = []
+    per_stage = sizes.world // sizes.pp
+    for stage in range(sizes.pp):
+        rank = stage * per_stage
+        params = rank_params(cfg, c, sizes, rank, shapes)
+        stages.append(plan_stage(cfg, c, params, stage, rank, distributed_optimizer))
+    total = sum(math.prod(shape) for shape, _, _ in shapes.values())
+    plan = MemoryPlan(nproc, _layout(cfg, nproc, distributed_optimizer), total, stages,
+                      device_memory_gb)
+    if cfg.training.jit and not _jit_blocked(cfg):
+        plan.notes.append("training.jit: planned as PyNative; a compiled step keeps more "
+                          "(measured up to 1.8x the RSS on CPU)")
+    if suggest and plan.fits is False:
+        plan.suggestion = suggest_fix(cfg, nproc, device_memory_gb, distributed_optimizer, c,
+                                      shapes)
+    return plan
+
+
+def _jit_blocked(cfg) -> bool:
+    p = cfg.parallel
+    return (p.tensor_model_parallel_size > 1 or p.fsdp_size > 1 or cfg.model.mlp_type == "moe"
+            or p.pipeline_model_parallel_size > 1 or bool(cfg.training.recompute_granularity)
+            or cfg.training.recompute_norm)
+
+
+# --------------------------------------------------------------------------- suggestions
+def _candidates(cfg, nproc: int, distopt: bool) -> List[Tuple[str, dict, bool]]:
+    """(description, config changes, distributed optimizer) in order of cost: recompute first
+    (compute only), then the distributed optimizer (a reduce-scatter + all-gather instead of an
+    all-reduce), FSDP (gathers every step), larger tensor parallel (more communication per
+    layer), larger pipeline parallel (bubble)."""
+    t, p = cfg.training, cfg.parallel
+    out = []
+    fsdp_on = p.fsdp_size > 1
+    if not fsdp_on:
+        if t.recompute_granularity is None:
+            out.append(("selective recompute", {"training.recompute_granularity": "selective"},
+                        distopt))
+        if t.recompute_granularity != "full":
+            out.append(("full recompute", {"training.recompute_granularity": "full",
+                                           "training.recompute_method": "uniform"}, distopt))
+    base_rc = {} if fsdp_on else {"training.recompute_granularity": "full",
+                                  "training.recompute_method": "uniform"}
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dp = nproc // (tp * pp)
+    if not distopt and dp > 1 and not fsdp_on:
+        out.append(("distributed optimizer", {}, True))
+        out.append(("distributed optimizer + full recompute", dict(base_rc), True))
+    if not fsdp_on and dp > 1:
+        out.append(("FSDP over the data-parallel group", {"parallel.fsdp_size": dp,
+                                                          "training.recompute_granularity": None,
+                                                          "training.recompute_method": None,
+                                                          "training.recompute_norm": False},
+                    False))
+    for new_tp in (2 * tp, 4 * tp, 8 * tp):
+        if nproc % (new_tp * pp) == 0 and new_tp <= 8:
+            out.append((f"tensor parallel {new_tp} (+ sequence parallel, full recompute)",
+                        {"parallel.tensor_model_parallel_size": new_tp,
+                         "parallel.sequence_parallel": True, **base_rc}, distopt or dp > 1))
+    for new_pp in (2 * pp, 4 * pp, 8 * pp):
+        if nproc % (tp * new_pp) == 0:
+            out.append((f"pipeline parallel {new_pp} (+ full recompute)",
+                        {"parallel.pipeline_model_parallel_size": new_pp, **base_rc},
+                        distopt or nproc // (tp * new_pp) > 1))
+    return out
+
+
+def _apply(cfg, changes: dict):
+    new = copy.copy(cfg)
+    new.training = dataclasses.replace(cfg.training)
+    new.parallel = dataclasses.replace(cfg.parallel)
+    for key, value in changes.items():
+        section, name = key.split(".")
+        setattr(getattr(new, section), name, value)
+    return new
+
+
+def suggest_fix(cfg, nproc: int, device_memory_gb: float, distopt: bool, c, shapes
+                ) -> Optional[dict]:
+    """The first (cheapest) candidate change whose predicted peak fits; None when none does."""
+    tried = []
+    for what, changes, dopt in _candidates(cfg, nproc, distopt):
+        new = _apply(cfg, changes)
+        try:
+            plan = plan_memory(new, nproc, device_memory_gb, dopt, c, suggest=False,
+                               _shapes=shapes)
+        except ValueError as e:
+            tried.append(f"{what}: {e}")
+            continue
+        if plan.fits:
+            shown = {k: v for k, v in changes.items()}
+            if dopt and not distopt:
+                shown["parallel.use_distributed_optimizer"] = True
+            return {"what": what, "change": shown, "peak_gb": round(plan.peak_gb, 3),
+                    "layout": plan.layout}
+        tried.append(f"{what}: {plan.peak_gb:.1f} GB")
+    return {"what": None, "change": {}, "peak_gb": None, "tried": tried}
+
+
+# --------------------------------------------------------------------------- output
+def _gb(x: int) -> str:
+    return f"{x / GB:.2f}"
+
+
+def format_plan(plan: MemoryPlan, source: str) -> str:
+    lay = plan.layout
+    rc = lay["recompute"] or "none"
+    if lay["recompute"] and lay["recompute_method"] == "block":
+        rc += f" (block, first {lay['recompute_num_layers']} layers)"
+    if lay["recompute_norm"]:
+        rc += " + norm"
+    lines = [f"ms-llm plan: {source} on {plan.nproc} worker(s), "
+             f"{plan.total_params / 1e9:.3f} B parameters" if plan.total_params >= 1e9 else
+             f"ms-llm plan: {source} on {plan.nproc} worker(s), "
+             f"{plan.total_params / 1e6:.2f} M parameters",
+             f"layout: tp {lay['tp']}{' + sp' if lay['sp'] else ''}, pp {lay['pp']}"
+             f"{' x vpp ' + str(lay['vpp']) if lay['vpp'] > 1 else ''}, ep {lay['ep']}, "
+             f"dp {lay['dp']}{', FSDP' if lay['fsdp'] > 1 else ''}"
+             f"{', distributed optimizer' if lay['distributed_optimizer'] else ''}; "
+             f"micro-batch {lay['micro_batch']} x seq {lay['seq']}, "
+             f"{lay['micro_batches_per_step']} micro-batch(es)/step; recompute {rc}",
+             "",
+             "| rank (stage) | params | grads | optimizer | activations | comm buffers | "
+             "fixed | peak GB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, s in enumerate(plan.stages):
+        lines.append(f"| {s.rank} ({i}) | {_gb(s.params)} | {_gb(s.grads)} | {_gb(s.optimizer)} "
+                     f"| {_gb(s.activations)} | {_gb(s.comm)} | {_gb(s.fixed)} | {_gb(s.peak)} |")
+    lines.append("")
+    verdict = f"predicted peak per rank: {plan.peak_gb:.2f} GB"
+    if plan.device_memory_gb is not None:
+        verdict += (f" of {plan.device_memory_gb:g} GB: "
+                    f"{'fits' if plan.fits else 'does NOT fit'}")
+    lines.append(verdict)
+    sug = plan.suggestion
+    if sug is not None:
+        if sug["what"] is None:
+            lines.append("no single change tried fits: " + "; ".join(sug["tried"]))
+        else:
+            flags = " ".join(f"--{k} {_flag(v)}" for k, v in sug["change"].items())
+            lines.append(f"cheapest change that fits: {sug['what']}: {flags} -> predicted peak "
+                         f"{sug['peak_gb']:.2f} GB")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def _flag(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    return str(v)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``ms-llm plan CONFIG [--section.key VALUE ...] --nproc N [--device-memory-gb G]
+    [--json] [--distributed-optimizer]``."""
+    import argparse
+    import json
+    import sys
+    from ms_llm.config import ConfigError, load_config
+    ap = argparse.ArgumentParser(
+        prog="ms-llm plan", description="Per-rank memory of a training run before launch "
+        "(parameters, gradients, optimizer state, activations, communication buffers, peak) "
+        "and the cheapest change that makes it fit. Config overrides as for ms-llm train.")
+    ap.add_argument("config")
+    ap.add_argument("--nproc", type=int, required=True, help="number of workers")
+    ap.add_argument("--device-memory-gb", type=float, default=None, dest="mem",
+                    help="memory per device; says whether the run fits and what would")
+    ap.add_argument("--distributed-optimizer", action="store_true", dest="distopt",
+                    help="plan with the distributed optimizer (what-if)")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    args, overrides = ap.parse_known_args(list(argv))
+    if args.nproc < 1:
+        print("ms-llm plan: --nproc must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config, overrides)
+        plan = plan_memory(cfg, args.nproc, args.mem, True if args.distopt else None)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"ms-llm plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        print(format_plan(plan, args.config))
+    return 0
