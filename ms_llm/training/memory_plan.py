@@ -11,8 +11,10 @@ What is counted, per rank (every pipeline stage is planned; the worst one decide
   schedule's own action lists), minus what recompute drops;
 * communication buffers: data-parallel buckets, FSDP's gathered units and flat gradients,
   sequence-parallel gathers, expert all-to-all and pipeline send/receive buffers;
-* peak = model state + the largest of (activations at the end of forward, gradients at the end
-  of backward) + buffers + ``FIXED_BYTES``.
+* gradients: the step's gradients plus the copies the optimizer step makes (``clip_`` scales
+  into new tensors; several micro-batches add the accumulator and the sum being formed);
+* peak = parameters + optimizer state + the larger of (activations, with the micro-batch
+  accumulator when there is one) and the gradients' copies + buffers + ``FIXED_BYTES``.
 
 "Peak" is what a training process adds above its resident memory just before the model is built
 (``rss_before_model_gb`` in ``metrics.jsonl``): the OS high-water mark (MindSpore's CPU memory
@@ -42,10 +44,12 @@ ACT = {
     "ffn": 1.5,          # [T, F / tp]: fc1 output ([gate; up] = 2 F) and the SwiGLU output
     "scores": 2.0,       # [b, nh / tp, s, s]: attention scores and probabilities, kept
     "scores_backward": 4.8,   # the same shape, transient while one layer's backward runs
-    "logits": 2.0,       # [T, V / tp]: fp32 logits and log-softmax
+    "logits": 2.0,       # [T, V]: fp32 logits and log-softmax (one fused cross entropy)
+    "logits_tp": 6.0,    # [T, V / tp]: vocab-parallel cross entropy (shifted, exp, gathers...)
     "norm": 0.0,         # [T, h] per RMSNorm that training.recompute_norm drops: measured ~0
 }
 FIXED_BYTES = 0.04 * GB  # kernels' workspaces and the pool's first blocks, independent of size
+DIST_FIXED_BYTES = 0.03 * GB  # a distributed worker's communicators and their buffers
 
 
 @dataclass
@@ -191,13 +195,13 @@ def _recomputed(t, layers: List[int], position: int) -> object:
     return t
 
 
-def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int,
+def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: int,
                distributed_optimizer: bool) -> StagePlan:
-    from ms_llm.parallel.state import ParallelSizes  # noqa: F401 (typing aid)
+    """The memory of ``rank`` (pipeline stage ``stage``) holding ``params``."""
     p, t = cfg.parallel, cfg.training
     tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
         p.virtual_pipeline_model_parallel_size
-    dp = _world(cfg) // (tp * pp * p.context_parallel_size)
+    dp = nproc // (tp * pp * p.context_parallel_size)
     ep = p.expert_model_parallel_size
     b, s, sp = t.micro_batch_size, cfg.data.seq_length, p.sequence_parallel
     num_micro = t.global_batch_size // (b * dp)
@@ -222,9 +226,14 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int,
                                        _is_moe(c, i))
         kept += k
         remat = max(remat, r)
-    kept = kept * in_flight // chunks if pp > 1 else kept
+    if pp > 1:
+        # The executor keeps only each in-flight micro-batch's stage input and re-runs the
+        # chunk's forward inside its backward (compat.autograd.DeferredVJP: MindSpore 2.10 runs
+        # pending backwards last-in first-out only), so one micro-batch's activations are live.
+        kept += in_flight * FP32 * b * (s // tp if sp else s) * c.hidden_size
     last = stage == pp - 1
-    logits = FP32 * ACT["logits"] * b * s * c.padded_vocab_size // tp if last else 0
+    copies = ACT["logits"] if tp == 1 else ACT["logits_tp"]
+    logits = int(FP32 * copies * b * s * c.padded_vocab_size // tp) if last else 0
     acts = kept + remat + logits
     # communication buffers
     comm = 0
@@ -246,16 +255,16 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int,
         comm += 2 * FP32 * b * s * c.moe_router_topk * c.hidden_size
     if pp > 1:
         comm += 2 * FP32 * b * (s // tp if sp else s) * c.hidden_size
-    # Gradients of several micro-batches are summed into an accumulator (without overlap).
-    accum = 2 if num_micro > 1 and pp == 1 else 1
+    # Gradient copies: the step's gradients, their clipped copy (``clip_`` scales into new
+    # tensors) and, over several micro-batches, the accumulator plus the new micro-batch's
+    # gradients while they are summed. The accumulator is also live during later forwards.
+    accum = num_micro > 1 and pp == 1
+    grad_phase = (3 if accum else 2) * grad_bytes
     state = param_bytes + opt_bytes
-    peak = state + max(acts, accum * grad_bytes + remat) + comm + int(FIXED_BYTES)
-    return StagePlan(rank, param_bytes, grad_bytes * accum, opt_bytes, acts, comm,
-                     int(FIXED_BYTES), peak, sum(q.numel for q in params), in_flight)
-
-
-def _world(cfg) -> int:
-    return cfg._plan_nproc
+    fixed = int(FIXED_BYTES + (DIST_FIXED_BYTES if nproc > 1 else 0))
+    peak = state + max(acts + (grad_bytes if accum else 0), grad_phase) + comm + fixed
+    return StagePlan(rank, param_bytes, grad_phase, opt_bytes, int(acts), comm, fixed, int(peak),
+                     sum(q.numel for q in params), in_flight)
 
 
 def _layout(cfg, nproc: int, distributed_optimizer: bool) -> Dict[str, object]:
@@ -291,13 +300,11 @@ def check_layout(cfg, nproc: int) -> None:
 
 def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
                 distributed_optimizer: Optional[bool] = None, model_config=None,
-                suggest: bool = True, _shapes=None) -> MemoryPlan:
+                suggest: bool = True, _shapes=None, _cache=None) -> MemoryPlan:
     """Plan ``cfg`` on ``nproc`` workers. ``distributed_optimizer`` None: the config's setting
     (what-if otherwise). ``model_config``: the architecture (default: ``planned_model_config``)."""
     from ms_llm.parallel.plan_shapes import full_shapes, rank_params
     from ms_llm.parallel.state import ParallelSizes
-    cfg = copy.copy(cfg)
-    cfg._plan_nproc = nproc
     check_layout(cfg, nproc)
     if distributed_optimizer is None:
         distributed_optimizer = uses_distributed_optimizer(cfg)
@@ -308,10 +315,16 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
                           ep=p.expert_model_parallel_size, world=nproc)
     stages = []
     per_stage = sizes.world // sizes.pp
+    cache = {} if _cache is None else _cache     # what-ifs of recompute/optimizer share layouts
     for stage in range(sizes.pp):
         rank = stage * per_stage
-        params = rank_params(cfg, c, sizes, rank, shapes)
-        stages.append(plan_stage(cfg, c, params, stage, rank, distributed_optimizer))
+        key = (sizes, rank, p.sequence_parallel, p.fsdp_size,
+               p.virtual_pipeline_model_parallel_size, tuple(p.num_layer_list),
+               tuple(p.noop_layers))
+        if key not in cache:
+            cache[key] = rank_params(cfg, c, sizes, rank, shapes)
+        params = cache[key]
+        stages.append(plan_stage(cfg, c, params, stage, rank, nproc, distributed_optimizer))
     total = sum(math.prod(shape) for shape, _, _ in shapes.values())
     plan = MemoryPlan(nproc, _layout(cfg, nproc, distributed_optimizer), total, stages,
                       device_memory_gb)
@@ -320,7 +333,12 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
                           "(measured up to 1.8x the RSS on CPU)")
     if suggest and plan.fits is False:
         plan.suggestion = suggest_fix(cfg, nproc, device_memory_gb, distributed_optimizer, c,
-                                      shapes)
+                                      shapes, cache)
+    wants = distributed_optimizer or "parallel.use_distributed_optimizer" in \
+        (plan.suggestion or {}).get("change", {})
+    if wants and not hasattr(cfg.parallel, "use_distributed_optimizer"):   # distopt-merge
+        plan.notes.append("parallel.use_distributed_optimizer is modelled here but not in this "
+                          "build's config yet")
     return plan
 
 
@@ -364,7 +382,8 @@ def _candidates(cfg, nproc: int, distopt: bool) -> List[Tuple[str, dict, bool]]:
         if nproc % (new_tp * pp) == 0 and new_tp <= 8:
             out.append((f"tensor parallel {new_tp} (+ sequence parallel, full recompute)",
                         {"parallel.tensor_model_parallel_size": new_tp,
-                         "parallel.sequence_parallel": True, **base_rc}, distopt or dp > 1))
+                         "parallel.sequence_parallel": True, **base_rc},
+                        distopt or nproc // (new_tp * pp) > 1))
     for new_pp in (2 * pp, 4 * pp, 8 * pp):
         if nproc % (tp * new_pp) == 0:
             out.append((f"pipeline parallel {new_pp} (+ full recompute)",
@@ -383,22 +402,24 @@ def _apply(cfg, changes: dict):
     return new
 
 
-def suggest_fix(cfg, nproc: int, device_memory_gb: float, distopt: bool, c, shapes
-                ) -> Optional[dict]:
+def suggest_fix(cfg, nproc: int, device_memory_gb: float, distopt: bool, c, shapes,
+                cache: Optional[dict] = None) -> Optional[dict]:
     """The first (cheapest) candidate change whose predicted peak fits; None when none does."""
     tried = []
     for what, changes, dopt in _candidates(cfg, nproc, distopt):
         new = _apply(cfg, changes)
         try:
             plan = plan_memory(new, nproc, device_memory_gb, dopt, c, suggest=False,
-                               _shapes=shapes)
+                               _shapes=shapes, _cache=cache)
         except ValueError as e:
             tried.append(f"{what}: {e}")
             continue
         if plan.fits:
-            shown = {k: v for k, v in changes.items()}
+            shown = dict(changes)
             if dopt and not distopt:
                 shown["parallel.use_distributed_optimizer"] = True
+                if "distributed optimizer" not in what:
+                    what += " + distributed optimizer"
             return {"what": what, "change": shown, "peak_gb": round(plan.peak_gb, 3),
                     "layout": plan.layout}
         tried.append(f"{what}: {plan.peak_gb:.1f} GB")
