@@ -66,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ms_llm.parallel.pipeline.show import main as schedule_main
         return schedule_main(rest)
     if command == "plan":
-        from ms_llm.training.memory_plan import main as plan_main
+        from ms_llm.training.memory_plan_cli import main as plan_main
         return plan_main(rest)
     if command in ("generate", "chat"):
         from ms_llm.inference import cli as inference_cli

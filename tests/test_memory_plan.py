@@ -23,7 +23,8 @@ from ms_llm.config import load_config
 from ms_llm.models import GPTModel
 from ms_llm.parallel.plan_shapes import full_shapes, rank_params
 from ms_llm.parallel.state import ParallelSizes
-from ms_llm.training.memory_plan import GB, main as plan_main, plan_memory
+from ms_llm.training.memory_plan import plan_memory
+from ms_llm.training.memory_plan_cli import main as plan_main, plan_with_fix
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 TINY_MOE = os.path.join(ROOT, "configs", "tiny_moe.yaml")
@@ -99,7 +100,7 @@ def test_a_layout_that_does_not_fit_gets_the_cheapest_fix():
                              "8"])
     plain = plan_memory(cfg, 4)
     budget = plain.peak_gb * 0.6
-    plan = plan_memory(cfg, 4, device_memory_gb=budget)
+    plan = plan_with_fix(cfg, 4, device_memory_gb=budget)
     assert plan.fits is False
     sug = plan.suggestion
     assert sug["what"] and sug["peak_gb"] <= budget

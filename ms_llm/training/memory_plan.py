@@ -25,11 +25,10 @@ allocator's copies, which have not been measured here.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ms_llm.models.config import TransformerConfig
 
@@ -50,6 +49,8 @@ ACT = {
 }
 FIXED_BYTES = 0.04 * GB  # kernels' workspaces and the pool's first blocks, independent of size
 DIST_FIXED_BYTES = 0.03 * GB  # a distributed worker's communicators and their buffers
+DISTOPT_NOTE = ("parallel.use_distributed_optimizer is modelled here but not in this build's "
+                "config yet")
 
 
 @dataclass
@@ -187,7 +188,7 @@ def _is_moe(c: TransformerConfig, i: int) -> bool:
     return i % c.moe_layer_freq == 0
 
 
-def _recomputed(t, layers: List[int], position: int) -> object:
+def _recomputed(t, position: int) -> object:
     """The recompute settings that apply to the layer at ``position`` of its stage (``block``
     covers the first ``recompute_num_layers`` of each stage)."""
     if t.recompute_method == "block" and position >= (t.recompute_num_layers or 0):
@@ -219,18 +220,20 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     # activations: the layers this stage runs, times the micro-batches in flight per chunk
     layers = _stage_layers(cfg, c, stage, pp, vpp)
     in_flight, chunks = _in_flight(pp, vpp, num_micro, stage)
-    kept, remat = 0, 0
     per_chunk = max(1, len(layers) // chunks)
+    chunk_kept, remat = [0] * chunks, 0
     for pos, i in enumerate(layers):
-        k, r = _layer_activation_bytes(c, b, s, tp, sp, _recomputed(t, layers, pos % per_chunk),
+        k, r = _layer_activation_bytes(c, b, s, tp, sp, _recomputed(t, pos % per_chunk),
                                        _is_moe(c, i))
-        kept += k
+        chunk_kept[min(pos // per_chunk, chunks - 1)] += k
         remat = max(remat, r)
     if pp > 1:
-        # The executor keeps only each in-flight micro-batch's stage input and re-runs the
+        # The executor keeps only each in-flight micro-batch's chunk input and re-runs the
         # chunk's forward inside its backward (compat.autograd.DeferredVJP: MindSpore 2.10 runs
-        # pending backwards last-in first-out only), so one micro-batch's activations are live.
-        kept += in_flight * FP32 * b * (s // tp if sp else s) * c.hidden_size
+        # pending backwards last-in first-out only), so one micro-batch's chunk is live.
+        kept = max(chunk_kept) + in_flight * FP32 * b * (s // tp if sp else s) * c.hidden_size
+    else:
+        kept = sum(chunk_kept)
     last = stage == pp - 1
     copies = ACT["logits"] if tp == 1 else ACT["logits_tp"]
     logits = int(FP32 * copies * b * s * c.padded_vocab_size // tp) if last else 0
@@ -258,7 +261,7 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     # Gradient copies: the step's gradients, their clipped copy (``clip_`` scales into new
     # tensors) and, over several micro-batches, the accumulator plus the new micro-batch's
     # gradients while they are summed. The accumulator is also live during later forwards.
-    accum = num_micro > 1 and pp == 1
+    accum = num_micro > 1
     grad_phase = (3 if accum else 2) * grad_bytes
     state = param_bytes + opt_bytes
     fixed = int(FIXED_BYTES + (DIST_FIXED_BYTES if nproc > 1 else 0))
@@ -300,10 +303,11 @@ def check_layout(cfg, nproc: int) -> None:
 
 def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
                 distributed_optimizer: Optional[bool] = None, model_config=None,
-                suggest: bool = True, _shapes=None, _cache=None) -> MemoryPlan:
+                _shapes=None, _cache=None) -> MemoryPlan:
     """Plan ``cfg`` on ``nproc`` workers. ``distributed_optimizer`` None: the config's setting
     (what-if otherwise). ``model_config``: the architecture (default: ``planned_model_config``)."""
-    from ms_llm.parallel.plan_shapes import full_shapes, rank_params
+    from ms_llm.parallel.parallelize import _jit_blockers
+    from ms_llm.parallel.plan_shapes import full_shapes, plan_state, rank_params
     from ms_llm.parallel.state import ParallelSizes
     check_layout(cfg, nproc)
     if distributed_optimizer is None:
@@ -328,189 +332,10 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
     total = sum(math.prod(shape) for shape, _, _ in shapes.values())
     plan = MemoryPlan(nproc, _layout(cfg, nproc, distributed_optimizer), total, stages,
                       device_memory_gb)
-    if cfg.training.jit and not _jit_blocked(cfg):
+    if cfg.training.jit and not _jit_blockers(cfg, plan_state(sizes, 0)):
         plan.notes.append("training.jit: planned as PyNative; a compiled step keeps more "
                           "(measured up to 1.8x the RSS on CPU)")
-    if suggest and plan.fits is False:
-        plan.suggestion = suggest_fix(cfg, nproc, device_memory_gb, distributed_optimizer, c,
-                                      shapes, cache)
-    wants = distributed_optimizer or "parallel.use_distributed_optimizer" in \
-        (plan.suggestion or {}).get("change", {})
-    if wants and not hasattr(cfg.parallel, "use_distributed_optimizer"):   # distopt-merge
-        plan.notes.append("parallel.use_distributed_optimizer is modelled here but not in this "
-                          "build's config yet")
+    if distributed_optimizer and not hasattr(cfg.parallel, "use_distributed_optimizer"):
+        # distopt-merge: the note goes once the schema has the key
+        plan.notes.append(DISTOPT_NOTE)
     return plan
-
-
-def _jit_blocked(cfg) -> bool:
-    p = cfg.parallel
-    return (p.tensor_model_parallel_size > 1 or p.fsdp_size > 1 or cfg.model.mlp_type == "moe"
-            or p.pipeline_model_parallel_size > 1 or bool(cfg.training.recompute_granularity)
-            or cfg.training.recompute_norm)
-
-
-# --------------------------------------------------------------------------- suggestions
-def _candidates(cfg, nproc: int, distopt: bool) -> List[Tuple[str, dict, bool]]:
-    """(description, config changes, distributed optimizer) in order of cost: recompute first
-    (compute only), then the distributed optimizer (a reduce-scatter + all-gather instead of an
-    all-reduce), FSDP (gathers every step), larger tensor parallel (more communication per
-    layer), larger pipeline parallel (bubble)."""
-    t, p = cfg.training, cfg.parallel
-    out = []
-    fsdp_on = p.fsdp_size > 1
-    if not fsdp_on:
-        if t.recompute_granularity is None:
-            out.append(("selective recompute", {"training.recompute_granularity": "selective"},
-                        distopt))
-        if t.recompute_granularity != "full":
-            out.append(("full recompute", {"training.recompute_granularity": "full",
-                                           "training.recompute_method": "uniform"}, distopt))
-    base_rc = {} if fsdp_on else {"training.recompute_granularity": "full",
-                                  "training.recompute_method": "uniform"}
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    dp = nproc // (tp * pp)
-    if not distopt and dp > 1 and not fsdp_on:
-        out.append(("distributed optimizer", {}, True))
-        out.append(("distributed optimizer + full recompute", dict(base_rc), True))
-    if not fsdp_on and dp > 1:
-        out.append(("FSDP over the data-parallel group", {"parallel.fsdp_size": dp,
-                                                          "training.recompute_granularity": None,
-                                                          "training.recompute_method": None,
-                                                          "training.recompute_norm": False},
-                    False))
-    for new_tp in (2 * tp, 4 * tp, 8 * tp):
-        if nproc % (new_tp * pp) == 0 and new_tp <= 8:
-            out.append((f"tensor parallel {new_tp} (+ sequence parallel, full recompute)",
-                        {"parallel.tensor_model_parallel_size": new_tp,
-                         "parallel.sequence_parallel": True, **base_rc},
-                        distopt or nproc // (new_tp * pp) > 1))
-    for new_pp in (2 * pp, 4 * pp, 8 * pp):
-        if nproc % (tp * new_pp) == 0:
-            out.append((f"pipeline parallel {new_pp} (+ full recompute)",
-                        {"parallel.pipeline_model_parallel_size": new_pp, **base_rc},
-                        distopt or nproc // (tp * new_pp) > 1))
-    return out
-
-
-def _apply(cfg, changes: dict):
-    new = copy.copy(cfg)
-    new.training = dataclasses.replace(cfg.training)
-    new.parallel = dataclasses.replace(cfg.parallel)
-    for key, value in changes.items():
-        section, name = key.split(".")
-        setattr(getattr(new, section), name, value)
-    return new
-
-
-def suggest_fix(cfg, nproc: int, device_memory_gb: float, distopt: bool, c, shapes,
-                cache: Optional[dict] = None) -> Optional[dict]:
-    """The first (cheapest) candidate change whose predicted peak fits; None when none does."""
-    tried = []
-    for what, changes, dopt in _candidates(cfg, nproc, distopt):
-        new = _apply(cfg, changes)
-        try:
-            plan = plan_memory(new, nproc, device_memory_gb, dopt, c, suggest=False,
-                               _shapes=shapes, _cache=cache)
-        except ValueError as e:
-            tried.append(f"{what}: {e}")
-            continue
-        if plan.fits:
-            shown = dict(changes)
-            if dopt and not distopt:
-                shown["parallel.use_distributed_optimizer"] = True
-                if "distributed optimizer" not in what:
-                    what += " + distributed optimizer"
-            return {"what": what, "change": shown, "peak_gb": round(plan.peak_gb, 3),
-                    "layout": plan.layout}
-        tried.append(f"{what}: {plan.peak_gb:.1f} GB")
-    return {"what": None, "change": {}, "peak_gb": None, "tried": tried}
-
-
-# --------------------------------------------------------------------------- output
-def _gb(x: int) -> str:
-    return f"{x / GB:.2f}"
-
-
-def format_plan(plan: MemoryPlan, source: str) -> str:
-    lay = plan.layout
-    rc = lay["recompute"] or "none"
-    if lay["recompute"] and lay["recompute_method"] == "block":
-        rc += f" (block, first {lay['recompute_num_layers']} layers)"
-    if lay["recompute_norm"]:
-        rc += " + norm"
-    lines = [f"ms-llm plan: {source} on {plan.nproc} worker(s), "
-             f"{plan.total_params / 1e9:.3f} B parameters" if plan.total_params >= 1e9 else
-             f"ms-llm plan: {source} on {plan.nproc} worker(s), "
-             f"{plan.total_params / 1e6:.2f} M parameters",
-             f"layout: tp {lay['tp']}{' + sp' if lay['sp'] else ''}, pp {lay['pp']}"
-             f"{' x vpp ' + str(lay['vpp']) if lay['vpp'] > 1 else ''}, ep {lay['ep']}, "
-             f"dp {lay['dp']}{', FSDP' if lay['fsdp'] > 1 else ''}"
-             f"{', distributed optimizer' if lay['distributed_optimizer'] else ''}; "
-             f"micro-batch {lay['micro_batch']} x seq {lay['seq']}, "
-             f"{lay['micro_batches_per_step']} micro-batch(es)/step; recompute {rc}",
-             "",
-             "| rank (stage) | params | grads | optimizer | activations | comm buffers | "
-             "fixed | peak GB |",
-             "|---|---|---|---|---|---|---|---|"]
-    for i, s in enumerate(plan.stages):
-        lines.append(f"| {s.rank} ({i}) | {_gb(s.params)} | {_gb(s.grads)} | {_gb(s.optimizer)} "
-                     f"| {_gb(s.activations)} | {_gb(s.comm)} | {_gb(s.fixed)} | {_gb(s.peak)} |")
-    lines.append("")
-    verdict = f"predicted peak per rank: {plan.peak_gb:.2f} GB"
-    if plan.device_memory_gb is not None:
-        verdict += (f" of {plan.device_memory_gb:g} GB: "
-                    f"{'fits' if plan.fits else 'does NOT fit'}")
-    lines.append(verdict)
-    sug = plan.suggestion
-    if sug is not None:
-        if sug["what"] is None:
-            lines.append("no single change tried fits: " + "; ".join(sug["tried"]))
-        else:
-            flags = " ".join(f"--{k} {_flag(v)}" for k, v in sug["change"].items())
-            lines.append(f"cheapest change that fits: {sug['what']}: {flags} -> predicted peak "
-                         f"{sug['peak_gb']:.2f} GB")
-    lines += [f"note: {n}" for n in plan.notes]
-    return "\n".join(lines)
-
-
-def _flag(v) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return str(v).lower()
-    return str(v)
-
-
-def main(argv: Sequence[str]) -> int:
-    """``ms-llm plan CONFIG [--section.key VALUE ...] --nproc N [--device-memory-gb G]
-    [--json] [--distributed-optimizer]``."""
-    import argparse
-    import json
-    import sys
-    from ms_llm.config import ConfigError, load_config
-    ap = argparse.ArgumentParser(
-        prog="ms-llm plan", description="Per-rank memory of a training run before launch "
-        "(parameters, gradients, optimizer state, activations, communication buffers, peak) "
-        "and the cheapest change that makes it fit. Config overrides as for ms-llm train.")
-    ap.add_argument("config")
-    ap.add_argument("--nproc", type=int, required=True, help="number of workers")
-    ap.add_argument("--device-memory-gb", type=float, default=None, dest="mem",
-                    help="memory per device; says whether the run fits and what would")
-    ap.add_argument("--distributed-optimizer", action="store_true", dest="distopt",
-                    help="plan with the distributed optimizer (what-if)")
-    ap.add_argument("--json", action="store_true", help="machine-readable output")
-    args, overrides = ap.parse_known_args(list(argv))
-    if args.nproc < 1:
-        print("ms-llm plan: --nproc must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(args.config, overrides)
-        plan = plan_memory(cfg, args.nproc, args.mem, True if args.distopt else None)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"ms-llm plan: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(plan.to_dict(), indent=1))
-    else:
-        print(format_plan(plan, args.config))
-    return 0
