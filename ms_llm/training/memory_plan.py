@@ -41,8 +41,9 @@ ACT = {
     "hidden": 4.0,       # [T, h]: norm inputs/outputs, residual branches, attention/MLP outputs
     "qkv": 1.5,          # [T, (nh + 2 ng) d / tp]: fused QKV output, q/k before and after RoPE
     "ffn": 1.5,          # [T, F / tp]: fc1 output ([gate; up] = 2 F) and the SwiGLU output
-    "scores": 2.0,       # [b, nh / tp, s, s]: attention scores and probabilities, kept
-    "scores_backward": 4.8,   # the same shape, transient while one layer's backward runs
+    "scores": 2.5,       # [b, nh / tp, s, s]: attention scores and probabilities, kept
+    "scores_backward": 3.5,   # the same shape, transient while one layer's backward runs
+    "scores_backward_full": 2.5,  # the same, for a layer re-run by full recompute
     "logits": 2.0,       # [T, V]: fp32 logits and log-softmax (one fused cross entropy)
     "logits_tp": 6.0,    # [T, V / tp]: vocab-parallel cross entropy (shifted, exp, gathers...)
     "norm": 0.0,         # [T, h] per RMSNorm that training.recompute_norm drops: measured ~0
@@ -162,7 +163,9 @@ def _layer_activation_bytes(c: TransformerConfig, b: int, s: int, tp: int, sp: b
     transient = ACT["scores_backward"] * one_scores    # every layer's backward makes these
     whole = hidden + qkv + mlp + scores
     if t.recompute_granularity == "full":
-        return FP32 * t_sp * h, whole + transient
+        # the re-run layer's own backward makes fewer transient copies than a layer whose
+        # forward ran long before (measured)
+        return FP32 * t_sp * h, whole + ACT["scores_backward_full"] * one_scores
     if t.recompute_granularity == "selective":
         return whole - scores, scores + transient
     return whole, transient
