@@ -159,8 +159,9 @@ def test_predicted_peak_within_20_percent_of_measured(tmp_path):
         procs[name] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, env=env, cwd=ROOT), out)
     # the parallel layout's msrun job runs while the single-process ones do
+    # (a generous cluster time-out: the five single-process runs start at the same time)
     r = run_msrun("plan_memory.py", 4, str(tmp_path / "logs"),
-                  [str(tmp_path / "par"), TINY, *PARALLEL], timeout=900)
+                  [str(tmp_path / "par"), TINY, *PARALLEL], timeout=1200, cluster_time_out=600)
     assert r.returncode == 0, "\n".join(log[-3000:] for log in
                                         worker_logs(str(tmp_path / "logs"), 4))
     report = []

@@ -75,15 +75,17 @@ def full_shapes(model_cfg: TransformerConfig) -> Dict[str, Tuple[Tuple[int, ...]
             for n, p in model.parameters_and_names()}
 
 
-def twin_config(c: TransformerConfig, tp: int) -> TransformerConfig:
-    """The model with every width shrunk to a few elements that every split still divides;
-    counts (layers, heads, groups, experts, pattern) unchanged, so the module tree and every
-    layout rule are the same."""
-    small = dict(hidden_size=8, kv_channels=2, ffn_hidden_size=2 * tp, padded_vocab_size=2 * tp)
+def twin_config(c: TransformerConfig, tp: int, unit: int = 2) -> TransformerConfig:
+    """The model with every width shrunk to a few elements that every split still divides
+    (``unit``: a multiple every width must keep, e.g. MXFP8's 32-element blocks); counts
+    (layers, heads, groups, experts, pattern) unchanged, so the module tree and every layout
+    rule are the same."""
+    small = dict(hidden_size=4 * unit, kv_channels=unit, ffn_hidden_size=unit * tp,
+                 padded_vocab_size=unit * tp)
     if c.num_moe_experts:
-        small["moe_ffn_hidden_size"] = 2 * tp
+        small["moe_ffn_hidden_size"] = unit * tp
     if c.moe_shared_expert_intermediate_size:
-        small["moe_shared_expert_intermediate_size"] = 2 * tp
+        small["moe_shared_expert_intermediate_size"] = unit * tp
     return dataclasses.replace(c, **small)
 
 
@@ -108,7 +110,7 @@ def rank_params(cfg, model_cfg: TransformerConfig, sizes: ParallelSizes, rank: i
     shapes = full_shapes(model_cfg) if shapes is None else shapes
     if sizes.tp > 1:
         validate_tp(model_cfg, sizes.tp)
-    twin_cfg = twin_config(model_cfg, sizes.tp)
+    twin_cfg = twin_config(model_cfg, sizes.tp, 32 if cfg.quant.recipe else 2)
     manual_seed(0)
     twin = GPTModel(twin_cfg)
     pstate = plan_state(sizes, rank)

@@ -43,9 +43,11 @@ ACT = {
     "ffn": 1.5,          # [T, F / tp]: fc1 output ([gate; up] = 2 F) and the SwiGLU output
     "scores": 2.5,       # [b, nh / tp, s, s]: attention scores and probabilities, kept
     "scores_backward": 3.5,   # the same shape, transient while one layer's backward runs
-    "scores_backward_full": 2.5,  # the same, for a layer re-run by full recompute
+    "scores_backward_full": 2.0,  # the same, for a layer re-run by full recompute
     "logits": 2.0,       # [T, V]: fp32 logits and log-softmax (one fused cross entropy)
     "logits_tp": 6.0,    # [T, V / tp]: vocab-parallel cross entropy (shifted, exp, gathers...)
+    "moe_routed": 6.0,   # [T * topk, h]: permuted tokens, per-expert pieces, outputs back
+    "accumulator": 2.0,  # accumulated + new gradients live with activations (micro-batches > 1)
     "norm": 0.0,         # [T, h] per RMSNorm that training.recompute_norm drops: measured ~0
 }
 FIXED_BYTES = 0.04 * GB  # kernels' workspaces and the pool's first blocks, independent of size
@@ -157,7 +159,7 @@ def _layer_activation_bytes(c: TransformerConfig, b: int, s: int, tp: int, sp: b
     qkv = FP32 * ACT["qkv"] * tokens * (nh + 2 * ng) * d
     mlp = FP32 * ACT["ffn"] * tokens * ffn
     if moe_layer:   # routed copies of the hidden states: permuted in, expert outputs back
-        mlp += FP32 * 2 * tokens * c.moe_router_topk * h
+        mlp += FP32 * ACT["moe_routed"] * tokens * c.moe_router_topk * h
     one_scores = FP32 * b * nh * s * s
     scores = ACT["scores"] * one_scores
     transient = ACT["scores_backward"] * one_scores    # every layer's backward makes these
@@ -268,7 +270,8 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     grad_phase = (3 if accum else 2) * grad_bytes
     state = param_bytes + opt_bytes
     fixed = int(FIXED_BYTES + (DIST_FIXED_BYTES if nproc > 1 else 0))
-    peak = state + max(acts + (grad_bytes if accum else 0), grad_phase) + comm + fixed
+    peak = state + max(acts + (ACT["accumulator"] * grad_bytes if accum else 0),
+                       grad_phase) + comm + fixed
     return StagePlan(rank, param_bytes, grad_phase, opt_bytes, int(acts), comm, fixed, int(peak),
                      sum(q.numel for q in params), in_flight)
 
