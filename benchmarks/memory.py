@@ -49,14 +49,16 @@ def _overrides(args, extra, seq=None, micro=None):
 
 def measure(name: str, overrides, steps: int, out_root: str, nproc: int = 1) -> dict:
     out = os.path.join(out_root, name.replace(" ", "_"))
-    train = ["-m", "ms_llm.cli", "train", os.path.join(ROOT, "configs", "tiny.yaml"), *overrides,
+    train = [os.path.join(ROOT, "configs", "tiny.yaml"), *overrides,
              "--training.max_steps", str(steps), "--training.log_interval", "1",
              "--training.progress_bar", "false", "--training.output_dir", out]
-    cmd = [sys.executable, *train]
-    if nproc > 1:
+    cmd = [sys.executable, "-m", "ms_llm.cli", "train", *train]
+    if nproc > 1:   # msrun runs a script: ms_llm/train.py, as scripts/pretrain.sh does
         cmd = ["msrun", f"--worker_num={nproc}", f"--local_worker_num={nproc}",
-               "--master_port=8163", f"--log_dir={out}_logs", "--join=True", *train]
+               f"--master_port={_free_port()}", f"--log_dir={out}_logs", "--join=True",
+               os.path.join(ROOT, "ms_llm", "train.py"), *train]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if r.returncode:
         raise SystemExit(f"{name}: ms-llm train failed:\n{r.stderr[-2000:]}")
@@ -66,6 +68,13 @@ def measure(name: str, overrides, steps: int, out_root: str, nproc: int = 1) -> 
             "step_range": (min(times), max(times)),
             "peak_gb": max(row["peak_rss_gb"] for row in rows) - rows[0]["rss_before_model_gb"],
             "loss": rows[-1]["loss"]}
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def predict(overrides, nproc: int = 1, distopt=None) -> float:

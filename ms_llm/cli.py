@@ -97,6 +97,11 @@ def export_main(argv: List[str]) -> int:
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1, dest="pp")
     p.add_argument("--target-expert-parallel-size", type=int, default=1, dest="ep")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None, dest="divisible")
+    p.add_argument("--lora-only", action="store_true",
+                   help="LoRA checkpoint: write the adapters in PEFT's layout instead of merged "
+                        "weights")
+    p.add_argument("--base", default=None,
+                   help="LoRA checkpoint: its base folder, if moved (default: the recorded one)")
     args = p.parse_args(argv)
     from ms_llm.checkpoint import dcp, dcp_export
     try:
@@ -106,7 +111,15 @@ def export_main(argv: List[str]) -> int:
             if latest is None:
                 raise dcp.DCPError(f"{path}: no complete checkpoint found")
             path = latest
-        if args.format == "hf":
+        from ms_llm.lora import export as lora_export
+        if lora_export.is_lora_checkpoint(path):
+            out = lora_export.export_peft(path, args.out_dir) if args.lora_only else \
+                lora_export.export_merged(path, args.out_dir, fmt=args.format, dtype=args.dtype,
+                                          base=args.base, tp=args.tp, pp=args.pp, ep=args.ep,
+                                          divisible=args.divisible)
+        elif args.lora_only or args.base:
+            raise ValueError(f"--lora-only / --base: {path} is not a LoRA checkpoint")
+        elif args.format == "hf":
             out = dcp_export.export_hf(path, args.out_dir, dtype=args.dtype)
         else:
             out = dcp_export.export_megatron(path, args.out_dir, tp=args.tp, pp=args.pp,

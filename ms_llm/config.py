@@ -88,6 +88,8 @@ class ParallelConfig:
     fsdp_prefetch: int = 1            # how many next units' all-gathers to start early
     fsdp_param_dtype: Optional[str] = None   # MixedPrecisionPolicy: dtype of gathered weights
     fsdp_reduce_dtype: Optional[str] = None  # and of the gradient reduce-scatter (None = fp32)
+    # Megatron's --use-distributed-optimizer: AdamW moments and fp32 main params sharded over dp
+    use_distributed_optimizer: bool = False
 
 
 @dataclass
@@ -116,6 +118,18 @@ class MoEConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the base weights of ``checkpoint.load`` (off while ``r`` is 0)."""
+    r: int = 0                        # adapter rank; 0 = no LoRA
+    alpha: float = 16.0               # output scale alpha / r
+    dropout: float = 0.0              # dropout on the adapter's input
+    # Megatron names (linear_qkv, linear_proj, linear_fc1, linear_fc2) or globs over module
+    # names, e.g. "decoder.layers.*.self_attention.linear_qkv"
+    target_modules: List[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj",
+                                                               "linear_fc1", "linear_fc2"])
+
+
+@dataclass
 class RunConfig:
     model: TransformerConfig
     model_family: Optional[str]
@@ -125,6 +139,7 @@ class RunConfig:
     checkpoint: CheckpointConfig
     quant: QuantConfig
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     model_overrides: Dict[str, Any] = field(default_factory=dict)
     # "section.key" -> where its value came from (YAML path or "command line --section.key"),
     # so a check that fails later can still name the source that set the key.
@@ -133,7 +148,7 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         d = {s: dataclasses.asdict(getattr(self, s))
-             for s in ("data", "training", "parallel", "checkpoint", "quant", "moe")}
+             for s in ("data", "training", "parallel", "checkpoint", "quant", "moe", "lora")}
         d["model"] = {"family": self.model_family, **dataclasses.asdict(self.model)}
         return d
 
@@ -146,7 +161,8 @@ class RunConfig:
 
 
 _SECTIONS = {"data": DataConfig, "training": TrainingConfig, "parallel": ParallelConfig,
-             "checkpoint": CheckpointConfig, "quant": QuantConfig, "moe": MoEConfig}
+             "checkpoint": CheckpointConfig, "quant": QuantConfig, "moe": MoEConfig,
+             "lora": LoRAConfig}
 _MODEL_FIELDS = {f.name: f for f in fields(TransformerConfig)}
 COMMAND_LINE = "command line"
 
@@ -320,7 +336,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Ru
 def validate(cfg: RunConfig) -> None:
     """Checks that involve more than one key (single values were checked while parsing). Each
     error names the source of the key it is about."""
-    for check in (_check_schedule, _check_parallel, _check_moe, _check_misc):
+    for check in (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora):
         check(cfg)
 
 
@@ -342,6 +358,10 @@ def _check_parallel(cfg: RunConfig) -> None:
               f"parallel.context_parallel_size={p.context_parallel_size} is not available yet "
               f"(data, tensor, pipeline, expert and fully-sharded data parallel are)")
     _check_pipeline(cfg)
+    if p.use_distributed_optimizer and p.fsdp_size > 1:
+        _fail(cfg, ("parallel.use_distributed_optimizer", "parallel.fsdp_size"),
+              "parallel.use_distributed_optimizer with parallel.fsdp_size > 1: FSDP already "
+              "shards the optimizer state; use one of them")
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         _fail(cfg, ("parallel.sequence_parallel",),
               "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1")
@@ -389,3 +409,9 @@ def _check_misc(cfg: RunConfig) -> None:
     if cfg.training.resume == "auto" and not cfg.checkpoint.save_dir:
         _fail(cfg, ("training.resume", "checkpoint.save_dir"),
               "training.resume=auto needs checkpoint.save_dir")
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    if cfg.lora.r and not cfg.checkpoint.load:
+        _fail(cfg, ("lora.r", "checkpoint.load"),
+              "lora.r > 0 needs checkpoint.load (the base weights the adapters train on)")

@@ -83,6 +83,13 @@ RULES: Dict[str, Rule] = {
     "quant.recipe": _one_of("mxfp8", null=True),
     "quant.scale_mode": _one_of("floor", "rceil"),
     "quant.elem_dtype": _one_of("float8_e4m3fn", "float8_e5m2"),
+    "lora.r": _NON_NEGATIVE,
+    "lora.alpha": _POSITIVE,
+    "lora.dropout": _within(0, 1, hi_open=True),
+    "lora.target_modules": _rule(
+        "linear_qkv, linear_proj, linear_fc1, linear_fc2 or a glob ending in one of them",
+        lambda v: v.rsplit(".", 1)[-1] in ("linear_qkv", "linear_proj", "linear_fc1",
+                                           "linear_fc2", "*")),
     "moe.dispatcher": _one_of("alltoall", "megamoe"),
     "moe.expert_groups": _ge(1),
     "moe.token_chunks": _ge(1),

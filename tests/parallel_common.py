@@ -1,6 +1,9 @@
 """The tiny run shared by the parallel-training tests and their msrun workers."""
 import os
 
+# Per pytest-xdist worker (msrun workers inherit the variable from the test that launched them),
+# so two test processes never write the same output folder.
+_SUFFIX = os.environ.get("PYTEST_XDIST_WORKER", "main")
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "tiny.yaml")
 BASE = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
@@ -8,7 +11,8 @@ BASE = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hid
         "--model.kv_channels", "16", "--data.seq_length", "32", "--training.micro_batch_size",
         "4", "--training.global_batch_size", "8", "--training.max_steps", "10",
         "--training.log_interval", "1", "--training.progress_bar", "false",
-        "--training.lr_warmup_steps", "2", "--training.output_dir", "/tmp/ms_llm_parallel_test"]
+        "--training.lr_warmup_steps", "2",
+        "--training.output_dir", f"/tmp/ms_llm_parallel_test_{_SUFFIX}"]
 
 # FSDP acceptance sizes: every dim-0 uneven on 3 and 4 ranks (257 vocab rows, 200 ffn rows...).
 AWKWARD = ["--model.num_layers", "3", "--model.hidden_size", "96", "--model.ffn_hidden_size",
@@ -19,10 +23,10 @@ AWKWARD = ["--model.num_layers", "3", "--model.hidden_size", "96", "--model.ffn_
            "--training.global_batch_size", "12", "--training.max_steps", "5",
            "--training.log_interval", "1", "--training.progress_bar", "false",
            "--training.jit", "false", "--training.lr_warmup_steps", "2",
-           "--training.output_dir", "/tmp/ms_llm_fsdp_test"]
+           "--training.output_dir", f"/tmp/ms_llm_fsdp_test_{_SUFFIX}"]
 
 
-def small_data_overrides(root: str = "/tmp/ms_llm_fsdp_test/data") -> list:
+def small_data_overrides(root: str = f"/tmp/ms_llm_fsdp_test_{_SUFFIX}/data") -> list:
     """A 12-word WordLevel tokenizer and a small corpus, so a 257-row vocabulary is legal (the
     batches themselves come from SyntheticLoader). Written atomically; safe to call from every
     rank."""
@@ -102,6 +106,8 @@ def run_record(trainer) -> dict:
     from ms_llm.models.moe import moe_layers
     records = trainer.fit()
     out = {"loss": [r["loss"] for r in records], "grad_norm": [r["grad_norm"] for r in records]}
+    if records and "optimizer_state_bytes_per_rank" in records[0]:   # every world rank's
+        out["optimizer_bytes"] = records[0]["optimizer_state_bytes_per_rank"]
     # Under pipeline parallel the model also holds other stages' layers, which never ran here.
     layers = [layer for layer in moe_layers(trainer.model) if layer.router.stats is not None]
     if layers:

@@ -121,8 +121,9 @@ def test_hf_cfg_dir_of_another_model_is_one_line(folders, tmp_path, capsys):
 @pytest.mark.parametrize("flags,expected", [
     (["--save-lora-to-hf"], "--save-lora-to-hf: not supported"),
     (["--load-checkpoint-loosely"], "--load-checkpoint-loosely: not supported"),
-    (["--lora-load", "x", "--lora-r", "8"], "merging LoRA weights is not supported"),
-    (["--lora-alpha", "16"], "merging LoRA weights is not supported"),
+    (["--lora-load", "x", "--lora-r", "8"], "x: neither a PEFT adapter folder"),
+    (["--lora-alpha", "16"], "--lora-alpha/--lora-target-modules describe the adapters of "
+                             "--lora-load, which is missing"),
     (["--moe-tp-extend-ep"], "--moe-tp-extend-ep: not supported"),
     (["--mla-mm-split"], "--mla-mm-split: not supported"),
     (["--schedules-method", "dualpipev"], "--schedules-method dualpipev: not supported"),

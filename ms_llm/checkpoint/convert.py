@@ -17,8 +17,10 @@ mg -> hf needs the HF ``config.json``: hf -> mg stores it beside the Megatron ch
 without it the config is rebuilt from the checkpoint's ``args`` (``megatron.hf_config_from_args``).
 ``--hf-cfg-dir ORIGINAL_HF`` (MindSpeed's) takes it from the original HF folder instead, checked
 against the checkpoint, and copies that folder's tokenizer and generation files beside the
-weights. MindSpeed flags with no counterpart here (LoRA, MLA, dualpipev, Mamba, TE names...)
-parse and are refused with one line; unknown flags are refused naming them.
+weights. ``--lora-load DIR`` merges LoRA adapters (an ms-llm LoRA checkpoint or a PEFT folder)
+into the weights as they stream (``W + alpha/r B A``; also hf -> hf). MindSpeed flags with no
+counterpart here (MLA, dualpipev, Mamba, TE names...) parse and are refused with one line;
+unknown flags are refused naming them.
 """
 from __future__ import annotations
 
@@ -279,7 +281,7 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
     if opts.expert_tensor_parallel_size not in (None, opts.target_tensor_parallel_size):
         raise ConvertError("--expert-tensor-parallel-size: only the default (= tensor-parallel "
                            "size) is supported")
-    if opts.save_model_type == "hf" and opts.load_model_type == "hf":
+    if opts.save_model_type == "hf" and opts.load_model_type == "hf" and not opts.lora_load:
         raise ConvertError("hf -> hf is not a conversion; copy the folder")
     if not os.path.isdir(opts.load_dir):
         raise ConvertError(f"--load-dir {opts.load_dir}: no such directory")
@@ -294,6 +296,9 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
     tmp = f"{save.rstrip(os.sep)}.tmp-{os.getpid()}"
     sink = None
     try:
+        if opts.lora_load:     # W + alpha/r B A, one layer at a time (ms_llm.lora.merge)
+            from ms_llm.lora.merge import merged_source
+            src = merged_source(src, opts, opts.load_dir)
         spec = src.spec
         _check_num_layers(opts, spec)
         cast = DTYPES[opts.params_dtype] if opts.params_dtype else None
@@ -317,8 +322,11 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
             os.makedirs(tmp)
             if opts.hf_cfg_dir:   # tokenizer, generation_config...: as MindSpeed copies them
                 copy_hf_side_files(opts.hf_cfg_dir, tmp)
+            elif opts.load_model_type == "hf":    # hf -> hf merging LoRA adapters
+                copy_hf_side_files(opts.load_dir, tmp)
             sink = HFSink(tmp, spec, src.config, out_dtype, opts.max_shard_size)
-        return stream_to_sink(src, sink, tmp, save, progress=progress)
+        return stream_to_sink(src, sink, tmp, save, progress=progress,
+                              check=getattr(src, "check", None))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted for compatibility; checkpoints always use Megatron-Core names")
     for flag, kind, why in _REFUSED:
         p.add_argument(flag, help=f"not supported: {why}", **kind)
-    p.add_argument("--lora-load", default=None)
+    p.add_argument("--lora-load", default=None,
+                   help="merge LoRA adapters into the weights: an ms-llm LoRA training "
+                        "checkpoint (iter_* or save_dir) or a PEFT adapter folder")
     p.add_argument("--lora-r", type=int, default=None)
     p.add_argument("--lora-alpha", type=int, default=None)
     p.add_argument("--lora-target-modules", nargs="*", default=None)
@@ -81,7 +83,8 @@ _REFUSED = [
      "checkpoints use the local spec's parameter names"),
     ("--hidden-size", _INT, _MAMBA), ("--mamba-state-dim", _INT, _MAMBA),
     ("--mamba-num-groups", _INT, _MAMBA), ("--mamba-head-dim", _INT, _MAMBA),
-    ("--save-lora-to-hf", _FLAG, "ms-llm convert has no LoRA weights"),
+    ("--save-lora-to-hf", _FLAG, "--lora-load merges the adapters; ms-llm export --lora-only "
+     "writes them in PEFT's layout"),
     ("--load-checkpoint-loosely", _FLAG, "every tensor is read strictly; missing or extra "
      "weights are an error"),
 ]
@@ -95,9 +98,9 @@ def _refuse_unsupported(opts: argparse.Namespace, parser: argparse.ArgumentParse
         if value != parser.get_default(dest):
             raise ConvertError(f"{flag}{'' if value is True else f' {value}'}: not supported "
                                f"({why})")
-    if opts.lora_load or opts.lora_r or opts.lora_alpha or opts.lora_target_modules:
-        raise ConvertError("--lora-load/--lora-r/--lora-alpha/--lora-target-modules: merging "
-                           "LoRA weights is not supported by ms-llm convert")
+    if not opts.lora_load and (opts.lora_r or opts.lora_alpha or opts.lora_target_modules):
+        raise ConvertError("--lora-r/--lora-alpha/--lora-target-modules describe the adapters "
+                           "of --lora-load, which is missing")
     if opts.hf_cfg_dir and not (opts.load_model_type == "mg" and opts.save_model_type == "hf"):
         raise ConvertError(f"--hf-cfg-dir applies to mg -> hf only (for {opts.load_model_type} "
                            f"-> {opts.save_model_type} the HF config comes from "

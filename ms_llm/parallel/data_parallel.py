@@ -114,13 +114,15 @@ class PartitionedGradSync:
     when every part has peers to reduce with (a one-rank part has no hooks that would
     accumulate its gradients); otherwise every part reduces after backward."""
 
-    def __init__(self, parts: Sequence[tuple], overlap: bool = True, **kwargs):
+    def __init__(self, parts: Sequence[tuple], overlap: bool = True, buckets=None, **kwargs):
         """``parts``: ``(param indices, params, group, enabled)``; ``kwargs`` go to every
-        ``GradBuckets``."""
+        ``GradBuckets`` (or ``buckets``, a subclass: the distributed optimizer's
+        reduce-scatter)."""
+        buckets = buckets or GradBuckets
         parts = [p for p in parts if p[0]]
         overlap = overlap and all(on and group.size > 1 for _, _, group, on in parts)
-        self.parts = [(list(idx), GradBuckets(params, group, overlap=overlap, enabled=on,
-                                              **kwargs))
+        self.parts = [(list(idx), buckets(params, group, overlap=overlap, enabled=on,
+                                          **kwargs))
                       for idx, params, group, on in parts]
         self.n = sum(len(idx) for idx, _ in self.parts)
         self.overlap = overlap

@@ -5,7 +5,8 @@ Every rank builds the same full model (same seed); ``parallelize_model`` then ap
 
 1. layouts: tensors whose checkpoint layout is not plain say so (``[gate; up]`` halves, grouped
    expert rows), so every later step and the checkpoint derive regions from one record;
-2. module conversions that must precede sharding (MXFP8 replacement: it reuses the Parameters);
+2. module conversions that must precede sharding (MXFP8 replacement, then LoRA adapters: both
+   reuse the Parameters);
 3. tensor (+ sequence) parallel; 4. expert parallel and the token dispatcher; 5. noop layers
    and pipeline stages: this rank's model chunks (layers under their global index);
 6. activation recompute; 7. FSDP; 8. gradient synchronisation: each trainable parameter's
@@ -23,6 +24,7 @@ from typing import List, Optional
 from ms_llm.models.gpt import GPTModel
 from ms_llm.models.layers import MLP
 from ms_llm.models.moe import SharedExpertMLP, moe_layers
+from ms_llm.lora.apply import apply_lora, buffer_names, mark_frozen_shards, trainable_report
 from ms_llm.quant import apply_quantization
 from .data_parallel import PartitionedGradSync
 from .expert_parallel import apply_expert_parallel
@@ -136,7 +138,15 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
         names = apply_quantization(model, cfg.quant)
         notes.append(f"quant {cfg.quant.recipe} ({cfg.quant.scale_mode}) replaced "
                      f"{len(names)} modules: {', '.join(names)}")
+    lora = cfg.lora if getattr(cfg, "lora", None) is not None and cfg.lora.r else None
+    if lora is not None:
+        names = apply_lora(model, lora, seed=cfg.training.seed)
+        notes.append(f"lora r={lora.r} alpha={lora.alpha} on {len(names)} modules; "
+                     f"{trainable_report(model)}")
+        buffers = buffer_names(model)
     apply_tensor_parallel(model, pstate.group("tp"), sequence_parallel=p.sequence_parallel)
+    if lora is not None:
+        mark_frozen_shards(model, buffers)
     expert_params = []
     if cfg.model.mlp_type == "moe":
         expert_params = apply_expert_parallel(
@@ -173,5 +183,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
     # Gradient hooks overlap the all-reduce with one autograd pass; the pipeline runs one vjp
     # per action instead, so it reduces after the step.
     overlap = p.ddp_overlap and not jit and chunks is None
+    # (the distributed optimizer brings its own reduce-scatter; no all-reduce hooks here)
+    overlap = overlap and not p.use_distributed_optimizer
     grad_sync = build_grad_sync(params, pstate, cfg, overlap=overlap)
     return ParallelizedModel(model, named, params, grad_sync, fsdp, jit, notes, chunks)

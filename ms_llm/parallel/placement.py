@@ -258,15 +258,17 @@ def _glu_regions(name, gshape, pl: Placement, mesh: Mesh) -> List[Region]:
     """``[gate; up]``: shards before FSDP split each half; FSDP cuts the local concatenation."""
     half = gshape[0] // 2
     rest = list(gshape[1:])
-    outer = [s for s in pl.shards if s[0] != "dp"]
-    fsdp = [s for s in pl.shards if s[0] == "dp"]
-    if any(tdim != 0 for _, tdim in fsdp):
-        raise ValueError(f"checkpoint: {name}: FSDP shards a GLU weight along dim 0 only")
+    # the data-parallel cut (FSDP's dp, or the distributed optimizer's dp / edp) is the last
+    outer = [s for s in pl.shards if s[0] not in ("dp", "edp")]
+    fsdp = [s for s in pl.shards if s[0] in ("dp", "edp")]
+    if any(tdim != 0 for _, tdim in fsdp) or len(fsdp) > 1:
+        raise ValueError(f"checkpoint: {name}: a GLU weight is cut once along dim 0 over dp")
     off, size = _apply([half] + rest, outer, mesh)
     local_half = size[0]
     start, length = 0, 2 * local_half
     if fsdp:
-        rs = RowShard(2 * local_half, mesh.size["dp"], mesh.rank["dp"])
+        dim = fsdp[0][0]
+        rs = RowShard(2 * local_half, mesh.size[dim], mesh.rank[dim])
         start, length = rs.start, rs.length
     out = []
     for i, part in enumerate(("gate", "up")):

@@ -191,6 +191,18 @@ def _mark_partial(module) -> None:
         add_partial(p, "tp")
 
 
+def _column(full: nn.Module, group, **kwargs) -> nn.Module:
+    """A module may shard itself (LoRA adapters follow their base weight's split)."""
+    make = getattr(full, "column_parallel", None)
+    return make(group, **kwargs) if make is not None else ColumnParallelLinear(full, group,
+                                                                                **kwargs)
+
+
+def _row(full: nn.Module, group, **kwargs) -> nn.Module:
+    make = getattr(full, "row_parallel", None)
+    return make(group, **kwargs) if make is not None else RowParallelLinear(full, group, **kwargs)
+
+
 def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None:
     """Shard a ``GPTModel`` over ``group`` (Megatron's column/row split of every layer, the
     vocabulary-parallel embedding, head and loss), in place."""
@@ -205,17 +217,16 @@ def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None
     model.embedding.word_embeddings = emb
     for layer in model.decoder.layers:
         attn = layer.self_attention
-        attn.linear_qkv = ColumnParallelLinear(attn.linear_qkv, group, sequence_parallel=sp)
-        attn.linear_proj = RowParallelLinear(attn.linear_proj, group, sequence_parallel=sp)
+        attn.linear_qkv = _column(attn.linear_qkv, group, sequence_parallel=sp)
+        attn.linear_proj = _row(attn.linear_proj, group, sequence_parallel=sp)
         if attn.q_layernorm is not None:  # each rank sees only its heads
             _mark_partial(attn.q_layernorm)
             _mark_partial(attn.k_layernorm)
         mlp = layer.mlp
         rows = glu_rows(mlp.linear_fc1.out_features, group.rank, tp) \
             if c.gated_linear_unit else None
-        mlp.linear_fc1 = ColumnParallelLinear(mlp.linear_fc1, group, sequence_parallel=sp,
-                                              rows=rows)
-        mlp.linear_fc2 = RowParallelLinear(mlp.linear_fc2, group, sequence_parallel=sp)
+        mlp.linear_fc1 = _column(mlp.linear_fc1, group, sequence_parallel=sp, rows=rows)
+        mlp.linear_fc2 = _row(mlp.linear_fc2, group, sequence_parallel=sp)
         if sp:
             _mark_partial(layer.input_layernorm)
             _mark_partial(layer.pre_mlp_layernorm)

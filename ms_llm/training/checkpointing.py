@@ -23,20 +23,17 @@ log = logging.getLogger("ms_llm.train")
 
 
 def _pieces(named_params, optimizer, pstate):
-    """Per model tensor: its regions (from its ``Placement``), whether this rank writes them, and
-    the AdamW moments of the trainable ones (buffers such as ``expert_bias`` have none)."""
+    """Per model tensor and per AdamW moment held here: its regions (from its ``Placement``),
+    whether this rank writes them. Buffers such as ``expert_bias`` have no moments; the
+    distributed optimizer's moments carry the ``dp``/``edp`` cut in their placement."""
     mesh = Mesh.of(pstate)
-    slot = {id(p): i for i, p in enumerate(optimizer.params)}
     for name, p in named_params:
         pl = placement_of(p)
-        regions = checkpoint_regions(name, tuple(p.shape), pl, mesh)
-        write = writes_checkpoint(pl, mesh)
-        tensors = [("", p)]
-        if id(p) in slot:
-            tensors += [("optimizer.exp_avg.", optimizer.exp_avg[slot[id(p)]]),
-                        ("optimizer.exp_avg_sq.", optimizer.exp_avg_sq[slot[id(p)]])]
-        for prefix, tensor in tensors:
-            yield pl, prefix, tensor, regions, write
+        yield (pl, "", p, checkpoint_regions(name, tuple(p.shape), pl, mesh),
+               writes_checkpoint(pl, mesh))
+        for prefix, tensor, spl in optimizer.state_tensors(p):
+            yield (spl, prefix, tensor, checkpoint_regions(name, tuple(tensor.shape), spl, mesh),
+                   writes_checkpoint(spl, mesh))
 
 
 def save(save_dir: str, step: int, model_named, optimizer, pstate, state: dict, barrier,
@@ -66,4 +63,5 @@ def load(path: str, model_named, optimizer, pstate) -> dict:
         tensor.set_data(Tensor(np.ascontiguousarray(data).reshape(tensor.shape))
                         .astype(tensor.dtype))
     optimizer.step_count = int(state["optimizer_step"])
+    optimizer.load_finished()
     return state

@@ -52,8 +52,6 @@ ACT = {
 }
 FIXED_BYTES = 0.04 * GB  # kernels' workspaces and the pool's first blocks, independent of size
 DIST_FIXED_BYTES = 0.03 * GB  # a distributed worker's communicators and their buffers
-DISTOPT_NOTE = ("parallel.use_distributed_optimizer is modelled here but not in this build's "
-                "config yet")
 
 
 @dataclass
@@ -122,9 +120,7 @@ def planned_model_config(cfg) -> TransformerConfig:
 
 
 def uses_distributed_optimizer(cfg) -> bool:
-    # distopt-merge: parallel.use_distributed_optimizer comes from another branch; read it when
-    # the schema has it (becomes a plain attribute read after the merge).
-    return bool(getattr(cfg.parallel, "use_distributed_optimizer", False))
+    return bool(cfg.parallel.use_distributed_optimizer)   # distopt-merge: plain read since merge
 
 
 # --------------------------------------------------------------------------- the model
@@ -341,7 +337,4 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
     if cfg.training.jit and not _jit_blockers(cfg, plan_state(sizes, 0)):
         plan.notes.append("training.jit: planned as PyNative; a compiled step keeps more "
                           "(measured up to 1.8x the RSS on CPU)")
-    if distributed_optimizer and not hasattr(cfg.parallel, "use_distributed_optimizer"):
-        # distopt-merge: the note goes once the schema has the key
-        plan.notes.append(DISTOPT_NOTE)
     return plan

@@ -7,7 +7,7 @@ import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 from ms_llm.parallel.plan_shapes import full_shapes
-from .memory_plan import DISTOPT_NOTE, GB, MemoryPlan, planned_model_config, plan_memory
+from .memory_plan import GB, MemoryPlan, planned_model_config, plan_memory
 
 
 def plan_with_fix(cfg, nproc: int, device_memory_gb: Optional[float] = None,
@@ -20,10 +20,6 @@ def plan_with_fix(cfg, nproc: int, device_memory_gb: Optional[float] = None,
     if plan.fits is False:
         distopt = plan.layout["distributed_optimizer"]
         plan.suggestion = suggest_fix(cfg, nproc, device_memory_gb, distopt, c, shapes, cache)
-        wants = "parallel.use_distributed_optimizer" in plan.suggestion["change"]
-        if wants and DISTOPT_NOTE not in plan.notes and \
-                not hasattr(cfg.parallel, "use_distributed_optimizer"):   # distopt-merge
-            plan.notes.append(DISTOPT_NOTE)
     return plan
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, ops
 
 from ms_llm.compat import float32, zeros
+from ms_llm.parallel.placement import placement_of
 
 
 def no_weight_decay(name: str, param: Parameter) -> bool:
@@ -41,6 +42,7 @@ class AdamW:
                         for n, p in named_params]
         self.exp_avg_sq = [Parameter(zeros(p.shape), name=f"exp_avg_sq.{n}", requires_grad=False)
                            for n, p in named_params]
+        self._slot = {id(p): i for i, p in enumerate(self.params)}
         self.step_count = 0
         self._kernel = ops.AdamWeightDecay()
 
@@ -55,6 +57,24 @@ class AdamW:
         decay_k = self.weight_decay * lr / lr_k if lr_k > 0 else 0.0
         for p, m, v, g, d in zip(self.params, self.exp_avg, self.exp_avg_sq, grads, self.decay):
             self._kernel(p, m, v, lr_k, b1, b2, eps_k, decay_k * d, g)
+
+    def state_tensors(self, param: Parameter) -> list:
+        """``(checkpoint prefix, tensor, placement)`` of ``param``'s moments (the parameter's own
+        placement: the moments are split as it is)."""
+        i = self._slot.get(id(param))
+        if i is None:
+            return []
+        pl = placement_of(param)
+        return [("optimizer.exp_avg.", self.exp_avg[i], pl),
+                ("optimizer.exp_avg_sq.", self.exp_avg_sq[i], pl)]
+
+    def load_finished(self) -> None:
+        """Called after a checkpoint load (the parameters are the master weights: nothing)."""
+
+    def state_bytes(self) -> Dict[str, int]:
+        """This rank's optimizer-state bytes (the parameters are the master weights)."""
+        return {"exp_avg+exp_avg_sq": sum(int(m.size) * 4 * 2 for m in self.exp_avg),
+                "main_params": 0}
 
     def state_dict(self) -> Dict[str, np.ndarray]:
         out = {"step": np.array(self.step_count, np.int64)}

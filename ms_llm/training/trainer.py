@@ -18,8 +18,11 @@ from ms_llm.compat import manual_seed, setup_device
 from ms_llm.config import ConfigError, RunConfig
 from ms_llm.models import GPTModel, from_pretrained
 from ms_llm.models.moe import collect_router_counts, update_expert_bias
+from ms_llm.lora import base as lora_base
+from ms_llm.lora.modules import is_frozen_base, lora_module_names
 from ms_llm.ops._dispatch import resolve_paths
 from ms_llm.parallel import comm
+from ms_llm.parallel.distributed_optimizer import build_optimizer, bytes_per_rank
 from ms_llm.compat import F, to_ms_dtype
 from ms_llm.parallel.parallelize import parallelize_model
 from ms_llm.parallel.pipeline.executor import PipelineExecutor
@@ -32,7 +35,6 @@ from . import checkpointing as ckpt
 from .data_setup import build_data
 from .lr_schedule import lr_at
 from .metrics import MetricsLogger, current_rss_gb
-from .optimizer import AdamW
 
 log = logging.getLogger("ms_llm.train")
 
@@ -84,12 +86,18 @@ class Trainer:
         self.mesh = Mesh.of(self.pstate)
         self.pipeline = None if par.chunks is None else self._pipeline_executor(par.chunks)
         named = [(n, q) for n, q in self.named_params if q.requires_grad]
-        self.optimizer = AdamW(named, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                               weight_decay=t.weight_decay)
+        self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit)
+        # The distributed optimizer reduce-scatters instead of all-reducing (its own grad sync).
+        self.grad_sync = getattr(self.optimizer, "grad_sync", self.grad_sync)
+        self.optimizer_bytes = bytes_per_rank(sum(self.optimizer.state_bytes().values()))
+        self._say(f"optimizer state per rank (moments + fp32 main-param shards): "
+                  f"{', '.join(f'{b / 2 ** 20:.2f}' for b in self.optimizer_bytes)} MiB "
+                  f"({type(self.optimizer).__name__})")
         self.grad_fn = ms.value_and_grad(self._loss, grad_position=None, weights=self.params)
         resolve_paths()  # pick every op's kernel now, outside any graph capture
         self.fwd_bwd = self._fwd_bwd_jit() if par.jit else None
         self.step = 0
+        self._lora_state = None
         self._maybe_resume()
 
     # The loss of one micro-batch, pre-divided by the global batch's loss-token count so summed
@@ -167,6 +175,12 @@ class Trainer:
             self._say(f"resume=auto: no complete checkpoint in {ck.save_dir}, starting fresh")
             return
         state = ckpt.load(latest, self._checkpointed(), self.optimizer, self.pstate)
+        if self.cfg.lora.r:   # the adapters only fit the base they were trained on
+            try:
+                lora_base.check_base(state.get(lora_base.STATE_KEY), self.cfg.checkpoint.load,
+                                     latest)
+            except ValueError as e:
+                raise ConfigError(f"training.resume=auto: {e}") from None
         self.step = state["step"]
         self.data.loader.load_state_dict(state["data"])
         np.random.set_state(tuple(state["numpy_rng"]))
@@ -175,7 +189,7 @@ class Trainer:
     def _checkpointed(self) -> list:
         """Every parameter this rank holds (trainable ones with their AdamW state, plus buffers
         such as the routers' expert_bias)."""
-        return list(self.named_params)
+        return [(n, q) for n, q in self.named_params if not is_frozen_base(q)]
 
     def save(self) -> str:
         """Collective: every rank writes its rows; rank 0 publishes the checkpoint."""
@@ -183,6 +197,12 @@ class Trainer:
         state = {"step": self.step, "data": self.data.loader.state_dict(),
                  "numpy_rng": [rng[0], rng[1].tolist(), rng[2], rng[3], rng[4]],
                  "model_config": dataclasses.asdict(self.cfg.model)}
+        if self.cfg.lora.r:   # adapters only: record the base they belong to (rank 0 writes)
+            if self._lora_state is None and self.dist.rank == 0:
+                self._lora_state = lora_base.lora_state(
+                    self.cfg.lora, self.cfg.checkpoint.load,
+                    lora_module_names(self.model))
+            state[lora_base.STATE_KEY] = self._lora_state
         return ckpt.save(self.cfg.checkpoint.save_dir, self.step, self._checkpointed(),
                          self.optimizer,
                          self.pstate, state, barrier=comm.barrier, rank=self.dist.rank,
@@ -218,13 +238,15 @@ class Trainer:
         if self.pipeline is None:
             grads = self.grad_sync.finish() if self.grad_sync.overlap \
                 else self.grad_sync.reduce(grads)
-        grads = gradlib.reduce_partial_grads(self.params, grads, self.pstate.group)
+        # The optimizer's params match the gradients (shards under the distributed optimizer).
+        grads = gradlib.reduce_partial_grads(self.optimizer.params, grads, self.pstate.group)
         comm.all_reduce(total_loss, group=self.dp_group)
         total_loss = float(total_loss.asnumpy())
         if len(batches) == 1 and sumsq is not None and self.dist.world_size == 1:
             norm = math.sqrt(float(sumsq.asnumpy()))
         else:
-            norm = gradlib.global_norm(grads, self.params, self.pstate.group, self.mesh)
+            norm = gradlib.global_norm(grads, self.optimizer.params, self.pstate.group,
+                                       self.mesh)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step += 1
         lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,
@@ -270,7 +292,8 @@ class Trainer:
                         self.step, loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],
                         tokens=out["tokens"], step_time=dt,
                         consumed_samples=self.data.loader.consumed_samples,
-                        global_batch_size=t.global_batch_size))
+                        global_batch_size=t.global_batch_size, extra=None if records else
+                        {"optimizer_state_bytes_per_rank": self.optimizer_bytes}))
                 if ck.save_dir and ((ck.save_interval and self.step % ck.save_interval == 0)
                                     or self.step == t.max_steps):
                     self._say(f"saved checkpoint {self.save()}")
