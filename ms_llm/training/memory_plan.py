@@ -210,14 +210,18 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     param_bytes = sum(q.numel * q.itemsize for q in params)
     trainable = [q for q in params if q.trainable]
     grad_bytes = sum(q.numel * FP32 for q in trainable)
-    opt_elems = 0
+    # AdamW moments; the distributed optimizer keeps them, and an fp32 main-parameter shard,
+    # only for this rank's (first, largest) shard of its group (a group of one: the model's
+    # parameter is the main one)
+    opt_bytes, shard_grad_bytes = 0, 0
     for q in trainable:
-        if distributed_optimizer:
-            group = dp // ep if q.expert else dp
-            opt_elems += -(-q.numel // group)       # this rank's (first, largest) shard
+        group = (dp // ep if q.expert else dp) if distributed_optimizer else 1
+        if group > 1:
+            shard = -(-q.numel // group)
+            opt_bytes += 3 * FP32 * shard
+            shard_grad_bytes += FP32 * shard
         else:
-            opt_elems += q.numel
-    opt_bytes = 2 * FP32 * opt_elems
+            opt_bytes += 2 * FP32 * q.numel
     # activations: the layers this stage runs, times the micro-batches in flight per chunk
     layers = _stage_layers(cfg, c, stage, pp, vpp)
     in_flight, chunks = _in_flight(pp, vpp, num_micro, stage)
@@ -264,6 +268,8 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     # gradients while they are summed. The accumulator is also live during later forwards.
     accum = num_micro > 1
     grad_phase = (3 if accum else 2) * grad_bytes
+    if shard_grad_bytes:   # clipping runs on the reduce-scattered shards, not full copies
+        grad_phase = (2 if accum else 1) * grad_bytes + 2 * shard_grad_bytes
     state = param_bytes + opt_bytes
     fixed = int(FIXED_BYTES + (DIST_FIXED_BYTES if nproc > 1 else 0))
     peak = state + max(acts + (ACT["accumulator"] * grad_bytes if accum else 0),
