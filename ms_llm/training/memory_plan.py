@@ -48,6 +48,8 @@ ACT = {
     "logits_tp": 6.0,    # [T, V / tp]: vocab-parallel cross entropy (shifted, exp, gathers...)
     "moe_routed": 6.0,   # [T * topk, h]: permuted tokens, per-expert pieces, outputs back
     "accumulator": 2.0,  # accumulated + new gradients live with activations (micro-batches > 1)
+    "grads_dp": 4.0,     # [params]: gradient copies at the step under data parallel (dp > 1)
+    "grads_distopt": 5.8,  # the same with parallel.use_distributed_optimizer
     "norm": 0.0,         # [T, h] per RMSNorm that training.recompute_norm drops: measured ~0
 }
 FIXED_BYTES = 0.04 * GB  # kernels' workspaces and the pool's first blocks, independent of size
@@ -268,8 +270,11 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     # gradients while they are summed. The accumulator is also live during later forwards.
     accum = num_micro > 1
     grad_phase = (3 if accum else 2) * grad_bytes
-    if shard_grad_bytes:   # clipping runs on the reduce-scattered shards, not full copies
-        grad_phase = (2 if accum else 1) * grad_bytes + 2 * shard_grad_bytes
+    if dp > 1 and p.fsdp_size == 1:
+        # data parallel's per-parameter accumulators and flat buckets (measured, one dp=2 run
+        # each; the distributed optimizer's flat reduce-scatter/all-gather buffers add more)
+        copies = ACT["grads_distopt"] if shard_grad_bytes else ACT["grads_dp"]
+        grad_phase = (copies + (1 if accum else 0)) * grad_bytes
     state = param_bytes + opt_bytes
     fixed = int(FIXED_BYTES + (DIST_FIXED_BYTES if nproc > 1 else 0))
     peak = state + max(acts + (ACT["accumulator"] * grad_bytes if accum else 0),
