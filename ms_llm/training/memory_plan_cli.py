@@ -56,13 +56,11 @@ def _candidates(cfg, nproc: int, distopt: bool) -> List[Tuple[str, dict, bool]]:
         if nproc % (new_tp * pp) == 0 and new_tp <= 8:
             out.append((f"tensor parallel {new_tp} (+ sequence parallel, full recompute)",
                         {"parallel.tensor_model_parallel_size": new_tp,
-                         "parallel.sequence_parallel": True, **base_rc},
-                        distopt or nproc // (new_tp * pp) > 1))
+                         "parallel.sequence_parallel": True, **base_rc}, distopt))
     for new_pp in (2 * pp, 4 * pp, 8 * pp):
         if nproc % (tp * new_pp) == 0:
             out.append((f"pipeline parallel {new_pp} (+ full recompute)",
-                        {"parallel.pipeline_model_parallel_size": new_pp, **base_rc},
-                        distopt or nproc // (tp * new_pp) > 1))
+                        {"parallel.pipeline_model_parallel_size": new_pp, **base_rc}, distopt))
     return out
 
 
