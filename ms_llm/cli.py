@@ -17,6 +17,7 @@ COMMANDS = {
     "generate": "generate text from a prompt (HF, Megatron or training checkpoint)",
     "chat": "chat on stdin with the tokenizer's chat template",
     "schedule": "print the pipeline schedule a config would run",
+    "plan": "per-rank memory of a config and layout before launch, and what makes it fit",
     **{name: f"{what} (not available yet)" for name, what in _LATER.items()},
 }
 
@@ -64,6 +65,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "schedule":
         from ms_llm.parallel.pipeline.show import main as schedule_main
         return schedule_main(rest)
+    if command == "plan":
+        from ms_llm.training.memory_plan_cli import main as plan_main
+        return plan_main(rest)
     if command in ("generate", "chat"):
         from ms_llm.inference import cli as inference_cli
         return (inference_cli.generate_main if command == "generate"

@@ -5,17 +5,33 @@ Parameters are created from NumPy: MindSpore's in-place random initialisers (``n
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn
+from mindspore.common.initializer import Zero
 
 from . import functional as F
 from ._private import shadow_attribute, unshadow_attribute
 from .dtypes import float32, to_ms_dtype
 
 _RNG = {"gen": np.random.default_rng(0)}
+_SHAPE_ONLY = {"on": False}
+
+
+@contextlib.contextmanager
+def shape_only() -> Iterator[None]:
+    """Build modules whose parameters have shapes and dtypes but no storage (torch's ``meta``
+    device): MindSpore's lazily initialised Tensors allocate nothing until read. ``ms-llm plan``
+    builds a full-size model this way to count its parameters exactly without the memory."""
+    prev = _SHAPE_ONLY["on"]
+    _SHAPE_ONLY["on"] = True
+    try:
+        yield
+    finally:
+        _SHAPE_ONLY["on"] = prev
 
 
 def manual_seed(seed: int) -> None:
@@ -30,7 +46,11 @@ def rng() -> np.random.Generator:
 
 def new_parameter(shape, *, std: Optional[float] = None, fill: Optional[float] = None,
                   dtype=float32, requires_grad: bool = True) -> Parameter:
-    """A Parameter drawn from N(0, std) or filled with a constant, built in fp32 NumPy."""
+    """A Parameter drawn from N(0, std) or filled with a constant, built in fp32 NumPy (under
+    ``shape_only()``: a lazily initialised one that holds no data)."""
+    if _SHAPE_ONLY["on"]:
+        return Parameter(Tensor(shape=tuple(shape), dtype=to_ms_dtype(dtype), init=Zero()),
+                         requires_grad=requires_grad)
     if std is not None:
         data = rng().normal(0.0, std, size=shape).astype(np.float32)
     else:

@@ -15,10 +15,22 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 ** 2)
 
 
+def current_rss_gb() -> float:
+    """Resident memory now (``VmRSS``). Taken just before the model is built, it is the baseline
+    (interpreter, MindSpore, data) that ``ms-llm plan``'s predicted peak is compared above."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / (1024 ** 2)
+    return 0.0
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, max_steps: int, enabled: bool = True,
-                 progress_bar: bool = True, start_step: int = 0):
+                 progress_bar: bool = True, start_step: int = 0,
+                 rss_before_model_gb: Optional[float] = None):
         self.enabled = enabled
+        self.rss_before_model_gb = rss_before_model_gb
         self.max_steps = max_steps
         self.t0 = time.time()
         self.start_step = start_step
@@ -42,6 +54,8 @@ class MetricsLogger:
                   "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
                   "step_time_s": step_time, "elapsed_s": time.time() - self.t0,
                   "consumed_samples": consumed_samples, "peak_rss_gb": peak_rss_gb()}
+        if self.rss_before_model_gb is not None:
+            record["rss_before_model_gb"] = self.rss_before_model_gb
         if extra:
             record.update(extra)
         if not self.enabled:

@@ -36,7 +36,7 @@ from .data_setup import build_data
 from .dpo import DPOObjective, reference_for
 from .evaluate import Evaluator
 from .lr_schedule import lr_at
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, current_rss_gb
 
 log = logging.getLogger("ms_llm.train")
 
@@ -75,6 +75,7 @@ class Trainer:
         np.random.seed(t.seed)
         self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
         cfg.model = self.data.model_config
+        self.rss_before_model_gb = current_rss_gb()   # the baseline `ms-llm plan` predicts above
         self.model = build_model(cfg)
         self.moe = cfg.model.mlp_type == "moe"
         try:
@@ -312,7 +313,8 @@ class Trainer:
                   f"step, device {ms.get_context('device_target')}, output {t.output_dir}",
                   flush=True)
         logger = MetricsLogger(t.output_dir, t.max_steps, enabled=is_main,
-                               progress_bar=t.progress_bar, start_step=self.step)
+                               progress_bar=t.progress_bar, start_step=self.step,
+                               rss_before_model_gb=self.rss_before_model_gb)
         records = []
         try:
             while self.step < t.max_steps:
