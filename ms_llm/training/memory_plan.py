@@ -301,8 +301,8 @@ def check_layout(cfg, nproc: int) -> None:
     from ms_llm.parallel.state import ParallelSizes
     p, t = cfg.parallel, cfg.training
     if p.context_parallel_size > 1:
-        raise ValueError("parallel.context_parallel_size > 1: context parallel is not built yet, "
-                         "so it cannot be planned")
+        raise ValueError("parallel.context_parallel_size > 1: the planner does not model "
+                         "context parallel yet (training supports it; plan at cp=1)")
     sizes = ParallelSizes(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                           ep=p.expert_model_parallel_size, world=nproc)
     sizes.validate()
