@@ -12,3 +12,14 @@ from ms_llm.compat import setup_device  # noqa: E402
 # PyNative errors are sticky without synchronous execution: a failing op would otherwise
 # re-raise its stale error from the next unrelated op and poison later tests.
 setup_device("CPU", synchronize=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most msrun jobs first (a stable sort: tests keep their order inside a
+    file). Under pytest-xdist's ``--dist loadfile`` the longest files then start at once and the
+    many short files fill in around them, instead of one worker ending the run alone on a long
+    file."""
+    jobs = {}
+    for item in items:
+        jobs[item.fspath] = jobs.get(item.fspath, 0) + bool(item.get_closest_marker("msrun"))
+    items.sort(key=lambda item: -jobs[item.fspath])

@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import hf_fixtures

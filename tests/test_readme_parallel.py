@@ -5,7 +5,6 @@ process (test_parallel_training, test_pipeline_training)."""
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 
 from mindspore import Tensor, mint
 
-from ms_llm.compat import F, float32, is_cpu
+from ms_llm.compat import F, is_cpu
 from ms_llm.compat.autograd import Function
 from .. import comm
 from ..comm.comm_thread import submit
