@@ -45,7 +45,7 @@ class PlanGroup(ProcessGroup):
 def plan_state(sizes: ParallelSizes, rank: int) -> ParallelState:
     """``ParallelState`` of ``rank`` with communicator-free groups (same rank order)."""
     st = ParallelState(sizes, rank=rank)
-    for dim in ("tp", "cp", "dp", "pp", "ep", "edp", "emb"):
+    for dim in ParallelState.GROUP_DIMS:
         st.groups[dim] = PlanGroup(tuple(st.ranks_along(dim)), None, me=rank)
     return st
 

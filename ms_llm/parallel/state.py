@@ -82,11 +82,14 @@ class ParallelState:
                                     else range(self.ep_rank, s.dp, s.ep)))
         raise ValueError(f"unknown parallel dimension {dim!r}")
 
+    # Every group a rank holds, in creation order; dp_cp / edp_cp are the groups replicated
+    # gradients are summed over (without context parallel they equal dp / edp).
+    GROUP_DIMS = ("tp", "cp", "dp", "pp", "ep", "edp", "emb", "dp_cp", "edp_cp")
+
     def build_groups(self) -> "ParallelState":
         # Every rank creates its own groups in the same dimension order, so the members of each
         # group reach its creation together (MindSpore's creation is collective among members).
-        for dim in ("tp", "cp", "dp", "pp", "ep", "edp", "emb", "dp_cp", "edp_cp"):
-            # without context parallel dp_cp / edp_cp are the dp / edp groups (no new group)
+        for dim in self.GROUP_DIMS:
             self.groups[dim] = comm.new_group(self.ranks_along(dim))
         return self
 
