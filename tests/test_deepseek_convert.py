@@ -18,7 +18,7 @@ from ms_llm.checkpoint import torch_pickle as tp
 from ms_llm.checkpoint.convert import main as convert_main
 from ms_llm.checkpoint.hf_io import read_hf_weights
 
-pytest.importorskip("transformers")
+import transformers  # noqa: E402,F401  (test extra: cross-checks against HF modeling code)
 
 LAYOUTS = {  # name -> converter flags
     "tp2": ["--target-tensor-parallel-size", "2"],

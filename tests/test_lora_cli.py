@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 from mindspore import Tensor
 
 from hf_fixtures import make_hf_checkpoint
@@ -74,8 +73,8 @@ def test_readme_lora_commands(tmp_path):
     base.set_train(False)
     assert not np.allclose(base(Tensor(ids)).asnumpy(), trained, atol=1e-3)   # it trained
 
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch  # test extra (cross-check only)
+    import transformers
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path / "qwen3_lora_merged"), dtype=torch.float32)
     with torch.no_grad():
