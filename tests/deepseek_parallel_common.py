@@ -1,5 +1,5 @@
 """The tiny DeepSeek-V3-style run (configs/deepseek_v3_proxy.yaml, shrunk) shared by
-tests/test_deepseek_parallel.py and its msrun worker. Micro-batch 2 and global batch 4
+tests/test_deepseek_parallel.py and its msrun worker (train_parallel.py with @deepseek). Micro-batch 2 and global batch 4
 everywhere, so 1- and 2-worker runs see the same micro-batches (the sequence aux loss and the
 expert-bias counts are per micro-batch)."""
 import os

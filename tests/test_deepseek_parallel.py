@@ -23,14 +23,15 @@ Q_PROJ = ["--model.q_lora_rank", "null"]
 
 def spec(name, *args):
     flat = [a for lst in args for a in lst]
-    return name + ":" + ",".join(f"{a}={b}" for a, b in zip(flat[::2], flat[1::2]))
+    return name + ":" + ",".join([f"{a}={b}" for a, b in zip(flat[::2], flat[1::2])]
+                                 + ["@deepseek"])
 
 
 @pytest.mark.msrun
 def test_proxy_ep2_megamoe_fsdp2_tp2_match_one_process(tmp_path):
     ref_moe = run_record(Trainer(load_config(DS_CONFIG, DS_BASE)))
     ref_dense = run_record(Trainer(load_config(DS_CONFIG, DS_BASE + DENSE_MLA + Q_PROJ)))
-    res = run_worker_job("train_deepseek.py", tmp_path, 2, [
+    res = run_worker_job("train_parallel.py", tmp_path, 2, [
         spec("ep2", ["--parallel.expert_model_parallel_size", "2"]),
         spec("ep2_megamoe", ["--parallel.expert_model_parallel_size", "2",
                              "--moe.dispatcher", "megamoe"]),

@@ -3,7 +3,8 @@
 
 argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], where RUN_SPEC is "name:--key=value,--key=value"
 (``@dead`` among them: kill parallel_common.DEAD_EXPERTS before training; ``@packed``: wrap the
-loader in parallel_common.PackedLoader; ``|`` inside a value
+loader in parallel_common.PackedLoader; ``@deepseek``: the DeepSeek-V3 proxy of
+deepseek_parallel_common instead of the tiny config; ``|`` inside a value
 stands for a list's comma, e.g. ``--parallel.num_layer_list=1|3``).
 """
 import json
@@ -17,6 +18,7 @@ from ms_llm.parallel.runtime import init_distributed  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from deepseek_parallel_common import DS_BASE, DS_CONFIG  # noqa: E402
 from parallel_common import BASE, CONFIG, PackedLoader, kill_experts, run_record  # noqa: E402
 
 info = init_distributed()
@@ -24,7 +26,8 @@ results = {}
 for spec in sys.argv[2:]:
     name, _, extra = spec.partition(":")
     args = [a.replace("|", ",") for a in extra.split(",") if a]   # "|": a list value's comma
-    cfg = load_config(CONFIG, BASE + [a for a in args if not a.startswith("@")])
+    config, base = (DS_CONFIG, DS_BASE) if "@deepseek" in args else (CONFIG, BASE)
+    cfg = load_config(config, base + [a for a in args if not a.startswith("@")])
     trainer = Trainer(cfg, info)
     if "@dead" in args:
         kill_experts(trainer)
