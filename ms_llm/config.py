@@ -69,6 +69,9 @@ class TrainingConfig:
     stage: Optional[str] = None       # null (pretrain / sft, per data.dataset_type) | dpo
     eval_interval: Optional[int] = None  # evaluate the data.split validation part every N steps
     eval_iters: int = 10              # global batches per evaluation
+    max_restarts: int = 0             # scripts/pretrain.sh relaunches a failed job this often
+    nan_policy: str = "stop"          # stop | skip: a step whose gradient is not finite
+    max_skipped_steps: int = 10       # nan_policy skip: stop once more steps were skipped
 
 
 @dataclass
@@ -428,6 +431,9 @@ def _check_misc(cfg: RunConfig) -> None:
     if cfg.training.resume == "auto" and not cfg.checkpoint.save_dir:
         _fail(cfg, ("training.resume", "checkpoint.save_dir"),
               "training.resume=auto needs checkpoint.save_dir")
+    if cfg.training.max_restarts and not cfg.checkpoint.save_dir:
+        _fail(cfg, ("training.max_restarts", "checkpoint.save_dir"),
+              "training.max_restarts needs checkpoint.save_dir (a restart resumes from it)")
 
 
 def _check_stage(cfg: RunConfig) -> None:

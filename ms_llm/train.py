@@ -61,6 +61,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return 2
+    except FloatingPointError as e:   # training.nan_policy (ms_llm.training.nonfinite)
+        print(f"training stopped: {e}", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 

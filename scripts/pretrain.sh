@@ -9,6 +9,9 @@
 #   MASTER_ADDR      address of node 0 (127.0.0.1), MASTER_PORT (8118)
 #   LOG_DIR          msrun's worker logs (outputs/msrun_logs)
 #   CLUSTER_TIME_OUT seconds msrun waits for a lost worker or a missing node (120)
+#   MAX_RESTARTS     relaunch a failed job this often with --training.resume auto (default: the
+#                    config's training.max_restarts, 0); relaunch k logs to LOG_DIR/restart_k and
+#                    uses MASTER_PORT + k (ms_llm/training/restart.py)
 # Multi-node: run this on every node with the same NNODES, NPUS_PER_NODE, MASTER_ADDR and
 # MASTER_PORT and its own NODE_RANK; global ranks are NODE_RANK * NPUS_PER_NODE + local rank.
 # Exits non-zero when any worker fails.
@@ -58,23 +61,20 @@ BIN_DIR="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")"
 export PATH="$BIN_DIR:$PATH"
 command -v msrun >/dev/null || { echo "pretrain.sh: msrun not found (is mindspore installed?)" >&2; exit 2; }
 
-# Validate the config once, before spending ~15 s on cluster start-up.
-"$PY" -c "import sys; from ms_llm.config import load_config, ConfigError
-try:
-    load_config(sys.argv[1], sys.argv[2:])
-except ConfigError as e:
-    print(f'config error: {e}', file=sys.stderr); sys.exit(2)" "$CONFIG" "$@"
-
+# The config is validated once, before spending ~15 s on cluster start-up, by the restart
+# supervisor (ms_llm/training/restart.py) that runs msrun.
 export GLOG_v="${GLOG_v:-3}"             # MindSpore C++ logs: errors only
 export PYTHONUNBUFFERED=1
 ENTRY="$("$PY" -c 'import ms_llm.train as m; print(m.__file__)')"
 mkdir -p "$LOG_DIR"
 
 set +e
-msrun --worker_num "$WORLD_SIZE" --local_worker_num "$NPUS_PER_NODE" --node_rank "$NODE_RANK" \
-      --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-      --log_dir "$LOG_DIR" --join True --cluster_time_out "$CLUSTER_TIME_OUT" \
-      "$ENTRY" "$CONFIG" "$@"
+"$PY" -m ms_llm.training.restart --max-restarts "${MAX_RESTARTS:-}" --entry "$ENTRY" \
+      --master-port "$MASTER_PORT" --log-dir "$LOG_DIR" -- \
+  msrun --worker_num "$WORLD_SIZE" --local_worker_num "$NPUS_PER_NODE" --node_rank "$NODE_RANK" \
+        --master_addr "$MASTER_ADDR" --master_port @PORT@ \
+        --log_dir @LOG_DIR@ --join True --cluster_time_out "$CLUSTER_TIME_OUT" \
+        "$ENTRY" "$CONFIG" "$@"
 rc=$?
 set -e
 if [[ $rc -ne 0 ]]; then

@@ -137,3 +137,26 @@ def refill_storage(t: ms.Tensor, src: ms.Tensor) -> None:
 def storage_nbytes(t: ms.Tensor) -> int:
     """Bytes ``t``'s storage holds now (0 after ``free_storage``)."""
     return int(_storage(t).nbytes())
+
+
+# ----------------------------------------------------------------------------- random state
+def _kernel_seed_table() -> dict:
+    import sys
+    import mindspore.common.seed  # noqa: F401  (the module; ``mindspore.common.seed`` the name is
+    return _require(sys.modules["mindspore.common.seed"], "_KERNEL_SEED",  # also a function)
+                    "mindspore.common.seed._KERNEL_SEED")
+
+
+def legacy_kernel_seeds() -> list:
+    """The per-kernel seed counters of MindSpore's legacy random ops (``ops.dropout`` and the
+    other ``_get_graph_seed`` users): ``[[kernel_name, op_seed, counter], ...]``. Each call of such
+    an op advances its counter, and ``mindspore.get_rng_state`` does not cover them, so an exact
+    resume must carry them (``ops.dropout`` is the CPU dropout path)."""
+    return [[k[0], k[1], int(v)] for k, v in _kernel_seed_table().items()]
+
+
+def set_legacy_kernel_seeds(entries: list) -> None:
+    """Restore what ``legacy_kernel_seeds`` returned (counters not listed are dropped)."""
+    table = _kernel_seed_table()
+    table.clear()
+    table.update({(str(name), int(op_seed)): int(v) for name, op_seed, v in entries})

@@ -199,6 +199,7 @@ class BatchIterator:
         self.shuffle = bool(shuffle)
         self._perm_epoch = -1
         self._perm: Optional[np.ndarray] = None
+        self.trace: Optional[list] = None   # set to a list to record each micro-batch's indices
 
     @property
     def global_batch_size(self) -> int:
@@ -223,7 +224,10 @@ class BatchIterator:
 
     def __next__(self) -> dict:
         start = self.consumed_samples + self.dp_rank * self.micro_batch_size
-        samples = [self.dataset[self._index(p)] for p in range(start, start + self.micro_batch_size)]
+        indices = [self._index(p) for p in range(start, start + self.micro_batch_size)]
+        if self.trace is not None:   # the dataset indices served, for exact-resume checks
+            self.trace.append(indices)
+        samples = [self.dataset[i] for i in indices]
         self.consumed_samples += self.global_batch_size
         return {k: np.stack([s[k] for s in samples]) for k in samples[0]}
 

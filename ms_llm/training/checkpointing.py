@@ -16,6 +16,7 @@ import numpy as np
 from mindspore import Tensor
 
 from ms_llm.checkpoint import dcp
+from .nonfinite import NonFiniteError
 from ms_llm.parallel.placement import (Mesh, checkpoint_regions, placement_of, stored_view,
                                        writes_checkpoint)
 
@@ -37,13 +38,22 @@ def _pieces(named_params, optimizer, pstate):
 
 
 def save(save_dir: str, step: int, model_named, optimizer, pstate, state: dict, barrier,
-         rank: int, world: int, keep_last: Optional[int] = None) -> str:
+         rank: int, world: int, keep_last: Optional[int] = None, all_finite=None) -> str:
+    """Write this rank's pieces. A checkpoint with a NaN/inf is never written: every tensor is
+    checked first and ``all_finite(first bad name or None)`` (collective, from
+    ``resilience.all_ranks_finite``) makes every rank refuse together."""
     local = {}
     for pl, prefix, tensor, regions, write in _pieces(model_named, optimizer, pstate):
         data = stored_view(tensor.asnumpy(), pl)
         for r in regions:
             piece = data[r.lstart:r.lstart + r.length] if data.ndim else data
             local[prefix + r.name] = dcp.LocalChunk(piece, r.gshape, r.offsets, write=write)
+    bad = next((n for n, c in local.items()
+                if c.data.dtype.kind == "f" and not np.isfinite(c.data).all()), None)
+    bad = all_finite(bad) if all_finite is not None else bad
+    if bad is not None:
+        raise NonFiniteError(f"checkpoint step {step} not written: {bad} holds a non-finite "
+                             f"value (the last checkpoint in {save_dir} stays the newest)")
     state = dict(state, optimizer_step=optimizer.step_count)
     return dcp.save_checkpoint(save_dir, step, local, state, rank=rank, world_size=world,
                                barrier=barrier, keep_last=keep_last,

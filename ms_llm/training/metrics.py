@@ -28,7 +28,7 @@ def current_rss_gb() -> float:
 class MetricsLogger:
     def __init__(self, output_dir: str, max_steps: int, enabled: bool = True,
                  progress_bar: bool = True, start_step: int = 0,
-                 rss_before_model_gb: Optional[float] = None):
+                 rss_before_model_gb: Optional[float] = None, append: bool = False):
         self.enabled = enabled
         self.rss_before_model_gb = rss_before_model_gb
         self.max_steps = max_steps
@@ -38,8 +38,8 @@ class MetricsLogger:
         self._bar = None
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
-            if start_step == 0 and os.path.exists(self.path):
-                os.remove(self.path)  # a fresh run starts a fresh file
+            if start_step == 0 and not append and os.path.exists(self.path):
+                os.remove(self.path)  # a fresh run starts a fresh file (a restart appends)
             # A bar only on a terminal; under msrun stdout is a log file, where each logged line
             # carries progress and ETA instead.
             if progress_bar and sys.stderr.isatty():
@@ -69,8 +69,13 @@ class MetricsLogger:
                 f" | lm loss: {loss:.6E} | grad norm: {grad_norm:.4f}"
                 f" | tokens/s: {record['tokens_per_s']:.1f} | elapsed: {record['elapsed_s']:.1f} s"
                 f" | mem: {record['peak_rss_gb']:.2f} GB | {self._progress(step)} |"
+                + (f" slowest rank {record['slowest_rank']}: "
+                   f"{record['step_time_max_s'] * 1000:.1f} ms |" if "slowest_rank" in record
+                   else "")
+                + (f" skipped steps: {record['skipped_steps']} |" if "skipped_steps" in record
+                   else "")
                 + "".join(f" {k}: {v:.6E} |" for k, v in (extra or {}).items()
-                          if isinstance(v, float)))   # scalar metrics (DPO rewards)
+                          if isinstance(v, float) and k != "step_time_max_s"))   # scalar metrics (DPO rewards)
         if self._bar is not None:
             self._bar.write(line)
             self._bar.update(step - self._bar.n)

@@ -32,6 +32,7 @@ from ms_llm.parallel.runtime import DistInfo, init_distributed
 from ms_llm.parallel.state import initialize_model_parallel
 from . import grad as gradlib
 from . import checkpointing as ckpt
+from . import faults, resilience, rng_state
 from .data_setup import build_data
 from .dpo import DPOObjective, reference_for
 from .evaluate import Evaluator
@@ -110,6 +111,8 @@ class Trainer:
         self.fwd_bwd = self._fwd_bwd_jit() if par.jit and self.dpo is None else None
         self.step = 0
         self._lora_state = None
+        self.guard = resilience.guard_for(cfg, self.dist)
+        self._opt_names = resilience.names_of(self.optimizer.params, self.named_params)
         self._maybe_resume()
         self.evaluator = None if self.data.valid is None else \
             Evaluator(self, self.data.valid, self.step)
@@ -216,7 +219,8 @@ class Trainer:
                 raise ConfigError(f"training.resume=auto: {e}") from None
         self.step = state["step"]
         self.data.loader.load_state_dict(state["data"])
-        np.random.set_state(tuple(state["numpy_rng"]))
+        rng_state.restore(state.get("rng") or {"numpy": state["numpy_rng"]})
+        resilience.check_lr_schedule(state, self.cfg, self._say)
         self._say(f"resumed from {latest} at step {self.step}")
 
     def _checkpointed(self) -> list:
@@ -226,9 +230,10 @@ class Trainer:
 
     def save(self) -> str:
         """Collective: every rank writes its rows; rank 0 publishes the checkpoint."""
-        rng = np.random.get_state()
+        rng = rng_state.capture()
         state = {"step": self.step, "data": self.data.loader.state_dict(),
-                 "numpy_rng": [rng[0], rng[1].tolist(), rng[2], rng[3], rng[4]],
+                 "numpy_rng": rng["numpy"], "rng": rng,
+                 "lr_schedule": resilience.lr_schedule(self.cfg),
                  "model_config": dataclasses.asdict(self.cfg.model)}
         if self.cfg.lora.r:   # adapters only: record the base they belong to (rank 0 writes)
             if self._lora_state is None and self.dist.rank == 0:
@@ -239,6 +244,7 @@ class Trainer:
         return ckpt.save(self.cfg.checkpoint.save_dir, self.step, self._checkpointed(),
                          self.optimizer,
                          self.pstate, state, barrier=comm.barrier, rank=self.dist.rank,
+                         all_finite=resilience.all_ranks_finite(self.dist.world_size),
                          world=self.dist.world_size, keep_last=self.cfg.checkpoint.keep_last)
 
     def train_step(self) -> Dict[str, float]:
@@ -274,6 +280,8 @@ class Trainer:
                 else self.grad_sync.reduce(grads)
         # The optimizer's params match the gradients (shards under the distributed optimizer).
         grads = gradlib.reduce_partial_grads(self.optimizer.params, grads, self.pstate.group)
+        injected = faults.maybe_inject_nan(self.step + 1, self._opt_names, grads)
+        sumsq, grads = (sumsq if injected is grads else None), injected
         comm.all_reduce(total_loss, group=self.dp_cp_group)
         total_loss = float(total_loss.asnumpy())
         if len(batches) == 1 and sumsq is not None and self.dist.world_size == 1:
@@ -281,15 +289,21 @@ class Trainer:
         else:
             norm = gradlib.global_norm(grads, self.optimizer.params, self.pstate.group,
                                        self.mesh)
+        faults.maybe_kill(self.step + 1, self.dist.rank)   # test hook: a worker dies mid-step
+        skip = self.guard.check(self.step + 1, total_loss, norm, self._opt_names, grads)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step += 1
         lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,
                    decay_steps=t.lr_decay_steps or t.max_steps, style=t.lr_decay_style)
-        self.optimizer.step(grads, lr)
-        if self.moe:
-            update_expert_bias(self.model, self._sum_over_dp)
+        if skip:   # training.nan_policy skip: no update; the routed counts are dropped too
+            if self.moe:
+                resilience.drop_router_counts(self.model)
+        else:
+            self.optimizer.step(grads, lr)
+            if self.moe:
+                update_expert_bias(self.model, self._sum_over_dp)
         tokens = sum(int(v.size) for b in batches for k, v in b.items() if k.endswith("tokens"))
-        return {"loss": total_loss, "grad_norm": norm, "lr": lr,
+        return {"loss": total_loss, "grad_norm": norm, "lr": lr, "skipped": skip,
                 "tokens": tokens * self.dp_group.size,
                 "metrics": self.dpo.step_metrics() if self.dpo is not None else {}}
 
@@ -314,16 +328,17 @@ class Trainer:
                   flush=True)
         logger = MetricsLogger(t.output_dir, t.max_steps, enabled=is_main,
                                progress_bar=t.progress_bar, start_step=self.step,
-                               rss_before_model_gb=self.rss_before_model_gb)
+                               rss_before_model_gb=self.rss_before_model_gb,
+                               append=faults.restart_attempt() > 0)
         records = []
         try:
             while self.step < t.max_steps:
                 t0 = time.time()
                 out = self.train_step()
                 dt = time.time() - t0
-                if not np.isfinite(out["loss"]):
-                    raise FloatingPointError(f"loss is {out['loss']} at step {self.step}")
                 if self.step % t.log_interval == 0 or self.step == t.max_steps:
+                    out["metrics"] = {**out["metrics"], **resilience.step_extras(
+                        self.guard, out["skipped"], dt, self.dist.world_size)}
                     records.append(logger.log(
                         self.step, loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],
                         tokens=out["tokens"], step_time=dt,

@@ -1,0 +1,125 @@
+"""Automatic restart: run a launch command, and after a failure relaunch it with
+``--training.resume auto`` until it succeeds or ``max_restarts`` relaunches have failed.
+
+``scripts/pretrain.sh`` runs its msrun command through this module (``MAX_RESTARTS`` or the
+config's ``training.max_restarts``)::
+
+    python -m ms_llm.training.restart --max-restarts N --entry ENTRY \\
+        --master-port P --log-dir D -- msrun ... --master_port @PORT@ --log_dir @LOG_DIR@ \\
+        ENTRY CONFIG [--section.key VALUE ...]
+
+Relaunch k (1, 2, ...) uses master port ``P + k`` (the previous scheduler's port may still be in
+TIME_WAIT, and every node derives the same port) and worker logs in ``D/restart_k`` (the failed
+launch's logs stay where they were), and sets ``MS_LLM_RESTART_ATTEMPT=k`` so the fault-injection
+test hooks (``ms_llm.training.faults``) fire on the first launch only. Each restart is logged with
+the attempt number, the failed launch's exit code and the step it resumes from (the newest
+complete checkpoint in ``checkpoint.save_dir``); after the last one the supervisor exits with the
+last exit code. One node supervises its own launch: on several nodes, each node's supervisor
+relaunches its part after the job failed everywhere (only the single-node case is tested).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, List, Optional, Sequence
+
+from .faults import ATTEMPT_ENV
+
+PORT, LOG_DIR = "@PORT@", "@LOG_DIR@"
+
+
+def say(msg: str) -> None:
+    print(f"ms-llm restart: {msg}", file=sys.stderr, flush=True)
+
+
+def resume_point(save_dir: Optional[str]) -> str:
+    """Where a relaunch resumes: the newest complete checkpoint, or a fresh start."""
+    from ms_llm.checkpoint.dcp_discovery import find_latest_complete, read_state
+    path = find_latest_complete(save_dir, report=lambda m: say(m))
+    if path is None:
+        return f"step 0 (no complete checkpoint in {save_dir} yet: starting fresh)"
+    return f"step {read_state(path)['step']} ({path})"
+
+
+def attempt_log_dir(log_dir: str, attempt: int) -> str:
+    return log_dir if attempt == 0 else os.path.join(log_dir, f"restart_{attempt}")
+
+
+def launch_command(template: Sequence[str], attempt: int, port: int, log_dir: str) -> List[str]:
+    """The command of launch ``attempt`` (0 = first): placeholders filled, and relaunches resume
+    (a later ``--training.resume`` override wins over an earlier one)."""
+    d = attempt_log_dir(log_dir, attempt)
+    cmd = [a.replace(PORT, str(port + attempt)).replace(LOG_DIR, d) for a in template]
+    return cmd + (["--training.resume", "auto"] if attempt else [])
+
+
+def run_with_restarts(template: Sequence[str], max_restarts: int, save_dir: Optional[str],
+                      port: int, log_dir: str,
+                      run: Callable[[List[str], dict], int] = None) -> int:
+    """Run ``template`` (with ``@PORT@``/``@LOG_DIR@``) until it exits 0 or ``max_restarts``
+    relaunches have failed; returns the last exit code."""
+    run = run or (lambda cmd, env: subprocess.call(cmd, env=env))
+    rc = 0
+    for attempt in range(max_restarts + 1):
+        env = dict(os.environ, **{ATTEMPT_ENV: str(attempt)})
+        cmd = launch_command(template, attempt, port, log_dir)
+        if attempt:
+            say(f"attempt {attempt + 1} (restart {attempt}/{max_restarts}) after exit code {rc}; "
+                f"resuming from {resume_point(save_dir)}; worker logs in "
+                f"{attempt_log_dir(log_dir, attempt)}")
+        t0 = time.time()
+        rc = run(cmd, env)
+        if rc == 0:
+            if attempt:
+                say(f"attempt {attempt + 1} succeeded after {attempt} restart(s)")
+            return 0
+        say(f"attempt {attempt + 1} failed with exit code {rc} after {time.time() - t0:.1f} s "
+            f"(at unix time {time.time():.3f})")
+    if max_restarts:
+        say(f"giving up after {max_restarts} restart(s); last exit code {rc}")
+    return rc
+
+
+def _config_of(template: Sequence[str], entry: str):
+    """The run config the command trains (CONFIG and overrides follow ENTRY)."""
+    from ms_llm.config import load_config
+    i = list(template).index(entry)
+    return load_config(template[i + 1], list(template[i + 2:]))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ms_llm.training.restart",
+                                 description="relaunch a failed training job with resume=auto")
+    ap.add_argument("--max-restarts", default="",
+                    help="relaunches after a failure (empty: the config's training.max_restarts)")
+    ap.add_argument("--entry", required=True, help="the training entry script in the command")
+    ap.add_argument("--master-port", type=int, required=True)
+    ap.add_argument("--log-dir", required=True)
+    ap.add_argument("command", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    template = a.command[1:] if a.command[:1] == ["--"] else a.command
+    from ms_llm.config import ConfigError
+    try:
+        cfg = _config_of(template, a.entry)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if a.max_restarts == "":
+        n = cfg.training.max_restarts
+    elif a.max_restarts.isdigit():
+        n = int(a.max_restarts)
+    else:
+        print(f"MAX_RESTARTS must be an integer >= 0, got {a.max_restarts!r}", file=sys.stderr)
+        return 2
+    if n and not cfg.checkpoint.save_dir:
+        print("MAX_RESTARTS needs checkpoint.save_dir (a restart resumes from it)",
+              file=sys.stderr)
+        return 2
+    return run_with_restarts(template, n, cfg.checkpoint.save_dir, a.master_port, a.log_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
