@@ -15,7 +15,9 @@ LIMIT_S = 120
 def test_raise_kill_and_stall_end_the_job(tmp_path):
     procs = {}
     for mode in ("raise", "kill", "stall"):
-        cmd, env = msrun_command("fail.py", 2, str(tmp_path / mode), [mode], cluster_time_out=20)
+        status = [str(tmp_path / "status")] if mode == "stall" else []
+        cmd, env = msrun_command("fail.py", 2, str(tmp_path / mode), [mode, *status],
+                                 cluster_time_out=20)
         procs[mode] = (time.time(), subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                                      stderr=subprocess.STDOUT, text=True))
     for mode, (t0, p) in procs.items():
@@ -34,4 +36,7 @@ def test_raise_kill_and_stall_end_the_job(tmp_path):
         if mode == "kill":
             assert "Error code: -9" in out
         if mode == "stall":
-            assert "collective all_reduce did not complete within 5 s" in out
+            # rank 0 names the collective, its ranks, its step, and rank 1 as the stalled one
+            assert "rank 0: collective all_reduce over all 2 ranks did not complete within 5 s " \
+                "(parallel.collective_timeout_s) in step 3; stalled rank(s): [1]; peers: " \
+                "rank 1: step 3, not in a collective" in out, out[-2000:]

@@ -135,18 +135,35 @@ def test_nan_skip_logs_the_step_and_a_nan_checkpoint_is_never_written(tmp_path, 
 
 
 # ------------------------------------------------------------------ exact resume
-def test_resume_restores_dropout_rng_and_lr_schedule(tmp_path, capsys):
+def _expert_bias(trainer):
+    return {n: q.asnumpy().copy() for n, q in trainer.named_params if n.endswith("expert_bias")}
+
+
+def test_resume_restores_dropout_rng_lr_schedule_and_expert_bias(tmp_path, capsys):
+    # dropout (MindSpore's legacy kernel-seed counters), the LR schedule, and an MoE model with
+    # aux-loss-free routing (expert_bias updated after every step)
+    moe = ["--model.mlp_type", "moe", "--model.num_moe_experts", "4", "--model.moe_router_topk",
+           "2", "--model.moe_ffn_hidden_size", "64", "--model.moe_router_score_function",
+           "sigmoid", "--model.moe_router_enable_expert_bias", "true",
+           "--model.moe_router_bias_update_rate", "0.01"]
     drop = ["--model.hidden_dropout", "0.2", "--training.lr_decay_steps", "4",
-            "--training.lr_warmup_steps", "1"]
-    full = Trainer(cfg_of(tmp_path, "full", "--training.max_steps", "4", *drop)).fit()
+            "--training.lr_warmup_steps", "1", *moe]
+    ref = Trainer(cfg_of(tmp_path, "full", "--training.max_steps", "4", *drop))
+    full = ref.fit()
     save = str(tmp_path / "ckpt")
     Trainer(cfg_of(tmp_path, "a", "--training.max_steps", "2", "--checkpoint.save_dir", save,
                    *drop)).fit()
     state = dcp.read_state(os.path.join(save, "iter_0000002"))
     assert state["lr_schedule"]["lr_decay_steps"] == 4
     assert state["rng"]["mindspore_kernel_seeds"], "dropout's seed counter is saved"
-    rest = Trainer(cfg_of(tmp_path, "b", "--training.max_steps", "4", "--checkpoint.save_dir",
-                          save, "--training.resume", "auto", *drop)).fit()
+    resumed = Trainer(cfg_of(tmp_path, "b", "--training.max_steps", "4",
+                             "--checkpoint.save_dir", save, "--training.resume", "auto", *drop))
+    rest = resumed.fit()
+    bias, ref_bias = _expert_bias(resumed), _expert_bias(ref)
+    assert bias and bias.keys() == ref_bias.keys()
+    assert any(np.abs(b).max() > 0 for b in bias.values())   # the bias did move
+    for name in bias:   # sign updates of +-0.01 from identical counts: exact
+        np.testing.assert_array_equal(bias[name], ref_bias[name], err_msg=name)
     # same process layout, same kernels: only summation-order-free replays, so 1e-6
     np.testing.assert_allclose([r["loss"] for r in rest], [r["loss"] for r in full[2:]],
                                rtol=1e-6)
@@ -154,7 +171,7 @@ def test_resume_restores_dropout_rng_and_lr_schedule(tmp_path, capsys):
     # a changed schedule is reported (the config's is used)
     capsys.readouterr()
     Trainer(cfg_of(tmp_path, "c", "--training.max_steps", "4", "--checkpoint.save_dir", save,
-                   "--training.resume", "auto", *drop[:2]))
+                   "--training.resume", "auto", *drop[:4], *moe))
     assert "LR schedule differs from the checkpoint's (lr_warmup_steps 1 -> 2)" in \
         capsys.readouterr().out
 

@@ -3,6 +3,7 @@ set-up, the checkpoint's finite check across ranks, the LR schedule a checkpoint
 per-log-interval extras (skipped steps, the slowest rank's step time)."""
 from __future__ import annotations
 
+import os
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -10,6 +11,18 @@ from mindspore import Tensor
 
 from ms_llm.config import RunConfig
 from .nonfinite import NonFiniteGuard
+
+
+def publish_rank_status(output_dir: str) -> None:
+    """Every rank's watchdog thread publishes its state in ``<output_dir>/.rank_status``, so a
+    collective time-out names the stalled peers (``parallel.comm.watchdog``)."""
+    from ms_llm.parallel.comm.watchdog import set_status_dir
+    set_status_dir(os.path.join(output_dir, ".rank_status"))
+
+
+def note_step(step: int) -> None:
+    from ms_llm.parallel.comm.watchdog import note_step as note
+    note(step)
 
 
 def guard_for(cfg: RunConfig, dist) -> NonFiniteGuard:

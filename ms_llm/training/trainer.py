@@ -59,6 +59,7 @@ class Trainer:
         p = cfg.parallel
         if self.dist.world_size > 1:
             comm.set_collective_timeout(p.collective_timeout_s)
+            resilience.publish_rank_status(t.output_dir)   # for the watchdog's time-out report
         try:
             self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
                                                     pp=p.pipeline_model_parallel_size,
@@ -249,6 +250,7 @@ class Trainer:
 
     def train_step(self) -> Dict[str, float]:
         t = self.cfg.training
+        resilience.note_step(self.step + 1)
         batches = [next(self.data.loader) for _ in range(self.accum_steps)]
         units = self.dpo.pairs(batches) if self.dpo is not None else \
             sum(b["loss_mask"].sum() for b in batches)

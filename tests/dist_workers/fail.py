@@ -1,5 +1,6 @@
 """Worker for tests/test_failure.py: rank 1 raises, SIGKILLs itself, or stalls while alive, while
-rank 0 waits in an all-reduce; the job must end non-zero within the time-outs instead of hanging."""
+rank 0 waits in an all-reduce; the job must end non-zero within the time-outs instead of hanging.
+argv: MODE [STATUS_DIR] (the watchdog's rank-status folder)."""
 import os
 import signal
 import sys
@@ -18,7 +19,12 @@ from ms_llm.parallel.runtime import init_distributed  # noqa: E402
 info = init_distributed()
 mode = sys.argv[1]
 comm.set_collective_timeout(5.0)
+if len(sys.argv) > 2:   # the ranks' status folder: the time-out report names the stalled rank
+    from ms_llm.parallel.comm.watchdog import note_step, set_status_dir
+    set_status_dir(sys.argv[2])
 for step in range(1000):
+    if len(sys.argv) > 2:
+        note_step(step)
     if info.rank == 1 and step == 3 and mode == "stall":
         print("rank 1 stalling (alive, never joins the next all-reduce)", flush=True)
         time.sleep(3600)

@@ -32,7 +32,7 @@ class _WatchedDist:
 
         def call(*args, **kwargs):
             drain()
-            with watched(name):
+            with watched(name, kwargs.get("group")):
                 return fn(*args, **kwargs)
         return call
 
