@@ -1,8 +1,11 @@
 """Automatic restart for real: ``MS_LLM_FAULT_INJECT=4:1 MAX_RESTARTS=1 NPROC=2 bash
 scripts/pretrain.sh`` -- rank 1 SIGKILLs itself in step 4, the job exits non-zero within the
 time-out, the supervisor relaunches it with resume=auto from the step-2 checkpoint, and
-metrics.jsonl (restarted steps appended) gives the uninterrupted curve. The same test then
-resumes the dp=2 checkpoint at dp=1 in this process and checks the samples it consumes."""
+metrics.jsonl (restarted steps appended) gives the uninterrupted curve. The first launch also
+has a NaN injected into one gradient at step 3 with training.nan_policy skip (the multi-rank
+guard: skipped on both ranks, the parameter named). The same test then resumes the dp=2
+checkpoint at dp=1 in this process and checks the samples it consumes. (The README's command,
+with the small model of test_launch.)"""
 import json
 import os
 import re
@@ -28,6 +31,7 @@ SMALL = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hi
          "--training.progress_bar", "false", "--training.max_steps", "6",
          "--training.lr_warmup_steps", "2"]
 CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")
+PARAM = "decoder.layers.0.self_attention.linear_qkv.weight"
 # dp=2 against one process with 2 accumulated micro-batches: the same sums in another order
 # (fp32 all-reduce of two halves vs one accumulation), ~1e-7 relative per step, kept below 1e-5
 # over 6 AdamW steps.
@@ -49,18 +53,26 @@ def test_killed_worker_restarts_and_continues_the_curve(tmp_path):
                CLUSTER_TIME_OUT="60", MAX_RESTARTS="1", MS_LLM_FAULT_INJECT="4:1",
                # MindSpore's scheduler declares a silent node dead after MS_NODE_TIMEOUT (~30 s
                # by default, measured); 15 s ends the failed launch sooner
-               MS_NODE_TIMEOUT="15")
+               MS_NODE_TIMEOUT="15", MS_LLM_NAN_INJECT=f"3:{PARAM}")
     for name in ("NNODES", "NODE_RANK", "NPUS_PER_NODE", "MASTER_ADDR",
-                 "MS_LLM_RESTART_ATTEMPT", "MS_LLM_NAN_INJECT"):
+                 "MS_LLM_RESTART_ATTEMPT"):
         env.pop(name, None)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain.sh"), CONFIG, *SMALL,
-                        "--training.output_dir", str(out), "--checkpoint.save_dir", str(save),
-                        "--checkpoint.save_interval", "2"],
-                       capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
+    job = subprocess.Popen(["bash", os.path.join(ROOT, "scripts", "pretrain.sh"), CONFIG, *SMALL,
+                            "--training.output_dir", str(out), "--checkpoint.save_dir", str(save),
+                            "--checkpoint.save_interval", "2", "--training.nan_policy", "skip"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                           cwd=tmp_path)
+    # meanwhile, the uninterrupted run in one process (dp=1, two accumulated micro-batches)
+    ref_rows = Trainer(load_config(CONFIG, SMALL + [
+        "--training.output_dir", str(tmp_path / "ref")])).fit()
+    try:
+        stdout, err = job.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        raise
     first_log = open(logs / "worker_1.log", errors="replace").read()
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + first_log[-3000:]
-    err = r.stderr
+    assert job.returncode == 0, stdout[-3000:] + err[-3000:] + first_log[-3000:]
     assert "attempt 1 failed with exit code" in err and \
         "attempt 2 (restart 1/1) after exit code" in err, err
     assert f"resuming from step 2 ({save}/iter_0000002)" in err, err
@@ -68,6 +80,7 @@ def test_killed_worker_restarts_and_continues_the_curve(tmp_path):
     killed = _unix_time("rank 1 SIGKILLs itself in step 4", first_log)
     failed = _unix_time("attempt 1 failed", err)
     print(f"\nkill -> job exit: {failed - killed:.1f} s")
+    print("\n".join(line for line in err.splitlines() if line.startswith("ms-llm restart")))
     assert failed - killed < 180, "the surviving worker did not end within the time-outs"
     assert os.path.isfile(logs / "restart_1" / "worker_0.log")
     assert "SIGKILLs" not in open(logs / "restart_1" / "worker_1.log").read()
@@ -78,16 +91,19 @@ def test_killed_worker_restarts_and_continues_the_curve(tmp_path):
     assert steps[-4:] == [3, 4, 5, 6] and steps[:2] == [1, 2], steps
     assert all("slowest_rank" in row and row["step_time_max_s"] > 0 for row in rows)
     last = {row["step"]: row for row in rows}
-
-    # the uninterrupted run, in one process (dp=1, two accumulated micro-batches)
-    ref = Trainer(load_config(CONFIG, SMALL + ["--training.output_dir", str(tmp_path / "ref")]))
-    ref_rows = ref.fit()
+    # the first launch skipped step 3's update on both ranks; its relaunch ran it
+    first = rows[:steps.index(3) + 1]
+    assert [row["skipped"] for row in first] == [False, False, True]
+    assert not any(row["skipped"] for row in rows[-4:])
+    for rank in (0, 1):
+        log = open(logs / f"worker_{rank}.log", errors="replace").read()
+        assert f"skipped the update of step 3: " in log and \
+            f"first non-finite gradient: {PARAM} (rank {rank})" in log, log[-3000:]
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([last[s][key] for s in range(1, 7)],
                                    [row[key] for row in ref_rows], rtol=RTOL, err_msg=key)
-    # the replayed steps 3-4 equal the first launch's (same layout, same kernels)
-    if 3 in steps[:-4]:
-        np.testing.assert_allclose(rows[steps.index(3)]["loss"], last[3]["loss"], rtol=1e-6)
+    # the replayed step 3 equals the first launch's loss (same layout, same kernels)
+    np.testing.assert_allclose(first[-1]["loss"], last[3]["loss"], rtol=1e-6)
 
     # resume the dp=2 step-4 checkpoint at dp=1: it consumes exactly the samples of steps 5-6
     one = tmp_path / "ckpt_dp1"

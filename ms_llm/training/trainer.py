@@ -222,6 +222,7 @@ class Trainer:
         self.data.loader.load_state_dict(state["data"])
         rng_state.restore(state.get("rng") or {"numpy": state["numpy_rng"]})
         resilience.check_lr_schedule(state, self.cfg, self._say)
+        self.guard.skipped = int(state.get("skipped_steps", 0))
         self._say(f"resumed from {latest} at step {self.step}")
 
     def _checkpointed(self) -> list:
@@ -235,6 +236,7 @@ class Trainer:
         state = {"step": self.step, "data": self.data.loader.state_dict(),
                  "numpy_rng": rng["numpy"], "rng": rng,
                  "lr_schedule": resilience.lr_schedule(self.cfg),
+                 "skipped_steps": self.guard.skipped,
                  "model_config": dataclasses.asdict(self.cfg.model)}
         if self.cfg.lora.r:   # adapters only: record the base they belong to (rank 0 writes)
             if self._lora_state is None and self.dist.rank == 0:
