@@ -74,7 +74,8 @@ def run_with_restarts(template: Sequence[str], max_restarts: int, save_dir: Opti
         rc = run(cmd, env)
         if rc == 0:
             if attempt:
-                say(f"attempt {attempt + 1} succeeded after {attempt} restart(s)")
+                say(f"attempt {attempt + 1} succeeded after {attempt} restart(s) "
+                    f"({time.time() - t0:.1f} s)")
             return 0
         say(f"attempt {attempt + 1} failed with exit code {rc} after {time.time() - t0:.1f} s "
             f"(at unix time {time.time():.3f})")
