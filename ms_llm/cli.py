@@ -69,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ms_llm.training.memory_plan_cli import main as plan_main
         return plan_main(rest)
     if command in ("generate", "chat"):
-        from ms_llm.inference import cli as inference_cli
+        from ms_llm import inference_cli   # outside the package: its __init__ imports MindSpore
         return (inference_cli.generate_main if command == "generate"
                 else inference_cli.chat_main)(rest)
     if command in _LATER:

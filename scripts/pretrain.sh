@@ -53,28 +53,57 @@ fi
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
 # msrun starts workers with the `python` on PATH: make it the interpreter that has ms_llm.
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
-if ! "$PY" -c "import ms_llm, mindspore" 2>/dev/null; then
-  echo "pretrain.sh: ms_llm or mindspore is not importable by $PY; run 'pip install -e .' first" >&2
-  exit 2
-fi
 BIN_DIR="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")"
 export PATH="$BIN_DIR:$PATH"
 command -v msrun >/dev/null || { echo "pretrain.sh: msrun not found (is mindspore installed?)" >&2; exit 2; }
 
-# The config is validated once, before spending ~15 s on cluster start-up, by the restart
-# supervisor (ms_llm/training/restart.py) that runs msrun.
+# One interpreter start (importing MindSpore costs seconds): check ms_llm imports, validate the
+# config before spending ~15 s on cluster start-up, and print the entry point msrun runs, the
+# config's training.max_restarts and checkpoint.save_dir.
+set +e
+ENTRY="$("$PY" -c "import sys
+try:
+    import mindspore, ms_llm.train as entry
+    from ms_llm.config import load_config, ConfigError
+except ImportError as e:
+    print(f'pretrain.sh: ms_llm or mindspore is not importable by {sys.executable} ({e}); '
+          f\"run 'pip install -e .' first\", file=sys.stderr); sys.exit(2)
+try:
+    cfg = load_config(sys.argv[1], sys.argv[2:])
+except ConfigError as e:
+    print(f'config error: {e}', file=sys.stderr); sys.exit(2)
+print(entry.__file__, cfg.training.max_restarts, cfg.checkpoint.save_dir or '', sep='\x1f')" \
+  "$CONFIG" "$@")"
+rc=$?
+set -e
+(( rc == 0 )) || exit $rc
+ENTRY="${ENTRY##*$'\n'}"                 # the last line, should an import print anything
+IFS=$'\x1f' read -r ENTRY CONFIG_RESTARTS SAVE_DIR <<< "$ENTRY"
+MAX_RESTARTS="${MAX_RESTARTS:-$CONFIG_RESTARTS}"
+is_count "$MAX_RESTARTS" || die "MAX_RESTARTS must be an integer >= 0, got '$MAX_RESTARTS'"
+if (( MAX_RESTARTS > 0 )) && [[ -z "$SAVE_DIR" ]]; then
+  die "MAX_RESTARTS=$MAX_RESTARTS needs checkpoint.save_dir (a restart resumes from it)"
+fi
+
 export GLOG_v="${GLOG_v:-3}"             # MindSpore C++ logs: errors only
 export PYTHONUNBUFFERED=1
-ENTRY="$("$PY" -c 'import ms_llm.train as m; print(m.__file__)')"
 mkdir -p "$LOG_DIR"
 
+msrun_args() {   # PORT LOG_DIR -> the msrun command in MSRUN
+  MSRUN=(msrun --worker_num "$WORLD_SIZE" --local_worker_num "$NPUS_PER_NODE"
+         --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$1"
+         --log_dir "$2" --join True --cluster_time_out "$CLUSTER_TIME_OUT" "$ENTRY" "$CONFIG")
+}
 set +e
-"$PY" -m ms_llm.training.restart --max-restarts "${MAX_RESTARTS:-}" --entry "$ENTRY" \
-      --master-port "$MASTER_PORT" --log-dir "$LOG_DIR" -- \
-  msrun --worker_num "$WORLD_SIZE" --local_worker_num "$NPUS_PER_NODE" --node_rank "$NODE_RANK" \
-        --master_addr "$MASTER_ADDR" --master_port @PORT@ \
-        --log_dir @LOG_DIR@ --join True --cluster_time_out "$CLUSTER_TIME_OUT" \
-        "$ENTRY" "$CONFIG" "$@"
+if (( MAX_RESTARTS > 0 )); then
+  # the relaunch loop (ms_llm/training/restart.py) fills in each attempt's port and log folder
+  msrun_args @PORT@ @LOG_DIR@
+  "$PY" -m ms_llm.training.restart --max-restarts "$MAX_RESTARTS" --save-dir "$SAVE_DIR" \
+        --master-port "$MASTER_PORT" --log-dir "$LOG_DIR" -- "${MSRUN[@]}" "$@"
+else
+  msrun_args "$MASTER_PORT" "$LOG_DIR"
+  "${MSRUN[@]}" "$@"
+fi
 rc=$?
 set -e
 if [[ $rc -ne 0 ]]; then

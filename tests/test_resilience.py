@@ -4,6 +4,7 @@ position across data-parallel sizes (sample indices), the restart supervisor's l
 hooks' parsing. The real kill-and-restart under msrun is tests/test_restart.py."""
 import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -21,8 +22,8 @@ TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hid
         "--training.global_batch_size", "4", "--training.progress_bar", "false",
         "--training.lr_warmup_steps", "2", "--training.lr", "3e-3", "--training.log_interval", "1",
         "--training.jit", "false"]
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                      "tiny.yaml")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")
 PARAM = "decoder.layers.1.mlp.linear_fc2.weight"
 
 
@@ -201,9 +202,15 @@ def test_restart_loop_relaunches_with_resume_and_gives_up(tmp_path, capsys):
 
 
 def test_restart_needs_a_save_dir_and_hooks_parse(monkeypatch, capsys):
-    rc = restart.main(["--max-restarts", "1", "--entry", "e.py", "--master-port", "1",
+    rc = restart.main(["--max-restarts", "1", "--save-dir", "", "--master-port", "1",
                        "--log-dir", "L", "--", "msrun", "e.py", CONFIG])
     assert rc == 2 and "needs checkpoint.save_dir" in capsys.readouterr().err
+    # the launcher: MAX_RESTARTS without a save_dir stops before msrun, in one line
+    env = dict(os.environ, MAX_RESTARTS="1", NPROC="1")
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain.sh"), CONFIG],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "pretrain.sh: MAX_RESTARTS=1 needs checkpoint.save_dir (a restart resumes from it)")
     with pytest.raises(ConfigError, match="training.max_restarts needs checkpoint.save_dir"):
         load_config(CONFIG, ["--training.max_restarts", "1"])
     monkeypatch.setenv(faults.FAULT_ENV, "4:1")

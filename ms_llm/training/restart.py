@@ -1,10 +1,11 @@
 """Automatic restart: run a launch command, and after a failure relaunch it with
 ``--training.resume auto`` until it succeeds or ``max_restarts`` relaunches have failed.
 
-``scripts/pretrain.sh`` runs its msrun command through this module (``MAX_RESTARTS`` or the
-config's ``training.max_restarts``)::
+``scripts/pretrain.sh`` runs its msrun command through this module when ``MAX_RESTARTS`` (or
+the config's ``training.max_restarts``) is above 0; the script's config check supplies N and
+``checkpoint.save_dir``, so this loop imports no MindSpore until a relaunch reports its step::
 
-    python -m ms_llm.training.restart --max-restarts N --entry ENTRY \\
+    python -m ms_llm.training.restart --max-restarts N --save-dir SAVE_DIR \\
         --master-port P --log-dir D -- msrun ... --master_port @PORT@ --log_dir @LOG_DIR@ \\
         ENTRY CONFIG [--section.key VALUE ...]
 
@@ -84,42 +85,27 @@ def run_with_restarts(template: Sequence[str], max_restarts: int, save_dir: Opti
     return rc
 
 
-def _config_of(template: Sequence[str], entry: str):
-    """The run config the command trains (CONFIG and overrides follow ENTRY)."""
-    from ms_llm.config import load_config
-    i = list(template).index(entry)
-    return load_config(template[i + 1], list(template[i + 2:]))
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ms_llm.training.restart",
                                  description="relaunch a failed training job with resume=auto")
-    ap.add_argument("--max-restarts", default="",
-                    help="relaunches after a failure (empty: the config's training.max_restarts)")
-    ap.add_argument("--entry", required=True, help="the training entry script in the command")
+    ap.add_argument("--max-restarts", required=True,
+                    help="relaunches after a failure (MAX_RESTARTS or training.max_restarts)")
+    ap.add_argument("--save-dir", required=True,
+                    help="the run's checkpoint.save_dir (where a relaunch resumes from)")
     ap.add_argument("--master-port", type=int, required=True)
     ap.add_argument("--log-dir", required=True)
     ap.add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     template = a.command[1:] if a.command[:1] == ["--"] else a.command
-    from ms_llm.config import ConfigError
-    try:
-        cfg = _config_of(template, a.entry)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    if a.max_restarts == "":
-        n = cfg.training.max_restarts
-    elif a.max_restarts.isdigit():
-        n = int(a.max_restarts)
-    else:
+    if not a.max_restarts.isdigit():
         print(f"MAX_RESTARTS must be an integer >= 0, got {a.max_restarts!r}", file=sys.stderr)
         return 2
-    if n and not cfg.checkpoint.save_dir:
+    n = int(a.max_restarts)
+    if n and not a.save_dir:
         print("MAX_RESTARTS needs checkpoint.save_dir (a restart resumes from it)",
               file=sys.stderr)
         return 2
-    return run_with_restarts(template, n, cfg.checkpoint.save_dir, a.master_port, a.log_dir)
+    return run_with_restarts(template, n, a.save_dir, a.master_port, a.log_dir)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from .data_setup import build_data
 from .dpo import DPOObjective, reference_for
 from .evaluate import Evaluator
 from .lr_schedule import lr_at
-from .metrics import MetricsLogger, current_rss_gb
+from .metrics import MetricsLogger, current_rss_gb, reset_peak_rss
 
 log = logging.getLogger("ms_llm.train")
 
@@ -77,6 +77,7 @@ class Trainer:
         np.random.seed(t.seed)
         self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
         cfg.model = self.data.model_config
+        reset_peak_rss()   # the logged peak is training's, not the data set-up's transients
         self.rss_before_model_gb = current_rss_gb()   # the baseline `ms-llm plan` predicts above
         self.model = build_model(cfg)
         self.moe = cfg.model.mlp_type == "moe"
