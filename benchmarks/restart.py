@@ -67,7 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--node-timeouts", default=",15", help="MS_NODE_TIMEOUT values (empty: default)")
+    ap.add_argument("--node-timeouts", default=",15",
+                    help="MS_NODE_TIMEOUT values (empty: default)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = run(tmp, "plain", a.nproc, a.steps, False, "")
@@ -77,8 +78,8 @@ def main() -> None:
                          run(tmp, f"fault{nt}", a.nproc, a.steps, True, nt)))
     print(f"\n{a.nproc} workers, {a.steps} steps, checkpoint every 2 (load: "
           f"{os.getloadavg()[0]:.1f})")
-    print(f"| run | MS_NODE_TIMEOUT | exit | wall (s) | kill -> exit (s) | relaunch (s) | "
-          f"overhead (s) |")
+    print("| run | MS_NODE_TIMEOUT | exit | wall (s) | kill -> exit (s) | relaunch (s) | "
+          "overhead (s) |")
     print("|---|---|---|---|---|---|---|")
     for name, nt, r in rows:
         extra = (f"{r['kill_to_exit']:.1f} | {r['relaunch']:.1f} | {r['wall'] - base['wall']:.1f}"

@@ -96,3 +96,16 @@ def test_free_and_refill_storage():
 def test_device_chosen_by_caller_reads_set_device():
     # conftest has set the CPU device in this process, as a caller's set_device would.
     assert P.device_chosen_by_caller() is True
+
+
+def test_legacy_kernel_seeds_round_trip_replays_dropout():
+    from mindspore import ops
+    x = Tensor(np.ones(64, np.float32))
+    ms.set_seed(11)
+    ops.dropout(x, 0.5)
+    saved = P.legacy_kernel_seeds()
+    assert any(name == "dropout" for name, _, _ in saved)
+    first = ops.dropout(x, 0.5).asnumpy()
+    assert not np.array_equal(first, ops.dropout(x, 0.5).asnumpy())   # the counter advances
+    P.set_legacy_kernel_seeds(saved)
+    np.testing.assert_array_equal(ops.dropout(x, 0.5).asnumpy(), first)

@@ -107,7 +107,7 @@ def test_nan_stop_names_the_parameter_and_keeps_the_last_good_checkpoint(tmp_pat
                "--checkpoint.save_interval", "1"])
     err = capsys.readouterr().err
     assert rc == 3, err
-    assert f"step 3: " in err and f"first non-finite gradient: {PARAM}" in err, err
+    assert "step 3: " in err and f"first non-finite gradient: {PARAM}" in err, err
     latest = dcp.find_latest_complete(str(save))
     assert latest.endswith("iter_0000002") and sorted(os.listdir(save)) == [
         "iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]

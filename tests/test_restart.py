@@ -97,7 +97,7 @@ def test_killed_worker_restarts_and_continues_the_curve(tmp_path):
     assert not any(row["skipped"] for row in rows[-4:])
     for rank in (0, 1):
         log = open(logs / f"worker_{rank}.log", errors="replace").read()
-        assert f"skipped the update of step 3: " in log and \
+        assert "skipped the update of step 3: " in log and \
             f"first non-finite gradient: {PARAM} (rank {rank})" in log, log[-3000:]
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([last[s][key] for s in range(1, 7)],

@@ -141,9 +141,8 @@ def storage_nbytes(t: ms.Tensor) -> int:
 
 # ----------------------------------------------------------------------------- random state
 def _kernel_seed_table() -> dict:
-    import sys
-    import mindspore.common.seed  # noqa: F401  (the module; ``mindspore.common.seed`` the name is
-    return _require(sys.modules["mindspore.common.seed"], "_KERNEL_SEED",  # also a function)
+    import importlib   # the module: the attribute ``mindspore.common.seed`` is a function
+    return _require(importlib.import_module("mindspore.common.seed"), "_KERNEL_SEED",
                     "mindspore.common.seed._KERNEL_SEED")
 
 

@@ -39,8 +39,8 @@ def _parse(env: str) -> Optional[Tuple[int, str]]:
         return None
     step, sep, target = value.partition(":")
     if not sep or not step.strip().isdigit() or not target.strip():
-        raise ValueError(f"{env}={value!r}: expected STEP:{'RANK' if env == FAULT_ENV else 'PARAM_GLOB'}"
-                         f" (e.g. 4:1)")
+        what = "RANK" if env == FAULT_ENV else "PARAM_GLOB"
+        raise ValueError(f"{env}={value!r}: expected STEP:{what} (e.g. 4:1)")
     return int(step), target.strip()
 
 
