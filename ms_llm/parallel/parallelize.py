@@ -85,6 +85,8 @@ def _jit_blockers(cfg, pstate: ParallelState) -> List[str]:
         out.append("context parallel")
     if cfg.training.recompute_granularity or cfg.training.recompute_norm:
         out.append("activation recompute")
+    if cfg.model.mtp_num_layers:
+        out.append("multi-token prediction (its per-depth losses are logged from PyNative)")
     return out
 
 
@@ -94,6 +96,10 @@ def _pipeline_chunks(model: GPTModel, cfg, pstate: ParallelState) -> Optional[li
     p = cfg.parallel
     if pstate.sizes.pp == 1:
         return None
+    if model.mtp is not None:
+        raise ValueError("model.mtp_num_layers with parallel.pipeline_model_parallel_size > 1 "
+                         "is not built yet (the MTP block would run on the last stage with a "
+                         "copy of the embedding)")
     return split_model(model, pstate, p.virtual_pipeline_model_parallel_size,
                        p.num_layer_list or None, p.noop_layers)
 
@@ -152,6 +158,9 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
     if lora is not None:
         mark_frozen_shards(model, buffers)
     cp = apply_context_parallel(model, cfg, pstate)
+    if cp is not None and model.mtp is not None:
+        raise ValueError("model.mtp_num_layers with parallel.context_parallel_size > 1 is not "
+                         "built yet (rolling the tokens would cross the ranks' chunks)")
     expert_params = []
     if cfg.model.mlp_type == "moe":
         expert_params = apply_expert_parallel(

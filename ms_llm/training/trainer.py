@@ -109,6 +109,7 @@ class Trainer:
             self._say("training.jit ignored: training.stage dpo runs in PyNative")
         self.fwd_bwd = self._fwd_bwd_jit() if par.jit and self.dpo is None else None
         self.step = 0
+        self.mtp_log = []       # per micro-batch: each MTP depth's mean loss (for logging)
         self._lora_state = None
         self._maybe_resume()
         self.evaluator = None if self.data.valid is None else \
@@ -126,6 +127,10 @@ class Trainer:
             # Each rank's MoE auxiliary loss covers its own micro-batch while gradients are
             # summed over micro-batches and data-parallel ranks: average it accordingly.
             loss = loss + aux / (self.accum_steps * self.dp_cp_group.size)
+        mtp = self.model.mtp_loss(loss_mask)     # multi-token prediction (ms_llm.models.mtp)
+        if mtp is not None:
+            loss = loss + mtp[0] * inv_tokens
+            self.mtp_log.append([float(m.asnumpy()) for m in mtp[1]])   # PyNative only
         return loss
 
     def _dpo_objective(self) -> DPOObjective:
@@ -289,9 +294,21 @@ class Trainer:
         if self.moe:
             update_expert_bias(self.model, self._sum_over_dp)
         tokens = sum(int(v.size) for b in batches for k, v in b.items() if k.endswith("tokens"))
+        metrics = self.dpo.step_metrics() if self.dpo is not None else {}
+        if self.mtp_log:
+            metrics.update(self._mtp_metrics())
         return {"loss": total_loss, "grad_norm": norm, "lr": lr,
-                "tokens": tokens * self.dp_group.size,
-                "metrics": self.dpo.step_metrics() if self.dpo is not None else {}}
+                "tokens": tokens * self.dp_group.size, "metrics": metrics}
+
+    def _mtp_metrics(self) -> Dict[str, float]:
+        """Each MTP depth's loss (Megatron's ``mtp_{k} loss``): its per-token mean, averaged
+        over the step's micro-batches and the data-parallel replicas. ``loss`` includes them
+        times ``mtp_loss_scaling_factor / mtp_num_layers``."""
+        means = np.mean(np.array(self.mtp_log, np.float64), axis=0)
+        self.mtp_log = []
+        if self.dp_cp_group.size > 1:
+            means = self._sum_over_dp(means) / self.dp_cp_group.size
+        return {f"mtp_{k + 1}_loss": float(v) for k, v in enumerate(means)}
 
     def _sum_over_dp(self, counts: np.ndarray) -> np.ndarray:
         """Routed-token counts summed over the data-parallel replicas of the routers."""
