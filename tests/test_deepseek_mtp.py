@@ -224,3 +224,33 @@ def test_mtp_num_layers_flag(folder, tmp_path, capsys):
                          str(root / "hf"), "--save-dir", str(tmp_path / "x"),
                          "--mtp-num-layers", "1"]) == 2
     assert "--mtp-num-layers 1: the checkpoint has 2 MTP layer(s)" in capsys.readouterr().err
+
+
+def test_trainer_adds_the_scaled_mtp_loss_and_logs_it(tmp_path):
+    """YAML/CLI reach: ``--model.mtp_num_layers 1`` on the DeepSeek proxy. The first step's
+    main loss does not depend on MTP (same data, and the main model's initial weights do not
+    change when the MTP block is built), so the logged loss is the plain run's plus
+    ``mtp_loss_scaling_factor / D`` times the logged MTP loss (rtol 1e-6: float32 sums)."""
+    from deepseek_parallel_common import DS_BASE, DS_CONFIG
+    from ms_llm.config import load_config
+    from ms_llm.training.trainer import Trainer
+    one = ["--training.max_steps", "1", "--training.output_dir", str(tmp_path / "o")]
+    plain = Trainer(load_config(DS_CONFIG, DS_BASE + one)).fit()[0]
+    rows = Trainer(load_config(DS_CONFIG, DS_BASE + one + [
+        "--model.mtp_num_layers", "1", "--model.mtp_loss_scaling_factor", "0.3"])).fit()
+    assert "mtp_1_loss" not in plain and np.isfinite(rows[0]["mtp_1_loss"])
+    np.testing.assert_allclose(rows[0]["loss"], plain["loss"] + 0.3 * rows[0]["mtp_1_loss"],
+                               rtol=1e-6)
+
+
+def test_pipeline_with_mtp_is_refused():
+    from types import SimpleNamespace
+
+    from deepseek_parallel_common import DS_BASE, DS_CONFIG
+    from ms_llm.config import load_config
+    from ms_llm.models import GPTModel
+    from ms_llm.parallel.parallelize import _pipeline_chunks
+    cfg = load_config(DS_CONFIG, DS_BASE + ["--model.mtp_num_layers", "1"])
+    two_stages = SimpleNamespace(sizes=SimpleNamespace(pp=2))
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size > 1 is not built yet"):
+        _pipeline_chunks(GPTModel(cfg.model), cfg, two_stages)

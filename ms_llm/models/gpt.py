@@ -73,15 +73,16 @@ class GPTModel(nn.Module):
             mlp_factory = moe_mlp_factory
         self.embedding = LanguageModelEmbedding(config)
         self.decoder = TransformerBlock(config, mlp_factory)
-        # Multi-token prediction (training only; see ms_llm.models.mtp).
-        self.mtp = MultiTokenPredictionBlock(config, lambda i: MultiTokenPredictionLayer(
-            config, *layer_parts(config, mlp_factory, i))) if config.mtp_num_layers else None
         if config.untie_embeddings_and_output_weights:
             self.output_layer = hot.Linear(config.hidden_size, config.padded_vocab_size, bias=False,
                                           init_std=config.init_method_std,
                                           dtype=config.params_dtype)
         else:
             self.output_layer = None
+        # Multi-token prediction (ms_llm.models.mtp); built last, so the main model's initial
+        # weights for a seed are the same with or without it.
+        self.mtp = MultiTokenPredictionBlock(config, lambda i: MultiTokenPredictionLayer(
+            config, *layer_parts(config, mlp_factory, i))) if config.mtp_num_layers else None
         self._rope_cache = {}
         self._table_rows, self._table = 0, None   # the inference table (_cached_cos_sin)
         # The LM head as swappable steps (tied logits, logits post-processing, loss);

@@ -240,9 +240,16 @@ def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None
         return
     c = model.config
     validate_tp(c, tp)
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None and sp:
+        raise ValueError("parallel.sequence_parallel with model.mtp_num_layers is not built yet "
+                         "(the MTP block would scatter its eh_proj output over the sequence)")
     emb = VocabParallelEmbedding(model.embedding.word_embeddings, group, sequence_parallel=sp)
     model.embedding.word_embeddings = emb
-    for layer in model.decoder.layers:
+    # The MTP depths' transformer layers split like the decoder's; their enorm / hnorm /
+    # eh_proj / final_layernorm stay replicated (full inputs, identical gradients per rank).
+    extra = [m.transformer_layer for m in mtp.layers] if mtp is not None else []
+    for layer in list(model.decoder.layers) + extra:
         attn = layer.self_attention
         if c.multi_latent_attention:
             apply_mla_tensor_parallel(attn, group, sp)
