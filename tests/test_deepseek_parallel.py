@@ -3,8 +3,10 @@ loss, shared experts, a dense first layer) trains under real msrun exactly as in
 ep=2 with the all-to-all and the MegaMoE dispatchers, fsdp=2, pp=2 (layers 1 | 2), dp=2 with
 multi-token prediction (the shared embedding and head get both paths' gradients), and tp=2
 (MLA heads split, with an MTP depth whose transformer layer splits likewise; a dense-MLP
-variant with ``linear_q_proj``, since MoE with tensor parallel is not built). The MTP runs
-also compare the logged ``mtp_1_loss``.
+variant with ``linear_q_proj``, since MoE with tensor parallel is not built), and tp=2 with
+sequence parallel (the q / kv down-projections, with ``q_lora_rank``, on the gathered
+sequence; the MTP block on sequence shards). The MTP runs also compare the logged
+``mtp_1_loss``.
 
 Tolerance: rtol 1e-5 on loss and grad norm over 5 AdamW steps (fp32): the parallel runs sum the
 same terms in another order (all-reduce, sharded matmuls), ~1e-7 relative per step; a wrong
@@ -35,6 +37,7 @@ def test_proxy_ep2_megamoe_fsdp2_tp2_match_one_process(tmp_path):
     ref_moe = run_record(Trainer(load_config(DS_CONFIG, DS_BASE)))
     ref_dense = run_record(Trainer(load_config(DS_CONFIG, DS_BASE + DENSE_MLA + Q_PROJ + MTP)))
     ref_mtp = run_record(Trainer(load_config(DS_CONFIG, DS_BASE + MTP)))
+    ref_dense_q = run_record(Trainer(load_config(DS_CONFIG, DS_BASE + DENSE_MLA + MTP)))
     res = run_worker_job("train_parallel.py", tmp_path, 2, [
         spec("ep2", ["--parallel.expert_model_parallel_size", "2"]),
         spec("ep2_megamoe", ["--parallel.expert_model_parallel_size", "2",
@@ -42,11 +45,14 @@ def test_proxy_ep2_megamoe_fsdp2_tp2_match_one_process(tmp_path):
         spec("fsdp2", ["--parallel.fsdp_size", "2"]),
         spec("tp2", DENSE_MLA, Q_PROJ, MTP, ["--parallel.tensor_model_parallel_size", "2"]),
         spec("dp2_mtp", MTP),
+        spec("tp2_sp", DENSE_MLA, MTP, ["--parallel.tensor_model_parallel_size", "2",
+                                        "--parallel.sequence_parallel", "true"]),
         spec("pp2", ["--parallel.pipeline_model_parallel_size", "2",
                      "--parallel.num_layer_list", "1|2"]),        # "|": the list's comma
     ], timeout=900)
     for name, ref in (("ep2", ref_moe), ("ep2_megamoe", ref_moe), ("fsdp2", ref_moe),
-                      ("tp2", ref_dense), ("pp2", ref_moe), ("dp2_mtp", ref_mtp)):
+                      ("tp2", ref_dense), ("pp2", ref_moe), ("dp2_mtp", ref_mtp),
+                      ("tp2_sp", ref_dense_q)):
         run = res[name]
         assert len(run["loss"]) == 5, name
         np.testing.assert_allclose(run["loss"], ref["loss"], rtol=RTOL, err_msg=name)
