@@ -234,7 +234,9 @@ def test_trainer_adds_the_scaled_mtp_loss_and_logs_it(tmp_path):
     from deepseek_parallel_common import DS_BASE, DS_CONFIG
     from ms_llm.config import load_config
     from ms_llm.training.trainer import Trainer
-    one = ["--training.max_steps", "1", "--training.output_dir", str(tmp_path / "o")]
+    # no router aux loss: the MTP depth's MoE router would add its own (as in Megatron-Core)
+    one = ["--training.max_steps", "1", "--training.output_dir", str(tmp_path / "o"),
+           "--model.moe_aux_loss_coeff", "0"]
     plain = Trainer(load_config(DS_CONFIG, DS_BASE + one)).fit()[0]
     rows = Trainer(load_config(DS_CONFIG, DS_BASE + one + [
         "--model.mtp_num_layers", "1", "--model.mtp_loss_scaling_factor", "0.3"])).fit()

@@ -178,11 +178,14 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
                              f"not supported")
         policy = MixedPrecisionPolicy(param_dtype=p.fsdp_param_dtype,
                                       reduce_dtype=p.fsdp_reduce_dtype)
+        modules = p.fsdp_modules
+        if model.mtp is not None:   # read again by the MTP depths: left gathered in the root
+            modules = [m for m in modules if m not in ("embedding", "output_layer")]
         # Under pipeline parallel each model chunk is its own FSDP root.
         for unit, tied, strict in ([(model, None, True)] if chunks is None else
                                    [(c, c.last and c.output_layer is None, False)
                                     for c in chunks]):
-            apply_fsdp(unit, dp, modules=p.fsdp_modules,
+            apply_fsdp(unit, dp, modules=modules,
                        reshard_after_forward=p.reshard_after_forward, prefetch=p.fsdp_prefetch,
                        ignored_params=expert_params, mp_policy=policy, tied=tied, strict=strict)
     jit = cfg.training.jit
