@@ -139,6 +139,23 @@ def test_mtp_weights_are_loaded_when_asked_and_skipped_otherwise(hf_dir, tmp_pat
     model = from_pretrained(str(src), config=cfg)
     np.testing.assert_array_equal(model.mtp.layers[0].eh_proj.weight.asnumpy(),
                                   np.ones((H, 2 * H), np.float32))
+    # and they convert: HF -> Megatron (tp=2) -> HF bit-exact, MTP included (both families)
+    run("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src,
+        "--save-dir", tmp_path / "mg", "--target-tensor-parallel-size", "2")
+    sd = tp.load(str(tmp_path / "mg" / "iter_0000001" / "mp_rank_01" / "model_optim_rng.pt"))
+    assert "mtp.layers.0.transformer_layer.mlp.shared_experts.linear_fc1.weight" in sd["model"]
+    # newer Megatron-Core names the inner layer mtp_model_layer: read as well
+    for f in glob.glob(str(tmp_path / "mg" / "iter_0000001" / "mp_rank_*" / "*.pt")):
+        ck = tp.load(f)
+        ck["model"] = {k.replace(".transformer_layer.", ".mtp_model_layer."): v
+                       for k, v in ck["model"].items()}
+        tp.save(ck, f)
+    run("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", tmp_path / "mg",
+        "--save-dir", tmp_path / "back")
+    got = read_hf_weights(str(tmp_path / "back"))
+    assert set(got) == set(w)
+    for k in w:
+        assert same(got[k], w[k]), k
 
 
 @pytest.mark.parametrize("variant", ["mla", "glm"])

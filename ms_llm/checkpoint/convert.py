@@ -190,12 +190,22 @@ class MegatronSource:
         return True
 
     def mtp_layer(self, j: int) -> Dict:
-        """MTP depth ``j`` from the last pipeline stage (``mtp.layers.{j}.``)."""
+        """MTP depth ``j`` from the last pipeline stage (``mtp.layers.{j}.``; the inner layer
+        under ``transformer_layer.``, or ``mtp_model_layer.`` as newer Megatron-Core names it)."""
         p, c = self.lay.last_chunk()
         pre = f"mtp.layers.{j}."
-        return MTP.mtp_merge(self.spec, self.lay,
-                             lambda t, e, key: self.reader.tensor(t, p, e, c, pre + key), j,
-                             L.merge_layer)
+        try:
+            self.reader.tensor(0, p, 0, c, pre + "transformer_layer.input_layernorm.weight")
+            inner = None
+        except KeyError:
+            inner = (pre + "transformer_layer.", pre + "mtp_model_layer.")
+
+        def read(t: int, e: int, key: str) -> np.ndarray:
+            name = pre + key
+            if inner is not None and name.startswith(inner[0]):
+                name = inner[1] + name[len(inner[0]):]
+            return self.reader.tensor(t, p, e, c, name)
+        return MTP.mtp_merge(self.spec, self.lay, read, j, L.merge_layer)
 
     def close(self) -> None:
         self.reader.close()
