@@ -126,7 +126,7 @@ def _reference(big, mtp, ids, labels, mask):
                                        if all(q is not r for r in big.parameters())]
     norm = float(torch.sqrt(sum((q.grad.double() ** 2).sum() for q in params
                                 if q.grad is not None)))
-    return float(total), norm, means
+    return float(total.detach()), norm, means
 
 
 def _ms_model(path):
