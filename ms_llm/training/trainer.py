@@ -134,6 +134,9 @@ class Trainer:
         return loss
 
     def _dpo_objective(self) -> DPOObjective:
+        if self.model.mtp is not None:
+            raise ConfigError("training.stage dpo with model.mtp_num_layers is not built yet "
+                              "(the DPO loss has no MTP term); set model.mtp_num_layers 0")
         scale = 1.0 / (self.accum_steps * self.dp_group.size) if self.moe else None
         params = [q for _, q in self.named_params]
         return DPOObjective(self.cfg.dpo, self.model, params, self.dp_group, scale,
