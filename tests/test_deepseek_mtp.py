@@ -244,15 +244,3 @@ def test_trainer_adds_the_scaled_mtp_loss_and_logs_it(tmp_path):
     np.testing.assert_allclose(rows[0]["loss"], plain["loss"] + 0.3 * rows[0]["mtp_1_loss"],
                                rtol=1e-6)
 
-
-def test_pipeline_with_mtp_is_refused():
-    from types import SimpleNamespace
-
-    from deepseek_parallel_common import DS_BASE, DS_CONFIG
-    from ms_llm.config import load_config
-    from ms_llm.models import GPTModel
-    from ms_llm.parallel.parallelize import _pipeline_chunks
-    cfg = load_config(DS_CONFIG, DS_BASE + ["--model.mtp_num_layers", "1"])
-    two_stages = SimpleNamespace(sizes=SimpleNamespace(pp=2))
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size > 1 is not built yet"):
-        _pipeline_chunks(GPTModel(cfg.model), cfg, two_stages)

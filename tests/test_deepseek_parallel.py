@@ -1,7 +1,8 @@
 """The DeepSeek-V3 proxy (MLA, group-limited sigmoid routing with expert bias and sequence aux
 loss, shared experts, a dense first layer) trains under real msrun exactly as in one process:
 ep=2 with the all-to-all and the MegaMoE dispatchers, fsdp=2 (with an MTP depth: the
-embedding and head it reads again stay gathered in the root), pp=2 (layers 1 | 2), dp=2 with
+embedding and head it reads again stay gathered in the root), pp=2 (layers 1 | 2, the MTP depth
+on the last stage with its copy of the embedding), dp=2 with
 multi-token prediction (the shared embedding and head get both paths' gradients), and tp=2
 (MLA heads split, with an MTP depth whose transformer layer splits likewise; a dense-MLP
 variant with ``linear_q_proj``, since MoE with tensor parallel is not built), and tp=2 with
@@ -48,11 +49,11 @@ def test_proxy_ep2_megamoe_fsdp2_tp2_match_one_process(tmp_path):
         spec("dp2_mtp", MTP),
         spec("tp2_sp", DENSE_MLA, MTP, ["--parallel.tensor_model_parallel_size", "2",
                                         "--parallel.sequence_parallel", "true"]),
-        spec("pp2", ["--parallel.pipeline_model_parallel_size", "2",
-                     "--parallel.num_layer_list", "1|2"]),        # "|": the list's comma
+        spec("pp2_mtp", MTP, ["--parallel.pipeline_model_parallel_size", "2",
+                              "--parallel.num_layer_list", "1|2"]),   # "|": the list's comma
     ], timeout=900)
     for name, ref in (("ep2", ref_moe), ("ep2_megamoe", ref_moe), ("fsdp2_mtp", ref_mtp),
-                      ("tp2", ref_dense), ("pp2", ref_moe), ("dp2_mtp", ref_mtp),
+                      ("tp2", ref_dense), ("pp2_mtp", ref_mtp), ("dp2_mtp", ref_mtp),
                       ("tp2_sp", ref_dense_q)):
         run = res[name]
         assert len(run["loss"]) == 5, name

@@ -96,10 +96,6 @@ def _pipeline_chunks(model: GPTModel, cfg, pstate: ParallelState) -> Optional[li
     p = cfg.parallel
     if pstate.sizes.pp == 1:
         return None
-    if model.mtp is not None:
-        raise ValueError("model.mtp_num_layers with parallel.pipeline_model_parallel_size > 1 "
-                         "is not built yet (the MTP block would run on the last stage with a "
-                         "copy of the embedding)")
     return split_model(model, pstate, p.virtual_pipeline_model_parallel_size,
                        p.num_layer_list or None, p.noop_layers)
 

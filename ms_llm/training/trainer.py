@@ -15,6 +15,7 @@ from mindspore import Tensor
 
 from ms_llm.checkpoint import dcp
 from ms_llm.compat import manual_seed, setup_device
+from ms_llm.compat.autograd import is_recomputing
 from ms_llm.config import ConfigError, RunConfig
 from ms_llm.models import GPTModel, from_pretrained
 from ms_llm.models.moe import collect_router_counts, update_expert_bias
@@ -185,7 +186,13 @@ class Trainer:
         """All micro-batches through this rank's stages; the loss is summed on the last stage
         and shared over the pipeline group for logging."""
         def loss_of(per_token, b):
-            return (per_token * b["loss_mask"]).sum() * inv
+            loss = (per_token * b["loss_mask"]).sum() * inv
+            mtp = self.model.mtp_loss(b["loss_mask"])   # the last stage's MTP block
+            if mtp is None:
+                return loss
+            if not is_recomputing():     # the backward re-runs this forward: log it once
+                self.mtp_log.append([float(m.asnumpy()) for m in mtp[1]])
+            return loss + mtp[0] * inv
         loss, grads = self.pipeline.run([self._micro_batch(b) for b in batches], loss_of)
         loss = F.clone(loss)
         comm.all_reduce(loss, group=self.pstate.group("pp"))
@@ -298,7 +305,7 @@ class Trainer:
             update_expert_bias(self.model, self._sum_over_dp)
         tokens = sum(int(v.size) for b in batches for k, v in b.items() if k.endswith("tokens"))
         metrics = self.dpo.step_metrics() if self.dpo is not None else {}
-        if self.mtp_log:
+        if self.model.mtp is not None:
             metrics.update(self._mtp_metrics())
         return {"loss": total_loss, "grad_norm": norm, "lr": lr,
                 "tokens": tokens * self.dp_group.size, "metrics": metrics}
@@ -307,8 +314,14 @@ class Trainer:
         """Each MTP depth's loss (Megatron's ``mtp_{k} loss``): its per-token mean, averaged
         over the step's micro-batches and the data-parallel replicas. ``loss`` includes them
         times ``mtp_loss_scaling_factor / mtp_num_layers``."""
-        means = np.mean(np.array(self.mtp_log, np.float64), axis=0)
+        d = self.model.config.mtp_num_layers
+        means = np.mean(np.array(self.mtp_log, np.float64), axis=0) if self.mtp_log \
+            else np.zeros(d)
         self.mtp_log = []
+        if self.pipeline is not None:     # only the last stage ran the MTP block: share it
+            t = Tensor(means.astype(np.float32))
+            comm.all_reduce(t, group=self.pstate.group("pp"))
+            means = t.asnumpy().astype(np.float64)
         if self.dp_cp_group.size > 1:
             means = self._sum_over_dp(means) / self.dp_cp_group.size
         return {f"mtp_{k + 1}_loss": float(v) for k, v in enumerate(means)}
