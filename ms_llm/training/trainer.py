@@ -31,6 +31,7 @@ from ms_llm.parallel.placement import Mesh
 from ms_llm.parallel.runtime import DistInfo, init_distributed
 from ms_llm.parallel.state import initialize_model_parallel
 from . import grad as gradlib
+from . import mixed_precision
 from . import checkpointing as ckpt
 from .data_setup import build_data
 from .dpo import DPOObjective, reference_for
@@ -75,6 +76,7 @@ class Trainer:
         np.random.seed(t.seed)
         self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
         cfg.model = self.data.model_config
+        cfg.model = mixed_precision.model_config_for(cfg)   # training.bf16: bf16 parameters
         self.rss_before_model_gb = current_rss_gb()   # the baseline `ms-llm plan` predicts above
         self.model = build_model(cfg)
         self.moe = cfg.model.mlp_type == "moe"
@@ -187,11 +189,13 @@ class Trainer:
         """One compiled graph for forward, backward and the gradients' sum of squares (the
         global norm inside the graph saves a per-tensor PyNative dispatch for each gradient)."""
         grad_fn = self.grad_fn
+        to_fp32 = mixed_precision.grads_to_fp32 if self.cfg.training.bf16 else mixed_precision.same
 
         def fwd_bwd(tokens, labels, loss_mask, inv_tokens, attention_mask=None,
                     position_ids=None):
             loss, grads = grad_fn(tokens, labels, loss_mask, inv_tokens, attention_mask,
                                   position_ids)
+            grads = to_fp32(grads)   # training.bf16: fp32 gradients leave the graph
             return loss, grads, gradlib.sum_of_squares(grads)
         return ms.jit(fwd_bwd)
 
