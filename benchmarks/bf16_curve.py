@@ -72,6 +72,11 @@ def main() -> int:
         if s % args.every == 0 or s == steps[-1]:
             print(f"| {s} | {a[s]:.4f} | {b[s]:.4f} | {100 * dev:.2f}% |")
     ok = worst <= args.limit
+    last_dev = abs(b[steps[-1]] - a[steps[-1]]) / abs(a[steps[-1]])
+    if worst_step is None:   # the runs stopped (or were stopped) before step --after
+        print(f"\nsteps compared: {len(steps)} (last {steps[-1]}, deviation there "
+              f"{100 * last_dev:.2f}%); no logged step after {args.after} yet -> INCOMPLETE")
+        return 1
     print(f"\nsteps compared: {len(steps)} (last {steps[-1]}); max deviation after step "
           f"{args.after}: {100 * worst:.2f}% at step {worst_step} -> "
           f"{'PASS' if ok else 'FAIL'} (limit {100 * args.limit:.0f}%)")
