@@ -76,8 +76,8 @@ class Trainer:
         np.random.seed(t.seed)
         self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
         cfg.model = self.data.model_config
-        cfg.model = mixed_precision.model_config_for(cfg)   # training.bf16: bf16 parameters
         self.rss_before_model_gb = current_rss_gb()   # the baseline `ms-llm plan` predicts above
+        cfg.model = mixed_precision.model_config_for(cfg)   # training.bf16: bf16 parameters
         self.model = build_model(cfg)
         self.moe = cfg.model.mlp_type == "moe"
         try:
