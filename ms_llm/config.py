@@ -59,6 +59,7 @@ class TrainingConfig:
     clip_grad: float = 1.0
     log_interval: int = 1
     jit: bool = False                 # compile forward+backward with mindspore.jit
+    bf16: bool = False                # bf16 params/activations, fp32 main params + AdamW state
     device: str = "auto"              # auto | CPU | Ascend
     progress_bar: bool = True
     resume: str = "none"              # none | auto (needs checkpoint.save_dir)
@@ -69,7 +70,6 @@ class TrainingConfig:
     stage: Optional[str] = None       # null (pretrain / sft, per data.dataset_type) | dpo
     eval_interval: Optional[int] = None  # evaluate the data.split validation part every N steps
     eval_iters: int = 10              # global batches per evaluation
-    bf16: bool = False                # bf16 params/activations, fp32 main params + AdamW state
 
 
 @dataclass

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from ms_llm.compat.device import bf16_graph_supported
-from ms_llm.training.mixed_precision import fsdp_param_dtype
 from ms_llm.models.gpt import GPTModel
 from ms_llm.models.layers import MLP
 from ms_llm.models.moe import SharedExpertMLP, moe_layers
@@ -75,6 +74,8 @@ def _jit_blockers(cfg, pstate: ParallelState) -> List[str]:
     host-side token counts)."""
     p = cfg.parallel
     out = []
+    if cfg.training.bf16 and not bf16_graph_supported():
+        out.append("bf16 on CPU (MindSpore 2.10)")
     if pstate.sizes.tp > 1:
         out.append("tensor parallel")
     if p.fsdp_size > 1:
@@ -87,8 +88,6 @@ def _jit_blockers(cfg, pstate: ParallelState) -> List[str]:
         out.append("context parallel")
     if cfg.training.recompute_granularity or cfg.training.recompute_norm:
         out.append("activation recompute")
-    if cfg.training.bf16 and not bf16_graph_supported():
-        out.append("bf16 on CPU (MindSpore 2.10)")
     return out
 
 
@@ -171,7 +170,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
             raise ValueError(f"parallel.fsdp_size ({p.fsdp_size}) must equal the data-parallel "
                              f"size ({dp.size} = workers / tensor parallel); hybrid sharding is "
                              f"not supported")
-        policy = MixedPrecisionPolicy(param_dtype=fsdp_param_dtype(cfg),   # bf16: gather bf16
+        policy = MixedPrecisionPolicy(param_dtype=p.fsdp_param_dtype,
                                       reduce_dtype=p.fsdp_reduce_dtype)
         # Under pipeline parallel each model chunk is its own FSDP root.
         for unit, tied, strict in ([(model, None, True)] if chunks is None else

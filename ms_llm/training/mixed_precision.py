@@ -66,6 +66,13 @@ def fsdp_param_dtype(cfg) -> Optional[str]:
     return "bfloat16" if cfg.training.bf16 and p.fsdp_param_dtype is None else p.fsdp_param_dtype
 
 
+def apply_to_config(cfg) -> None:
+    """What ``training.bf16`` sets for the trainer: the model's parameter dtype and FSDP's
+    gathered-weight dtype (config checks already refused the combinations not built)."""
+    cfg.model = model_config_for(cfg)
+    cfg.parallel.fsdp_param_dtype = fsdp_param_dtype(cfg)
+
+
 def grads_to_fp32(grads: Sequence[Tensor]) -> tuple:
     """Low-precision gradients as fp32 (a loop, not a generator: also parsed by mindspore.jit)."""
     out = []

@@ -77,7 +77,7 @@ class Trainer:
         self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
         cfg.model = self.data.model_config
         self.rss_before_model_gb = current_rss_gb()   # the baseline `ms-llm plan` predicts above
-        cfg.model = mixed_precision.model_config_for(cfg)   # training.bf16: bf16 parameters
+        mixed_precision.apply_to_config(cfg)   # training.bf16: bf16 params, FSDP gathers
         self.model = build_model(cfg)
         self.moe = cfg.model.mlp_type == "moe"
         try:
