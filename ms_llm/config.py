@@ -59,6 +59,7 @@ class TrainingConfig:
     clip_grad: float = 1.0
     log_interval: int = 1
     jit: bool = False                 # compile forward+backward with mindspore.jit
+    bf16: bool = False                # bf16 params/activations, fp32 main params + AdamW state
     device: str = "auto"              # auto | CPU | Ascend
     progress_bar: bool = True
     resume: str = "none"              # none | auto (needs checkpoint.save_dir)
@@ -98,6 +99,7 @@ class ParallelConfig:
     fsdp_reduce_dtype: Optional[str] = None  # and of the gradient reduce-scatter (None = fp32)
     # Megatron's --use-distributed-optimizer: AdamW moments and fp32 main params sharded over dp
     use_distributed_optimizer: bool = False
+    grad_reduce_in_fp32: bool = True  # training.bf16: accumulate and reduce gradients in fp32
 
 
 @dataclass
@@ -355,7 +357,7 @@ def validate(cfg: RunConfig) -> None:
     """Checks that involve more than one key (single values were checked while parsing). Each
     error names the source of the key it is about."""
     for check in (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora,
-                  _check_stage):
+                  _check_stage, _check_bf16):
         check(cfg)
 
 
@@ -440,6 +442,13 @@ def _check_stage(cfg: RunConfig) -> None:
     """DPO and evaluation: what they need from the data and the layout."""
     from ms_llm.training.stage_rules import stage_problem
     problem = stage_problem(cfg)
+    if problem is not None:
+        _fail(cfg, problem[0], problem[1])
+
+
+def _check_bf16(cfg: RunConfig) -> None:
+    from ms_llm.training.mixed_precision import bf16_problem
+    problem = bf16_problem(cfg)
     if problem is not None:
         _fail(cfg, problem[0], problem[1])
 

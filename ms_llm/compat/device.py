@@ -111,3 +111,13 @@ def is_cpu() -> bool:
 
 def is_ascend() -> bool:
     return _device_is("Ascend")
+
+
+def bf16_graph_supported() -> bool:
+    """Whether a bf16 model can be captured by ``mindspore.jit`` on this device. MindSpore 2.10's
+    CPU graph mode has no bf16 ``TensorMove`` kernel ("Select CPU operator[TensorMove] fail!
+    Unsupported data type! ... get input[BFloat16]", inserted for the bf16 embedding table), so
+    bf16 training on CPU runs in PyNative there. Re-probe on a newer MindSpore."""
+    if not is_cpu():
+        return True
+    return not ms.__version__.startswith("2.10.")

@@ -26,7 +26,7 @@ from typing import List, Sequence, Tuple, Union
 import numpy as np
 from mindspore import Tensor, mint, ops
 
-from ms_llm.compat import F, int32, is_ascend, is_cpu
+from ms_llm.compat import F, bfloat16, float32, int32, is_ascend, is_cpu
 from ms_llm.compat._private import grouped_matmul_kernel
 from .linear import bmm, linear
 
@@ -75,7 +75,12 @@ def unpermute(expert_out: Tensor, restore: Tensor, probs: Tensor) -> Tensor:
     ``sum_j probs[t, j] * row(t*k + j)``, ``[T, H]``. ``probs`` is ``[T, k]``."""
     t, k = probs.shape
     rows = F.embedding(restore, expert_out).reshape(t, k, expert_out.shape[-1])
-    return F.sum(rows * probs.astype(rows.dtype).reshape(t, k, 1), 1)
+    if rows.dtype == float32:
+        return F.sum(rows * probs.astype(rows.dtype).reshape(t, k, 1), 1)
+    # bf16 rows: combine in fp32 (probs' gradient is a sum over H; MindSpore's CPU backend has
+    # no bf16 reduction kernel, and fp32 keeps the k-way sum exact before one rounding)
+    out = F.sum(rows.astype(float32) * probs.astype(float32).reshape(t, k, 1), 1)
+    return out.astype(rows.dtype)
 
 
 def _stacked(weight: Weights) -> Tensor:
@@ -103,6 +108,14 @@ def grouped_matmul(x: Tensor, weight: Weights, tokens_per_expert: Sequence[int],
                          f"{x.shape[0]} rows")
     if impl == "auto":
         impl = "native" if is_ascend() else CPU_DEFAULT_IMPL
+    if impl != "native" and x.dtype == bfloat16:
+        # bf16 on CPU: the per-expert slices' backward has no bf16 kernel in MindSpore 2.10
+        # (UnsortedSegmentSum), so slice fp32 copies; the products are the same (bf16 values,
+        # fp32 accumulation, one rounding of the result to bf16).
+        w32 = weight.astype(float32) if isinstance(weight, Tensor) else \
+            [w.astype(float32) for w in weight]
+        return grouped_matmul(x.astype(float32), w32, sizes, transpose_b=transpose_b,
+                              impl=impl).astype(bfloat16)
     if impl == "loop":
         return _gmm_loop(x, weight, sizes, transpose_b)
     if impl == "padded_bmm":

@@ -58,7 +58,8 @@ class GradBuckets:
         def hook(grad):
             if not self._active:
                 return grad
-            self._acc[i] = grad if self._acc[i] is None else self._acc[i] + grad
+            g32 = grad if grad.dtype == float32 else grad.astype(float32)   # bf16: fp32 sums
+            self._acc[i] = g32 if self._acc[i] is None else self._acc[i] + g32
             if self._last:
                 b = self.bucket_of[i]
                 self._pending[b] -= 1
@@ -103,7 +104,7 @@ class GradBuckets:
         for i in self.buckets[b]:
             p = self.params[i]
             n = int(np.prod(p.shape))
-            out[i] = mint.narrow(flat, 0, offset, n).reshape(p.shape).astype(p.dtype)
+            out[i] = mint.narrow(flat, 0, offset, n).reshape(p.shape)   # fp32 (bf16 models too)
             offset += n
 
 

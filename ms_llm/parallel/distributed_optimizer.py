@@ -38,6 +38,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, mint
 
 from ms_llm.compat import F, float32
+from ms_llm.training.mixed_precision import MainParamsAdamW, fp32_main_copy, grads_to_fp32
 from ms_llm.training.optimizer import AdamW
 from . import comm
 from .data_parallel import GradBuckets, PartitionedGradSync
@@ -198,8 +199,8 @@ class DistributedOptimizer:
         pl = placement_of(p)
         rows, rs = shard_rows(tuple(p.shape), pl, dim, g.size, g.rank)
         self._rows.append(rows)
-        if g.size == 1:
-            return p
+        if g.size == 1:   # the model parameter is its own main one, unless it is bf16
+            return p if p.dtype == float32 else fp32_main_copy(name, p)
         if not rs.length:
             return None
         data = p.asnumpy().reshape(rows)[rs.start:rs.start + rs.length]
@@ -223,7 +224,7 @@ class DistributedOptimizer:
 
     def step(self, grads: Sequence[Tensor], lr: Optional[float] = None) -> None:
         """AdamW on the shards, then the updated shards all-gathered into the model."""
-        self.inner.step(grads, lr)
+        self.inner.step(grads_to_fp32(grads), lr)
         self.gather_params()
 
     def gather_params(self) -> None:
@@ -242,8 +243,12 @@ class DistributedOptimizer:
                 work, parts_, layout_, idx_ = inflight
                 work.wait()
                 for i, full in zip(idx_, layout_.unpack_full(parts_)):
-                    F.copy_(self.model_params[i], full.reshape(self.model_params[i].shape))
+                    p = self.model_params[i]
+                    F.copy_(p, full.reshape(p.shape).astype(p.dtype))
             inflight = started
+        for p, main, d in zip(self.model_params, self.mains, self.dims):
+            if self.groups[d].size == 1 and main is not None and main is not p:   # bf16 model
+                F.copy_(p, main.astype(p.dtype))
 
     # ------------------------------------------------------------------ state and checkpoints
     def state_tensors(self, param: Parameter) -> list:
@@ -258,8 +263,21 @@ class DistributedOptimizer:
         return [("optimizer.exp_avg.", self.exp_avg[j], pl),
                 ("optimizer.exp_avg_sq.", self.exp_avg_sq[j], pl)]
 
+    def checkpoint_tensor(self, param: Parameter) -> Optional[Parameter]:
+        """What a checkpoint stores as model parameter ``param``: the parameter itself, or for a
+        low-precision (bf16) model this rank's fp32 main shard (None: an empty shard here), so
+        resuming a bf16 run is exact."""
+        i = self._model_slot.get(id(param))
+        if i is None or param.dtype == float32:
+            return param
+        return self.mains[i]
+
     def load_finished(self) -> None:
-        """After the model parameters were loaded: take the main shards from them."""
+        """After the model parameters were loaded: take the main shards from them (a bf16
+        model: the fp32 main shards were loaded, the model parameters are gathered from them)."""
+        if any(p.dtype != float32 for p in self.model_params):
+            self.gather_params()
+            return
         for p, main, rows, d in zip(self.model_params, self.mains, self._rows, self.dims):
             if main is None or main is p:
                 continue
@@ -285,6 +303,8 @@ def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = Fals
     kw = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
               weight_decay=t.weight_decay)
     if not p.use_distributed_optimizer:
+        if any(q.dtype != float32 for _, q in named_params):   # training.bf16
+            return MainParamsAdamW(named_params, **kw)
         return AdamW(named_params, **kw)
     overlap = p.ddp_overlap and not jit and pstate.sizes.pp == 1
     return DistributedOptimizer(named_params, pstate, bucket_mb=p.ddp_bucket_mb,

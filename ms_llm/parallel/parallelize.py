@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from ms_llm.compat.device import bf16_graph_supported
 from ms_llm.models.gpt import GPTModel
 from ms_llm.models.layers import MLP
 from ms_llm.models.moe import SharedExpertMLP, moe_layers
@@ -73,6 +74,8 @@ def _jit_blockers(cfg, pstate: ParallelState) -> List[str]:
     host-side token counts)."""
     p = cfg.parallel
     out = []
+    if cfg.training.bf16 and not bf16_graph_supported():
+        out.append("bf16 on CPU (MindSpore 2.10)")
     if pstate.sizes.tp > 1:
         out.append("tensor parallel")
     if p.fsdp_size > 1:

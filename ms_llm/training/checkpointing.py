@@ -29,9 +29,12 @@ def _pieces(named_params, optimizer, pstate):
     distributed optimizer's moments carry the ``dp``/``edp`` cut in their placement."""
     mesh = Mesh.of(pstate)
     for name, p in named_params:
-        pl = placement_of(p)
-        yield (pl, "", p, checkpoint_regions(name, tuple(p.shape), pl, mesh),
-               writes_checkpoint(pl, mesh))
+        # bf16 training: the fp32 main parameter (or this rank's shard of it) is what is stored
+        src = optimizer.checkpoint_tensor(p) if hasattr(optimizer, "checkpoint_tensor") else p
+        if src is not None:
+            pl = placement_of(src)
+            yield (pl, "", src, checkpoint_regions(name, tuple(src.shape), pl, mesh),
+                   writes_checkpoint(pl, mesh))
         for prefix, tensor, spl in optimizer.state_tensors(p):
             yield (spl, prefix, tensor, checkpoint_regions(name, tuple(tensor.shape), spl, mesh),
                    writes_checkpoint(spl, mesh))

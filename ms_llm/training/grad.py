@@ -7,11 +7,13 @@ from typing import List, Optional, Sequence
 import numpy as np
 from mindspore import Tensor, mint
 
-from ms_llm.compat import F
+from ms_llm.compat import F, float32
 from ms_llm.parallel.placement import counted_in_norm, norm_dims, placement_of
 
 
 def accumulate(acc: Optional[List[Tensor]], grads: Sequence[Tensor]) -> List[Tensor]:
+    """Sum micro-batch gradients, in fp32 (bf16 gradients of a ``training.bf16`` run upcast)."""
+    grads = [g if g.dtype == float32 else g.astype(float32) for g in grads]
     if acc is None:
         return list(grads)
     return [a + g for a, g in zip(acc, grads)]

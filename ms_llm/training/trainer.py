@@ -32,6 +32,7 @@ from ms_llm.parallel.placement import Mesh
 from ms_llm.parallel.runtime import DistInfo, init_distributed
 from ms_llm.parallel.state import initialize_model_parallel
 from . import grad as gradlib
+from . import mixed_precision
 from . import checkpointing as ckpt
 from . import faults, resilience, rng_state
 from .data_setup import build_data
@@ -80,6 +81,7 @@ class Trainer:
         cfg.model = self.data.model_config
         reset_peak_rss()   # the logged peak is training's, not the data set-up's transients
         self.rss_before_model_gb = current_rss_gb()   # the baseline `ms-llm plan` predicts above
+        mixed_precision.apply_to_config(cfg)   # training.bf16: bf16 params, FSDP gathers
         self.model = build_model(cfg)
         self.moe = cfg.model.mlp_type == "moe"
         try:
@@ -207,11 +209,13 @@ class Trainer:
         """One compiled graph for forward, backward and the gradients' sum of squares (the
         global norm inside the graph saves a per-tensor PyNative dispatch for each gradient)."""
         grad_fn = self.grad_fn
+        to_fp32 = mixed_precision.grads_to_fp32 if self.cfg.training.bf16 else mixed_precision.same
 
         def fwd_bwd(tokens, labels, loss_mask, inv_tokens, attention_mask=None,
                     position_ids=None):
             loss, grads = grad_fn(tokens, labels, loss_mask, inv_tokens, attention_mask,
                                   position_ids)
+            grads = to_fp32(grads)   # training.bf16: fp32 gradients leave the graph
             return loss, grads, gradlib.sum_of_squares(grads)
         return ms.jit(fwd_bwd)
 

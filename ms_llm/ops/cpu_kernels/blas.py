@@ -4,7 +4,8 @@ The kernels live in ``blas_kernels.cpp``, compiled into their own library linked
 package ``scipy-openblas32`` (see :mod:`.build`). :func:`blas_available` is False (reason logged once)
 when that package or the compiler is missing; the functions then run ``mindspore.mint`` matmuls.
 
-Same conventions as :mod:`.functional`: fp32 compute (fp16/bf16 inputs upcast, result cast back),
+Same conventions as :mod:`.functional`: fp32 compute (fp16 inputs upcast, result cast back; bf16
+operands go to the kernels as they are -- bf16 x bf16 with fp32 accumulation, see :mod:`.bf16_gemm`),
 works in PyNative and inside ``mindspore.jit`` (availability and primitives reached through
 ``constexpr`` helpers, so a jit graph keeps the choice made when it was compiled).
 
@@ -46,6 +47,8 @@ def _cdll():
     if not _THREADS["set"]:  # first use: replace OpenBLAS's load-time thread count (see module doc)
         _THREADS["set"] = True
         lib.MsLlmBlasSetThreads(default_blas_threads())
+        from .bf16_gemm import register_bf16_gemm
+        register_bf16_gemm(lib, default_blas_threads())
     return lib
 
 
@@ -170,6 +173,13 @@ def _f32(t):
     return t if t.dtype == ms.float32 else t.astype(ms.float32)
 
 
+@constexpr
+def _native_dtypes(*dtypes):
+    """True when the kernels take these operands as they are: all fp32, or all bf16 (widened to
+    fp32 inside the kernel, or multiplied by the registered bf16 GEMM; fp32 accumulation)."""
+    return all(d == ms.float32 for d in dtypes) or all(d == ms.bfloat16 for d in dtypes)
+
+
 def linear(x, weight, bias=None):
     """``x @ weight.T (+ bias)``: x [..., K], weight [N, K], bias [N] or None -> [..., N].
 
@@ -179,6 +189,10 @@ def linear(x, weight, bias=None):
     if not _blas_enabled():
         return mint.nn.functional.linear(x, weight, bias)
     dt = x.dtype
+    if bias is None and _native_dtypes(dt, weight.dtype):   # fp32, or bf16 in and out
+        return _prim("linear")(x, weight)
+    if bias is not None and _native_dtypes(dt, weight.dtype, bias.dtype):
+        return _prim("linear_bias")(x, weight, bias)
     if bias is None:
         y = _prim("linear")(_f32(x), _f32(weight))
     else:
@@ -195,5 +209,8 @@ def bmm(a, b, transpose_a=False, transpose_b=False):
         bb = b.swapaxes(-1, -2) if transpose_b else b
         return mint.matmul(aa, bb)
     dt = a.dtype
-    c = _prim(_bmm_name(transpose_a, transpose_b))(_f32(a), _f32(b), int(bool(transpose_a)), int(bool(transpose_b)))
+    prim = _prim(_bmm_name(transpose_a, transpose_b))
+    if _native_dtypes(dt, b.dtype):   # fp32, or bf16 in and out
+        return prim(a, b, int(bool(transpose_a)), int(bool(transpose_b)))
+    c = prim(_f32(a), _f32(b), int(bool(transpose_a)), int(bool(transpose_b)))
     return c if dt == ms.float32 else c.astype(dt)

@@ -10,6 +10,13 @@
 //                     const char **dtypes, void *stream, void *extra)
 // Non-zero return makes MindSpore raise. Python scalars arrive as 0-d tensors (int -> "int64").
 //
+// bf16: every float tensor may be fp32 or bf16 ("bfloat16"), independently. bf16 inputs are
+// widened to fp32 (exact) and multiplied with fp32 accumulation, bf16 outputs are rounded to
+// nearest even from the fp32 result. The GEMM itself is OpenBLAS sgemm on the widened values, or,
+// when Python registered one (MsLlmBlasSetBf16Gemm: oneMKL's cblas_gemm_bf16bf16f32, which runs on
+// AVX512-BF16 / AMX units), a native bf16 x bf16 -> fp32 GEMM on the bf16 operands directly.
+// Both compute the same numbers up to the fp32 summation order.
+//
 // Threading: the GEMMs run on OpenBLAS's own pthread pool (default: one thread per CPU in the
 // affinity mask, or OPENBLAS_NUM_THREADS / GOTO_NUM_THREADS / OMP_NUM_THREADS read when the library
 // is loaded; MsLlmBlasSetThreads changes it at run time). The element-wise parts (bias, bias grad)
@@ -53,6 +60,74 @@ bool read_int(const void *p, const char *d, int64_t *out) {
 
 bool fits(int64_t v) { return v >= 0 && v < (int64_t(1) << 31); }
 
+bool is_bf16(const char *d) { return std::strcmp(d, "bfloat16") == 0; }
+bool is_float(const char *d) { return is_f32(d) || is_bf16(d); }
+
+// cblas_gemm_bf16bf16f32's signature (MKL_INT = int in the LP64 interface, MKL_BF16 = uint16).
+typedef void (*GemmBf16Fn)(int, int, int, int, int, int, float, const uint16_t *, int, const uint16_t *,
+                           int, float, float *, int);
+GemmBf16Fn g_gemm_bf16 = nullptr;
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// An input tensor seen as fp32 (bf16 widened once, on first use) and, if bf16, as raw bf16.
+struct In {
+  const float *f32 = nullptr;
+  const uint16_t *bf = nullptr;
+  int64_t n = 0;
+  std::vector<float> tmp;
+  In(const void *p, const char *d, int64_t count) : n(count) {
+    if (is_bf16(d)) bf = static_cast<const uint16_t *>(p);
+    else f32 = static_cast<const float *>(p);
+  }
+  const float *f() {
+    if (!f32) {
+      tmp.resize(static_cast<size_t>(n));
+      float *t = tmp.data();
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) t[i] = bf16_to_f32(bf[i]);
+      f32 = t;
+    }
+    return f32;
+  }
+};
+
+// An output tensor: computed in fp32 (in place, or in a scratch buffer rounded into bf16 by done()).
+struct Out {
+  float *f32 = nullptr;
+  uint16_t *bf = nullptr;
+  int64_t n = 0;
+  std::vector<float> tmp;
+  Out(void *p, const char *d, int64_t count) : n(count) {
+    if (is_bf16(d)) {
+      bf = static_cast<uint16_t *>(p);
+      tmp.resize(static_cast<size_t>(n));
+      f32 = tmp.data();
+    } else {
+      f32 = static_cast<float *>(p);
+    }
+  }
+  void done() {
+    if (!bf) return;
+    const float *t = f32;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) bf[i] = f32_to_bf16(t[i]);
+  }
+};
+
 // C[m, n] = op(A) op(B) (+ beta * C), row-major contiguous operands; op(A) is [m, k], op(B) [k, n].
 // A is stored [m, k] (ta=false) or [k, m] (ta=true); B is stored [k, n] or [n, k].
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float *a, const float *b, float beta,
@@ -68,12 +143,26 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float *a, con
                     static_cast<blasint>(n));
 }
 
+// gemm() on In operands at element offsets oa, ob: the native bf16 GEMM when both are bf16 and one
+// is registered, else sgemm on the fp32 (widened) values.
+void gemm_in(bool ta, bool tb, int64_t m, int64_t n, int64_t k, In &a, int64_t oa, In &b, int64_t ob,
+             float beta, float *c) {
+  if (g_gemm_bf16 && a.bf && b.bf && m && n && k) {
+    g_gemm_bf16(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), 1.0f, a.bf + oa,
+                static_cast<int>(ta ? m : k), b.bf + ob, static_cast<int>(tb ? k : n), beta, c,
+                static_cast<int>(n));
+    return;
+  }
+  gemm(ta, tb, m, n, k, a.f() + oa, b.f() + ob, beta, c);
+}
+
 // --- linear: y[M, N] = x[M, K] w[N, K]^T (+ b[N]), x any shape [..., K]
 int linear_fwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, bool bias) {
   const int nin = bias ? 3 : 2;
   if (nparam != nin + 1) return kErrNParam;
   for (int i = 0; i <= nin; ++i)
-    if (!is_f32(dtypes[i])) return kErrDtype;
+    if (!is_float(dtypes[i])) return kErrDtype;
   if (ndims[0] < 1 || ndims[1] != 2) return kErrShape;
   const int64_t k = shapes[0][ndims[0] - 1];
   const int64_t n = shapes[1][0];
@@ -82,20 +171,21 @@ int linear_fwd(int nparam, void **params, int *ndims, int64_t **shapes, const ch
   if (bias && numel(ndims[2], shapes[2]) != n) return kErrShape;
   if (numel(ndims[nin], shapes[nin]) != m * n) return kErrShape;
   if (!fits(m) || !fits(n) || !fits(k)) return kErrTooLarge;
-  const float *x = static_cast<const float *>(params[0]);
-  const float *w = static_cast<const float *>(params[1]);
-  float *y = static_cast<float *>(params[nin]);
+  In x(params[0], dtypes[0], m * k), w(params[1], dtypes[1], n * k);
+  Out y(params[nin], dtypes[nin], m * n);
   float beta = 0.f;
   if (bias) {  // prefill rows with the bias and accumulate (OpenBLAS scales C by beta first anyway)
-    const float *b = static_cast<const float *>(params[2]);
-    for (int64_t i = 0; i < m; ++i) std::memcpy(y + i * n, b, sizeof(float) * n);
+    In b(params[2], dtypes[2], n);
+    const float *bv = b.f();
+    for (int64_t i = 0; i < m; ++i) std::memcpy(y.f32 + i * n, bv, sizeof(float) * n);
     beta = 1.f;
   }
   if (k == 0 && !bias) {
-    std::memset(y, 0, sizeof(float) * m * n);
-    return 0;
+    std::memset(y.f32, 0, sizeof(float) * m * n);
+  } else {
+    gemm_in(false, true, m, n, k, x, 0, w, 0, beta, y.f32);
   }
-  gemm(false, true, m, n, k, x, w, beta, y);
+  y.done();
   return 0;
 }
 
@@ -104,7 +194,7 @@ int linear_bwd(int nparam, void **params, int *ndims, int64_t **shapes, const ch
   const int nout = bias ? 3 : 2;
   if (nparam != 3 + nout) return kErrNParam;
   for (int i = 0; i < 3 + nout; ++i)
-    if (!is_f32(dtypes[i])) return kErrDtype;
+    if (!is_float(dtypes[i])) return kErrDtype;
   if (ndims[0] < 1 || ndims[1] != 2) return kErrShape;
   const int64_t k = shapes[0][ndims[0] - 1];
   const int64_t n = shapes[1][0];
@@ -114,28 +204,29 @@ int linear_bwd(int nparam, void **params, int *ndims, int64_t **shapes, const ch
   if (numel(ndims[3], shapes[3]) != m * k || numel(ndims[4], shapes[4]) != n * k) return kErrShape;
   if (bias && numel(ndims[5], shapes[5]) != n) return kErrShape;
   if (!fits(m) || !fits(n) || !fits(k)) return kErrTooLarge;
-  const float *x = static_cast<const float *>(params[0]);
-  const float *w = static_cast<const float *>(params[1]);
-  const float *dy = static_cast<const float *>(params[2]);
-  float *dx = static_cast<float *>(params[3]);
-  float *dw = static_cast<float *>(params[4]);
+  In x(params[0], dtypes[0], m * k), w(params[1], dtypes[1], n * k), dy(params[2], dtypes[2], m * n);
+  Out dx(params[3], dtypes[3], m * k), dw(params[4], dtypes[4], n * k);
   if (n == 0 || m == 0) {  // empty products: gradients are zero
-    std::memset(dx, 0, sizeof(float) * m * k);
-    std::memset(dw, 0, sizeof(float) * n * k);
+    std::memset(dx.f32, 0, sizeof(float) * m * k);
+    std::memset(dw.f32, 0, sizeof(float) * n * k);
   } else {
-    gemm(false, false, m, k, n, dy, w, 0.f, dx);  // [M, N] x [N, K]
-    gemm(true, false, n, k, m, dy, x, 0.f, dw);   // dy stored [M, N] -> dy^T [N, M]; x [M, K]
+    gemm_in(false, false, m, k, n, dy, 0, w, 0, 0.f, dx.f32);  // [M, N] x [N, K]
+    gemm_in(true, false, n, k, m, dy, 0, x, 0, 0.f, dw.f32);   // dy stored [M, N] -> dy^T [N, M]; x [M, K]
   }
+  dx.done();
+  dw.done();
   if (bias) {
-    float *db = static_cast<float *>(params[5]);
+    Out db(params[5], dtypes[5], n);
+    const float *g = dy.f();
     std::vector<double> acc(static_cast<size_t>(n), 0.0);  // double: sums of up to ~1e5 rows
     double *a = acc.data();
     for (int64_t i = 0; i < m; ++i) {
-      const float *row = dy + i * n;
+      const float *row = g + i * n;
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) a[j] += row[j];
     }
-    for (int64_t j = 0; j < n; ++j) db[j] = static_cast<float>(a[j]);
+    for (int64_t j = 0; j < n; ++j) db.f32[j] = static_cast<float>(a[j]);
+    db.done();
   }
   return 0;
 }
@@ -171,6 +262,11 @@ int bmm_flags(void **params, const char **dtypes, int ia, bool *ta, bool *tb) {
 
 MSLLM_EXPORT int MsLlmBlasKernelsAbiVersion() { return 1; }
 
+// Register (or, with nullptr, remove) a native bf16 GEMM with cblas_gemm_bf16bf16f32's signature.
+MSLLM_EXPORT void MsLlmBlasSetBf16Gemm(void *fn) { g_gemm_bf16 = reinterpret_cast<GemmBf16Fn>(fn); }
+
+MSLLM_EXPORT int MsLlmBlasHasBf16Gemm() { return g_gemm_bf16 != nullptr; }
+
 MSLLM_EXPORT int MsLlmBlasGetThreads() { return scipy_openblas_get_num_threads(); }
 
 MSLLM_EXPORT void MsLlmBlasSetThreads(int n) { scipy_openblas_set_num_threads(n); }
@@ -204,18 +300,18 @@ MSLLM_EXPORT int LinearBiasBwd(int nparam, void **params, int *ndims, int64_t **
 MSLLM_EXPORT int BmmFwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
                         void *) {
   if (nparam != 5) return kErrNParam;
-  if (!is_f32(dtypes[0]) || !is_f32(dtypes[1]) || !is_f32(dtypes[4])) return kErrDtype;
+  if (!is_float(dtypes[0]) || !is_float(dtypes[1]) || !is_float(dtypes[4])) return kErrDtype;
   bool ta, tb;
   if (int e = bmm_flags(params, dtypes, 2, &ta, &tb)) return e;
   BmmDims d;
   if (!bmm_dims(ndims, shapes, ta, tb, &d)) return kErrShape;
   if (numel(ndims[4], shapes[4]) != d.batch * d.m * d.n) return kErrShape;
   if (!fits(d.m) || !fits(d.n) || !fits(d.k)) return kErrTooLarge;
-  const float *a = static_cast<const float *>(params[0]);
-  const float *b = static_cast<const float *>(params[1]);
-  float *c = static_cast<float *>(params[4]);
+  In a(params[0], dtypes[0], d.batch * d.m * d.k), b(params[1], dtypes[1], d.batch * d.k * d.n);
+  Out c(params[4], dtypes[4], d.batch * d.m * d.n);
   for (int64_t i = 0; i < d.batch; ++i)
-    gemm(ta, tb, d.m, d.n, d.k, a + i * d.m * d.k, b + i * d.k * d.n, 0.f, c + i * d.m * d.n);
+    gemm_in(ta, tb, d.m, d.n, d.k, a, i * d.m * d.k, b, i * d.k * d.n, 0.f, c.f32 + i * d.m * d.n);
+  c.done();
   return 0;
 }
 
@@ -224,7 +320,7 @@ MSLLM_EXPORT int BmmBwd(int nparam, void **params, int *ndims, int64_t **shapes,
                         void *) {
   if (nparam != 7) return kErrNParam;
   for (int i : {0, 1, 2, 5, 6})
-    if (!is_f32(dtypes[i])) return kErrDtype;
+    if (!is_float(dtypes[i])) return kErrDtype;
   bool ta, tb;
   if (int e = bmm_flags(params, dtypes, 3, &ta, &tb)) return e;
   BmmDims d;
@@ -234,28 +330,28 @@ MSLLM_EXPORT int BmmBwd(int nparam, void **params, int *ndims, int64_t **shapes,
       numel(ndims[6], shapes[6]) != d.batch * sb)
     return kErrShape;
   if (!fits(d.m) || !fits(d.n) || !fits(d.k)) return kErrTooLarge;
-  const float *a = static_cast<const float *>(params[0]);
-  const float *b = static_cast<const float *>(params[1]);
-  const float *dc = static_cast<const float *>(params[2]);
-  float *da = static_cast<float *>(params[5]);
-  float *db = static_cast<float *>(params[6]);
+  In a(params[0], dtypes[0], d.batch * sa), b(params[1], dtypes[1], d.batch * sb),
+      dc(params[2], dtypes[2], d.batch * sc);
+  Out da(params[5], dtypes[5], d.batch * sa), db(params[6], dtypes[6], d.batch * sb);
   const int64_t m = d.m, n = d.n, k = d.k;
   for (int64_t i = 0; i < d.batch; ++i) {
-    const float *ai = a + i * sa, *bi = b + i * sb, *gi = dc + i * sc;
-    float *dai = da + i * sa, *dbi = db + i * sb;
+    const int64_t oa = i * sa, ob = i * sb, og = i * sc;
+    float *dai = da.f32 + oa, *dbi = db.f32 + ob;
     if (!ta && !tb) {         // a [M,K], b [K,N]
-      gemm(false, true, m, k, n, gi, bi, 0.f, dai);   // dA = dC B^T      [M,K]
-      gemm(true, false, k, n, m, ai, gi, 0.f, dbi);   // dB = A^T dC      [K,N]
+      gemm_in(false, true, m, k, n, dc, og, b, ob, 0.f, dai);   // dA = dC B^T      [M,K]
+      gemm_in(true, false, k, n, m, a, oa, dc, og, 0.f, dbi);   // dB = A^T dC      [K,N]
     } else if (!ta && tb) {   // a [M,K], b [N,K]
-      gemm(false, false, m, k, n, gi, bi, 0.f, dai);  // dA = dC B        [M,K]
-      gemm(true, false, n, k, m, gi, ai, 0.f, dbi);   // dB = dC^T A      [N,K]
+      gemm_in(false, false, m, k, n, dc, og, b, ob, 0.f, dai);  // dA = dC B        [M,K]
+      gemm_in(true, false, n, k, m, dc, og, a, oa, 0.f, dbi);   // dB = dC^T A      [N,K]
     } else if (ta && !tb) {   // a [K,M], b [K,N]
-      gemm(false, true, k, m, n, bi, gi, 0.f, dai);   // dA = B dC^T      [K,M]
-      gemm(false, false, k, n, m, ai, gi, 0.f, dbi);  // dB = A dC        [K,N]
+      gemm_in(false, true, k, m, n, b, ob, dc, og, 0.f, dai);   // dA = B dC^T      [K,M]
+      gemm_in(false, false, k, n, m, a, oa, dc, og, 0.f, dbi);  // dB = A dC        [K,N]
     } else {                  // a [K,M], b [N,K]
-      gemm(true, true, k, m, n, bi, gi, 0.f, dai);    // dA = B^T dC^T    [K,M]
-      gemm(true, true, n, k, m, gi, ai, 0.f, dbi);    // dB = dC^T A^T    [N,K]
+      gemm_in(true, true, k, m, n, b, ob, dc, og, 0.f, dai);    // dA = B^T dC^T    [K,M]
+      gemm_in(true, true, n, k, m, dc, og, a, oa, 0.f, dbi);    // dB = dC^T A^T    [N,K]
     }
   }
+  da.done();
+  db.done();
   return 0;
 }

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mindspore import Tensor
 
-from ms_llm.compat import F
+from ms_llm.compat import F, float32
 from ms_llm.compat.autograd import DeferredVJP
 from ms_llm.models.moe import collect_router_counts
 from .. import comm
@@ -142,6 +142,7 @@ class PipelineExecutor:
             inbox.pop(("grad", act.microbatch, act.chunk))
         gx, gw = vjp.backward(dy)
         acc = grads[act.chunk]
+        gw = [g if g.dtype == float32 else g.astype(float32) for g in gw]   # bf16: fp32 sums
         grads[act.chunk] = list(gw) if acc is None else [a + g for a, g in zip(acc, gw)]
         return None if chunk.first else gx[0]
 
