@@ -69,6 +69,7 @@ class TrainingConfig:
     stage: Optional[str] = None       # null (pretrain / sft, per data.dataset_type) | dpo
     eval_interval: Optional[int] = None  # evaluate the data.split validation part every N steps
     eval_iters: int = 10              # global batches per evaluation
+    peak_tflops: Optional[float] = None  # MFU divisor per device; null: CPU GEMM probe (cached)
 
 
 @dataclass
