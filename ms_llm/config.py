@@ -61,6 +61,7 @@ class TrainingConfig:
     jit: bool = False                 # compile forward+backward with mindspore.jit
     device: str = "auto"              # auto | CPU | Ascend
     progress_bar: bool = True
+    peak_tflops: Optional[float] = None  # MFU divisor per device; null: CPU GEMM probe (cached)
     resume: str = "none"              # none | auto (needs checkpoint.save_dir)
     recompute_granularity: Optional[str] = None   # null | full (whole layers) | selective
     recompute_method: Optional[str] = None        # null | uniform (every layer) | block
@@ -69,7 +70,6 @@ class TrainingConfig:
     stage: Optional[str] = None       # null (pretrain / sft, per data.dataset_type) | dpo
     eval_interval: Optional[int] = None  # evaluate the data.split validation part every N steps
     eval_iters: int = 10              # global batches per evaluation
-    peak_tflops: Optional[float] = None  # MFU divisor per device; null: CPU GEMM probe (cached)
 
 
 @dataclass
