@@ -73,3 +73,10 @@ def test_metrics_rows_carry_tflops_and_mfu(tmp_path, capsys):
     assert row["tflops_per_device"] == pytest.approx(0.1) and row["mfu"] == pytest.approx(0.2)
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["mfu"] == pytest.approx(0.2)
     assert "| TFLOP/s/device: 0.100 | MFU: 20.0% |" in capsys.readouterr().out
+
+
+def test_peak_tflops_key_is_checked():
+    from ms_llm.config import load_config
+    assert load_config(None, ["--training.peak_tflops", "0.25"]).training.peak_tflops == 0.25
+    with pytest.raises(ConfigError, match="training.peak_tflops must be"):
+        load_config(None, ["--training.peak_tflops", "-1"])
