@@ -20,7 +20,7 @@ warm-up. Variants:
 
 Every row of one run is measured back to back on the same machine; on a shared machine compare
 the ratios, not the absolute figures. MFU is against the peak fp32 GEMM rate of the kernel
-ms-llm's linears use (``ms_llm.training.peak``: the cached probe), model FLOPs per token from
+ms-llm's linears use (``ms_llm.training.peak``'s probe, measured in this run), model FLOPs per token from
 ``ms_llm.training.flops`` (the same for every row: same model).
 
 Usage: ``python benchmarks/train_step.py [--steps 6] [--warmup 2] [--variants a,b]``
@@ -283,16 +283,17 @@ def child(variant: str, steps: int, warmup: int) -> None:
 
 
 def model_flops_and_peak() -> tuple:
-    """(model FLOPs per token, peak fp32 TFLOP/s of the cached probe) for the MFU column."""
+    """(model FLOPs per token, peak fp32 TFLOP/s) for the MFU column: the trainer's GEMM probe,
+    measured afresh in this run (not the cached figure, which may come from a busier moment)."""
     from ms_llm.compat import setup_device
     from ms_llm.models.config import TransformerConfig
     from ms_llm.training.flops import flops_per_token
-    from ms_llm.training.peak import cpu_peak_tflops
+    from ms_llm.training.peak import measure_cpu_peak
     setup_device("CPU")
     c = TransformerConfig(num_layers=LAYERS, hidden_size=H, ffn_hidden_size=FFN,
                           num_attention_heads=HEADS, num_query_groups=KV, kv_channels=H // HEADS,
                           padded_vocab_size=VOCAB)
-    return flops_per_token(c, SEQ), cpu_peak_tflops()
+    return flops_per_token(c, SEQ), measure_cpu_peak()
 
 
 def main() -> None:

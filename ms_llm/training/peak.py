@@ -102,7 +102,8 @@ def cpu_peak_tflops(say=None) -> float:
         if say:
             say(f"could not cache the peak probe in {file}: {e}")
     if say:
-        say(f"peak fp32 GEMM probe: {peak:.3f} TFLOP/s ({key}); cached in {file}")
+        say(f"peak fp32 GEMM probe: {peak:.3f} TFLOP/s ({key}); cached in {file} (delete it "
+            f"to re-measure: a busy machine measures low)")
     return peak
 
 
