@@ -10,6 +10,18 @@ warm-up. Variants:
 * ``ms_plain``      the same architecture written directly in MindSpore PyNative (mint ops,
                     ``ops.cross_entropy``, ``experimental.optim.AdamW``): the floor
 * ``torch``         PyTorch eager fp32, if torch is installed (``pip install -e .[bench]``)
+* ``torch_bf16``    the same under ``torch.autocast("cpu", torch.bfloat16)`` (fp32 weights and
+                    optimizer, bf16 matmuls): PyTorch's mixed-precision recipe
+* ``cli``           ``ms-llm train`` itself (subprocess through the console script, PyNative),
+                    tokens/s read from its ``metrics.jsonl``: the end-to-end figure, with data
+                    loading, logging and the loop's host work; ``cli_jit`` with ``training.jit``
+* ``cli_bf16``      ``ms-llm train --training.bf16 true``, only when the config schema has that
+                    key (mixed precision is another branch's work; "n/a" otherwise)
+
+Every row of one run is measured back to back on the same machine; on a shared machine compare
+the ratios, not the absolute figures. MFU is against the peak fp32 GEMM rate of the kernel
+ms-llm's linears use (``ms_llm.training.peak``'s probe, measured in this run), model FLOPs per token from
+``ms_llm.training.flops`` (the same for every row: same model).
 
 Usage: ``python benchmarks/train_step.py [--steps 6] [--warmup 2] [--variants a,b]``
 """
@@ -28,6 +40,14 @@ import numpy as np
 
 H, LAYERS, HEADS, KV, FFN, VOCAB, SEQ, BATCH = 512, 8, 8, 2, 1408, 32000, 512, 4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_OVERRIDES = [
+    "--model.num_layers", str(LAYERS), "--model.hidden_size", str(H),
+    "--model.ffn_hidden_size", str(FFN), "--model.num_attention_heads", str(HEADS),
+    "--model.num_query_groups", str(KV), "--model.kv_channels", str(H // HEADS),
+    "--model.padded_vocab_size", str(VOCAB), "--model.family", "llama",
+    "--model.qk_layernorm", "false", "--model.untie_embeddings_and_output_weights", "true",
+    "--data.seq_length", str(SEQ), "--training.micro_batch_size", str(BATCH),
+    "--training.global_batch_size", str(BATCH), "--training.progress_bar", "false"]
 
 
 def peak_rss_gb() -> float:
@@ -47,14 +67,8 @@ def run_ms_llm(steps: int, warmup: int, jit: bool) -> list:
     from ms_llm.training.trainer import Trainer
 
     setup_device("CPU")
-    overrides = ["--model.num_layers", str(LAYERS), "--model.hidden_size", str(H),
-                 "--model.ffn_hidden_size", str(FFN), "--model.num_attention_heads", str(HEADS),
-                 "--model.num_query_groups", str(KV), "--model.kv_channels", str(H // HEADS),
-                 "--model.padded_vocab_size", str(VOCAB), "--model.family", "llama",
-                 "--model.qk_layernorm", "false", "--model.untie_embeddings_and_output_weights",
-                 "true", "--data.seq_length", str(SEQ), "--training.micro_batch_size", str(BATCH),
-                 "--training.global_batch_size", str(BATCH), "--training.progress_bar", "false",
-                 "--training.jit", str(jit).lower(), "--training.output_dir", "/tmp/ms_llm_bench"]
+    overrides = MODEL_OVERRIDES + ["--training.jit", str(jit).lower(),
+                                   "--training.output_dir", "/tmp/ms_llm_bench"]
     trainer = Trainer(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), overrides))
     times = []
     for _ in range(warmup + steps):
@@ -141,7 +155,7 @@ def run_ms_plain(steps: int, warmup: int) -> list:
 
 
 # ----------------------------------------------------------------------------- torch
-def run_torch(steps: int, warmup: int) -> list:
+def run_torch(steps: int, warmup: int, bf16: bool = False) -> list:
     import torch
     import torch.nn.functional as F
 
@@ -197,7 +211,8 @@ def run_torch(steps: int, warmup: int) -> list:
     for step in range(warmup + steps):
         ids, labels = batch(step)
         t0 = time.perf_counter()
-        loss = model(torch.from_numpy(ids).long(), torch.from_numpy(labels).long(), cos, sin)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(torch.from_numpy(ids).long(), torch.from_numpy(labels).long(), cos, sin)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -206,16 +221,59 @@ def run_torch(steps: int, warmup: int) -> list:
     return times
 
 
+# ----------------------------------------------------------------------------- ms-llm train
+def bf16_key_exists() -> bool:
+    """True when the config schema has ``training.bf16`` (added by the mixed-precision work)."""
+    import dataclasses
+    from ms_llm.config import TrainingConfig
+    return any(f.name == "bf16" for f in dataclasses.fields(TrainingConfig))
+
+
+def run_cli(steps: int, warmup: int, jit: bool, bf16: bool = False) -> dict:
+    """``ms-llm train`` end to end; the step times are the loop's own (metrics.jsonl)."""
+    out = f"/tmp/ms_llm_bench_cli_{os.getpid()}_{int(jit)}{int(bf16)}"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "ms-llm"), "train",
+           os.path.join(ROOT, "configs", "tiny.yaml"), *MODEL_OVERRIDES,
+           "--training.max_steps", str(warmup + steps), "--training.log_interval", "1",
+           "--training.lr_warmup_steps", "2", "--training.jit", str(jit).lower(),
+           "--training.output_dir", out] + (["--training.bf16", "true"] if bf16 else [])
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, GLOG_v="3"))
+    path = os.path.join(out, "metrics.jsonl")
+    if r.returncode != 0 or not os.path.isfile(path):
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}")
+    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+    rows = [row for row in rows if "step_time_s" in row]
+    times = [row["step_time_s"] for row in rows]
+    med = statistics.median(times[warmup:])
+    return {"median_s": med, "first_s": times[0], "tokens_per_s": BATCH * SEQ / med,
+            "peak_rss_gb": rows[-1]["peak_rss_gb"], "steps": len(times) - warmup,
+            "mfu_logged": statistics.median(row.get("mfu", 0.0) for row in rows[warmup:])}
+
+
 RUNNERS = {
     "ms_llm": lambda s, w: run_ms_llm(s, w, jit=False),
     "ms_llm_jit": lambda s, w: run_ms_llm(s, w, jit=True),
     "ms_plain": run_ms_plain,
     "torch": run_torch,
+    "torch_bf16": lambda s, w: run_torch(s, w, bf16=True),
 }
+CLI = {"cli": dict(jit=False), "cli_jit": dict(jit=True), "cli_bf16": dict(jit=False, bf16=True)}
+LABELS = {"ms_llm": "ms-llm fp32 inner loop (Trainer.train_step)",
+          "ms_llm_jit": "ms-llm fp32 inner loop, training.jit",
+          "cli": "ms-llm train fp32 (end to end)",
+          "cli_jit": "ms-llm train fp32, training.jit (end to end)",
+          "cli_bf16": "ms-llm train --training.bf16 true",
+          "ms_plain": "plain MindSpore PyNative fp32",
+          "torch": "PyTorch eager fp32",
+          "torch_bf16": "PyTorch eager bf16 autocast"}
 
 
 def child(variant: str, steps: int, warmup: int) -> None:
     base = peak_rss_gb()
+    if variant in CLI:
+        print(json.dumps({"variant": variant, **run_cli(steps, warmup, **CLI[variant])}),
+              flush=True)
+        return
     times = RUNNERS[variant](steps, warmup)
     timed = times[warmup:]
     med = statistics.median(timed)
@@ -224,43 +282,67 @@ def child(variant: str, steps: int, warmup: int) -> None:
                       "import_rss_gb": base, "steps": len(timed)}), flush=True)
 
 
+def model_flops_and_peak() -> tuple:
+    """(model FLOPs per token, peak fp32 TFLOP/s) for the MFU column: the trainer's GEMM probe,
+    measured afresh in this run (not the cached figure, which may come from a busier moment)."""
+    from ms_llm.compat import setup_device
+    from ms_llm.models.config import TransformerConfig
+    from ms_llm.training.flops import flops_per_token
+    from ms_llm.training.peak import measure_cpu_peak
+    setup_device("CPU")
+    c = TransformerConfig(num_layers=LAYERS, hidden_size=H, ffn_hidden_size=FFN,
+                          num_attention_heads=HEADS, num_query_groups=KV, kv_channels=H // HEADS,
+                          padded_vocab_size=VOCAB)
+    return flops_per_token(c, SEQ), measure_cpu_peak()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--variants", default="ms_llm,ms_llm_jit,ms_plain,torch")
+    ap.add_argument("--variants", default="cli,cli_jit,ms_llm,ms_llm_jit,torch,torch_bf16,"
+                                          "cli_bf16")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.child, args.steps, args.warmup)
         return
-    results = []
+    results, missing = [], {}
     for v in args.variants.split(","):
-        if v == "torch":
+        if v.startswith("torch"):
             try:
                 import torch  # noqa: F401
             except ImportError:
-                print("torch not installed: skipping the torch row (pip install -e .[bench])")
+                missing[v] = "torch not installed (pip install -e .[bench])"
                 continue
+        if v == "cli_bf16" and not bf16_key_exists():
+            missing[v] = "n/a: this tree's config has no training.bf16"
+            continue
         r = subprocess.run([sys.executable, __file__, "--child", v, "--steps", str(args.steps),
                             "--warmup", str(args.warmup)], capture_output=True, text=True,
                            env=dict(os.environ, GLOG_v="3"))
         lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
         if r.returncode != 0 or not lines:
             print(f"{v}: failed\n{r.stderr[-2000:]}")
+            missing[v] = "failed"
             continue
         results.append(json.loads(lines[-1]))
-    floor = next((r for r in results if r["variant"] == "ms_plain"), None)
+    flops_tok, peak = model_flops_and_peak()
     torch_row = next((r for r in results if r["variant"] == "torch"), None)
     print(f"\nmodel: hidden {H}, {LAYERS} layers, {HEADS} heads / {KV} KV, FFN {FFN}, vocab {VOCAB},"
-          f" seq {SEQ}, batch {BATCH}, fp32; median of {args.steps} steps after {args.warmup} warm-up")
-    print(f"{'variant':<12} {'step (s)':>9} {'first (s)':>9} {'tokens/s':>9} {'peak RSS GB':>12}"
-          f" {'vs plain MS':>12} {'vs torch':>9}")
+          f" seq {SEQ}, batch {BATCH}; median of {args.steps} steps after {args.warmup} warm-up;"
+          f" {flops_tok / 1e6:.1f} MFLOP/token; MFU vs {peak:.3f} TFLOP/s (fp32 GEMM probe)")
+    print(f"| {'variant':<46} | {'step (s)':>8} | {'tokens/s':>8} | {'TFLOP/s':>7} | {'MFU':>6}"
+          f" | {'peak RSS GB':>11} | {'vs torch fp32':>13} |")
+    print(f"|{'-' * 48}|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 8}|{'-' * 13}|{'-' * 15}|")
     for r in results:
-        vs_floor = r["tokens_per_s"] / floor["tokens_per_s"] if floor else float("nan")
+        tf = r["tokens_per_s"] * flops_tok / 1e12
         vs_torch = r["tokens_per_s"] / torch_row["tokens_per_s"] if torch_row else float("nan")
-        print(f"{r['variant']:<12} {r['median_s']:9.2f} {r['first_s']:9.2f} {r['tokens_per_s']:9.1f}"
-              f" {r['peak_rss_gb']:12.2f} {vs_floor:12.2f} {vs_torch:9.2f}")
+        print(f"| {LABELS[r['variant']]:<46} | {r['median_s']:8.2f} | {r['tokens_per_s']:8.1f} |"
+              f" {tf:7.3f} | {100 * tf / peak:5.1f}% | {r['peak_rss_gb']:11.2f} |"
+              f" {vs_torch:12.2f}x |")
+    for v, why in missing.items():
+        print(f"| {LABELS.get(v, v):<46} | {why} |")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ class TrainingConfig:
     bf16: bool = False                # bf16 params/activations, fp32 main params + AdamW state
     device: str = "auto"              # auto | CPU | Ascend
     progress_bar: bool = True
+    peak_tflops: Optional[float] = None  # MFU divisor per device; null: CPU GEMM probe (cached)
     resume: str = "none"              # none | auto (needs checkpoint.save_dir)
     recompute_granularity: Optional[str] = None   # null | full (whole layers) | selective
     recompute_method: Optional[str] = None        # null | uniform (every layer) | block

@@ -55,7 +55,7 @@ _DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 RULES: Dict[str, Rule] = {
     **{f"training.{k}": _POSITIVE for k in (
         "max_steps", "micro_batch_size", "global_batch_size", "log_interval", "lr_decay_steps",
-        "adam_eps")},
+        "adam_eps", "peak_tflops")},
     **{f"training.{k}": _NON_NEGATIVE for k in (
         "seed", "lr", "min_lr", "lr_warmup_steps", "weight_decay", "clip_grad")},
     "training.adam_beta1": _within(0, 1, hi_open=True),

@@ -9,6 +9,15 @@ if _HERE not in sys.path:
 
 from ms_llm.compat import setup_device  # noqa: E402
 
+# The trainer's MFU peak probe (ms_llm.training.peak) caches per host; a probe taken while the
+# suite loads the machine would measure low, so the suite keeps its own file (probed once per
+# run, inherited by subprocesses) instead of writing the user's ~/.cache/ms_llm one.
+if "MS_LLM_PEAK_FILE" not in os.environ:
+    import tempfile
+    _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))   # shared by xdist workers
+    os.environ["MS_LLM_PEAK_FILE"] = os.path.join(tempfile.gettempdir(),
+                                                  f"ms_llm_test_peak_{_RUN}.json")
+
 # PyNative errors are sticky without synchronous execution: a failing op would otherwise
 # re-raise its stale error from the next unrelated op and poison later tests.
 setup_device("CPU", synchronize=True)

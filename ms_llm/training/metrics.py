@@ -42,8 +42,13 @@ def current_rss_gb() -> float:
 class MetricsLogger:
     def __init__(self, output_dir: str, max_steps: int, enabled: bool = True,
                  progress_bar: bool = True, start_step: int = 0,
-                 rss_before_model_gb: Optional[float] = None, append: bool = False):
+                 rss_before_model_gb: Optional[float] = None, append: bool = False,
+                 flops_per_token: Optional[int] = None, peak_tflops: Optional[float] = None,
+                 num_devices: int = 1):
         self.enabled = enabled
+        # MFU as Megatron ("TFLOP/s/GPU") and torchtitan report it: per device (ms_llm.training.flops)
+        self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
+        self.num_devices = max(1, num_devices)
         self.rss_before_model_gb = rss_before_model_gb
         self.max_steps = max_steps
         self.t0 = time.time()
@@ -68,6 +73,12 @@ class MetricsLogger:
                   "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
                   "step_time_s": step_time, "elapsed_s": time.time() - self.t0,
                   "consumed_samples": consumed_samples, "peak_rss_gb": peak_rss_gb()}
+        if self.flops_per_token:
+            from .flops import achieved
+            perf = achieved(tokens, step_time * self.num_devices, self.flops_per_token,
+                            self.peak_tflops or 0.0)
+            record.update(tflops_per_device=perf["tflops"], mfu=perf["mfu"],
+                          peak_tflops=self.peak_tflops, model_flops_per_token=self.flops_per_token)
         if self.rss_before_model_gb is not None:
             record["rss_before_model_gb"] = self.rss_before_model_gb
         if extra:
@@ -81,7 +92,10 @@ class MetricsLogger:
                 f" | elapsed time per iteration (ms): {step_time * 1000:.1f}"
                 f" | learning rate: {lr:.6E} | global batch size: {global_batch_size:5d}"
                 f" | lm loss: {loss:.6E} | grad norm: {grad_norm:.4f}"
-                f" | tokens/s: {record['tokens_per_s']:.1f} | elapsed: {record['elapsed_s']:.1f} s"
+                f" | tokens/s: {record['tokens_per_s']:.1f}"
+                + (f" | TFLOP/s/device: {record['tflops_per_device']:.3f}"
+                   f" | MFU: {100 * record['mfu']:.1f}%" if "mfu" in record else "")
+                + f" | elapsed: {record['elapsed_s']:.1f} s"
                 f" | mem: {record['peak_rss_gb']:.2f} GB | {self._progress(step)} |"
                 + (f" slowest rank {record['slowest_rank']}: "
                    f"{record['step_time_max_s'] * 1000:.1f} ms |" if "slowest_rank" in record

@@ -349,6 +349,18 @@ class Trainer:
             means = self._sum_over_dp(means) / self.dp_cp_group.size
         return {f"mtp_{k + 1}_loss": float(v) for k, v in enumerate(means)}
 
+    def _mfu_args(self, is_main: bool) -> dict:
+        """Model FLOPs per token and the peak (``training.peak_tflops`` or the cached CPU GEMM
+        probe, rank 0 only: only it logs) for the TFLOP/s and MFU columns."""
+        if not is_main:
+            return {}
+        from .flops import flops_per_token
+        from .peak import resolve_peak_tflops
+        return {"flops_per_token": flops_per_token(self.model.config, self.cfg.data.seq_length),
+                "peak_tflops": resolve_peak_tflops(self.cfg.training.peak_tflops,
+                                                   ms.get_context("device_target"), self._say),
+                "num_devices": self.dist.world_size}
+
     def _sum_over_dp(self, counts: np.ndarray) -> np.ndarray:
         """Routed-token counts summed over the data-parallel replicas of the routers."""
         if self.dp_cp_group.size == 1:
@@ -371,7 +383,8 @@ class Trainer:
         logger = MetricsLogger(t.output_dir, t.max_steps, enabled=is_main,
                                progress_bar=t.progress_bar, start_step=self.step,
                                rss_before_model_gb=self.rss_before_model_gb,
-                               append=faults.restart_attempt() > 0)
+                               append=faults.restart_attempt() > 0,
+                               **self._mfu_args(is_main))
         records = []
         try:
             while self.step < t.max_steps:
