@@ -31,7 +31,7 @@ STEPS = 6       # AdamW steps per run (``--steps``); resumed runs are interrupte
 # the 1- and 2-worker runs see the same micro-batches (MoE aux losses are per micro-batch).
 COMMON = ["--training.log_interval", "1", "--training.progress_bar", "false",
           "--training.lr_warmup_steps", "2", "--training.jit", "false",
-          "--training.micro_batch_size", "2", "--training.global_batch_size", "8",
+          "--training.micro_batch_size", "2", "--training.global_batch_size", "4",
           "--data.seq_length", "32", "--parallel.collective_timeout_s", "180"]
 DENSE = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size",
          "128", "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
@@ -110,7 +110,7 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in [
     Feature("tp+sp", 2, (TP, "2", "--parallel.sequence_parallel", "true")),
     # a 35-row vocabulary (make_vocab_size_divisible_by 1) and untied output layer: the
     # embedding and output rows split 18 / 17 over the two ranks
-    Feature("fsdp (uneven)", 2, (FSDP, "2"),
+    Feature("fsdp-uneven", 2, (FSDP, "2"),
             ("--data.make_vocab_size_divisible_by", "1",
              "--model.untie_embeddings_and_output_weights", "true")),
     Feature("ep", 2, (EP, "2"), moe_only=True),
@@ -125,7 +125,7 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in [
                                 "W + (alpha/r) B A once, the adapter forward twice")),
     Feature("DPO", 2, (), ("--training.stage", "dpo"), needs=("pairs",)),
     Feature("pipeline", 2, (PP, "2")),
-    Feature("context parallel", 2, (CP, "2"),
+    Feature("context-parallel", 2, (CP, "2"),
             moe_tolerance=Tolerance(norm_rtol=3e-5, why="the routers' per-rank token sums "
                                     "reorder more terms (tests/test_context_parallel_training)")),
 ]}
