@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -40,17 +41,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _short(letter: str, chk: C.Check) -> str:
-    d = chk.detail
+    d = re.sub(r"\S*/\S*", "...", chk.detail)      # no paths in the table
     if d.startswith("not built"):
         d = "not built"
-    return f"{letter}: {d if len(d) <= 70 else d[:67] + '...'}"
+    return f"{letter}: {d if len(d) <= 90 else d[:87] + '...'}"
 
 
 def _status(test: C.Check, checks: Dict[str, C.Check]) -> tuple:
     if test.state == "unmet":
-        return "not built", [f"refused: {test.detail[:80]}"]
+        return "not built", [f"refused: {re.sub(r'^config error: ', '', test.detail)[:90]}"]
     if test.state == "fail":
-        return "Fail", [f"runs: {test.detail[:80]}"]
+        return "Fail", [f"runs: {re.sub(r'[^ ]*/[^ ]*', '...', test.detail)[:90]}"]
     fails = [_short(k, c) for k, c in checks.items() if c.state == "fail"]
     if fails:
         return "Fail", fails
@@ -146,6 +147,8 @@ def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
                 C.restart_built() is None else check_fault(cell, planner.config(cell.family), layout,
                                       recs[names.run], os.path.join(work, "fault", cell.slug),
                                       args.timeout, extra, args.steps)
+        for chk in [test, *checks.values()]:   # the scratch folder's name says nothing
+            chk.detail = chk.detail.replace(work.rstrip("/") + "/", "")
         status, unmet = _status(test, checks)
         log_rel = os.path.join("logs", cell.slug + ".log")
         runs = [n for n in dict.fromkeys([names.ref, names.run, names.part, names.resume,

@@ -32,8 +32,8 @@ def _curve_diff(got: List[float], want: List[float], rtol: float) -> Optional[st
         return f"{len(got)} steps, expected {len(want)}"
     for i, (g, w) in enumerate(zip(got, want)):
         if not abs(g - w) <= rtol * abs(w):
-            return f"step {i + 1}: {g!r} vs {w!r} (rel {abs(g - w) / max(abs(w), 1e-30):.2e} > " \
-                   f"{rtol:g})"
+            return f"step {i + 1} rel {abs(g - w) / max(abs(w), 1e-30):.1e} > {rtol:g} " \
+                   f"({g!r} vs {w!r})"
     return None
 
 
@@ -81,7 +81,7 @@ def parity(cell: Cell, recs: Dict[str, dict], names) -> Check:
     tol = cell.feature.tol(cell.family)
     why = compare(run, ref, tol)
     if why:
-        return Check("fail", f"vs one process ({tol.describe()}): {why}")
+        return Check("fail", f"vs one process: {why}; tolerance {tol.describe()}")
     return Check("ok", f"{len(run['loss'])} steps equal one process within {tol.describe()}")
 
 
@@ -101,7 +101,7 @@ def resume(cell: Cell, recs: Dict[str, dict], names, at: int, steps: int) -> Che
             return _err(rec, what)
         why = compare(rec, run, tol, first)
         if why:
-            return Check("fail", f"{what} ({tol.describe()}): {why}")
+            return Check("fail", f"{what}: {why}; tolerance {tol.describe()}")
     done = "same layout" + (" and in one process" if names.other else "")
     return Check("ok", f"stopped after step {at}, resumed at the {done}: steps "
                        f"{at + 1}-{steps} equal the uninterrupted run within "

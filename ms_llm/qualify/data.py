@@ -41,12 +41,15 @@ def prepare(root: str) -> Dict[str, List[str]]:
         _atomic_write(corpus, "\n\n".join(" ".join(f"w{(i * j + i) % 33}" for j in range(48))
                                           for i in range(60)))
     if not os.path.isfile(pairs + "_packed_chosen_input_ids_document.idx"):
+        # learnable preference: chosen answers use the low words, rejected ones the high
+        # words, so the DPO loss falls on pairs a step has not seen
         rng = random.Random(0)
         rows = []
         for _ in range(48):
-            chosen = _words(rng, rng.randint(2, 6))
-            rows.append({"instruction": _words(rng, rng.randint(2, 5)), "chosen": chosen,
-                         "rejected": _words(rng, rng.randint(2, 6))})
+            n = rng.randint(2, 6)
+            rows.append({"instruction": _words(rng, rng.randint(2, 5)),
+                         "chosen": " ".join(f"w{rng.randrange(0, 12)}" for _ in range(n)),
+                         "rejected": " ".join(f"w{rng.randrange(21, 33)}" for _ in range(n))})
         src = os.path.join(root, "pairs.jsonl")
         _atomic_write(src, "".join(json.dumps(r) + "\n" for r in rows))
         from ms_llm.data.preprocess import main as preprocess

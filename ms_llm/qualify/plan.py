@@ -57,6 +57,7 @@ class Planner:
         self.steps, self.resume_at = steps, steps // 2
         self.jobs: Dict[str, Job] = {}
         self.cells: Dict[str, CellRuns] = {}
+        self.refs: Dict[tuple, str] = {}     # one reference run per distinct configuration
 
     def _job(self, phase: int, family: str, nproc: int) -> Job:
         name = f"p{phase}_{family}" + (f"_n{nproc}" if nproc > 1 else "")
@@ -94,6 +95,8 @@ class Planner:
 
     def single_args(self, cell: Cell) -> List[str]:
         args = self.family_args(cell.family, cell.feature) + list(cell.feature.model)
+        if cell.family.moe:
+            args += list(cell.feature.moe_model)
         if "base" in cell.feature.needs:
             args += ["--checkpoint.load", self.base_hf(cell.family)]
         return args
@@ -118,10 +121,13 @@ class Planner:
             "--checkpoint.load", hf]
         partial = ["--training.max_steps", str(self.resume_at)]
         p1 = self._job(1, f.name, 1)
-        names = CellRuns(ref=f"{s}.ref", run=f"{s}.ref", hf_dir=hf, probe=probe,
+        ref = self.refs.get(tuple(single))
+        if ref is None:     # dp, tp+sp, pipeline, ... of a family share one reference
+            ref = self.refs[tuple(single)] = f"{s}.ref"
+            p1.runs.append(run("ref", single))
+        names = CellRuns(ref=ref, run=ref, hf_dir=hf, probe=probe,
                          reload_probe=reload_probe, part=f"{s}.part", resume=f"{s}.resume",
                          reload=f"{s}.reload")
-        p1.runs.append(run("ref", single))
         if x.nproc == 1:
             p1.runs.append(run("part", single + partial + ["--checkpoint.save_dir", ck]))
             p1.runs.append(run("resume", single + ["--checkpoint.save_dir", ck,
