@@ -52,11 +52,16 @@ def prepare(root: str) -> Dict[str, List[str]]:
                          "rejected": " ".join(f"w{rng.randrange(21, 33)}" for _ in range(n))})
         src = os.path.join(root, "pairs.jsonl")
         _atomic_write(src, "".join(json.dumps(r) + "\n" for r in rows))
+        import contextlib
+        import io
         from ms_llm.data.preprocess import main as preprocess
-        rc = preprocess(["--input", src, "--tokenizer-name-or-path", tok_dir, "--output-prefix",
-                         pairs, "--handler-name", "AlpacaStylePairwiseHandler",
-                         "--log-interval", "1000"])
+        said = io.StringIO()      # its summary line is noise unless it fails
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            rc = preprocess(["--input", src, "--tokenizer-name-or-path", tok_dir,
+                             "--output-prefix", pairs, "--handler-name",
+                             "AlpacaStylePairwiseHandler", "--log-interval", "1000"])
         if rc != 0:
-            raise RuntimeError(f"qualify: preprocessing {src} failed (exit {rc})")
+            raise RuntimeError(f"qualify: preprocessing {src} failed (exit {rc}): "
+                               f"{said.getvalue().strip()[-300:]}")
     return {"corpus": ["--data.corpus", corpus, "--data.tokenizer", tok],
             "pairs": ["--data.data_path", pairs, "--data.tokenizer", tok_dir]}

@@ -53,10 +53,10 @@ def check_fault(cell: Cell, config: str, layout_args: List[str], uninterrupted: 
         return Check("unmet", missing)
     if uninterrupted["error"]:
         return Check("unmet", "no uninterrupted run to compare with")
-    rc, text, sec, _ = _launch(cell, config, layout_args, work, 0, timeout, fault_step)
-    log += [f"--- fault injected, MAX_RESTARTS=0: exit {rc} after {sec:.0f} s", text[-3000:]]
-    if rc == 0 or rc == "timeout":
-        return Check("fail", f"killed worker: job {'timed out' if rc else 'exited 0'} "
+    rc0, text, sec, _ = _launch(cell, config, layout_args, work, 0, timeout, fault_step)
+    log += [f"--- fault injected, MAX_RESTARTS=0: exit {rc0} after {sec:.0f} s", text[-3000:]]
+    if rc0 == 0 or rc0 == "timeout":
+        return Check("fail", f"killed worker: job {'timed out' if rc0 else 'exited 0'} "
                              f"(want a non-zero exit within {timeout:.0f} s)")
     rc, text, sec1, out = _launch(cell, config, layout_args, work, 1, timeout, fault_step)
     log += [f"--- fault injected, MAX_RESTARTS=1: exit {rc} after {sec1:.0f} s", text[-3000:]]
@@ -76,6 +76,6 @@ def check_fault(cell: Cell, config: str, layout_args: List[str], uninterrupted: 
     why = compare(got, uninterrupted, cell.feature.tol(cell.family))
     if why:
         return Check("fail", f"restarted curve: {why}")
-    return Check("ok", f"rank {cell.feature.nproc - 1} killed in step {fault_step}: exit {rc} "
-                       f"without restart ({sec:.0f} s); with MAX_RESTARTS=1 the job resumed "
+    return Check("ok", f"rank {cell.feature.nproc - 1} killed in step {fault_step}: exit {rc0} "
+                       f"after {sec:.0f} s without restart; with MAX_RESTARTS=1 exit 0, resumed "
                        f"from its last checkpoint and matched the uninterrupted curve")
