@@ -73,7 +73,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ms_llm.qualify.cli import main as qualify_main
         return qualify_main(rest)
     if command in ("generate", "chat"):
-        from ms_llm.inference import cli as inference_cli
+        from ms_llm import inference_cli   # outside the package: its __init__ imports MindSpore
         return (inference_cli.generate_main if command == "generate"
                 else inference_cli.chat_main)(rest)
     if command in _LATER:

@@ -50,24 +50,32 @@ fi
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
 # msrun starts workers with the `python` on PATH: make it the interpreter that has ms_llm.
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
-if ! "$PY" -c "import ms_llm, mindspore" 2>/dev/null; then
-  echo "pretrain.sh: ms_llm or mindspore is not importable by $PY; run 'pip install -e .' first" >&2
-  exit 2
-fi
 BIN_DIR="$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")"
 export PATH="$BIN_DIR:$PATH"
 command -v msrun >/dev/null || { echo "pretrain.sh: msrun not found (is mindspore installed?)" >&2; exit 2; }
 
-# Validate the config once, before spending ~15 s on cluster start-up.
-"$PY" -c "import sys; from ms_llm.config import load_config, ConfigError
+# One interpreter start (importing MindSpore costs seconds): check ms_llm imports, validate the
+# config before spending ~15 s on cluster start-up, and print the entry point msrun runs.
+set +e
+ENTRY="$("$PY" -c "import sys
+try:
+    import mindspore, ms_llm.train as entry
+    from ms_llm.config import load_config, ConfigError
+except ImportError as e:
+    print(f'pretrain.sh: ms_llm or mindspore is not importable by {sys.executable} ({e}); '
+          f\"run 'pip install -e .' first\", file=sys.stderr); sys.exit(2)
 try:
     load_config(sys.argv[1], sys.argv[2:])
 except ConfigError as e:
-    print(f'config error: {e}', file=sys.stderr); sys.exit(2)" "$CONFIG" "$@"
+    print(f'config error: {e}', file=sys.stderr); sys.exit(2)
+print(entry.__file__)" "$CONFIG" "$@")"
+rc=$?
+set -e
+(( rc == 0 )) || exit $rc
+ENTRY="${ENTRY##*$'\n'}"                 # the last line, should an import print anything
 
 export GLOG_v="${GLOG_v:-3}"             # MindSpore C++ logs: errors only
 export PYTHONUNBUFFERED=1
-ENTRY="$("$PY" -c 'import ms_llm.train as m; print(m.__file__)')"
 mkdir -p "$LOG_DIR"
 
 set +e

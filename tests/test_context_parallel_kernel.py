@@ -77,9 +77,19 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["per_pair", "fused"])
+def block_mode(request, monkeypatch):
+    """Both ways the kernel computes a K/V block: chunk pair by chunk pair (long chunks) and the
+    whole block as one masked product (short chunks); the threshold picks one per shape."""
+    from ms_llm.parallel.context_parallel import kernel
+    monkeypatch.setattr(kernel, "FUSED_BLOCK_MAX_CHUNK", 0 if request.param == "per_pair" else
+                        1 << 30)
+    return request.param
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_ring_kernel_matches_reference(cp, case):
+def test_ring_kernel_matches_reference(cp, case, block_mode):
     rng = np.random.default_rng(cp * 10 + len(case))
     b, nh, ng, s, d = 2, 4, 2, 16, 8
     q = rng.standard_normal((b, nh, s, d)).astype(np.float32)
@@ -114,8 +124,9 @@ def test_causal_work_is_balanced_and_masked_blocks_skipped():
     assert masks.pair(2, 1) is SKIP and masks.pair(1, 0) == "full"
 
 
-def test_skipped_blocks_are_not_computed(monkeypatch):
-    """Forward and backward run one pair computation per non-skipped (query, key) chunk pair."""
+def test_skipped_blocks_are_not_computed(monkeypatch, block_mode):
+    """Forward and backward run one pair computation per non-skipped (query, key) chunk pair,
+    or, fused, one per K/V block with any such pair."""
     from ms_llm.parallel.context_parallel import kernel
     calls = {"fwd": 0, "bwd": 0}
     fwd, bwd = kernel.pair_forward, kernel.pair_backward
@@ -136,4 +147,17 @@ def test_skipped_blocks_are_not_computed(monkeypatch):
     every = list(range(2 * cp))
     expected = sum(masks.work(rank_chunks(cp, i), every) for i in range(cp))
     assert expected == 6 < (2 * cp) * (2 * cp + 1) // 2   # two documents: fewer than causal
+    if block_mode == "fused":
+        # every block of this mask holds a computed pair (e.g. rank 0's chunk 3 sees rank 1's
+        # chunk 2, same document): one product per block
+        blocks = [masks.block(rank_chunks(cp, i), rank_chunks(cp, j))
+                  for i in range(cp) for j in range(cp)]
+        expected = sum(b is not SKIP for b in blocks)
+        assert expected == 4
+        # one document per chunk: only the diagonal pairs attend, so the cross-rank blocks are
+        # skipped as a whole
+        one_per_chunk = ChunkMask(16, 4, doc_mask(np.repeat(np.arange(4), 4)[None]))
+        assert one_per_chunk.block([0, 3], [1, 2]) is SKIP
+        assert one_per_chunk.block([1, 2], [0, 3]) is SKIP
+        assert one_per_chunk.block([0, 3], [0, 3]) is not SKIP
     assert calls == {"fwd": expected, "bwd": expected}

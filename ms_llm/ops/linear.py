@@ -22,11 +22,13 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
-def bmm(a: Tensor, b: Tensor, transpose_b: bool = False) -> Tensor:
-    """``a @ b`` (or ``a @ b^T``) over identical leading dimensions."""
+def bmm(a: Tensor, b: Tensor, transpose_b: bool = False, transpose_a: bool = False) -> Tensor:
+    """``op(a) @ op(b)`` over identical leading dimensions, op = transpose of the last two axes
+    when its flag is set (the BLAS kernel reads the transposed operand in place, no copy)."""
     if path_for("linear") == "aot":
-        return cpu_kernels.bmm(a, b, False, transpose_b)
-    return F.matmul(a, b.swapaxes(-1, -2) if transpose_b else b)
+        return cpu_kernels.bmm(a, b, transpose_a, transpose_b)
+    return F.matmul(a.swapaxes(-1, -2) if transpose_a else a,
+                    b.swapaxes(-1, -2) if transpose_b else b)
 
 
 class Linear(nn.Linear):

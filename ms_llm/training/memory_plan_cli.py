@@ -6,7 +6,6 @@ import copy
 import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
-from ms_llm.parallel.plan_shapes import full_shapes
 from .memory_plan import GB, MemoryPlan, planned_model_config, plan_memory
 
 
@@ -15,6 +14,7 @@ def plan_with_fix(cfg, nproc: int, device_memory_gb: Optional[float] = None,
     """``plan_memory`` and, when the plan does not fit ``device_memory_gb``, the cheapest change
     that does (``plan.suggestion``)."""
     c = planned_model_config(cfg)
+    from ms_llm.parallel.plan_shapes import full_shapes   # imports MindSpore: not for --help
     shapes, cache = full_shapes(c), {}
     plan = plan_memory(cfg, nproc, device_memory_gb, distributed_optimizer, c, shapes, cache)
     if plan.fits is False:

@@ -20,8 +20,9 @@ from typing import List, Optional, Sequence, Tuple
 
 from mindspore import Tensor, mint
 
-from ms_llm.compat import F, float32
+from ms_llm.compat import float32
 from ms_llm.compat.autograd import Function
+from ms_llm.ops.linear import bmm
 from .layout import FULL, SKIP, ChunkMask
 
 
@@ -51,7 +52,7 @@ def key_chunks(k: Tensor, n_chunks: int) -> List[Tensor]:
 
 
 def _scores(qg: Tensor, k: Tensor, bias, scale: float, r: int) -> Tensor:
-    s = F.matmul(qg, k.swapaxes(-1, -2)) * scale          # [b, ng, r*c, ck]
+    s = bmm(qg, k, transpose_b=True) * scale          # [b, ng, r*c, ck]
     if bias is FULL:
         return s
     b, ng, rc, ck = s.shape
@@ -66,7 +67,7 @@ def pair_forward(qg: Tensor, k: Tensor, v: Tensor, bias, scale: float, r: int
     m = mint.amax(s, -1, keepdim=True)
     p = mint.exp(s - m)
     l_ = p.sum(-1, keepdims=True)
-    out = F.matmul(p, v) / l_
+    out = bmm(p, v) / l_
     return out, (m + mint.log(l_)).squeeze(-1)
 
 
@@ -87,24 +88,56 @@ def pair_backward(qg: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor,
                   bias, scale: float, r: int) -> Tuple[Tensor, Tensor, Tensor]:
     """Recompute ``P = exp(S - lse)`` for the pair and return its (dq, dk, dv) contributions."""
     p = mint.exp(_scores(qg, k, bias, scale, r) - lse.unsqueeze(-1))
-    dv = F.matmul(p.swapaxes(-1, -2), dout)
-    dp = F.matmul(dout, v.swapaxes(-1, -2))
+    dv = bmm(p, dout, transpose_a=True)
+    dp = bmm(dout, v, transpose_b=True)
     ds = p * (dp - delta.unsqueeze(-1)) * scale
-    return F.matmul(ds, k), F.matmul(ds.swapaxes(-1, -2), qg), dv
+    return bmm(ds, k), bmm(ds, qg, transpose_a=True), dv
 
 
 # ------------------------------------------------------------------------------ block level
+# Chunks of at most this many tokens are computed one whole K/V block at a time (one masked
+# product per block), longer ones chunk pair by chunk pair (masked pairs never computed). Short
+# chunks make the per-pair ops overhead-bound (PyNative dispatch, ~20 ops per pair and (2cp)^2/2
+# pairs), long ones FLOP-bound, where skipping the masked pairs inside a block saves up to half
+# of its work. benchmarks/context_parallel.py --kernel measures the crossover.
+FUSED_BLOCK_MAX_CHUNK = 64
+
+
+def fused_blocks(chunk_len: int) -> bool:
+    return chunk_len <= FUSED_BLOCK_MAX_CHUNK
+
+
+def _grouped(x: Tensor, ng: int) -> Tensor:
+    """``[b, nh, S, d]`` -> ``[b, ng, r*S, d]`` fp32: all chunks at once (fused mode)."""
+    b, nh, s, d = x.shape
+    return x.astype(float32).reshape(b, ng, nh // ng, s, d).reshape(b, ng, (nh // ng) * s, d)
+
+
+def _ungrouped(x: Tensor, nh: int) -> Tensor:
+    b, ng, rs, d = x.shape
+    return x.reshape(b, ng, nh // ng, rs * ng // nh, d).reshape(b, nh, rs * ng // nh, d)
+
+
 class QueryState:
-    """Per query chunk: the grouped queries and the running (out, lse)."""
+    """The grouped queries and the running (out, lse): per query chunk, or for all of this
+    rank's query chunks together when ``fused_blocks`` (then one entry)."""
 
     def __init__(self, q: Tensor, q_chunks: Sequence[int], ng: int, scale: float):
         self.nh, self.ng, self.r = q.shape[1], ng, q.shape[1] // ng
         self.q_chunks, self.scale = list(q_chunks), scale
-        self.qg = group_queries(q, ng, len(q_chunks))
-        self.state: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(q_chunks)
+        self.fused = fused_blocks(q.shape[2] // len(q_chunks))
+        self.qg = [_grouped(q, ng)] if self.fused else group_queries(q, ng, len(q_chunks))
+        self.state: List[Optional[Tuple[Tensor, Tensor]]] = [None] * len(self.qg)
 
     def absorb(self, k: Tensor, v: Tensor, k_chunks: Sequence[int], masks: ChunkMask) -> None:
-        """Fold one K/V block (its chunks ``k_chunks``) into every query chunk's state."""
+        """Fold one K/V block (its chunks ``k_chunks``) into the queries' state."""
+        if self.fused:
+            bias = masks.block(self.q_chunks, k_chunks)
+            if bias is not SKIP:
+                out, lse = pair_forward(self.qg[0], k.astype(float32), v.astype(float32), bias,
+                                        self.scale, self.r)
+                self.state[0] = merge(self.state[0], out, lse)
+            return
         ks, vs = key_chunks(k, len(k_chunks)), key_chunks(v, len(k_chunks))
         for i, qc in enumerate(self.q_chunks):
             for j, kc in enumerate(k_chunks):
@@ -117,28 +150,45 @@ class QueryState:
     def result(self, dtype) -> Tuple[Tensor, List[Tensor]]:
         for i, st in enumerate(self.state):
             if st is None:
-                raise ValueError(f"context parallel: query chunk {self.q_chunks[i]} attends to "
+                raise ValueError(f"context parallel: query chunk(s) "
+                                 f"{self.q_chunks if self.fused else self.q_chunks[i]} attend to "
                                  f"no key (every block masked)")
-        out = ungroup([st[0] for st in self.state], self.nh).astype(dtype)
-        return out, [st[1] for st in self.state]
+        outs = [st[0] for st in self.state]
+        out = _ungrouped(outs[0], self.nh) if self.fused else ungroup(outs, self.nh)
+        return out.astype(dtype), [st[1] for st in self.state]
 
 
 class QueryGrads:
-    """The backward's per-query-chunk inputs (grouped q, dout, delta, lse) and dq accumulators."""
+    """The backward's inputs (grouped q, dout, delta, lse) and dq accumulators, per query chunk
+    or fused like ``QueryState`` (same rule, so the forward's LSE list lines up)."""
 
     def __init__(self, q: Tensor, out: Tensor, dout: Tensor, lse: List[Tensor],
                  q_chunks: Sequence[int], ng: int, scale: float):
         n = len(q_chunks)
         self.nh, self.ng, self.r = q.shape[1], ng, q.shape[1] // ng
         self.q_chunks, self.scale, self.lse = list(q_chunks), scale, lse
-        self.qg = group_queries(q, ng, n)
-        self.dog = group_queries(dout, ng, n)
-        self.delta = [(a * b).sum(-1) for a, b in zip(self.dog, group_queries(out, ng, n))]
-        self.dq: List[Optional[Tensor]] = [None] * n
+        self.fused = fused_blocks(q.shape[2] // n)
+        if self.fused:
+            self.qg, self.dog, og = _grouped(q, ng), _grouped(dout, ng), _grouped(out, ng)
+            self.qg, self.dog, og = [self.qg], [self.dog], [og]
+        else:
+            self.qg, self.dog = group_queries(q, ng, n), group_queries(dout, ng, n)
+            og = group_queries(out, ng, n)
+        self.delta = [(a * b).sum(-1) for a, b in zip(self.dog, og)]
+        self.dq: List[Optional[Tensor]] = [None] * len(self.qg)
 
     def block_grads(self, k: Tensor, v: Tensor, k_chunks: Sequence[int], masks: ChunkMask
                     ) -> Tuple[Tensor, Tensor]:
         """This rank's queries' contribution to dK/dV of one K/V block (and dq, accumulated)."""
+        if self.fused:
+            bias = masks.block(self.q_chunks, k_chunks)
+            k32, v32 = k.astype(float32), v.astype(float32)
+            if bias is SKIP:
+                return mint.zeros(k32.shape, dtype=float32), mint.zeros(v32.shape, dtype=float32)
+            dq, dk, dv = pair_backward(self.qg[0], k32, v32, self.dog[0], self.delta[0],
+                                       self.lse[0], bias, self.scale, self.r)
+            self.dq[0] = dq if self.dq[0] is None else self.dq[0] + dq
+            return dk, dv
         n = len(k_chunks)
         ks, vs = key_chunks(k, n), key_chunks(v, n)
         dks: List[Optional[Tensor]] = [None] * n
@@ -158,9 +208,9 @@ class QueryGrads:
                 mint.cat([x if x is not None else zero for x in dvs], 2))
 
     def dq_total(self, dtype) -> Tensor:
-        b, ng, rc, d = self.qg[0].shape
-        zero = mint.zeros((b, ng, rc, d), dtype=float32)
-        return ungroup([x if x is not None else zero for x in self.dq], self.nh).astype(dtype)
+        zero = mint.zeros(self.qg[0].shape, dtype=float32)
+        dq = [x if x is not None else zero for x in self.dq]
+        return (_ungrouped(dq[0], self.nh) if self.fused else ungroup(dq, self.nh)).astype(dtype)
 
 
 def default_scale(q: Tensor, scale: Optional[float]) -> float:

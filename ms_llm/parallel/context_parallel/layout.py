@@ -7,7 +7,7 @@ block masks), known alike on every rank because every cp rank reads the same bat
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 from mindspore import Tensor
@@ -61,7 +61,7 @@ class ChunkMask:
                 raise ValueError(f"context parallel: attention mask shape {mask.shape} does not "
                                  f"match the sequence length {seq_len}")
         self.mask = mask
-        self._cache: Dict[Tuple[int, int], PairMask] = {}
+        self._cache: Dict[tuple, PairMask] = {}   # (qc, kc) pairs and (q_chunks, k_chunks) blocks
 
     def pair(self, qc: int, kc: int) -> PairMask:
         key = (qc, kc)
@@ -86,6 +86,35 @@ class ChunkMask:
             masked = masked[:1]
         bias = np.where(masked, np.float32(MASK_VALUE), np.float32(0.0))
         return Tensor(bias.reshape(masked.shape[0], 1, 1, c, c))
+
+    def block(self, q_chunks: Sequence[int], k_chunks: Sequence[int]) -> PairMask:
+        """The pairs of one (query chunks x key chunks) block as one mask: ``SKIP`` when every
+        pair is, ``FULL`` when every pair is, else a bias ``[b or 1, 1, 1, nq*c, nk*c]`` with
+        ``MASK_VALUE`` where a pair is skipped (rows of a query chunk can be masked in a whole
+        block: their finite LSE is ignored by the merge, see ``MASK_VALUE``)."""
+        key = (tuple(q_chunks), tuple(k_chunks))
+        if key not in self._cache:
+            self._cache[key] = self._assemble(key[0], key[1])
+        return self._cache[key]
+
+    def _assemble(self, q_chunks, k_chunks) -> PairMask:
+        pairs = [[self.pair(a, b) for b in k_chunks] for a in q_chunks]
+        flat = [m for row in pairs for m in row]
+        if all(m is SKIP for m in flat):
+            return SKIP
+        if all(m is FULL for m in flat):
+            return FULL
+        c = self.c
+        nb = max((m.shape[0] for m in flat if isinstance(m, Tensor)), default=1)
+        bias = np.zeros((nb, len(q_chunks) * c, len(k_chunks) * c), np.float32)
+        for i, row in enumerate(pairs):
+            for j, m in enumerate(row):
+                rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                if m is SKIP:
+                    bias[:, rows, cols] = MASK_VALUE
+                elif m is not FULL:
+                    bias[:, rows, cols] = m.asnumpy().reshape(-1, c, c)
+        return Tensor(bias[:, None, None])
 
     def work(self, q_chunks: Sequence[int], k_chunks: Sequence[int]) -> int:
         """How many pairs of these chunks are computed (for tests and the benchmark)."""

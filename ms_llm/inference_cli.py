@@ -43,7 +43,7 @@ def sampling_args(args: argparse.Namespace) -> dict:
 
 
 def _load(args: argparse.Namespace):
-    from .loading import eos_token_ids, load_model, load_tokenizer_for
+    from ms_llm.inference.loading import eos_token_ids, load_model, load_tokenizer_for
     tokenizer = load_tokenizer_for(args.load, args.tokenizer)
     model = load_model(args.load, args.dtype)
     context = args.max_context or model.config.max_position_embeddings
@@ -58,9 +58,9 @@ def generate_main(argv: List[str], out: Optional[TextIO] = None) -> int:
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     args = p.parse_args(argv)
     out = out or sys.stdout
-    from .generate import generate
-    from .loading import encode_prompt
-    from .streamer import TextStreamer
+    from ms_llm.inference.generate import generate
+    from ms_llm.inference.loading import encode_prompt
+    from ms_llm.inference.streamer import TextStreamer
     try:
         sampling = sampling_args(args)
         model, tokenizer, eos, context = _load(args)
@@ -91,8 +91,8 @@ def chat_main(argv: List[str], stdin: Optional[TextIO] = None,
     p.add_argument("--system", default=None, help="system prompt")
     args = p.parse_args(argv)
     stdin, out = stdin or sys.stdin, out or sys.stdout
-    from .chat import ChatSession, ContextTooLong
-    from .streamer import TextStreamer
+    from ms_llm.inference.chat import ChatSession, ContextTooLong
+    from ms_llm.inference.streamer import TextStreamer
     try:
         sampling = sampling_args(args)
         model, tokenizer, eos, context = _load(args)
