@@ -78,7 +78,8 @@ class Tolerance:
         if self.norm_rtol is not None:
             s += f" (grad norm {self.norm_rtol:g})"
         if self.strict_steps:
-            s = f"first {self.strict_steps} steps rtol {self.strict:g}, all steps {s}"
+            first = "step 1" if self.strict_steps == 1 else f"steps 1-{self.strict_steps}"
+            s = f"{first} rtol {self.strict:g}, all steps {s}"
         return s
 
 
