@@ -11,12 +11,17 @@ from typing import Dict, List, Optional
 from .matrix import FAMILIES, FEATURES, ROOT
 
 
-def git_commit() -> str:
+def git_commit(exclude: Optional[str] = None) -> str:
+    """HEAD, flagged when tracked files differ from it (``exclude``: the output folder, which
+    this run itself rewrites)."""
+    spec = ["--", "."] + ([f":(exclude){os.path.relpath(exclude, ROOT)}"]
+                          if exclude and not os.path.relpath(exclude, ROOT).startswith("..")
+                          else [])
     try:
         head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
                               text=True, timeout=30).stdout.strip()
         dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True, text=True,
+                                "--untracked-files=no", *spec], capture_output=True, text=True,
                                timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown (no git)"
@@ -57,7 +62,7 @@ def cell_text(c: dict) -> str:
 def write(out: str, suite: str, cells: List[dict], device: Optional[str], seconds: float,
           command: str) -> Dict[str, str]:
     info = {"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": command, "suite": suite, "commit": git_commit(),
+            "command": command, "suite": suite, "commit": git_commit(out),
             "versions": versions(device), "seconds": round(seconds),
             "criteria": "docs/qualification.md", "cells": cells}
     fams = [f for f in FAMILIES if any(c["family"] == f for c in cells)]
