@@ -109,7 +109,7 @@ RULES: Dict[str, Rule] = {
         "moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor")},
     **{f"model.{k}": _NON_NEGATIVE for k in (
         "init_method_std", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-        "moe_router_bias_update_rate")},
+        "moe_router_bias_update_rate", "mtp_num_layers", "mtp_loss_scaling_factor")},
     "model.moe_router_topk": _ge(1),
     "model.moe_layer_freq": _ge(1),
     "model.hidden_dropout": _PROBABILITY,

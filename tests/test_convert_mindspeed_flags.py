@@ -131,7 +131,7 @@ def test_hf_cfg_dir_of_another_model_is_one_line(folders, tmp_path, capsys):
     (["--pipeline-model-parallel-layout", "E|t|tL"], "--pipeline-model-parallel-layout E|t|tL: "
                                                      "not supported"),
     (["--input-tp-rank", "0"], "--input-tp-rank 0: not supported"),
-    (["--mtp-num-layers", "1"], "--mtp-num-layers 1: not supported"),
+    (["--mtp-num-layers", "1"], "--mtp-num-layers 1: the checkpoint has 0 MTP layer(s)"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine: "
                                                    "not supported"),
     (["--mamba-state-dim", "64"], "--mamba-state-dim 64: not supported"),

@@ -107,9 +107,10 @@ def test_megatron_keys_and_tp_splits(hf_dir):
                         np.split(hf[a + "o_proj.weight"], 2, axis=1)[t])
 
 
-def test_mtp_weights_are_reported_as_skipped(hf_dir, tmp_path, caplog):
-    """DeepSeek's release keeps the MTP module as ``model.layers.{num_layers}.*``; MTP is not
-    built yet, so loading and converting name them as skipped instead of failing."""
+def test_mtp_weights_are_loaded_when_asked_and_skipped_otherwise(hf_dir, tmp_path, caplog):
+    """DeepSeek's release keeps the MTP module as ``model.layers.{num_layers}.*``. Loading
+    without ``model.mtp_num_layers`` skips them with a warning; the main model's logits are
+    unchanged. (Their numerics and conversion: test_deepseek_mtp.py.)"""
     name, root = hf_dir
     src = tmp_path / "with_mtp"
     os.makedirs(src)
@@ -117,21 +118,52 @@ def test_mtp_weights_are_reported_as_skipped(hf_dir, tmp_path, caplog):
         if not f.endswith(".safetensors"):
             os.link(root / "hf" / f, src / f)
     w = load_file(str(root / "hf" / "model.safetensors"))
-    n = fx.CASES[name][1]["num_hidden_layers"]
-    w[f"model.layers.{n}.eh_proj.weight"] = np.ones((4, 4), np.float32)
+    n, H = fx.CASES[name][1]["num_hidden_layers"], fx.CASES[name][1]["hidden_size"]
+    last = f"model.layers.{n - 1}."
+    for k in [k for k in w if k.startswith(last)]:        # a decoder layer plus MTP's own
+        w[f"model.layers.{n}." + k[len(last):]] = w[k]
+    for k, shape in (("enorm.weight", (H,)), ("hnorm.weight", (H,)),
+                     ("eh_proj.weight", (H, 2 * H)), ("shared_head.norm.weight", (H,))):
+        w[f"model.layers.{n}.{k}"] = np.ones(shape, np.float32)
+    w[f"model.layers.{n}.embed_tokens.weight"] = w["model.embed_tokens.weight"]
+    w[f"model.layers.{n}.shared_head.head.weight"] = w["lm_head.weight"]
     save_file(w, str(src / "model.safetensors"), metadata={"format": "pt"})
     with caplog.at_level(logging.WARNING, logger="ms_llm.checkpoint"):
         np.testing.assert_array_equal(_logits(src), _logits(root / "hf"))
-        run("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src,
-            "--save-dir", tmp_path / "mg")
-    assert sum("skipped 1 MTP tensors" in r.getMessage() for r in caplog.records) == 2
+    assert sum("skipped" in r.getMessage() and "MTP" in r.getMessage()
+               for r in caplog.records) == 1
+    from ms_llm.checkpoint.hf_io import read_hf_config
+    from ms_llm.models import from_pretrained
+    from ms_llm.models.families import config_from_hf
+    cfg = config_from_hf(read_hf_config(str(src))).replace(mtp_num_layers=1)
+    model = from_pretrained(str(src), config=cfg)
+    np.testing.assert_array_equal(model.mtp.layers[0].eh_proj.weight.asnumpy(),
+                                  np.ones((H, 2 * H), np.float32))
+    # and they convert: HF -> Megatron (tp=2) -> HF bit-exact, MTP included (both families)
+    run("--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", src,
+        "--save-dir", tmp_path / "mg", "--target-tensor-parallel-size", "2")
+    sd = tp.load(str(tmp_path / "mg" / "iter_0000001" / "mp_rank_01" / "model_optim_rng.pt"))
+    assert "mtp.layers.0.transformer_layer.mlp.shared_experts.linear_fc1.weight" in sd["model"]
+    # newer Megatron-Core names the inner layer mtp_model_layer: read as well
+    for f in glob.glob(str(tmp_path / "mg" / "iter_0000001" / "mp_rank_*" / "*.pt")):
+        ck = tp.load(f)
+        ck["model"] = {k.replace(".transformer_layer.", ".mtp_model_layer."): v
+                       for k, v in ck["model"].items()}
+        tp.save(ck, f)
+    run("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", tmp_path / "mg",
+        "--save-dir", tmp_path / "back")
+    got = read_hf_weights(str(tmp_path / "back"))
+    assert set(got) == set(w)
+    for k in w:
+        assert same(got[k], w[k]), k
 
 
 @pytest.mark.parametrize("variant", ["mla", "glm"])
 def test_trained_proxy_exports_to_hf(tmp_path, variant):
     """Train the DeepSeek proxy (or its GLM-4.5-style variant) for one step with a checkpoint,
     ``ms-llm export`` it, and transformers' model of the exported folder gives the trained
-    model's logits (1e-4, as in the parity tests) and ms-llm reloads it exactly."""
+    model's logits (1e-4, as in the parity tests) and ms-llm reloads it exactly. The MLA run
+    trains an MTP depth too: it exports as DeepSeek's ``model.layers.{L}.*`` and reloads."""
     import json
 
     import mindspore as ms
@@ -142,7 +174,7 @@ def test_trained_proxy_exports_to_hf(tmp_path, variant):
     from ms_llm.config import load_config
     from ms_llm.models import from_pretrained
     from ms_llm.training.trainer import Trainer
-    extra = [] if variant == "mla" else [
+    extra = ["--model.mtp_num_layers", "1"] if variant == "mla" else [
         "--model.multi_latent_attention", "false", "--model.num_query_groups", "2",
         "--model.kv_channels", "16", "--model.add_qkv_bias", "true",
         "--model.qk_layernorm", "true", "--model.rotary_percent", "0.5"]
@@ -159,6 +191,20 @@ def test_trained_proxy_exports_to_hf(tmp_path, variant):
     want = trainer.model(ms.Tensor(ids.astype(np.int32))).asnumpy()
     np.testing.assert_array_equal(from_pretrained(str(out))(
         ms.Tensor(ids.astype(np.int32))).asnumpy(), want)
+    if variant == "mla":
+        L = cfg.model.num_layers
+        assert hf_cfg["num_nextn_predict_layers"] == 1
+        back = from_pretrained(str(out), config=trainer.model.config)
+        mine = dict(trainer.model.parameters_and_names())
+        theirs = dict(back.parameters_and_names())
+        mtp_keys = [k for k in mine if k.startswith("mtp.")]
+        assert len(mtp_keys) > 10 and sorted(k for k in theirs if k.startswith("mtp.")) == \
+            sorted(mtp_keys)
+        for k in mtp_keys:
+            np.testing.assert_array_equal(theirs[k].asnumpy(), mine[k].asnumpy(), err_msg=k)
+        w = read_hf_weights(str(out))
+        np.testing.assert_array_equal(w[f"model.layers.{L}.shared_head.head.weight"],
+                                      w["lm_head.weight"])
     cls = tf.DeepseekV3ForCausalLM if variant == "mla" else tf.Glm4MoeForCausalLM
     hf = cls.from_pretrained(str(out), torch_dtype=torch.float32).eval()
     with torch.no_grad():

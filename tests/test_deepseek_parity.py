@@ -102,9 +102,9 @@ def test_greedy_generation_with_kv_cache_matches_transformers(case):
 
 def test_published_configs():
     """configs/deepseek_v3.yaml and glm45.yaml hold the published architectures: total
-    parameters from an independent count (671.0B for DeepSeek-V3 without its MTP module; 352.8B
-    for GLM-4.5 without its MTP layer, 355B published with it), and the count formula equals
-    the built proxy's parameter count."""
+    parameters from an independent count (671.0B for DeepSeek-V3 without its MTP module, 685B
+    with it as the model card counts; 352.8B for GLM-4.5 without its MTP layer), and the count
+    formula equals the built proxy's parameter count, with and without MTP depths."""
     import os
     from ms_llm.config import load_config
     from ms_llm.models.gpt import GPTModel
@@ -112,7 +112,9 @@ def test_published_configs():
 
     def count(c):
         H, tot = c.hidden_size, 2 * c.padded_vocab_size * c.hidden_size + c.hidden_size
-        for i in range(c.num_layers):
+        # MTP depths: a layer like the last one plus enorm, hnorm, eh_proj, final_layernorm
+        tot += (c.mtp_num_layers or 0) * (3 * H + 2 * H * H)
+        for i in list(range(c.num_layers)) + [c.num_layers - 1] * (c.mtp_num_layers or 0):
             if c.multi_latent_attention:
                 nh, qd = c.num_attention_heads, c.qk_head_dim + c.qk_pos_emb_head_dim
                 a = (c.q_lora_rank * (H + 1 + nh * qd) + (c.kv_lora_rank + c.qk_pos_emb_head_dim) * H
@@ -131,12 +133,21 @@ def test_published_configs():
         return tot
 
     ds = load_config(os.path.join(root, "deepseek_v3.yaml")).model
-    assert abs(count(ds) - 671.0e9) < 0.1e9
+    assert ds.mtp_num_layers == 1
+    assert abs(count(ds.replace(mtp_num_layers=None)) - 671.0e9) < 0.1e9
+    # DeepSeek's model card: 685B on the Hub = 671B main model + 14B MTP module, the module
+    # counting its own copies of the embedding and head (shared here: 2 V H fewer)
+    V, H = ds.padded_vocab_size, ds.hidden_size
+    assert abs(count(ds) + 2 * V * H - 685e9) < 0.6e9
+    assert abs(count(ds) + 2 * V * H - count(ds.replace(mtp_num_layers=None)) - 14e9) < 0.6e9
     assert ds.moe_router_num_groups == 8 and ds.moe_router_group_topk == 4
     glm = load_config(os.path.join(root, "glm45.yaml")).model
-    assert abs(count(glm) - 352.8e9) < 0.1e9 and glm.rotary_dim == 64
+    assert abs(count(glm.replace(mtp_num_layers=None)) - 352.8e9) < 0.1e9
+    assert glm.rotary_dim == 64 and glm.mtp_num_layers == 1
     proxy = load_config(os.path.join(root, "deepseek_v3_proxy.yaml")).model
     assert GPTModel(proxy).num_parameters() == count(proxy)
+    with_mtp = proxy.replace(mtp_num_layers=2)
+    assert GPTModel(with_mtp).num_parameters() == count(with_mtp)
 
 
 def test_bf16_sharded_folder_loads(tmp_path):

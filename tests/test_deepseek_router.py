@@ -83,7 +83,8 @@ def test_group_limited_routing_and_seq_aux_loss_match_numpy(norm):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(moe_router_num_groups=3, moe_router_group_topk=1), "moe_router_num_groups"),
     (dict(moe_router_num_groups=4, moe_router_group_topk=5), "moe_router_num_groups"),
-    (dict(mtp_num_layers=1), "not built yet"),
+    (dict(mtp_num_layers=-1), "mtp_num_layers"),
+    (dict(mtp_loss_scaling_factor=-0.1), "mtp_loss_scaling_factor"),
     (dict(multi_latent_attention=True, qk_pos_emb_head_dim=7), "qk_pos_emb_head_dim"),
     (dict(multi_latent_attention=True, q_lora_rank=0), "q_lora_rank"),
     (dict(rotary_percent=1.5), "rotary_percent"),

@@ -35,6 +35,7 @@ import ml_dtypes
 import numpy as np
 
 from . import layouts as L
+from . import layouts_mtp as MTP
 from .convert_args import (DTYPES, ConvertError, _check_num_layers,  # noqa: F401 (re-exported)
                            _int_list, _refuse_unsupported, build_parser)
 from .hf_io import HFReader, HFWriter, copy_hf_side_files, read_hf_config
@@ -56,6 +57,9 @@ class HFSource:
         self.spec = L.spec_from_hf_config(self.config, self.model_type,
                                           os.path.join(path, "config.json"))
         self._used = set()
+        names = set(self.reader.names())
+        self.spec.mtp_layers = MTP.present_depths(
+            self.spec, lambda j: f"{MTP.hf_prefix(self.spec, j)}eh_proj.weight" in names, path)
         expected = {n: s for n, s in L.hf_names(self.spec)}
         for name, shape in expected.items():
             if name not in self.reader:
@@ -65,13 +69,9 @@ class HFSource:
                 raise ConvertError(f"{path}: tensor {name!r} has shape "
                                    f"{list(self.reader.shape(name))}, config.json implies "
                                    f"{list(shape)}")
-        self.skipped_mtp = [n for n in self.reader.names() if L.DS.is_mtp_tensor(self.spec, n)]
-        if self.skipped_mtp:
-            log.warning("%s: skipped %d MTP tensors (model.layers.%d.*): multi-token "
-                        "prediction is not built yet", path, len(self.skipped_mtp),
-                        self.spec.num_layers)
+        self.path = path
         extra = [n for n in self.reader.names() if n not in expected
-                 and n not in self.skipped_mtp and not n.endswith("rotary_emb.inv_freq")
+                 and not n.endswith("rotary_emb.inv_freq")
                  and not (self.spec.tied and n == "lm_head.weight")]
         if extra:
             raise ConvertError(f"{path}: tensors {sorted(extra)[:3]} do not belong to a "
@@ -91,6 +91,9 @@ class HFSource:
 
     def layer(self, i: int) -> Dict:
         return L.hf_layer_to_full(self.spec, self.reader.get, i)
+
+    def mtp_layer(self, j: int) -> Dict:
+        return MTP.mtp_hf_to_full(self.spec, self.reader.get, j, L.hf_layer_to_full, self.path)
 
     def close(self) -> None:
         pass
@@ -128,6 +131,7 @@ class MegatronSource:
                               if self.lay.hf_layer(m) is not None]
             self._where = {m: (p, c, j) for p, c, ids in self.lay.chunks()
                            for j, m in enumerate(ids)}
+            self.spec.mtp_layers = MTP.present_depths(self.spec, self._has_mtp, path)
         except BaseException:
             self.reader.close()
             raise
@@ -177,6 +181,32 @@ class MegatronSource:
         return L.merge_layer(self.spec, self.lay,
                              lambda t, e, key: self.reader.tensor(t, p, e, c, pre + key), i)
 
+    def _has_mtp(self, j: int) -> bool:
+        p, c = self.lay.last_chunk()
+        try:
+            self.reader.tensor(0, p, 0, c, f"mtp.layers.{j}.enorm.weight")
+        except KeyError:
+            return False
+        return True
+
+    def mtp_layer(self, j: int) -> Dict:
+        """MTP depth ``j`` from the last pipeline stage (``mtp.layers.{j}.``; the inner layer
+        under ``transformer_layer.``, or ``mtp_model_layer.`` as newer Megatron-Core names it)."""
+        p, c = self.lay.last_chunk()
+        pre = f"mtp.layers.{j}."
+        try:
+            self.reader.tensor(0, p, 0, c, pre + "transformer_layer.input_layernorm.weight")
+            inner = None
+        except KeyError:
+            inner = (pre + "transformer_layer.", pre + "mtp_model_layer.")
+
+        def read(t: int, e: int, key: str) -> np.ndarray:
+            name = pre + key
+            if inner is not None and name.startswith(inner[0]):
+                name = inner[1] + name[len(inner[0]):]
+            return self.reader.tensor(t, p, e, c, name)
+        return MTP.mtp_merge(self.spec, self.lay, read, j, L.merge_layer)
+
     def close(self) -> None:
         self.reader.close()
 
@@ -218,8 +248,19 @@ class MegatronSink:
     def embedding(self, w: np.ndarray) -> None:
         shards = L.vocab_shards(w, self.lay)
         self._all(0, 0, "embedding.word_embeddings.weight", shards)
-        if self.spec.tied and self.lay.pp > 1:
-            self._emb = shards  # Megatron's last stage keeps its own copy as output_layer.weight
+        if self.lay.last_chunk() != (0, 0) and (self.spec.tied or self.spec.mtp_layers):
+            # Megatron's last stage keeps its own copy: as output_layer.weight when tied, and
+            # as embedding.word_embeddings.weight for the MTP block
+            self._emb = shards
+
+    def mtp_layer(self, j: int, full: Dict, output: Optional[np.ndarray]) -> None:
+        p, c = self.lay.last_chunk()
+        if j == 0 and self._emb is not None:
+            self._all(p, c, "embedding.word_embeddings.weight", self._emb)
+        for (t, e), sd in MTP.mtp_shard(self.spec, self.lay, full, j, L.shard_layer).items():
+            for key, v in sd.items():
+                self.w.add(t, p, e, c, f"mtp.layers.{j}.{key}",
+                           None if v is None else _cast(v, self.cast))
 
     def layer(self, i: int, full: Dict) -> None:
         p, c, j = self._where[i]
@@ -233,7 +274,7 @@ class MegatronSink:
         self._all(p, c, "decoder.final_layernorm.weight", [norm] * self.lay.tp)
         if output is not None:
             self._all(p, c, "output_layer.weight", L.vocab_shards(output, self.lay))
-        elif self._emb is not None:
+        elif self._emb is not None and self.spec.tied:
             self._all(p, c, "output_layer.weight", self._emb)
         self._all(p, c, "output_layer._extra_state", None)
 
@@ -262,6 +303,13 @@ class HFSink:
 
     def embedding(self, w: np.ndarray) -> None:
         self._add("model.embed_tokens.weight", w)
+        self._emb = w if self.spec.mtp_layers else None   # the MTP depths' copies
+
+    def mtp_layer(self, j: int, full: Dict, output: Optional[np.ndarray]) -> None:
+        head = output if output is not None else self._emb
+        for name, x in MTP.mtp_full_to_hf(self.spec, full, j, L.full_layer_to_hf, self._emb,
+                                          head).items():
+            self._add(name, x)
 
     def layer(self, i: int, full: Dict) -> None:
         for name, x in L.full_layer_to_hf(self.spec, full, i).items():
@@ -309,6 +357,7 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
             src = merged_source(src, opts, opts.load_dir)
         spec = src.spec
         _check_num_layers(opts, spec)
+        _select_mtp(opts, src)
         cast = DTYPES[opts.params_dtype] if opts.params_dtype else None
         out_dtype = cast or src.dtype()
         if opts.save_model_type == "mg":
@@ -342,6 +391,20 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
         src.close()
 
 
+def _select_mtp(opts: argparse.Namespace, src) -> None:
+    """``--mtp-num-layers`` (MindSpeed's): unset or the checkpoint's count converts every MTP
+    depth; 0 drops them (said), as MindSpeed does without the flag."""
+    want, have = opts.mtp_num_layers, src.spec.mtp_layers
+    if want is None or want == have:
+        return
+    if want != 0:
+        raise ConvertError(f"--mtp-num-layers {want}: the checkpoint has {have} MTP layer(s) "
+                           f"(config.json num_nextn_predict_layers); pass {have} or 0")
+    log.warning("--mtp-num-layers 0: dropping the checkpoint's %d MTP layer(s)", have)
+    src.spec.mtp_layers = 0
+    src.config = dict(src.config, num_nextn_predict_layers=0)
+
+
 def stream_to_sink(src, sink, tmp: str, out: str, *, progress=None, check=None) -> str:
     """Copy ``src`` into ``sink`` one layer at a time (memory stays near one layer), then
     publish the folder ``tmp`` as ``out`` by renaming it. On any failure the sink is aborted and
@@ -354,7 +417,10 @@ def stream_to_sink(src, sink, tmp: str, out: str, *, progress=None, check=None) 
             sink.layer(i, src.layer(i))
             if progress:
                 progress(i + 1, n)
-        sink.final(src.final_norm(), src.output())
+        output = src.output()
+        for j in range(src.spec.mtp_layers):
+            sink.mtp_layer(j, src.mtp_layer(j), output)
+        sink.final(src.final_norm(), output)
         if check is not None:
             check()
         sink.close()

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-r", type=int, default=None)
     p.add_argument("--lora-alpha", type=int, default=None)
     p.add_argument("--lora-target-modules", nargs="*", default=None)
+    p.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction depths to convert: the checkpoint's "
+                        "(num_nextn_predict_layers, the default) or 0 to drop them")
     return p
 
 
@@ -78,8 +81,6 @@ _REFUSED = [
      "(first_k_dense_replace, or mlp_only_layers / decoder_sparse_step)"),
     ("--input-tp-rank", _INT, "the whole checkpoint is converted"),
     ("--input-pp-rank", _INT, "the whole checkpoint is converted"),
-    ("--mtp-num-layers", dict(type=int, default=0), "multi-token prediction is not built yet; "
-     "HF MTP weights are reported as skipped"),
     ("--transformer-impl", dict(choices=["local", "transformer_engine"], default="local"),
      "checkpoints use the local spec's parameter names"),
     ("--hidden-size", _INT, _MAMBA), ("--mamba-state-dim", _INT, _MAMBA),

@@ -37,7 +37,7 @@ from .megatron import hf_config_from_args
 
 __all__ = ["export_hf", "export_megatron", "hf_config_from_transformer_config"]
 
-_MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.")
+_MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
 _EXPERTS = "mlp.experts.local_experts."
 
 
@@ -182,11 +182,26 @@ class _Source:
     def has_grouped_experts(self) -> bool:
         return any(n.endswith(".mlp.experts.weight1") for ns in self.layers.values() for n in ns)
 
-    def layer(self, i: int) -> Dict[str, np.ndarray]:
-        pre = f"decoder.layers.{i}."
+    def mtp_layer(self, j: int) -> Dict[str, np.ndarray]:
+        """MTP depth ``j`` (``mtp.layers.{j}.``) in the converter's full form."""
+        pre = f"mtp.layers.{j}."
+        inner = pre + "transformer_layer."
+        names = [n for n in self.r.names() if n.startswith(self.prefix + inner)]
+        full = OrderedDict((k, self._get(pre + k))
+                           for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight"))
+        for k, v in self.layer(self.spec.num_layers + j, inner, names).items():
+            full["transformer_layer." + k] = v
+        full["final_layernorm.weight"] = self._get(pre + "final_layernorm.weight")
+        return full
+
+    def layer(self, i: int, pre: Optional[str] = None,
+              names: Optional[list] = None) -> Dict[str, np.ndarray]:
+        """Decoder layer ``i`` (or, given ``pre`` and its tensor ``names``, the layer an MTP
+        depth holds)."""
+        pre = pre or f"decoder.layers.{i}."
         where = f"{self.r.path}: {self.prefix}{pre}"
         raw = {n[len(self.prefix) + len(pre):]: self._get(n[len(self.prefix):])
-               for n in self.layers[i]}
+               for n in (self.layers[i] if names is None else names)}
         full = OrderedDict()
         for key in sorted(raw):
             base, colon, part = key.partition(":")

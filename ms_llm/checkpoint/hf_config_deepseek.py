@@ -72,7 +72,7 @@ def hf_config_deepseek(c, model_type_hf: Optional[str] = None) -> Tuple[dict, st
         "topk_group": (c.moe_router_group_topk or 1) if groups > 1 else 1,
         "norm_topk_prob": bool(c.moe_router_norm_topk_prob),
         "routed_scaling_factor": float(c.moe_router_topk_scaling_factor or 1.0),
-        "num_nextn_predict_layers": 0, "rope_parameters": rope, "rope_theta": c.rotary_base,
+        "num_nextn_predict_layers": c.mtp_num_layers or 0, "rope_parameters": rope, "rope_theta": c.rotary_base,
         "torch_dtype": c.params_dtype,
     }
     if mt == "deepseek3":

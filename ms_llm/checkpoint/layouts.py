@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from . import layouts_deepseek as DS
+from . import layouts_mtp as MTP
 
 MODEL_TYPES = {  # --model-type-hf -> (family, config.json model_type)
     "llama2": ("llama", "llama"), "llama3": ("llama", "llama"), "llama": ("llama", "llama"),
@@ -80,7 +81,8 @@ class ModelSpec:
     mtp_layers: int = 0
 
     def is_moe(self, hf_layer: int) -> bool:
-        return bool(self.moe_layers) and self.moe_layers[hf_layer]
+        """``hf_layer >= num_layers``: an MTP layer, built like the last decoder layer."""
+        return bool(self.moe_layers) and self.moe_layers[min(hf_layer, self.num_layers - 1)]
 
 
 def spec_from_hf_config(cfg: dict, model_type_hf: str, source: str = "config.json") -> ModelSpec:
@@ -185,6 +187,7 @@ class ParallelLayout:
                                  f"moe_intermediate_size ({spec.moe_ffn})")
         elif self.ep != 1:
             raise ValueError(f"{w}: expert-parallel size {self.ep} needs a MoE model")
+        MTP.validate_mtp(spec, self, w)
         n = spec.num_layers + len(self.noop_layers)
         if any(not 0 <= i < n for i in self.noop_layers) or \
                 len(set(self.noop_layers)) != len(self.noop_layers):
@@ -303,6 +306,8 @@ def hf_names(spec: ModelSpec) -> List[Tuple[str, tuple]]:
     out = [("model.embed_tokens.weight", (spec.vocab, spec.hidden))]
     for i in range(spec.num_layers):
         out += hf_layer_names(spec, i)
+    for j in range(spec.mtp_layers):
+        out += MTP.mtp_hf_names(spec, j, hf_layer_names)
     out.append(("model.norm.weight", (spec.hidden,)))
     if not spec.tied:
         out.append(("lm_head.weight", (spec.vocab, spec.hidden)))

@@ -97,7 +97,8 @@ def make_args(spec: ModelSpec, lay: ParallelLayout, hf_cfg: dict, dtype: np.dtyp
         moe_norm_topk_prob=bool(hf_cfg.get("norm_topk_prob", False)) if moe else False,
         model_type_hf=model_type_hf, transformer_impl="local", use_mcore_models=True,
         ckpt_format="torch", iteration=iteration, consumed_train_samples=0,
-        consumed_valid_samples=0, **_deepseek_args(spec, hf_cfg))
+        consumed_valid_samples=0, mtp_num_layers=spec.mtp_layers or None,
+        **_deepseek_args(spec, hf_cfg))
 
 
 def _deepseek_args(spec: ModelSpec, hf_cfg: dict) -> dict:

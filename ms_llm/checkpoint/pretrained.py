@@ -16,6 +16,7 @@ from ms_llm.models.families import ALIASES, config_from_hf
 from ms_llm.models.gpt import GPTModel
 from .hf_io import read_hf_config, read_hf_weights
 from . import layouts as L
+from . import layouts_mtp as MTP
 from .megatron import is_megatron_dir
 
 log = logging.getLogger("ms_llm.checkpoint")
@@ -51,7 +52,9 @@ def pretrained_architecture(path: str) -> Tuple[TransformerConfig, str]:
 TRAINING_MODEL_KEYS = frozenset({
     "attention_dropout", "hidden_dropout", "init_method_std", "params_dtype",
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-    "moe_router_bias_update_rate", "moe_grouped_gemm"})
+    "moe_router_bias_update_rate", "moe_grouped_gemm",
+    # fewer MTP depths than the folder has: the rest are skipped (said) on load
+    "mtp_num_layers", "mtp_loss_scaling_factor"})
 # The config ms-llm train uses when no file is named: its model section describes the default
 # small model, not a request about a loaded folder (same path as ms_llm.train.DEFAULT_CONFIG).
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -187,6 +190,13 @@ def _from_megatron(path: str, dtype: Optional[str],
                 full = experts_to_grouped(full, src.spec.num_experts)
             for k, v in full.items():
                 sd[f"decoder.layers.{i}.{k}"] = f32(v)
+        depths = mtp_depths(src.spec, cfg, path)
+        for j in range(depths):
+            sd.update({k: f32(v) for k, v in mtp_state(src.mtp_layer(j), j, cfg,
+                                                        src.spec).items()})
+        if src.spec.mtp_layers > depths:
+            log.warning("%s: skipped MTP depths %d.. (model.mtp_num_layers is %d)", path,
+                        depths, depths)
         load_state_dict(model, sd, strict=True, source=path)
     finally:
         src.close()
@@ -223,14 +233,42 @@ def _hf_to_mcore(hf: dict, hf_cfg: dict, cfg: TransformerConfig, source: str) ->
         if cfg.moe_grouped_gemm and spec.is_moe(i):
             full = experts_to_grouped(full, spec.num_experts)
         out.update({f"decoder.layers.{i}.{k}": v for k, v in full.items()})
-    mtp = sorted(k for k in hf if L.DS.is_mtp_tensor(spec, k))
-    if mtp:   # multi-token prediction is not built yet: its weights are reported, not loaded
-        log.warning("%s: skipped %d MTP tensors (model.layers.%d.*): multi-token prediction "
-                    "is not built yet", source, len(mtp), spec.num_layers)
+    spec.mtp_layers = MTP.present_depths(
+        spec, lambda j: f"{MTP.hf_prefix(spec, j)}eh_proj.weight" in hf, source)
+    depths = mtp_depths(spec, cfg, source)
+    for j in range(depths):
+        out.update(mtp_state(MTP.mtp_hf_to_full(spec, get, j, L.hf_layer_to_full, source),
+                             j, cfg, spec))
+    mtp = sorted(k for k in hf if L.DS.is_mtp_tensor(spec, k) and k not in used)
+    if mtp:
+        log.warning("%s: skipped %d tensors of MTP depths %d.. (model.mtp_num_layers is %d)",
+                    source, len(mtp), depths, depths)
     leftover = sorted(set(hf) - used - set(mtp)
                       - {k for k in hf if k.endswith("rotary_emb.inv_freq")})
     if leftover:
         raise KeyError(f"{source}: unexpected tensors {leftover[:5]} for this architecture")
+    return out
+
+
+def mtp_depths(spec, cfg: TransformerConfig, source: str) -> int:
+    """How many of the folder's MTP depths the model takes (``model.mtp_num_layers``; fewer
+    is allowed, the rest are skipped)."""
+    want = cfg.mtp_num_layers or 0
+    if want > spec.mtp_layers:
+        raise ValueError(f"{source}: model.mtp_num_layers ({want}) exceeds the "
+                         f"{spec.mtp_layers} MTP layer(s) of the checkpoint")
+    return want
+
+
+def mtp_state(full: dict, j: int, cfg: TransformerConfig, spec) -> dict:
+    """Full MTP depth ``j`` (keys relative to ``mtp.layers.{j}.``) -> GPTModel keys, experts
+    grouped when the model groups them."""
+    pre = "transformer_layer."
+    inner = {k[len(pre):]: v for k, v in full.items() if k.startswith(pre)}
+    if cfg.moe_grouped_gemm and spec.is_moe(spec.num_layers + j):
+        inner = experts_to_grouped(inner, spec.num_experts)
+    out = {f"mtp.layers.{j}.{k}": v for k, v in full.items() if not k.startswith(pre)}
+    out.update({f"mtp.layers.{j}.{pre}{k}": v for k, v in inner.items()})
     return out
 
 

@@ -128,9 +128,11 @@ class TransformerConfig:
         if not 0 < self.rotary_percent <= 1.0 or self.rotary_dim % 2:
             raise ValueError(f"model.rotary_percent ({self.rotary_percent}) must be in (0, 1] "
                              f"and rotate an even number of head dims")
-        if self.mtp_num_layers:
-            raise ValueError("model.mtp_num_layers: multi-token prediction is not built yet "
-                             "(HF MTP weights are reported as skipped on load)")
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 0:
+            raise ValueError(f"model.mtp_num_layers ({self.mtp_num_layers}) must be >= 0")
+        if self.mtp_loss_scaling_factor < 0:
+            raise ValueError(f"model.mtp_loss_scaling_factor ({self.mtp_loss_scaling_factor}) "
+                             f"must be >= 0")
         if self.position_embedding_type == "yarn":
             self._validate_yarn()
         if self.activation_func not in ("silu", "gelu"):
@@ -215,9 +217,13 @@ class TransformerConfig:
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Megatron's ``--moe-layer-freq``: an int N makes layers 0, N, 2N, ... MoE; the list form
-        (``moe_layer_pattern``) says it per layer."""
+        (``moe_layer_pattern``) says it per layer. Indices from ``num_layers`` on are the
+        multi-token prediction layers, built like the last decoder layer (Megatron-Core's MTP
+        block spec takes the decoder's layer spec)."""
         if self.mlp_type != "moe":
             return False
+        if layer_idx >= self.num_layers:    # an MTP layer is built like the last decoder layer
+            layer_idx = self.num_layers - 1
         if self.moe_layer_pattern is not None:
             return bool(self.moe_layer_pattern[layer_idx])
         return layer_idx % self.moe_layer_freq == 0

@@ -17,6 +17,8 @@ from .kv_cache import KVCache
 from .layers import RMSNorm, TransformerLayer
 from .mla import MLASelfAttention
 from .moe import aux_loss as moe_aux_loss, moe_mlp_factory
+from .mtp import MultiTokenPredictionBlock, MultiTokenPredictionLayer, mtp_loss
+from .mtp import roll_left as mtp_roll
 from .yarn import rope_frequencies
 
 MLPFactory = Callable[[TransformerConfig, int], nn.Module]
@@ -33,13 +35,17 @@ class LanguageModelEmbedding(nn.Module):
         return self.word_embeddings(input_ids)
 
 
+def layer_parts(config: TransformerConfig, mlp_factory: Optional[MLPFactory], i: int):
+    """The MLP and attention modules of layer ``i`` (``i >= num_layers``: an MTP layer)."""
+    return (mlp_factory(config, i) if mlp_factory else None,
+            MLASelfAttention(config) if config.multi_latent_attention else None)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, config: TransformerConfig, mlp_factory: Optional[MLPFactory] = None):
         super().__init__()
-        self.layers = nn.ModuleList([
-            TransformerLayer(config, mlp_factory(config, i) if mlp_factory else None,
-                             MLASelfAttention(config) if config.multi_latent_attention else None)
-            for i in range(config.num_layers)])
+        self.layers = nn.ModuleList([TransformerLayer(config, *layer_parts(config, mlp_factory, i))
+                                     for i in range(config.num_layers)])
         self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon,
                                        config.params_dtype)
 
@@ -73,6 +79,10 @@ class GPTModel(nn.Module):
                                           dtype=config.params_dtype)
         else:
             self.output_layer = None
+        # Multi-token prediction (ms_llm.models.mtp); built last, so the main model's initial
+        # weights for a seed are the same with or without it.
+        self.mtp = MultiTokenPredictionBlock(config, lambda i: MultiTokenPredictionLayer(
+            config, *layer_parts(config, mlp_factory, i))) if config.mtp_num_layers else None
         self._rope_cache = {}
         self._table_rows, self._table = 0, None   # the inference table (_cached_cos_sin)
         # The LM head as swappable steps (tied logits, logits post-processing, loss);
@@ -88,6 +98,13 @@ class GPTModel(nn.Module):
         if self.config.mlp_type != "moe":
             return None
         return moe_aux_loss(self)
+
+    def mtp_loss(self, loss_mask: Tensor):
+        """``(loss term, per-depth mean losses)`` of the last forward with labels, or ``None``
+        without multi-token prediction; the term still takes the caller's ``1 / tokens``."""
+        if self.mtp is None or not self.mtp.last_per_token:
+            return None
+        return mtp_loss(self.config, self.mtp.last_per_token, loss_mask)
 
     def rotary_cos_sin(self, seq_len: int, position_ids: Optional[Tensor] = None):
         """cos, sin ``[s, d]`` for positions ``0..s-1``, or ``[b, 1, s, d]`` at ``position_ids``
@@ -149,14 +166,28 @@ class GPTModel(nn.Module):
             h = self.decoder(h, cos, sin, attention_mask, kv_cache=kv_cache)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        if self.output_layer is not None:
-            # Through the module, so whatever wraps or replaces it (TP, FSDP) takes part.
-            logits = self.output_layer(h).astype(float32)
-        else:
-            logits = self.compute_logits(h, self.embedding.word_embeddings.weight)
+        logits = self._head(h)
         if labels is None:
             return self.finalize_logits(logits)
+        if self.mtp is not None and kv_cache is None and not logits_to_keep:
+            self.mtp.last_per_token = self._mtp_per_token(h, input_ids, labels, cos, sin,
+                                                          attention_mask)
         return self.loss_fn(logits, labels)
+
+    def _head(self, h: Tensor) -> Tensor:
+        if self.output_layer is not None:
+            # Through the module, so whatever wraps or replaces it (TP, FSDP) takes part.
+            return self.output_layer(h).astype(float32)
+        return self.compute_logits(h, self.embedding.word_embeddings.weight)
+
+    def _mtp_per_token(self, h, input_ids, labels, cos, sin, attention_mask):
+        """Each depth's cross entropy ``[b, s]`` against the labels rolled once per depth,
+        through the shared embedding and output head."""
+        out = []
+        for hk in self.mtp(h, input_ids, self.embedding, cos, sin, attention_mask):
+            labels = mtp_roll(labels)
+            out.append(self.loss_fn(self._head(hk), labels))
+        return out
 
 
 def lm_logits(h: Tensor, weight: Tensor) -> Tensor:

@@ -20,7 +20,8 @@ rotate-half tables every other model uses (``mla_rope_interleaved``; HF ``rope_i
 The number of local heads is read from the up-projections' output width, so a layer whose
 up-projections were split over tensor parallel (whole heads per rank) runs unchanged;
 ``rope_key_grad`` is the identity here and becomes an all-reduce in backward under tensor
-parallel (the shared rope key feeds every rank's heads). Inference caches the full per-head K
+parallel (the shared rope key feeds every rank's heads); ``sequence_gather`` is the identity
+here and gathers a sequence-parallel shard of the input under sequence parallel. Inference caches the full per-head K
 and V (V zero-padded to the K width), not the compressed latent.
 """
 from __future__ import annotations
@@ -109,6 +110,7 @@ class MLASelfAttention(nn.Module):
                                       init_std=output_init_std(c), dtype=dt)
         self.core_attention = MLACoreAttention(mla_softmax_scale(c))
         self.rope_key_grad = identity      # tensor parallel: all-reduce in backward
+        self.sequence_gather = identity    # sequence parallel: gather the sequence shards
 
     def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if self.config.mla_rope_interleaved:
@@ -119,6 +121,7 @@ class MLASelfAttention(nn.Module):
                 attention_mask: Optional[Tensor] = None,
                 kv_cache: Optional["LayerKVCache"] = None) -> Tensor:
         qk, rope, vd = self.qk, self.rope, self.v
+        x = self.sequence_gather(x)
         if self.linear_q_proj is not None:
             q = self.linear_q_proj(x)
         else:

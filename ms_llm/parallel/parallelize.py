@@ -85,6 +85,8 @@ def _jit_blockers(cfg, pstate: ParallelState) -> List[str]:
         out.append("context parallel")
     if cfg.training.recompute_granularity or cfg.training.recompute_norm:
         out.append("activation recompute")
+    if cfg.model.mtp_num_layers:
+        out.append("multi-token prediction (its per-depth losses are logged from PyNative)")
     return out
 
 
@@ -152,6 +154,9 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
     if lora is not None:
         mark_frozen_shards(model, buffers)
     cp = apply_context_parallel(model, cfg, pstate)
+    if cp is not None and model.mtp is not None:
+        raise ValueError("model.mtp_num_layers with parallel.context_parallel_size > 1 is not "
+                         "built yet (rolling the tokens would cross the ranks' chunks)")
     expert_params = []
     if cfg.model.mlp_type == "moe":
         expert_params = apply_expert_parallel(
@@ -169,11 +174,14 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
                              f"not supported")
         policy = MixedPrecisionPolicy(param_dtype=p.fsdp_param_dtype,
                                       reduce_dtype=p.fsdp_reduce_dtype)
+        modules = p.fsdp_modules
+        if model.mtp is not None:   # read again by the MTP depths: left gathered in the root
+            modules = [m for m in modules if m not in ("embedding", "output_layer")]
         # Under pipeline parallel each model chunk is its own FSDP root.
         for unit, tied, strict in ([(model, None, True)] if chunks is None else
                                    [(c, c.last and c.output_layer is None, False)
                                     for c in chunks]):
-            apply_fsdp(unit, dp, modules=p.fsdp_modules,
+            apply_fsdp(unit, dp, modules=modules,
                        reshard_after_forward=p.reshard_after_forward, prefetch=p.fsdp_prefetch,
                        ignored_params=expert_params, mp_policy=policy, tied=tied, strict=strict)
     jit = cfg.training.jit

@@ -175,11 +175,14 @@ def apply_mla_tensor_parallel(attn, group, sequence_parallel: bool = False) -> N
     full on every rank, not partial: the column-parallel up-projections all-reduce the gradient of
     their input, and the rope key, which every rank's heads read but no column-parallel layer
     consumes, passes ``copy_to_group`` (identity forward, all-reduce backward) through the
-    attention's ``rope_key_grad`` step."""
+    attention's ``rope_key_grad`` step.
+
+    Sequence parallel: the attention's ``sequence_gather`` step all-gathers the input's sequence
+    shards and, in backward, keeps this rank's shard of the gradient (no sum: by the above, the
+    gradient of the gathered input is full and the same on every rank), and ``linear_proj``
+    reduce-scatters its output back to the sequence shards."""
     if sequence_parallel:
-        raise ValueError("parallel.sequence_parallel with model.multi_latent_attention is not "
-                         "built yet (the replicated down-projections would see a sequence "
-                         "shard)")
+        attn.sequence_gather = functools.partial(pa.gather_from_group, group=group, dim=1)
     heads = attn.config.num_attention_heads
     if heads % group.size:
         raise ValueError(f"model.num_attention_heads ({heads}) is not divisible by "
@@ -189,7 +192,7 @@ def apply_mla_tensor_parallel(attn, group, sequence_parallel: bool = False) -> N
     else:
         attn.linear_q_up_proj = _column(attn.linear_q_up_proj, group)
     attn.linear_kv_up_proj = _column(attn.linear_kv_up_proj, group)
-    attn.linear_proj = _row(attn.linear_proj, group)
+    attn.linear_proj = _row(attn.linear_proj, group, sequence_parallel=sequence_parallel)
     attn.rope_key_grad = functools.partial(pa.copy_to_group, group=group)
 
 
@@ -240,9 +243,14 @@ def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None
         return
     c = model.config
     validate_tp(c, tp)
+    mtp = getattr(model, "mtp", None)
     emb = VocabParallelEmbedding(model.embedding.word_embeddings, group, sequence_parallel=sp)
     model.embedding.word_embeddings = emb
-    for layer in model.decoder.layers:
+    # The MTP depths' transformer layers split like the decoder's; their enorm / hnorm /
+    # eh_proj / final_layernorm stay replicated (full inputs, identical gradients per rank;
+    # under sequence parallel they see this rank's shard: partial gradients, marked below).
+    extra = [m.transformer_layer for m in mtp.layers] if mtp is not None else []
+    for layer in list(model.decoder.layers) + extra:
         attn = layer.self_attention
         if c.multi_latent_attention:
             apply_mla_tensor_parallel(attn, group, sp)
@@ -262,6 +270,10 @@ def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None
             _mark_partial(layer.pre_mlp_layernorm)
     if sp:
         _mark_partial(model.decoder.final_layernorm)
+        for m in (mtp.layers if mtp is not None else []):
+            # replicated, on this rank's sequence shard (the embedding reduce-scatters)
+            for module in (m.enorm, m.hnorm, m.eh_proj, m.final_layernorm):
+                _mark_partial(module)
     if model.output_layer is not None:
         model.output_layer = ColumnParallelLinear(model.output_layer, group, sequence_parallel=sp)
     model.compute_logits = functools.partial(_tp_logits, group=group, sequence_parallel=sp)

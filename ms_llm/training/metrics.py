@@ -10,9 +10,23 @@ from typing import Optional
 
 
 def peak_rss_gb() -> float:
-    """Peak resident memory of this process. MindSpore's memory stats read 0 on CPU and its pool
-    never returns memory, so the OS high-water mark is the honest figure."""
+    """Peak resident memory of this process (since ``reset_peak_rss``, where that worked).
+    MindSpore's memory stats read 0 on CPU and its pool never returns memory, so the OS
+    high-water mark is the honest figure."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 ** 2)
+
+
+def reset_peak_rss() -> bool:
+    """Restart the high-water mark from the current RSS (Linux >= 4.0: ``5`` written to
+    ``/proc/self/clear_refs`` resets ``VmHWM``, which ``ru_maxrss`` reports). The trainer calls
+    it just before building the model, so the logged peak is training's, not a transient of the
+    data set-up before it (reading and tokenizing the corpus). False where not supported."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def current_rss_gb() -> float:

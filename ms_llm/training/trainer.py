@@ -15,6 +15,7 @@ from mindspore import Tensor
 
 from ms_llm.checkpoint import dcp
 from ms_llm.compat import manual_seed, setup_device
+from ms_llm.compat.autograd import is_recomputing
 from ms_llm.config import ConfigError, RunConfig
 from ms_llm.models import GPTModel, from_pretrained
 from ms_llm.models.moe import collect_router_counts, update_expert_bias
@@ -36,7 +37,7 @@ from .data_setup import build_data
 from .dpo import DPOObjective, reference_for
 from .evaluate import Evaluator
 from .lr_schedule import lr_at
-from .metrics import MetricsLogger, current_rss_gb
+from .metrics import MetricsLogger, current_rss_gb, reset_peak_rss
 
 log = logging.getLogger("ms_llm.train")
 
@@ -75,6 +76,7 @@ class Trainer:
         np.random.seed(t.seed)
         self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
         cfg.model = self.data.model_config
+        reset_peak_rss()   # the logged peak is training's, not the data set-up's transients
         self.rss_before_model_gb = current_rss_gb()   # the baseline `ms-llm plan` predicts above
         self.model = build_model(cfg)
         self.moe = cfg.model.mlp_type == "moe"
@@ -109,6 +111,7 @@ class Trainer:
             self._say("training.jit ignored: training.stage dpo runs in PyNative")
         self.fwd_bwd = self._fwd_bwd_jit() if par.jit and self.dpo is None else None
         self.step = 0
+        self.mtp_log = []       # per micro-batch: each MTP depth's mean loss (for logging)
         self._lora_state = None
         self._maybe_resume()
         self.evaluator = None if self.data.valid is None else \
@@ -126,9 +129,16 @@ class Trainer:
             # Each rank's MoE auxiliary loss covers its own micro-batch while gradients are
             # summed over micro-batches and data-parallel ranks: average it accordingly.
             loss = loss + aux / (self.accum_steps * self.dp_cp_group.size)
+        mtp = self.model.mtp_loss(loss_mask)     # multi-token prediction (ms_llm.models.mtp)
+        if mtp is not None:
+            loss = loss + mtp[0] * inv_tokens
+            self.mtp_log.append([float(m.asnumpy()) for m in mtp[1]])   # PyNative only
         return loss
 
     def _dpo_objective(self) -> DPOObjective:
+        if self.model.mtp is not None:
+            raise ConfigError("training.stage dpo with model.mtp_num_layers is not built yet "
+                              "(the DPO loss has no MTP term); set model.mtp_num_layers 0")
         scale = 1.0 / (self.accum_steps * self.dp_group.size) if self.moe else None
         params = [q for _, q in self.named_params]
         return DPOObjective(self.cfg.dpo, self.model, params, self.dp_group, scale,
@@ -177,7 +187,13 @@ class Trainer:
         """All micro-batches through this rank's stages; the loss is summed on the last stage
         and shared over the pipeline group for logging."""
         def loss_of(per_token, b):
-            return (per_token * b["loss_mask"]).sum() * inv
+            loss = (per_token * b["loss_mask"]).sum() * inv
+            mtp = self.model.mtp_loss(b["loss_mask"])   # the last stage's MTP block
+            if mtp is None:
+                return loss
+            if not is_recomputing():     # the backward re-runs this forward: log it once
+                self.mtp_log.append([float(m.asnumpy()) for m in mtp[1]])
+            return loss + mtp[0] * inv
         loss, grads = self.pipeline.run([self._micro_batch(b) for b in batches], loss_of)
         loss = F.clone(loss)
         comm.all_reduce(loss, group=self.pstate.group("pp"))
@@ -289,9 +305,27 @@ class Trainer:
         if self.moe:
             update_expert_bias(self.model, self._sum_over_dp)
         tokens = sum(int(v.size) for b in batches for k, v in b.items() if k.endswith("tokens"))
+        metrics = self.dpo.step_metrics() if self.dpo is not None else {}
+        if self.model.mtp is not None:
+            metrics.update(self._mtp_metrics())
         return {"loss": total_loss, "grad_norm": norm, "lr": lr,
-                "tokens": tokens * self.dp_group.size,
-                "metrics": self.dpo.step_metrics() if self.dpo is not None else {}}
+                "tokens": tokens * self.dp_group.size, "metrics": metrics}
+
+    def _mtp_metrics(self) -> Dict[str, float]:
+        """Each MTP depth's loss (Megatron's ``mtp_{k} loss``): its per-token mean, averaged
+        over the step's micro-batches and the data-parallel replicas. ``loss`` includes them
+        times ``mtp_loss_scaling_factor / mtp_num_layers``."""
+        d = self.model.config.mtp_num_layers
+        means = np.mean(np.array(self.mtp_log, np.float64), axis=0) if self.mtp_log \
+            else np.zeros(d)
+        self.mtp_log = []
+        if self.pipeline is not None:     # only the last stage ran the MTP block: share it
+            t = Tensor(means.astype(np.float32))
+            comm.all_reduce(t, group=self.pstate.group("pp"))
+            means = t.asnumpy().astype(np.float64)
+        if self.dp_cp_group.size > 1:
+            means = self._sum_over_dp(means) / self.dp_cp_group.size
+        return {f"mtp_{k + 1}_loss": float(v) for k, v in enumerate(means)}
 
     def _sum_over_dp(self, counts: np.ndarray) -> np.ndarray:
         """Routed-token counts summed over the data-parallel replicas of the routers."""

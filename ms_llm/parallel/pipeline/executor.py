@@ -116,14 +116,15 @@ class PipelineExecutor:
             tokens = batch["tokens"]
 
             def fn(*_):
-                return self._finish(chunk, chunk(tokens, seq, batch["labels"], *extra), batch,
-                                    loss_fn)
+                return self._finish(chunk, chunk(tokens, seq, batch["labels"], *extra,
+                                                 tokens=tokens), batch, loss_fn)
             step = DeferredVJP(fn, Tensor(np.zeros((), np.float32)), self.params[act.chunk])
         else:
             x = inbox.pop(("act", act.microbatch, act.chunk))
 
             def fn(h):
-                return self._finish(chunk, chunk(h, seq, batch["labels"], *extra), batch, loss_fn)
+                return self._finish(chunk, chunk(h, seq, batch["labels"], *extra,
+                                                 tokens=batch["tokens"]), batch, loss_fn)
             step = DeferredVJP(fn, x, self.params[act.chunk])
         vjps[(act.microbatch, act.chunk)] = step
         return step.output

@@ -5,9 +5,10 @@ With ``pp`` ranks and ``vpp`` model chunks per rank there are ``pp * vpp`` virtu
 stage ``v = chunk * pp + rank`` (Megatron's interleaving) holds a contiguous range of global layer
 indices. Noop layers (MindSpeed) count in that assignment but are not built: they pass activations
 through unchanged and exist only to balance stages. The embedding lives on virtual stage 0, the
-final norm, output layer and loss on the last one; with tied embeddings the last stage keeps its
-own copy of the embedding weight, tied to the first stage's by summing the two gradients over the
-embedding group (``Placement.partial`` over ``emb``), as Megatron does.
+final norm, output layer, multi-token prediction block and loss on the last one; with tied
+embeddings or MTP (which embeds the shifted tokens) the last stage keeps its own copy of the
+embedding weight, tied to the first stage's by summing the two gradients over the embedding group
+(``Placement.partial`` over ``emb``), as Megatron does.
 """
 from __future__ import annotations
 
@@ -102,33 +103,45 @@ class PipelineChunk(nn.Module):
         self.decoder.layers = nn.ModuleList([model.decoder.layers[i] for i in layers])
         self.decoder.final_layernorm = model.decoder.final_layernorm if last else None
         self.output_layer = model.output_layer if last else None
+        self.mtp = model.mtp if last else None
         self._model = [model]          # the head functions (tensor parallel swaps them)
-        self.moe_layers = [layer.mlp for layer in self.decoder.layers
+        own = list(self.decoder.layers) + ([m.transformer_layer for m in self.mtp.layers]
+                                           if self.mtp is not None else [])
+        self.moe_layers = [layer.mlp for layer in own
                            if isinstance(getattr(layer, "mlp", None), MoELayer)]
         self.aux_loss_scale = 1.0      # the trainer's per-micro-batch weight of the aux loss
         self.last_aux_loss: Optional[Tensor] = None   # its weighted value in the last forward
 
     def forward(self, x: Tensor, seq_len: int, labels: Optional[Tensor] = None,
                 attention_mask: Optional[Tensor] = None,
-                position_ids: Optional[Tensor] = None) -> Tensor:
-        """``seq_len`` is the full sequence (sequence parallel splits hidden states over tp)."""
+                position_ids: Optional[Tensor] = None,
+                tokens: Optional[Tensor] = None) -> Tensor:
+        """``seq_len`` is the full sequence (sequence parallel splits hidden states over tp);
+        ``tokens``: the micro-batch's input ids, which the last stage's MTP block embeds
+        shifted (its per-depth losses are left in ``model.mtp.last_per_token``, as
+        ``GPTModel.forward`` leaves them)."""
         model = self._model[0]
         cos, sin = model.rotary_cos_sin(seq_len, position_ids)
         h = self.embedding(x) if self.first else x
         for layer in self.decoder.layers:
             h = layer(h, cos, sin, attention_mask)
-        aux = self._aux_loss()
-        self.last_aux_loss = None if aux is None else aux * self.aux_loss_scale
-        if aux is not None:
-            h = AttachAuxLoss.apply(self.aux_loss_scale, h, aux)
         if not self.last:
-            return h
+            return self._attach_aux_loss(h)
         h = self.decoder.final_layernorm(h)
         if self.output_layer is not None:
             logits = self.output_layer(h).astype(float32)
         else:
             logits = model.compute_logits(h, self.embedding.word_embeddings.weight)
-        return model.loss_fn(logits, labels)
+        if self.mtp is not None:
+            model.mtp.last_per_token = model._mtp_per_token(h, tokens, labels, cos, sin,
+                                                            attention_mask)
+        # after the MTP block, whose MoE routers add their aux losses too
+        return self._attach_aux_loss(model.loss_fn(logits, labels))
+
+    def _attach_aux_loss(self, out: Tensor) -> Tensor:
+        aux = self._aux_loss()
+        self.last_aux_loss = None if aux is None else aux * self.aux_loss_scale
+        return out if aux is None else AttachAuxLoss.apply(self.aux_loss_scale, out, aux)
 
     def _aux_loss(self) -> Optional[Tensor]:
         total = None
@@ -148,12 +161,14 @@ def split_model(model, pstate, vpp: int = 1, num_layer_list: Optional[Sequence[i
     ranges = layer_ranges(n, pp, vpp, num_layer_list)
     noop = set(check_noop_layers(noop_layers, n))    # already NoopLayer: nothing to keep
     tied = model.output_layer is None
+    # the last stage's copy of the embedding (tied head, or the MTP block's shifted tokens)
+    copy = tied or getattr(model, "mtp", None) is not None
     chunks = []
     for c in range(vpp):
         v = c * pp + rank
         keep = [i for i in ranges[v] if i not in noop]
         first, last = v == 0, v == pp * vpp - 1
-        chunk = PipelineChunk(model, keep, first, last, tied_copy=last and tied and pp * vpp > 1)
+        chunk = PipelineChunk(model, keep, first, last, tied_copy=last and copy and pp * vpp > 1)
         for local, glob in enumerate(keep):
             for _, p in chunk.decoder.layers[local].parameters_and_names():
                 pl = placement_of(p)
@@ -164,7 +179,7 @@ def split_model(model, pstate, vpp: int = 1, num_layer_list: Optional[Sequence[i
             for _, p in chunk.parameters_and_names():
                 if not placement_of(p).sharded_over("pp"):
                     set_placement(p, add_shard(p, p.shape, "pp", None))
-        if tied:
+        if copy:
             for chunk in chunks:
                 if chunk.embedding is not None:
                     add_partial(chunk.embedding.word_embeddings.weight, "emb")
