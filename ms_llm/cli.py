@@ -18,6 +18,7 @@ COMMANDS = {
     "chat": "chat on stdin with the tokenizer's chat template",
     "schedule": "print the pipeline schedule a config would run",
     "plan": "per-rank memory of a config and layout before launch, and what makes it fit",
+    "qualify": "run every model family x layout as real jobs; write support.md (Pass / Test)",
     **{name: f"{what} (not available yet)" for name, what in _LATER.items()},
 }
 
@@ -68,6 +69,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "plan":
         from ms_llm.training.memory_plan_cli import main as plan_main
         return plan_main(rest)
+    if command == "qualify":
+        from ms_llm.qualify.cli import main as qualify_main
+        return qualify_main(rest)
     if command in ("generate", "chat"):
         from ms_llm import inference_cli   # outside the package: its __init__ imports MindSpore
         return (inference_cli.generate_main if command == "generate"

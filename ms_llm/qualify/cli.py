@@ -1,0 +1,172 @@
+"""``ms-llm qualify [--suite quick|full] [--out DIR]``: run the qualification matrix as real jobs
+and write DIR/support.md, DIR/support.json and DIR/logs/ (docs/qualification.md defines the
+criteria). Exit 0 when no cell fails, 1 when one does, 2 on bad arguments."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+from . import criteria as C
+from .fault import check_fault
+from .matrix import STEPS, SUITES, select
+from .plan import Planner
+from .runner import run_job, segment
+
+LETTERS = ("a", "b", "c", "d")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ms-llm qualify", description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", choices=sorted(SUITES), default="quick",
+                   help="quick: 2 families x 4 layouts (< 10 min on 2 cores); full: everything")
+    p.add_argument("--out", default="outputs/qualify", help="where support.md/.json and logs/ go")
+    p.add_argument("--work", default=None,
+                   help="scratch folder for checkpoints and exports (default: a temporary one, "
+                        "removed at the end)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
+    # test-only: an explicit cell list ("family:feature", comma-separated) and cells whose
+    # parallel run is deliberately changed (another seed), to show a Fail is reported
+    p.add_argument("--cells", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
+    p.add_argument("--break-cell", action="append", default=[], help=argparse.SUPPRESS)
+    # test-only: skip criterion (d)'s fault launches (reported as not run, never as met)
+    p.add_argument("--no-fault", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _short(letter: str, chk: C.Check) -> str:
+    d = re.sub(r"\S*/\S*", "...", chk.detail)      # no paths in the table
+    if d.startswith("not built"):
+        d = "not built"
+    return f"{letter}: {d if len(d) <= 90 else d[:87] + '...'}"
+
+
+def _status(test: C.Check, checks: Dict[str, C.Check]) -> tuple:
+    if test.state == "unmet":
+        return "not built", [f"refused: {re.sub(r'^config error: ', '', test.detail)[:90]}"]
+    if test.state == "fail":
+        return "Fail", [f"runs: {re.sub(r'[^ ]*/[^ ]*', '...', test.detail)[:90]}"]
+    fails = [_short(k, c) for k, c in checks.items() if c.state == "fail"]
+    if fails:
+        return "Fail", fails
+    unmet = [_short(k, c) for k, c in checks.items() if c.state != "ok"]
+    return ("Test", unmet) if unmet else ("Pass", [])
+
+
+def _cell_log(path: str, cell, status: str, unmet, test, checks, runs: List[str],
+              logs: Dict[str, list], owner: Dict[str, str], recs, extra: List[str]) -> None:
+    lines = [f"# {cell.key}: {status}" + (f" ({'; '.join(unmet)})" if unmet else ""), "",
+             f"Test: {test.state}: {test.detail}"]
+    lines += [f"({k}) {c.state}: {c.detail}" for k, c in checks.items()]
+    for name in runs:
+        rec = recs.get(name)
+        if rec is None:
+            continue
+        lines += ["", f"## run {name}: " + ("ok" if not rec["error"] else rec["error"]),
+                  f"loss {['%.6f' % x for x in rec['loss']]}",
+                  f"grad_norm {['%.6f' % x for x in rec['grad_norm']]}"]
+        job_logs = logs.get(owner.get(name, ""), [])
+        for rank, text in enumerate(job_logs):
+            if rank > 0 and not rec["error"]:
+                break
+            seg = segment(text, name)
+            if not seg and rec["error"]:      # the job died: its log's tail
+                seg = text.splitlines()[-30:]
+            if seg:
+                lines += [f"### rank {rank} log", "```", *seg, "```"]
+    lines += extra
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        cells = select(args.suite, args.cells.split(",") if args.cells else None)
+        for b in args.break_cell:
+            select("full", [b])
+    except ValueError as e:
+        print(f"ms-llm qualify: {e}", file=sys.stderr)
+        return 2
+    command = "ms-llm qualify " + " ".join(argv) if argv else "ms-llm qualify"
+    t0 = time.time()
+    work = args.work or tempfile.mkdtemp(prefix="ms_llm_qualify_")
+    os.makedirs(work, exist_ok=True)
+    out = os.path.abspath(args.out)
+    shutil.rmtree(os.path.join(out, "logs"), ignore_errors=True)
+    try:
+        return _run(args, cells, work, out, command, t0)
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
+    from .data import prepare
+    planner = Planner(work, prepare(os.path.join(work, "data")), args.break_cell, args.steps)
+    for cell in cells:
+        if cell.applicable:
+            planner.add(cell)
+    recs: Dict[str, dict] = {}
+    logs: Dict[str, list] = {}
+    owner: Dict[str, str] = {}
+    device = None
+    for job in planner.ordered_jobs():
+        res = run_job(job, work, args.timeout)
+        recs.update(res["runs"])
+        logs[job.name] = res["logs"]
+        owner.update({r["name"]: job.name for r in job.runs})
+        device = device or res["device"]
+    results = []
+    for cell in cells:
+        entry = {"family": cell.family.name, "feature": cell.feature.name, "log": None,
+                 "criteria": {}}
+        if not cell.applicable:
+            entry.update(status="n/a", unmet=[])
+            results.append(entry)
+            continue
+        names = planner.cells[cell.key]
+        test = C.trains(recs[names.run], args.steps)
+        checks: Dict[str, C.Check] = {}
+        extra: List[str] = []
+        if test.state == "ok":
+            checks["a"] = C.parity(cell, recs, names)
+            checks["b"] = C.round_trip(cell, recs, names, work)
+            checks["c"] = C.resume(cell, recs, names, planner.resume_at, args.steps)
+            layout = planner.single_args(cell) + list(cell.feature.layout)
+            checks["d"] = C.Check("unmet", "not run (--no-fault)") if args.no_fault and \
+                C.restart_built() is None else check_fault(cell, planner.config(cell.family), layout,
+                                      recs[names.run], os.path.join(work, "fault", cell.slug),
+                                      args.timeout, extra, args.steps)
+        for chk in [test, *checks.values()]:   # the scratch folder's name says nothing
+            chk.detail = chk.detail.replace(work.rstrip("/") + "/", "")
+        status, unmet = _status(test, checks)
+        log_rel = os.path.join("logs", cell.slug + ".log")
+        runs = [n for n in dict.fromkeys([names.ref, names.run, names.part, names.resume,
+                                          names.other, names.reload]) if n]
+        if "base" in cell.feature.needs:
+            runs.insert(0, f"{cell.family.name}.base")
+        _cell_log(os.path.join(out, log_rel), cell, status, unmet, test, checks, runs, logs,
+                  owner, recs, extra)
+        entry.update(status=status, unmet=unmet, log=log_rel,
+                     criteria={"test": test.to_dict(),
+                               **{k: c.to_dict() for k, c in checks.items()}},
+                     tolerance=cell.feature.tol(cell.family).describe())
+        results.append(entry)
+        print(f"ms-llm qualify: {cell.key}: {status}" + (f" ({'; '.join(unmet)})" if unmet
+                                                         else ""), flush=True)
+    from .report import write
+    paths = write(out, args.suite if not args.cells else "cells", results, device,
+                  time.time() - t0, command)
+    print(f"ms-llm qualify: wrote {paths['support.md']} and {paths['support.json']} "
+          f"({time.time() - t0:.0f} s)")
+    return 1 if any(r["status"] == "Fail" for r in results) else 0
