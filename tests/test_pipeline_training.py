@@ -65,6 +65,8 @@ def _megatron_pp2_folder(root) -> str:
 def test_two_stages(tmp_path, refs):
     save = ["--training.max_steps", "3", "--checkpoint.save_dir", str(tmp_path / "ck")]
     load = ["--checkpoint.load", _megatron_pp2_folder(tmp_path)]
+    save_b = ["--training.max_steps", "3", "--checkpoint.save_dir", str(tmp_path / "ck_b")]
+    resume_b = ["--checkpoint.save_dir", str(tmp_path / "ck_b"), "--training.resume", "auto"]
     res = run_worker_job("train_parallel.py", tmp_path, 2, [
         spec("pp2_load_megatron_pp2_vpp2", LAYERS, load, pp(2)),
         spec("pp2", LAYERS, pp(2)),
@@ -73,6 +75,9 @@ def test_two_stages(tmp_path, refs):
         spec("pp2_noop", LAYERS, NOOP, pp(2)),
         spec("pp2_vpp2", LAYERS, pp(2, 2)),
         spec("pp2_vpp2_save", LAYERS, UNTIED, pp(2, 2), save),
+        # resumed at the same layout: each stage loads only its own layers
+        spec("pp2_save_b", LAYERS, UNTIED, pp(2), save_b),
+        spec("pp2_resume_b", LAYERS, UNTIED, pp(2), resume_b),
         # MoE: every stage's routers get their aux-loss gradient; the expert-bias counts of the
         # backward's forward re-run are not counted twice (the bias update would differ).
         spec("pp2_moe", LAYERS, MOE, pp(2)),
@@ -83,6 +88,8 @@ def test_two_stages(tmp_path, refs):
                       ("pp2_moe_bias", "moe_bias")):
         check(res[name], refs[key], name)
     check(res["pp2_vpp2_save"], refs["untied"], "pp2_vpp2_save", slice(0, 3))
+    check(res["pp2_save_b"], refs["untied"], "pp2_save_b", slice(0, 3))
+    check(res["pp2_resume_b"], refs["untied"], "pp2_resume_b", slice(3, 5))
     # A Megatron folder written with pp=2 x vpp=2 trains at pp=2 as it does in one process.
     check(res["pp2_load_megatron_pp2_vpp2"], _record(load), "pp2_load_megatron_pp2_vpp2")
     # Layers are stored under their global index: the pp=2 x vpp=2 checkpoint resumes in one

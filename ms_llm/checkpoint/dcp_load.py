@@ -8,7 +8,7 @@ only from a complete checkpoint.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -103,13 +103,16 @@ class DCPReader:
 
 
 def load_checkpoint(path: str, wanted: Mapping[str, WantedChunk], *, strict: bool = True,
-                    verify: str = "size") -> Tuple[Dict[str, np.ndarray], dict]:
+                    verify: str = "size", requested_anywhere: Optional[Set[str]] = None
+                    ) -> Tuple[Dict[str, np.ndarray], dict]:
     """Read each wanted region from a complete checkpoint: ``(arrays, state)``.
 
     Errors (one line naming the tensor and path) when a name is missing, the global shape
     differs or a region is not covered. ``strict`` also rejects checkpoint tensors nobody asked
     for -- e.g. optimizer moments the caller forgot to create, which would otherwise be
-    silently dropped; pass ``strict=False`` for a deliberate partial load (weights only)."""
+    silently dropped; pass ``strict=False`` for a deliberate partial load (weights only). With
+    ranks that each load part of the model, pass the union of every rank's names as
+    ``requested_anywhere``."""
     with DCPReader(path, verify) as r:
         out = {}
         for name, w in wanted.items():
@@ -120,7 +123,10 @@ def load_checkpoint(path: str, wanted: Mapping[str, WantedChunk], *, strict: boo
                                f"the model wants {list(w.global_shape)}")
             out[name] = r.read(name, w.offsets, w.sizes, w.dtype)
         if strict:
-            extra = sorted(n for n in r.names() if n not in wanted)
+            # a pipeline stage or an expert-parallel rank asks for part of the model: what
+            # counts is that some rank asks for every stored tensor (``requested_anywhere``)
+            asked = wanted if requested_anywhere is None else requested_anywhere
+            extra = sorted(n for n in r.names() if n not in asked)
             if extra:
                 raise DCPError(f"{path}: {len(extra)} stored tensor(s) were not requested, e.g. "
                                f"{extra[:3]} (create optimizer state before loading, or pass "

@@ -142,7 +142,7 @@ def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
             checks["a"] = C.parity(cell, recs, names)
             checks["b"] = C.round_trip(cell, recs, names, work)
             checks["c"] = C.resume(cell, recs, names, planner.resume_at, args.steps)
-            layout = planner.single_args(cell) + list(cell.feature.layout)
+            layout = planner.single_args(cell) + list(cell.layout)
             checks["d"] = C.Check("unmet", "not run (--no-fault)") if args.no_fault and \
                 C.restart_built() is None else check_fault(cell, planner.config(cell.family), layout,
                                       recs[names.run], os.path.join(work, "fault", cell.slug),

@@ -132,7 +132,7 @@ def round_trip(cell: Cell, recs: Dict[str, dict], names, work: str) -> Check:
     mg, back = names.hf_dir + "_mg", names.hf_dir + "_back"
     for d in (mg, back):
         shutil.rmtree(d, ignore_errors=True)
-    lay = dict(zip(cell.feature.layout[::2], cell.feature.layout[1::2]))
+    lay = dict(zip(cell.layout[::2], cell.layout[1::2]))
     from .matrix import EP, PP, TP
     target = ["--target-tensor-parallel-size", lay.get(TP, "1"),
               "--target-pipeline-parallel-size", lay.get(PP, "1"),

@@ -98,6 +98,8 @@ class Feature:
     tolerance: Tolerance = FP32
     moe_tolerance: Optional[Tolerance] = None
     notes: str = ""
+    moe_layout: Optional[Tuple[str, ...]] = None   # MoE families: e.g. ep where tp is refused
+    family_layout: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()   # (family, layout) overrides
 
     def tol(self, family: Family) -> Tolerance:
         return self.moe_tolerance if family.moe and self.moe_tolerance else self.tolerance
@@ -119,15 +121,19 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in [
     Feature("MegaMoE", 2, (EP, "2"), ("--moe.dispatcher", "megamoe"), moe_only=True),
     # step 1 precedes any update: only the summation order differs (1e-5); after it one
     # flipped FP8 rounding moves the later steps (tests/test_parallel_training.py, test_fsdp.py)
-    Feature("MXFP8", 2, (TP, "2"), ("--quant.recipe", "mxfp8"),
+    # MoE families run MXFP8 and LoRA under expert parallel: tensor parallel with MoE is refused
+    Feature("MXFP8", 2, (TP, "2"), ("--quant.recipe", "mxfp8"), moe_layout=(EP, "2"),
             tolerance=Tolerance(rtol=2e-3, strict_steps=1, strict=1e-5,
                                 why="one FP8 rounding flip moves later steps (6 % of an "
                                     "element); see tests/test_parallel_training.py")),
     Feature("LoRA", 2, (TP, "2"), ("--lora.r", "4", "--lora.alpha", "8"), needs=("base",),
+            moe_layout=(EP, "2"),
             tolerance=Tolerance(logits_rtol=1e-4, why="fp32; the merged export rounds "
                                 "W + (alpha/r) B A once, the adapter forward twice")),
     Feature("DPO", 2, (), ("--training.stage", "dpo"), needs=("pairs",)),
-    Feature("pipeline", 2, (PP, "2")),
+    # the DeepSeek proxy's 3 layers split 1 + 2 (Megatron's --num-layer-list)
+    Feature("pipeline", 2, (PP, "2"),
+            family_layout=(("deepseek-v3", (PP, "2", "--parallel.num_layer_list", "1,2")),)),
     # MoE: the aux losses are computed per cp rank on its own tokens (README, context
     # parallel), so they are off here and the loss is the language-model loss
     Feature("context-parallel", 2, (CP, "2"), moe_model=("--model.moe_aux_loss_coeff", "0"),
@@ -150,6 +156,15 @@ class Cell:
     @property
     def key(self) -> str:
         return f"{self.family.name}:{self.feature.name}"
+
+    @property
+    def layout(self) -> Tuple[str, ...]:
+        """The parallel keys this cell's parallel run adds to the one-process arguments."""
+        f = self.feature
+        for name, layout in f.family_layout:
+            if name == self.family.name:
+                return layout
+        return f.moe_layout if self.family.moe and f.moe_layout is not None else f.layout
 
     @property
     def slug(self) -> str:

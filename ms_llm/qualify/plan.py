@@ -104,7 +104,7 @@ class Planner:
     def add(self, cell: Cell) -> CellRuns:
         f, x, s = cell.family, cell.feature, cell.slug
         single = self.single_args(cell)
-        layout = single + list(x.layout)
+        layout = single + list(cell.layout)
         if cell.key in self.break_cells:      # test-only: a cell whose layout run differs
             layout += ["--training.seed", "4321"]
 

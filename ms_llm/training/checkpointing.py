@@ -64,13 +64,27 @@ def save(save_dir: str, step: int, model_named, optimizer, pstate, state: dict, 
                                      "ep": pstate.sizes.ep})
 
 
+def _requested_by_every_rank(wanted) -> Optional[set]:
+    """The union of the names all ranks load (None in one process): a pipeline stage or an
+    expert-parallel rank wants part of the model, so the "nothing stored is left unread" check
+    needs every rank's list."""
+    from ms_llm.parallel import comm
+    world = comm.get_world_size()
+    if world == 1:
+        return None
+    names = [None] * world
+    comm.all_gather_object(names, sorted(wanted))
+    return {n for lst in names for n in lst}
+
+
 def load(path: str, model_named, optimizer, pstate) -> dict:
     wanted, plan = {}, []
     for _, prefix, tensor, regions, _ in _pieces(model_named, optimizer, pstate):
         for r in regions:
             wanted[prefix + r.name] = dcp.WantedChunk(r.gshape, r.offsets, r.sizes, np.float32)
         plan.append((tensor, [prefix + r.name for r in regions]))
-    arrays, state = dcp.load_checkpoint(path, wanted)
+    arrays, state = dcp.load_checkpoint(path, wanted,
+                                        requested_anywhere=_requested_by_every_rank(wanted))
     for tensor, names in plan:
         data = np.concatenate([arrays[n] for n in names], 0) if len(names) > 1 else arrays[names[0]]
         tensor.set_data(Tensor(np.ascontiguousarray(data).reshape(tensor.shape))

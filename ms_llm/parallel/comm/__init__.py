@@ -33,7 +33,7 @@ Modules, lowest first: ``groups`` (ranks and groups), ``watchdog`` (hung-collect
 (the watched ``mint.distributed`` access point), ``cpu_compose`` (the CPU compositions above),
 ``collectives`` and ``p2p`` (the public ops).
 """
-from .collectives import (all_gather, all_gather_into_tensor, all_reduce, all_to_all_single,
+from .collectives import (all_gather, all_gather_into_tensor, all_gather_object, all_reduce, all_to_all_single,
                           all_to_all_v, barrier, broadcast, exchange_split_sizes,
                           reduce_scatter_tensor)
 from .groups import (ProcessGroup, get_rank, get_world_size, mark_initialized, new_group,
@@ -45,6 +45,7 @@ from .work import Work
 __all__ = [
     "ProcessGroup", "Work", "P2POp", "mark_initialized", "get_rank", "get_world_size",
     "world_group", "new_group", "set_collective_timeout", "all_reduce", "all_gather",
+    "all_gather_object",
     "all_gather_into_tensor", "reduce_scatter_tensor", "exchange_split_sizes",
     "all_to_all_single", "all_to_all_v", "broadcast", "barrier", "send", "recv", "isend",
     "irecv", "batch_isend_irecv",
