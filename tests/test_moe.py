@@ -253,8 +253,11 @@ def test_config_from_hf_sparse_step_and_errors():
                       "load_balancing_type")]:
         with pytest.raises(ValueError, match=msg):
             TransformerConfig(**small, **bad)
-    assert TransformerConfig(**small, num_moe_experts=4, moe_layer_freq=2).is_moe_layer(2)
-    assert not TransformerConfig(**small, num_moe_experts=4, moe_layer_freq=2).is_moe_layer(1)
+    four = {**small, "num_layers": 4}
+    assert TransformerConfig(**four, num_moe_experts=4, moe_layer_freq=2).is_moe_layer(2)
+    assert not TransformerConfig(**four, num_moe_experts=4, moe_layer_freq=2).is_moe_layer(1)
+    # index num_layers is the first MTP layer: built like the last decoder layer (1: dense)
+    assert not TransformerConfig(**small, num_moe_experts=4, moe_layer_freq=2).is_moe_layer(2)
 
 
 def test_grouped_matmul_forms_and_permutation():
