@@ -17,6 +17,7 @@ from mindspore import Tensor
 
 import hf_reference as ref
 from hf_fixtures import load_config as load_hf_config, make_hf_checkpoint
+from parallel_common import TINY_MODEL
 from ms_llm.config import ConfigError, load_config
 from ms_llm.ops import cpu_kernels as ck
 from ms_llm.ops.cpu_kernels import bf16_gemm
@@ -25,9 +26,7 @@ from ms_llm.training.trainer import Trainer
 BF16 = ml_dtypes.bfloat16
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "tiny.yaml")
-TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
-        "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
-        "--model.kv_channels", "16", "--data.seq_length", "32", "--training.micro_batch_size", "2",
+TINY = TINY_MODEL + ["--training.micro_batch_size", "2",
         "--training.global_batch_size", "4", "--training.progress_bar", "false",
         "--training.lr_warmup_steps", "2", "--training.lr", "3e-3", "--training.log_interval", "1",
         "--training.bf16", "true"]

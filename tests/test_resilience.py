@@ -8,6 +8,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from parallel_common import TINY_MODEL
 
 from ms_llm.checkpoint import dcp
 from ms_llm.config import ConfigError, load_config
@@ -17,9 +18,7 @@ from ms_llm.training.nonfinite import NonFiniteError, NonFiniteGuard
 from ms_llm.training.resilience import check_lr_schedule
 from ms_llm.training.trainer import Trainer
 
-TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
-        "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
-        "--model.kv_channels", "16", "--data.seq_length", "32", "--training.micro_batch_size", "4",
+TINY = TINY_MODEL + ["--training.micro_batch_size", "4",
         "--training.global_batch_size", "4", "--training.progress_bar", "false",
         "--training.lr_warmup_steps", "2", "--training.lr", "3e-3", "--training.log_interval", "1",
         "--training.jit", "false"]

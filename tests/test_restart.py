@@ -22,11 +22,9 @@ from ms_llm.training.trainer import Trainer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from msrun_util import free_port  # noqa: E402
+from parallel_common import TINY_MODEL  # noqa: E402
 
-SMALL = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
-         "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
-         "--model.kv_channels", "16", "--data.seq_length", "32",
-         "--training.micro_batch_size", "4", "--training.global_batch_size", "8",
+SMALL = TINY_MODEL + ["--training.micro_batch_size", "4", "--training.global_batch_size", "8",
          "--training.log_interval", "1", "--training.jit", "false",
          "--training.progress_bar", "false", "--training.max_steps", "6",
          "--training.lr_warmup_steps", "2"]

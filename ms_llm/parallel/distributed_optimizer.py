@@ -39,7 +39,7 @@ from mindspore import Parameter, Tensor, mint
 
 from ms_llm.compat import F, float32
 from ms_llm.training.mixed_precision import MainParamsAdamW, fp32_main_copy, grads_to_fp32
-from ms_llm.training.optimizer import AdamW
+from ms_llm.training.optimizer import AdamW, WrapsAdamW
 from . import comm
 from .data_parallel import GradBuckets, PartitionedGradSync
 from .fsdp.flat import FlatLayout
@@ -149,7 +149,7 @@ class _ShardGradSync:
         return self._kept(self.inner.reduce(grads))
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(WrapsAdamW):
     """AdamW whose state lives in dim-0 shards over each parameter's data-parallel group.
 
     ``params`` are the fp32 main-parameter shards (non-empty ones; their ``Placement`` is the
@@ -210,18 +210,6 @@ class DistributedOptimizer:
         return main
 
     # ------------------------------------------------------------------ the step
-    @property
-    def step_count(self) -> int:
-        return self.inner.step_count
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.inner.step_count = value
-
-    @property
-    def lr(self) -> float:
-        return self.inner.lr
-
     def step(self, grads: Sequence[Tensor], lr: Optional[float] = None) -> None:
         """AdamW on the shards, then the updated shards all-gathered into the model."""
         self.inner.step(grads_to_fp32(grads), lr)

@@ -20,7 +20,7 @@ from mindspore import Parameter, Tensor
 
 from ms_llm.compat import F, float32
 from ms_llm.parallel.placement import placement_of, set_placement
-from .optimizer import AdamW
+from .optimizer import AdamW, WrapsAdamW
 
 Problem = Optional[Tuple[Sequence[str], str]]
 _LOW = ("bfloat16", "bf16")
@@ -94,7 +94,7 @@ def fp32_main_copy(name: str, p: Parameter) -> Parameter:
     return main
 
 
-class MainParamsAdamW:
+class MainParamsAdamW(WrapsAdamW):
     """AdamW on fp32 main copies of the model's low-precision parameters.
 
     ``params`` are the main parameters (what ``step`` takes gradients for, fp32 ones; their
@@ -110,18 +110,6 @@ class MainParamsAdamW:
         self.params = self.inner.params
         self.exp_avg, self.exp_avg_sq = self.inner.exp_avg, self.inner.exp_avg_sq
         self._main_of = {id(p): m for p, m in zip(self.model_params, self.mains)}
-
-    @property
-    def step_count(self) -> int:
-        return self.inner.step_count
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.inner.step_count = value
-
-    @property
-    def lr(self) -> float:
-        return self.inner.lr
 
     def step(self, grads: Sequence[Tensor], lr: Optional[float] = None) -> None:
         self.inner.step(grads_to_fp32(grads), lr)

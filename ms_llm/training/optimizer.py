@@ -90,3 +90,21 @@ class AdamW:
                     raise KeyError(f"{source}: missing {key!r}")
                 dst.set_data(Tensor(np.asarray(state[key], np.float32)))
         self.step_count = int(state["step"])
+
+
+class WrapsAdamW:
+    """For optimizers that run an ``AdamW`` (``self.inner``) on parameters of their own (fp32
+    main copies, data-parallel shards): its step count and learning rate are theirs."""
+    inner: AdamW
+
+    @property
+    def step_count(self) -> int:
+        return self.inner.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.inner.step_count = value
+
+    @property
+    def lr(self) -> float:
+        return self.inner.lr
