@@ -69,11 +69,11 @@ class FrozenReference:
 
     def __init__(self, params: Sequence):
         self.params = list(params)
-        self.initial = [F.clone(p.value()) for p in self.params]
+        self.initial = [F.clone(p) for p in self.params]
 
     @contextlib.contextmanager
     def active(self):
-        current = [F.clone(p.value()) for p in self.params]
+        current = [F.clone(p) for p in self.params]
         for p, v in zip(self.params, self.initial):
             F.copy_(p, v)
         try:

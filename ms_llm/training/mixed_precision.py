@@ -44,11 +44,6 @@ def bf16_problem(cfg) -> Problem:
         return ("training.bf16", "parallel.fsdp_param_dtype"), (
             f"training.bf16 with parallel.fsdp_param_dtype {p.fsdp_param_dtype}: bf16 gathers "
             f"bf16 weights (leave fsdp_param_dtype unset)")
-    if cfg.lora.r:
-        return ("training.bf16", "lora.r"), "training.bf16 with LoRA (lora.r > 0) is not built yet"
-    if t.stage == "dpo":
-        return ("training.bf16", "training.stage"), \
-            "training.bf16 with training.stage dpo is not built yet"
     return None
 
 
