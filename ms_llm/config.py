@@ -100,7 +100,7 @@ class ParallelConfig:
     fsdp_reduce_dtype: Optional[str] = None  # and of the gradient reduce-scatter (None = fp32)
     # Megatron's --use-distributed-optimizer: AdamW moments and fp32 main params sharded over dp
     use_distributed_optimizer: bool = False
-    grad_reduce_in_fp32: bool = True  # training.bf16: accumulate and reduce gradients in fp32
+    grad_reduce_in_fp32: bool = True  # training.bf16: sum and reduce gradients in fp32 (false: bf16)
 
 
 @dataclass

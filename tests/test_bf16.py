@@ -162,7 +162,8 @@ def test_bf16_config_rules():
     assert load_config(CONFIG).training.bf16 is False
     assert load_config(CONFIG).parallel.grad_reduce_in_fp32 is True
     assert load_config(CONFIG, ["--training.bf16", "true"]).training.bf16 is True
-    bad = {("--parallel.grad_reduce_in_fp32", "false"): "grad_reduce_in_fp32 false is not built",
+    bad = {("--parallel.grad_reduce_in_fp32", "false", "--parallel.fsdp_size", "2",
+            "--parallel.fsdp_reduce_dtype", "float32"): "fsdp_reduce_dtype is float32",
            ("--model.params_dtype", "float16"): "leave params_dtype at float32",
            ("--parallel.fsdp_size", "2", "--parallel.fsdp_param_dtype", "float32"):
                "fsdp_param_dtype float32"}
@@ -171,6 +172,14 @@ def test_bf16_config_rules():
             load_config(CONFIG, ["--training.bf16", "true", *extra])
         assert msg in str(e.value) and "\n" not in str(e.value)
         assert "command line --" in str(e.value)
+    # grad_reduce_in_fp32 false: bf16 gradient sums and reductions, FSDP's reduce dtype follows
+    from ms_llm.training import mixed_precision as mp
+    cfg = load_config(CONFIG, ["--training.bf16", "true", "--parallel.grad_reduce_in_fp32", "false",
+                               "--parallel.fsdp_size", "2"])
+    assert mp.grad_dtype(cfg) == ms.bfloat16
+    mp.apply_to_config(cfg)
+    assert cfg.parallel.fsdp_reduce_dtype == "bfloat16"
+    assert mp.grad_dtype(load_config(CONFIG, ["--training.bf16", "true"])) == ms.float32
 
 
 def _run(tmp_path, *extra):

@@ -21,8 +21,12 @@ from . import comm
 
 class GradBuckets:
     def __init__(self, params: Sequence[Parameter], group: comm.ProcessGroup,
-                 bucket_mb: float = 25.0, overlap: bool = True, enabled: bool = True):
+                 bucket_mb: float = 25.0, overlap: bool = True, enabled: bool = True,
+                 grad_dtype=float32):
         self.params = list(params)
+        # fp32, or bf16 (training.bf16 with parallel.grad_reduce_in_fp32 false): the dtype of
+        # the micro-batch sums and of the all-reduce
+        self.grad_dtype = grad_dtype
         self.group = group
         self.enabled = enabled and group.size > 1
         self.overlap = overlap and self.enabled
@@ -58,8 +62,8 @@ class GradBuckets:
         def hook(grad):
             if not self._active:
                 return grad
-            g32 = grad if grad.dtype == float32 else grad.astype(float32)   # bf16: fp32 sums
-            self._acc[i] = g32 if self._acc[i] is None else self._acc[i] + g32
+            g = grad if grad.dtype == self.grad_dtype else grad.astype(self.grad_dtype)
+            self._acc[i] = g if self._acc[i] is None else self._acc[i] + g
             if self._last:
                 b = self.bucket_of[i]
                 self._pending[b] -= 1
@@ -70,7 +74,7 @@ class GradBuckets:
 
     def _launch(self, b: int) -> None:
         idx = self.buckets[b]
-        flat = mint.cat([self._acc[i].astype(float32).reshape(-1) for i in idx])
+        flat = mint.cat([self._acc[i].astype(self.grad_dtype).reshape(-1) for i in idx])
         self._works.append((b, flat, comm.all_reduce(flat, group=self.group, async_op=True)))
 
     def finish(self) -> List[Tensor]:
@@ -92,7 +96,7 @@ class GradBuckets:
         out: List[Optional[Tensor]] = [None] * len(self.params)
         works = []
         for b, idx in enumerate(self.buckets):
-            flat = mint.cat([grads[i].astype(float32).reshape(-1) for i in idx])
+            flat = mint.cat([grads[i].astype(self.grad_dtype).reshape(-1) for i in idx])
             works.append((b, flat, comm.all_reduce(flat, group=self.group, async_op=True)))
         for b, flat, work in works:
             work.wait()
@@ -104,7 +108,7 @@ class GradBuckets:
         for i in self.buckets[b]:
             p = self.params[i]
             n = int(np.prod(p.shape))
-            out[i] = mint.narrow(flat, 0, offset, n).reshape(p.shape)   # fp32 (bf16 models too)
+            out[i] = mint.narrow(flat, 0, offset, n).reshape(p.shape)   # in grad_dtype
             offset += n
 
 

@@ -38,7 +38,8 @@ import numpy as np
 from mindspore import Parameter, Tensor, mint
 
 from ms_llm.compat import F, float32
-from ms_llm.training.mixed_precision import MainParamsAdamW, fp32_main_copy, grads_to_fp32
+from ms_llm.training.mixed_precision import (MainParamsAdamW, fp32_main_copy, grad_dtype,
+                                             grads_to_fp32)
 from ms_llm.training.optimizer import AdamW, WrapsAdamW
 from . import comm
 from .data_parallel import GradBuckets, PartitionedGradSync
@@ -90,8 +91,8 @@ class _ShardedGradBuckets(GradBuckets):
         self._complete()
         layout, idx = self.layouts[b], self.buckets[b]
         flat_in = layout.pack_grads([g.reshape(self.rows[i]) for i, g in zip(idx, grads)],
-                                    float32)
-        out = mint.zeros((layout.numel,), dtype=float32)
+                                    self.grad_dtype)
+        out = mint.zeros((layout.numel,), dtype=self.grad_dtype)
         work = comm.reduce_scatter_tensor(out, flat_in, group=self.group, async_op=True)
         self._inflight = (b, out, work)
 
@@ -159,7 +160,7 @@ class DistributedOptimizer(WrapsAdamW):
 
     def __init__(self, named_params: Sequence[tuple], pstate, lr: float = 1e-3,
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 bucket_mb: float = 25.0, overlap: bool = True):
+                 bucket_mb: float = 25.0, overlap: bool = True, grad_dtype=float32):
         self.model_names = [n for n, _ in named_params]
         self.model_params: List[Parameter] = [p for _, p in named_params]
         self.dims = [grad_replica_dim(placement_of(p)) for p in self.model_params]
@@ -185,7 +186,7 @@ class DistributedOptimizer(WrapsAdamW):
                 parts.append((idx, [self.model_params[i] for i in idx], self.groups[d], True))
         self.grad_sync = _ShardGradSync(
             PartitionedGradSync(parts, overlap=overlap, buckets=_ShardedGradBuckets,
-                                bucket_mb=bucket_mb),
+                                bucket_mb=bucket_mb, grad_dtype=grad_dtype),
             [m is not None for m in self.mains])
         # The all-gather uses the reduce-scatter's buckets and layouts.
         self._gathers = []
@@ -296,7 +297,7 @@ def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = Fals
         return AdamW(named_params, **kw)
     overlap = p.ddp_overlap and not jit and pstate.sizes.pp == 1
     return DistributedOptimizer(named_params, pstate, bucket_mb=p.ddp_bucket_mb,
-                                overlap=overlap, **kw)
+                                overlap=overlap, grad_dtype=grad_dtype(cfg), **kw)
 
 
 def bytes_per_rank(nbytes: int) -> List[int]:

@@ -27,6 +27,7 @@ from ms_llm.models.layers import MLP
 from ms_llm.models.moe import SharedExpertMLP, moe_layers
 from ms_llm.lora.apply import apply_lora, buffer_names, mark_frozen_shards, trainable_report
 from ms_llm.quant import apply_quantization
+from ms_llm.training import mixed_precision
 from .data_parallel import PartitionedGradSync
 from .expert_parallel import apply_expert_parallel
 from .fsdp import MixedPrecisionPolicy, apply_fsdp
@@ -135,7 +136,8 @@ def build_grad_sync(params: list, pstate: ParallelState, cfg, overlap: bool
         idx = [i for i, q in enumerate(params) if grad_replica_dims(placement_of(q)) == dims]
         group = pstate.group("_".join(dims))
         parts.append((idx, [params[i] for i in idx], group, group.size > 1))
-    return PartitionedGradSync(parts, bucket_mb=cfg.parallel.ddp_bucket_mb, overlap=overlap)
+    return PartitionedGradSync(parts, bucket_mb=cfg.parallel.ddp_bucket_mb, overlap=overlap,
+                               grad_dtype=mixed_precision.grad_dtype(cfg))
 
 
 def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> ParallelizedModel:

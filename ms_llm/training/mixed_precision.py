@@ -4,7 +4,12 @@
   FSDP the sharded parameters stay fp32 (they *are* the main parameters) and the gathered copies
   are bf16 (``parallel.fsdp_param_dtype``), torch FSDP2's MixedPrecisionPolicy.
 * Gradients are accumulated over micro-batches and reduced across ranks in fp32
-  (``parallel.grad_reduce_in_fp32``, the only setting built).
+  (``parallel.grad_reduce_in_fp32``, default true), or with ``grad_reduce_in_fp32: false`` in
+  bf16, Megatron's behaviour: the gradient buffers take the parameters' dtype, micro-batch sums
+  and the data-parallel all-reduce / reduce-scatter (FSDP's ``fsdp_reduce_dtype`` too) run in
+  bf16, and the reduced gradients become fp32 only for the norm, clipping and AdamW (Megatron's
+  copy of the model grads into the fp32 main grads). Half the gradient communication and
+  buffer bytes, for one more bf16 rounding of every gradient per micro-batch sum and reduction.
 * AdamW runs on fp32 *main* parameters (:class:`MainParamsAdamW` here, or the distributed
   optimizer's fp32 shards) and its moments are fp32; after each step the main parameters are
   rounded into the bf16 model parameters (Megatron's ``Float16OptimizerWithFloat16Params``).
@@ -18,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from mindspore import Parameter, Tensor
 
-from ms_llm.compat import F, float32
+from ms_llm.compat import F, bfloat16, float32
 from ms_llm.parallel.placement import placement_of, set_placement
 from .optimizer import AdamW, WrapsAdamW
 
@@ -35,10 +40,11 @@ def bf16_problem(cfg) -> Problem:
         return ("training.bf16", "model.params_dtype"), (
             f"training.bf16 with model.params_dtype {m.params_dtype}: leave params_dtype at "
             f"float32 (bf16 sets the model's dtype itself)")
-    if not p.grad_reduce_in_fp32:
-        return ("training.bf16", "parallel.grad_reduce_in_fp32"), (
-            "training.bf16 with parallel.grad_reduce_in_fp32 false is not built (gradients are "
-            "accumulated and reduced in fp32)")
+    if not p.grad_reduce_in_fp32 and p.fsdp_size > 1 and p.fsdp_reduce_dtype is not None \
+            and p.fsdp_reduce_dtype.lower() not in _LOW:
+        return ("parallel.grad_reduce_in_fp32", "parallel.fsdp_reduce_dtype"), (
+            f"parallel.grad_reduce_in_fp32 false reduces in bf16, but parallel.fsdp_reduce_dtype "
+            f"is {p.fsdp_reduce_dtype} (leave it unset)")
     if p.fsdp_size > 1 and p.fsdp_param_dtype is not None \
             and p.fsdp_param_dtype.lower() not in _LOW:
         return ("training.bf16", "parallel.fsdp_param_dtype"), (
@@ -63,9 +69,23 @@ def fsdp_param_dtype(cfg) -> Optional[str]:
 
 def apply_to_config(cfg) -> None:
     """What ``training.bf16`` sets for the trainer: the model's parameter dtype and FSDP's
-    gathered-weight dtype (config checks already refused the combinations not built)."""
+    gathered-weight and gradient-reduce dtypes (config checks already refused the combinations
+    not built)."""
     cfg.model = model_config_for(cfg)
     cfg.parallel.fsdp_param_dtype = fsdp_param_dtype(cfg)
+    if reduces_in_bf16(cfg) and cfg.parallel.fsdp_reduce_dtype is None:
+        cfg.parallel.fsdp_reduce_dtype = "bfloat16"
+
+
+def reduces_in_bf16(cfg) -> bool:
+    """``training.bf16`` with ``parallel.grad_reduce_in_fp32: false``: gradients are summed over
+    micro-batches and reduced across ranks in bf16."""
+    return bool(cfg.training.bf16 and not cfg.parallel.grad_reduce_in_fp32)
+
+
+def grad_dtype(cfg):
+    """The dtype gradients are accumulated and reduced in (bf16 or fp32)."""
+    return bfloat16 if reduces_in_bf16(cfg) else float32
 
 
 def grads_to_fp32(grads: Sequence[Tensor]) -> tuple:

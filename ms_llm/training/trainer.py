@@ -91,6 +91,7 @@ class Trainer:
         for note in par.notes:
             self._say(note)
         self.fsdp, self.params, self.grad_sync = par.fsdp, par.params, par.grad_sync
+        self.grad_dtype = mixed_precision.grad_dtype(cfg)
         self.named_params = par.named_params
         self.context_parallel = par.context_parallel
         # gradients, loss and router counts of replicas sum over dp x cp (cp=1: the dp group)
@@ -174,7 +175,7 @@ class Trainer:
         c = self.model.config        # a loaded checkpoint's architecture, not the YAML's
         return PipelineExecutor(chunks, self.pstate, schedule, vpp,
                                 (t.micro_batch_size, seq, c.hidden_size),
-                                to_ms_dtype(c.params_dtype))
+                                to_ms_dtype(c.params_dtype), mixed_precision.grad_dtype(self.cfg))
 
     def _micro_batch(self, b: dict) -> Dict[str, Tensor]:
         """A loader batch as the model's inputs. Packed documents add their masks
@@ -209,7 +210,8 @@ class Trainer:
         """One compiled graph for forward, backward and the gradients' sum of squares (the
         global norm inside the graph saves a per-tensor PyNative dispatch for each gradient)."""
         grad_fn = self.grad_fn
-        to_fp32 = mixed_precision.grads_to_fp32 if self.cfg.training.bf16 else mixed_precision.same
+        to_fp32 = mixed_precision.grads_to_fp32 if self.cfg.training.bf16 \
+            and not mixed_precision.reduces_in_bf16(self.cfg) else mixed_precision.same
 
         def fwd_bwd(tokens, labels, loss_mask, inv_tokens, attention_mask=None,
                     position_ids=None):
@@ -298,12 +300,13 @@ class Trainer:
             if self.moe:
                 collect_router_counts(self.model)
             if not self.grad_sync.overlap:
-                grads = gradlib.accumulate(grads, g)
+                grads = gradlib.accumulate(grads, g, self.grad_dtype)
         if self.pipeline is None:
             grads = self.grad_sync.finish() if self.grad_sync.overlap \
                 else self.grad_sync.reduce(grads)
         # The optimizer's params match the gradients (shards under the distributed optimizer).
         grads = gradlib.reduce_partial_grads(self.optimizer.params, grads, self.pstate.group)
+        grads = mixed_precision.grads_to_fp32(grads)   # bf16-reduced: fp32 for norm, clip, AdamW
         injected = faults.maybe_inject_nan(self.step + 1, self._opt_names, grads)
         sumsq, grads = (sumsq if injected is grads else None), injected
         comm.all_reduce(total_loss, group=self.dp_cp_group)

@@ -34,8 +34,9 @@ from .schedules import plan_rounds, stage_of, transfers_after, virtual_stage
 
 class PipelineExecutor:
     def __init__(self, chunks: Sequence, pstate, schedule: List[list], vpp: int,
-                 act_shape: Tuple[int, ...], act_dtype):
+                 act_shape: Tuple[int, ...], act_dtype, grad_dtype=float32):
         self.chunks = list(chunks)
+        self.grad_dtype = grad_dtype     # of the micro-batch gradient sums (fp32, or bf16)
         self.pp, self.rank, self.vpp = pstate.sizes.pp, pstate.pp_rank, vpp
         self.pp_ranks = pstate.ranks_along("pp")
         self.rounds = plan_rounds(schedule, self.pp, vpp)
@@ -142,7 +143,7 @@ class PipelineExecutor:
             inbox.pop(("grad", act.microbatch, act.chunk))
         gx, gw = vjp.backward(dy)
         acc = grads[act.chunk]
-        gw = [g if g.dtype == float32 else g.astype(float32) for g in gw]   # bf16: fp32 sums
+        gw = [g if g.dtype == self.grad_dtype else g.astype(self.grad_dtype) for g in gw]
         grads[act.chunk] = list(gw) if acc is None else [a + g for a, g in zip(acc, gw)]
         return None if chunk.first else gx[0]
 
