@@ -358,7 +358,7 @@ def validate(cfg: RunConfig) -> None:
     """Checks that involve more than one key (single values were checked while parsing). Each
     error names the source of the key it is about."""
     for check in (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora,
-                  _check_stage, _check_bf16):
+                  _check_stage, _check_bf16, _check_fusion):
         check(cfg)
 
 
@@ -450,6 +450,13 @@ def _check_stage(cfg: RunConfig) -> None:
 def _check_bf16(cfg: RunConfig) -> None:
     from ms_llm.training.mixed_precision import bf16_problem
     problem = bf16_problem(cfg)
+    if problem is not None:
+        _fail(cfg, problem[0], problem[1])
+
+
+def _check_fusion(cfg: RunConfig) -> None:
+    from ms_llm.training.fusion_rules import cross_entropy_fusion_problem
+    problem = cross_entropy_fusion_problem(cfg)
     if problem is not None:
         _fail(cfg, problem[0], problem[1])
 

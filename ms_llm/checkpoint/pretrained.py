@@ -54,7 +54,8 @@ TRAINING_MODEL_KEYS = frozenset({
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
     "moe_router_bias_update_rate", "moe_grouped_gemm",
     # fewer MTP depths than the folder has: the rest are skipped (said) on load
-    "mtp_num_layers", "mtp_loss_scaling_factor"})
+    "mtp_num_layers", "mtp_loss_scaling_factor",
+    "cross_entropy_loss_fusion"})
 # The config ms-llm train uses when no file is named: its model section describes the default
 # small model, not a request about a loaded folder (same path as ms_llm.train.DEFAULT_CONFIG).
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(

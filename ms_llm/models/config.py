@@ -84,6 +84,9 @@ class TransformerConfig:
     # Multi-token prediction (Megatron-Core's names).
     mtp_num_layers: Optional[int] = None
     mtp_loss_scaling_factor: float = 0.1
+    # Output layer + cross entropy in chunks of tokens with their own backward: the logits and
+    # their gradient never exist whole (ms_llm.ops.fused_cross_entropy; Megatron's flag name).
+    cross_entropy_loss_fusion: bool = False
 
     @property
     def rotary_dim(self) -> int:

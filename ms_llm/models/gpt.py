@@ -166,13 +166,25 @@ class GPTModel(nn.Module):
             h = self.decoder(h, cos, sin, attention_mask, kv_cache=kv_cache)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = self._head(h)
         if labels is None:
-            return self.finalize_logits(logits)
+            return self.finalize_logits(self._head(h))
         if self.mtp is not None and kv_cache is None and not logits_to_keep:
             self.mtp.last_per_token = self._mtp_per_token(h, input_ids, labels, cos, sin,
                                                           attention_mask)
-        return self.loss_fn(logits, labels)
+        return self._head_loss(h, labels)
+
+    def _head_loss(self, h: Tensor, labels: Tensor) -> Tensor:
+        """Per-token cross entropy of the head: logits then ``loss_fn``, or with
+        ``cross_entropy_loss_fusion`` both in chunks of tokens (``hot.fused_linear_cross_entropy``)."""
+        if not self.config.cross_entropy_loss_fusion:
+            return self.loss_fn(self._head(h), labels)
+        if self.output_layer is None:
+            return hot.fused_linear_cross_entropy(h, self.embedding.word_embeddings.weight, labels)
+        if type(self.output_layer) is not hot.Linear:
+            raise ValueError(f"model.cross_entropy_loss_fusion needs the plain output layer, not "
+                             f"{type(self.output_layer).__name__} (tensor parallel, FSDP, LoRA on "
+                             f"output_layer are not built for it)")
+        return hot.fused_linear_cross_entropy(h, self.output_layer.weight, labels)
 
     def _head(self, h: Tensor) -> Tensor:
         if self.output_layer is not None:
@@ -186,7 +198,7 @@ class GPTModel(nn.Module):
         out = []
         for hk in self.mtp(h, input_ids, self.embedding, cos, sin, attention_mask):
             labels = mtp_roll(labels)
-            out.append(self.loss_fn(self._head(hk), labels))
+            out.append(self._head_loss(hk, labels))
         return out
 
 

@@ -15,9 +15,10 @@ OpenBLAS-backed matmuls live in a separate library that needs the ``scipy-openbl
         s = ck.bmm(q, k, transpose_b=True)
 """
 
-from .blas import bmm, blas_threads, linear, set_blas_threads
+from .blas import bmm, blas_threads, linear, linear_fp32, linear_grad, set_blas_threads
 from .build import available, blas_available, blas_library_path, blas_reason, library_path, reason
-from .functional import causal_softmax, cross_entropy, rms_norm, rope, swiglu
+from .functional import (causal_softmax, cross_entropy, cross_entropy_grad, cross_entropy_lse,
+                         rms_norm, rope, swiglu)
 
 __all__ = [
     "available",
@@ -26,6 +27,10 @@ __all__ = [
     "rms_norm",
     "swiglu",
     "cross_entropy",
+    "cross_entropy_lse",
+    "cross_entropy_grad",
+    "linear_grad",
+    "linear_fp32",
     "rope",
     "causal_softmax",
     "blas_available",

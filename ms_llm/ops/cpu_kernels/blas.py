@@ -131,7 +131,7 @@ def _make_prims():
 
     linb_fwd = custom("LinearBiasFwd", lambda x, w, b: list(x[:-1]) + [w[0]], lambda x, w, b: x, linb_bprop)
 
-    prims = {"linear": lin_fwd, "linear_bias": linb_fwd}
+    prims = {"linear": lin_fwd, "linear_bias": linb_fwd, "linear_bwd": lin_bwd}
 
     # --- bmm: (a, b, ta, tb) -> c ; bwd (a, b, dc, ta, tb) -> (da, db). One forward primitive per
     #     transpose combination (the output shape depends on it); the flags also reach the kernel.
@@ -198,6 +198,24 @@ def linear(x, weight, bias=None):
     else:
         y = _prim("linear_bias")(_f32(x), _f32(weight), _f32(bias))
     return y if dt == ms.float32 else y.astype(dt)
+
+
+def linear_fp32(x, weight):
+    """``x @ weight.T`` of fp32 x [M, K], weight [N, K] through the same kernel as :func:`linear`,
+    for custom backward functions (a ``Cell.bprop`` under ``mindspore.jit`` must not call the
+    function graphs its forward calls: MindSpore 2.10 raises "The func graph is empty")."""
+    if not _blas_enabled():
+        return mint.nn.functional.linear(x, weight)
+    return _prim("linear")(x, weight)
+
+
+def linear_grad(x, weight, dy):
+    """``(dx, dw) = (dy @ weight, dy^T @ x)`` of ``y = x @ weight.T`` for x [M, K], weight [N, K],
+    dy [M, N], all fp32: the backward kernel of :func:`linear`, for ops that run their own backward
+    (the chunked output layer + cross entropy). Falls back to ``mint.matmul``."""
+    if not _blas_enabled():
+        return mint.matmul(dy, weight), mint.matmul(dy.swapaxes(0, 1), x)
+    return _prim("linear_bwd")(x, weight, dy)
 
 
 def bmm(a, b, transpose_a=False, transpose_b=False):

@@ -48,6 +48,28 @@ def cross_entropy(logits, labels, ignore_index=-100):
     return loss.reshape(labels.shape) if len(labels.shape) != 1 else loss
 
 
+def cross_entropy_lse(logits, labels, ignore_index=-100):
+    """``(loss [N], logsumexp [N])`` of fp32 logits [N, V] and int labels [N]; 0 where ignored."""
+    lab = labels if labels.dtype == ms.int32 else labels.astype(ms.int32)
+    keep = lab != ignore_index
+    safe = mint.where(keep, lab, ops.zeros_like(lab))
+    m = logits.max(axis=-1, keepdims=True)
+    lse = (mint.log(mint.sum(mint.exp(logits - m), -1, keepdim=True)) + m).reshape(-1)
+    picked = mint.gather(logits, 1, safe.reshape(-1, 1)).reshape(-1)
+    keepf = keep.astype(ms.float32)
+    return (lse - picked) * keepf, lse * keepf
+
+
+def cross_entropy_grad(logits, labels, lse, dloss, ignore_index=-100):
+    """``(softmax(logits) - onehot(label)) * dloss[:, None]``, rows of ignored labels 0."""
+    lab = labels if labels.dtype == ms.int32 else labels.astype(ms.int32)
+    keep = lab != ignore_index
+    safe = mint.where(keep, lab, ops.zeros_like(lab))
+    g = (dloss * keep.astype(ms.float32)).reshape(-1, 1)
+    onehot = ops.one_hot(safe, logits.shape[-1], Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
+    return (mint.exp(logits - lse.reshape(-1, 1)) - onehot) * g
+
+
 def _rotate_half(x):
     x1, x2 = mint.chunk(x, 2, -1)
     return mint.cat([-x2, x1], -1)

@@ -106,6 +106,7 @@ def _make_prims():
         "swiglu": swiglu_fwd,
         "swiglu_bwd": swiglu_bwd,
         "cross_entropy": ce_fwd,
+        "cross_entropy_bwd": ce_bwd,
         "causal_softmax": cs_fwd,
         "rope": rope_fwd,
     }
@@ -180,6 +181,23 @@ def cross_entropy(logits, labels, ignore_index=-100):
     if len(labels.shape) != 1:
         loss = loss.reshape(labels.shape)
     return loss
+
+
+def cross_entropy_lse(logits, labels, ignore_index=-100):
+    """``(loss [N], logsumexp [N])`` of fp32 logits [N, V] and labels [N] (0 and 0 where ignored),
+    for ops that run their own backward (:func:`cross_entropy_grad`); no autograd of its own
+    needed. Composed fallback when the AOT kernels are unavailable."""
+    if not _aot_enabled():
+        return composed.cross_entropy_lse(logits, labels, ignore_index)
+    return _prim("cross_entropy")(logits, labels, int(ignore_index))
+
+
+def cross_entropy_grad(logits, labels, lse, dloss, ignore_index=-100):
+    """``dlogits = (softmax(logits) - onehot(label)) * dloss[:, None]`` (rows of ignored labels 0)
+    from the forward's ``lse``: the cross entropy's backward kernel, fp32 [N, V]."""
+    if not _aot_enabled():
+        return composed.cross_entropy_grad(logits, labels, lse, dloss, ignore_index)
+    return _prim("cross_entropy_bwd")(logits, labels, lse, dloss, int(ignore_index))
 
 
 def rope(x, cos, sin, seq_dim=-2):
