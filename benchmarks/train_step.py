@@ -17,6 +17,10 @@ warm-up. Variants:
                     loading, logging and the loop's host work; ``cli_jit`` with ``training.jit``
 * ``cli_bf16``      ``ms-llm train --training.bf16 true``, only when the config schema has that
                     key (mixed precision is another branch's work; "n/a" otherwise)
+* ``*_fused``       ``ms_llm``, ``ms_llm_jit`` and ``cli`` with
+                    ``--model.cross_entropy_loss_fusion true`` (output layer + cross entropy in
+                    chunks of tokens, ``ms_llm.ops.fused_cross_entropy``); their peak RSS shows
+                    the memory the whole logits took
 
 Every row of one run is measured back to back on the same machine; on a shared machine compare
 the ratios, not the absolute figures. MFU is against the peak fp32 GEMM rate of the kernel
@@ -61,14 +65,18 @@ def batch(step: int):
 
 
 # ----------------------------------------------------------------------------- ms_llm
-def run_ms_llm(steps: int, warmup: int, jit: bool) -> list:
+FUSED = ["--model.cross_entropy_loss_fusion", "true"]
+
+
+def run_ms_llm(steps: int, warmup: int, jit: bool, fused: bool = False) -> list:
     from ms_llm.compat import setup_device
     from ms_llm.config import load_config
     from ms_llm.training.trainer import Trainer
 
     setup_device("CPU")
     overrides = MODEL_OVERRIDES + ["--training.jit", str(jit).lower(),
-                                   "--training.output_dir", "/tmp/ms_llm_bench"]
+                                   "--training.output_dir", "/tmp/ms_llm_bench"] + \
+        (FUSED if fused else [])
     trainer = Trainer(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), overrides))
     times = []
     for _ in range(warmup + steps):
@@ -229,14 +237,15 @@ def bf16_key_exists() -> bool:
     return any(f.name == "bf16" for f in dataclasses.fields(TrainingConfig))
 
 
-def run_cli(steps: int, warmup: int, jit: bool, bf16: bool = False) -> dict:
+def run_cli(steps: int, warmup: int, jit: bool, bf16: bool = False, fused: bool = False) -> dict:
     """``ms-llm train`` end to end; the step times are the loop's own (metrics.jsonl)."""
-    out = f"/tmp/ms_llm_bench_cli_{os.getpid()}_{int(jit)}{int(bf16)}"
+    out = f"/tmp/ms_llm_bench_cli_{os.getpid()}_{int(jit)}{int(bf16)}{int(fused)}"
     cmd = [os.path.join(os.path.dirname(sys.executable), "ms-llm"), "train",
            os.path.join(ROOT, "configs", "tiny.yaml"), *MODEL_OVERRIDES,
            "--training.max_steps", str(warmup + steps), "--training.log_interval", "1",
            "--training.lr_warmup_steps", "2", "--training.jit", str(jit).lower(),
-           "--training.output_dir", out] + (["--training.bf16", "true"] if bf16 else [])
+           "--training.output_dir", out] + (["--training.bf16", "true"] if bf16 else []) + \
+        (FUSED if fused else [])
     r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, GLOG_v="3"))
     path = os.path.join(out, "metrics.jsonl")
     if r.returncode != 0 or not os.path.isfile(path):
@@ -253,13 +262,19 @@ def run_cli(steps: int, warmup: int, jit: bool, bf16: bool = False) -> dict:
 RUNNERS = {
     "ms_llm": lambda s, w: run_ms_llm(s, w, jit=False),
     "ms_llm_jit": lambda s, w: run_ms_llm(s, w, jit=True),
+    "ms_llm_fused": lambda s, w: run_ms_llm(s, w, jit=False, fused=True),
+    "ms_llm_jit_fused": lambda s, w: run_ms_llm(s, w, jit=True, fused=True),
     "ms_plain": run_ms_plain,
     "torch": run_torch,
     "torch_bf16": lambda s, w: run_torch(s, w, bf16=True),
 }
-CLI = {"cli": dict(jit=False), "cli_jit": dict(jit=True), "cli_bf16": dict(jit=False, bf16=True)}
+CLI = {"cli": dict(jit=False), "cli_jit": dict(jit=True), "cli_bf16": dict(jit=False, bf16=True),
+       "cli_fused": dict(jit=False, fused=True)}
 LABELS = {"ms_llm": "ms-llm fp32 inner loop (Trainer.train_step)",
           "ms_llm_jit": "ms-llm fp32 inner loop, training.jit",
+          "ms_llm_fused": "ms-llm fp32 inner loop, fused output+CE",
+          "ms_llm_jit_fused": "ms-llm fp32 inner loop, jit, fused output+CE",
+          "cli_fused": "ms-llm train fp32, fused output+CE (end to end)",
           "cli": "ms-llm train fp32 (end to end)",
           "cli_jit": "ms-llm train fp32, training.jit (end to end)",
           "cli_bf16": "ms-llm train --training.bf16 true",

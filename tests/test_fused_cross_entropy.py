@@ -93,7 +93,7 @@ def test_composed_fallback_matches_float64():
 
 
 def test_chunk_size_rule():
-    assert chunk_tokens_for(32000) == 128          # 16 MiB of fp32 logits, multiple of 16
+    assert chunk_tokens_for(32000) == 256          # 32 MiB of fp32 logits, multiple of 16
     assert chunk_tokens_for(10 ** 7) == 16         # never below 16 tokens
 
 

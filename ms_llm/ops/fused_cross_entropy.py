@@ -41,7 +41,7 @@ from .linear import linear
 
 # One chunk's fp32 logits take about this many bytes (and as much again for their gradient):
 # small enough to stay near the last-level cache scale, large enough for efficient GEMMs.
-CHUNK_BYTES = 16 * 2 ** 20
+CHUNK_BYTES = 32 * 2 ** 20
 
 
 def chunk_tokens_for(vocab: int, chunk_bytes: Optional[int] = None) -> int:
