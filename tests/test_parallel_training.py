@@ -43,8 +43,8 @@ BF16 = ["--training.bf16", "true", "--training.jit", "false", "--training.max_st
 # different fp32 summation order (tp's split matmuls and bf16 partial-sum all-reduce, dp/fsdp's
 # reduced gradients) can flip one element's bf16 rounding (2^-8 relative) and Adam carries it on:
 # measured over 5 steps at most 1.2e-4 relative on the loss and 2.6e-3 on the grad norm
-# (tp2+sp); checked at 1e-3 and 1e-2. dp2_bf16_grads reduces the gradients in bf16
-# (parallel.grad_reduce_in_fp32 false): one more bf16 rounding of each gradient element (2^-9
+# (tp2+sp); checked at 1e-3 and 1e-2. dp2_bf16_grads_distopt reduce-scatters the gradients in
+# bf16 (parallel.grad_reduce_in_fp32 false): one more bf16 rounding of each gradient element (2^-9
 # relative) before the fp32 AdamW; single-process measured 2e-6 (loss) and 1.5e-4 (norm)
 # relative to the fp32 reduce over 4 steps, so the same bounds hold with margin.
 BF16_RTOL = {"loss": 1e-3, "grad_norm": 1e-2}
@@ -113,7 +113,8 @@ def test_two_workers_tp_sp_dp_ep(tmp_path, reference, reference_mx, reference_mo
         spec("tp2_sp_bf16", BF16, ["--parallel.tensor_model_parallel_size", "2",
                                    "--parallel.sequence_parallel", "true"]),
         spec("fsdp2_bf16", BF16, ["--parallel.fsdp_size", "2"]),
-        spec("dp2_bf16_grads", BF16, ["--parallel.grad_reduce_in_fp32", "false"]),
+        spec("dp2_bf16_grads_distopt", BF16, ["--parallel.grad_reduce_in_fp32", "false",
+                                              "--parallel.use_distributed_optimizer", "true"]),
         spec("ep2", MOE, ep(2)),
         spec("ep2_megamoe", MOE, ep(2), MEGA),
         spec("ep2_dead", MOE, MOE_DEAD, ep(2), flags=["@dead"]),
@@ -133,7 +134,8 @@ def test_two_workers_tp_sp_dp_ep(tmp_path, reference, reference_mx, reference_mo
         "dp2_overlap:--training.jit=false",
         "dp2_jit_accum:--training.jit=true,--training.micro_batch_size=2",
     ])
-    for name in ("dp2_bf16_distopt", "tp2_sp_bf16", "fsdp2_bf16", "dp2_bf16_grads"):
+    for name in ("dp2_bf16_distopt", "tp2_sp_bf16", "fsdp2_bf16",
+                 "dp2_bf16_grads_distopt"):
         run = res.pop(name)
         for key, rtol in BF16_RTOL.items():
             np.testing.assert_allclose(run[key], reference_bf16[key], rtol=rtol, err_msg=name)
