@@ -169,8 +169,9 @@ class Trainer:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         seq = self.cfg.data.seq_length // (self.tp_group.size if p.sequence_parallel else 1)
+        seq //= self.pstate.sizes.cp    # context parallel: each rank's stages carry its chunks
         for chunk in chunks:    # the aux loss weight _loss uses, per micro-batch and replica
-            chunk.aux_loss_scale = 1.0 / (self.accum_steps * self.dp_group.size)
+            chunk.aux_loss_scale = 1.0 / (self.accum_steps * self.dp_cp_group.size)
         c = self.model.config        # a loaded checkpoint's architecture, not the YAML's
         return PipelineExecutor(chunks, self.pstate, schedule, vpp,
                                 (t.micro_batch_size, seq, c.hidden_size),

@@ -7,6 +7,11 @@ its two chunks, the global RoPE positions of those tokens, and, in place of the 
 tensor, a ``CPBatch`` carrying the block plan of the whole sequence (its packed-document mask),
 which the swapped attention reads. The model code does not change.
 
+Pipeline parallel: every stage's micro-batch is split the same way (the executor hands each
+stage the same dict: positions and the ``CPBatch`` on every stage, labels and loss mask on the
+last), and the pipeline group of a rank holds the same cp rank on every stage, so activations
+of ``seq / cp`` tokens travel between matching chunk owners.
+
 Groups: the cp group in cp-rank order is cut into Ulysses groups of ``ulysses_degree``
 consecutive cp ranks; the ring runs over the ranks at the same place of every Ulysses group
 (``megatron_cp_algo``: degree 1; ``ulysses_cp_algo``: degree cp; ``hybrid_cp_algo``: in between).
