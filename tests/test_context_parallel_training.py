@@ -9,7 +9,7 @@ cp=2 x pipeline 2 (1F1B, and interleaved vpp=2 on a 4-layer model with selective
 recompute); activation recompute under cp (ring cp=2 x dp=2 selective + recompute_norm,
 Ulysses cp=2 x dp=2 full): the same curve as the cp run without recompute (rtol 1e-6;
 measured bit-identical: the same kernels on the same inputs), and the attention forward
-really runs twice.
+really runs twice. cp=2 x pp=2 with a MoE auxiliary loss matches cp=2 x dp=2 with it.
 
 Tolerance: rtol 1e-5 on loss and gradient norm (MoE gradient norm: 3e-5, see below). The ranks sum the same terms in another order
 (blockwise online softmax, all-reduces over dp x cp), which differs from one process by fp32
@@ -37,6 +37,7 @@ PP2 = ["--parallel.pipeline_model_parallel_size", "2"]
 LAYERS4 = ["--model.num_layers", "4"]     # pp 2 x vpp 2: one layer per virtual stage
 SELECTIVE_NORM = ["--training.recompute_granularity", "selective",
                   "--training.recompute_norm", "true"]
+AUX = ["--model.moe_aux_loss_coeff", "0.01"]
 RECOMPUTE_RTOL = 1e-6      # the issue's recompute acceptance (same kernels, same inputs)
 
 
@@ -89,6 +90,8 @@ def test_context_parallel_matches_single_process(tmp_path):
         spec("cp2_recompute_selective", five, cp(2), SELECTIVE_NORM, flags=["@count_attention"]),
         spec("ulysses_cp2_recompute_full", five, cp(2, "ulysses_cp_algo"),
              ["--training.recompute_granularity", "full"], flags=["@count_attention"]),
+        spec("cp2_moe_aux", five, cp(2), MOE, AUX),
+        spec("cp2_pp2_moe_aux", five, cp(2), MOE, AUX, PP2),
     ], timeout=1500)
     ref = single([], tmp_path / "ref")
     for name in ("ring_cp4", "ring_cp2_dp2", "ulysses_cp2", "ulysses_cp4_gqa", "hybrid_cp4",
@@ -114,6 +117,10 @@ def test_context_parallel_matches_single_process(tmp_path):
     assert_matches(runs["cp2_pp2"], ref, "cp2_pp2")
     assert_matches(runs["cp2_pp2_vpp2_recompute"], single(LAYERS4, tmp_path / "ref_4layers"),
                    "cp2_pp2_vpp2_recompute")
+    # with a MoE auxiliary loss (per rank, on its own tokens) the stages weigh it over
+    # dp x cp as the run without pipeline does: the same curve (MoE grad norm rtol as above)
+    assert_matches(runs["cp2_pp2_moe_aux"], runs["cp2_moe_aux"], "cp2_pp2_moe_aux",
+                   norm_rtol=3e-5)
     # cp x recompute: the reference, and the cp run without recompute at RECOMPUTE_RTOL; the
     # ring attention forward (also Ulysses' local one) runs again in backward: 2 x layers x
     # steps (cp 2 x dp 2: one micro-batch per step)
