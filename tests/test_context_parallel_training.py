@@ -5,15 +5,17 @@ cp=4 and cp=2 (x dp=2), Ulysses cp=2 and cp=4 (2 KV heads replicated), hybrid cp
 2 x ring 2), cp=2 x tp=2 with sequence parallel, cp=2 x FSDP 2, cp=2 with packed documents
 crossing the chunk boundaries, and cp=2 on the MoE model with expert parallel 2. A cp=2 run saves at step 3 and the test resumes it
 in one process (cp=1), so checkpoints do not depend on cp.
-cp=2 x pipeline 2 (1F1B, and interleaved vpp=2 on a 4-layer model with selective + norm
-recompute); activation recompute under cp (ring cp=2 x dp=2 selective + recompute_norm,
-Ulysses cp=2 x dp=2 full): the same curve as the cp run without recompute (rtol 1e-6;
-measured bit-identical: the same kernels on the same inputs), and the attention forward
-really runs twice. cp=2 x pp=2 with a MoE auxiliary loss matches cp=2 x dp=2 with it.
 
 Tolerance: rtol 1e-5 on loss and gradient norm (MoE gradient norm: 3e-5, see below). The ranks sum the same terms in another order
 (blockwise online softmax, all-reduces over dp x cp), which differs from one process by fp32
 rounding (~1e-7 relative per step) that Adam's normalised update can amplify a little.
+
+Compositions (``check_pipeline_and_recompute``): cp=2 x pipeline 2 (1F1B, and interleaved vpp=2
+on a 4-layer model with selective + norm recompute); cp=2 x pp=2 with a MoE auxiliary loss
+matches cp=2 x dp=2 with it; activation recompute under cp (ring cp=2 x dp=2 selective +
+recompute_norm, Ulysses cp=2 x dp=2 full): the same curve as the cp run without recompute (rtol
+1e-6, the issue's recompute acceptance; measured bit-identical: the same kernels on the same
+inputs), and the attention forward really runs again in backward.
 """
 import numpy as np
 import pytest
@@ -26,6 +28,12 @@ from ms_llm.training.trainer import Trainer
 
 RTOL = 1e-5
 FIVE = ["--training.max_steps", "5", "--training.jit", "false"]
+PP2 = ["--parallel.pipeline_model_parallel_size", "2"]
+LAYERS4 = ["--model.num_layers", "4"]     # pp 2 x vpp 2: one layer per virtual stage
+SELECTIVE_NORM = ["--training.recompute_granularity", "selective",
+                  "--training.recompute_norm", "true"]
+AUX = ["--model.moe_aux_loss_coeff", "0.01"]
+RECOMPUTE_RTOL = 1e-6      # the issue's recompute acceptance (same kernels, same inputs)
 PACKED = ["--data.reset_attention_mask", "true", "--data.reset_position_ids", "true"]
 # The MoE aux loss is computed per rank on its own tokens (see README): 0 here, so the loss
 # is the language-model loss, which cp reproduces exactly.
@@ -33,12 +41,6 @@ MOE = ["--model.mlp_type", "moe", "--model.num_moe_experts", "8", "--model.moe_r
        "2", "--model.moe_ffn_hidden_size", "32", "--model.moe_aux_loss_coeff", "0",
        "--training.micro_batch_size", "2"]
 SAVE_AT_3 = ["--training.max_steps", "3", "--training.lr_decay_steps", "5"]
-PP2 = ["--parallel.pipeline_model_parallel_size", "2"]
-LAYERS4 = ["--model.num_layers", "4"]     # pp 2 x vpp 2: one layer per virtual stage
-SELECTIVE_NORM = ["--training.recompute_granularity", "selective",
-                  "--training.recompute_norm", "true"]
-AUX = ["--model.moe_aux_loss_coeff", "0.01"]
-RECOMPUTE_RTOL = 1e-6      # the issue's recompute acceptance (same kernels, same inputs)
 
 
 def cp(n, algo="megatron_cp_algo"):
@@ -66,6 +68,28 @@ def assert_matches(run, ref, name, steps=5, norm_rtol=RTOL):
                                err_msg=name)
 
 
+def check_pipeline_and_recompute(runs, ref, tmp_path):
+    """cp x pipeline: every stage gets its cp rank's chunks, stage s's cp rank i talks to stage
+    s+1's cp rank i; 1F1B (2 micro-batches), and interleaved on a 4-layer model. cp x
+    recompute: the reference, and the cp run without recompute at RECOMPUTE_RTOL."""
+    assert_matches(runs["cp2_pp2"], ref, "cp2_pp2")
+    assert_matches(runs["cp2_pp2_vpp2_recompute"], single(LAYERS4, tmp_path / "ref_4layers"),
+                   "cp2_pp2_vpp2_recompute")
+    # with a MoE auxiliary loss (on each rank's tokens) the stages weigh it as the run without
+    # pipeline does: the same curve (MoE grad norm rtol 3e-5, see the test below)
+    assert_matches(runs["cp2_pp2_moe_aux"], runs["cp2_moe_aux"], "cp2_pp2_moe_aux",
+                   norm_rtol=3e-5)
+    for name, plain in (("cp2_recompute_selective", "ring_cp2_dp2"),
+                        ("ulysses_cp2_recompute_full", "ulysses_cp2")):
+        assert_matches(runs[name], ref, name)
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose(runs[name][key], runs[plain][key], rtol=RECOMPUTE_RTOL,
+                                       err_msg=name)
+        # the ring attention forward (also Ulysses' local one) runs again in backward:
+        # 2 x layers x steps (cp 2 x dp 2: one micro-batch per step)
+        assert runs[name]["attention_forwards"] == 2 * 2 * 5, name
+
+
 @pytest.mark.msrun
 def test_context_parallel_matches_single_process(tmp_path):
     ck = str(tmp_path / "ckpt")
@@ -74,6 +98,15 @@ def test_context_parallel_matches_single_process(tmp_path):
     runs = run_worker_job("train_parallel.py", tmp_path, 4, [
         spec("ring_cp4", five, cp(4)),
         spec("ring_cp2_dp2", five, cp(2)),
+        # compositions: check_pipeline_and_recompute
+        spec("cp2_pp2", five, cp(2), PP2),
+        spec("cp2_pp2_vpp2_recompute", five, cp(2), PP2, LAYERS4, SELECTIVE_NORM,
+             ["--parallel.virtual_pipeline_model_parallel_size", "2"]),
+        spec("cp2_recompute_selective", five, cp(2), SELECTIVE_NORM, flags=["@count_attention"]),
+        spec("ulysses_cp2_recompute_full", five, cp(2, "ulysses_cp_algo"),
+             ["--training.recompute_granularity", "full"], flags=["@count_attention"]),
+        spec("cp2_moe_aux", five, cp(2), MOE, AUX),
+        spec("cp2_pp2_moe_aux", five, cp(2), MOE, AUX, PP2),
         spec("ulysses_cp2", five, cp(2, "ulysses_cp_algo")),
         spec("ulysses_cp4_gqa", five, cp(4, "ulysses_cp_algo")),   # 2 KV heads replicated to 4
         spec("hybrid_cp4", five, cp(4, "hybrid_cp_algo"), ["--parallel.ulysses_degree_in_cp",
@@ -84,16 +117,9 @@ def test_context_parallel_matches_single_process(tmp_path):
         spec("cp2_packed", five, cp(2), PACKED, flags=["@packed"]),
         spec("cp2_moe_ep2", five, cp(2), MOE, ["--parallel.expert_model_parallel_size", "2"]),
         spec("cp2_save", five, cp(2), SAVE_AT_3, ["--checkpoint.save_dir", ck]),
-        spec("cp2_pp2", five, cp(2), PP2),
-        spec("cp2_pp2_vpp2_recompute", five, cp(2), PP2, LAYERS4, SELECTIVE_NORM,
-             ["--parallel.virtual_pipeline_model_parallel_size", "2"]),
-        spec("cp2_recompute_selective", five, cp(2), SELECTIVE_NORM, flags=["@count_attention"]),
-        spec("ulysses_cp2_recompute_full", five, cp(2, "ulysses_cp_algo"),
-             ["--training.recompute_granularity", "full"], flags=["@count_attention"]),
-        spec("cp2_moe_aux", five, cp(2), MOE, AUX),
-        spec("cp2_pp2_moe_aux", five, cp(2), MOE, AUX, PP2),
     ], timeout=1500)
     ref = single([], tmp_path / "ref")
+    check_pipeline_and_recompute(runs, ref, tmp_path)
     for name in ("ring_cp4", "ring_cp2_dp2", "ulysses_cp2", "ulysses_cp4_gqa", "hybrid_cp4",
                  "cp2_tp2_sp", "cp2_fsdp2"):
         assert_matches(runs[name], ref, name)
@@ -112,22 +138,3 @@ def test_context_parallel_matches_single_process(tmp_path):
         "--training.resume", "auto"])))
     np.testing.assert_allclose(resumed["loss"], ref["loss"][3:], rtol=RTOL)
     np.testing.assert_allclose(resumed["grad_norm"], ref["grad_norm"][3:], rtol=RTOL)
-    # cp x pipeline: every stage gets its cp rank's chunks, stage s's cp rank i talks to stage
-    # s+1's cp rank i; 1F1B (2 micro-batches), and interleaved on a 4-layer model
-    assert_matches(runs["cp2_pp2"], ref, "cp2_pp2")
-    assert_matches(runs["cp2_pp2_vpp2_recompute"], single(LAYERS4, tmp_path / "ref_4layers"),
-                   "cp2_pp2_vpp2_recompute")
-    # with a MoE auxiliary loss (per rank, on its own tokens) the stages weigh it over
-    # dp x cp as the run without pipeline does: the same curve (MoE grad norm rtol as above)
-    assert_matches(runs["cp2_pp2_moe_aux"], runs["cp2_moe_aux"], "cp2_pp2_moe_aux",
-                   norm_rtol=3e-5)
-    # cp x recompute: the reference, and the cp run without recompute at RECOMPUTE_RTOL; the
-    # ring attention forward (also Ulysses' local one) runs again in backward: 2 x layers x
-    # steps (cp 2 x dp 2: one micro-batch per step)
-    for name, plain in (("cp2_recompute_selective", "ring_cp2_dp2"),
-                        ("ulysses_cp2_recompute_full", "ulysses_cp2")):
-        assert_matches(runs[name], ref, name)
-        for key in ("loss", "grad_norm"):
-            np.testing.assert_allclose(runs[name][key], runs[plain][key], rtol=RECOMPUTE_RTOL,
-                                       err_msg=name)
-        assert runs[name]["attention_forwards"] == 2 * 2 * 5, name
