@@ -41,6 +41,11 @@ def blocked(q, k, v, scale):
     return ck.causal_attention(q, k, v, scale)
 
 
+def fwd_bwd(attention, dout):
+    grad = ops.GradOperation(get_all=True, sens_param=True)(lambda q, k, v: attention(q, k, v, 0.125))
+    return lambda q, k, v: grad(q, k, v, dout)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[512, 1024, 2048])
@@ -54,7 +59,6 @@ def main() -> None:
         ck.set_blas_threads(args.threads)
     b, g, r, d = 4, 2, 4, 64
     rng = np.random.default_rng(0)
-    grad = ops.GradOperation(get_all=True, sens_param=True)
     print(f"OpenBLAS threads {ck.blas_threads()}, batch {b}, {g * r} query heads / {g} KV groups, "
           f"head dim {d}\n")
     print("| seq | full product fwd+bwd ms (min / median) | blocked fwd+bwd ms (min / median) "
@@ -63,8 +67,7 @@ def main() -> None:
     for s in args.seq:
         q, dout = (Tensor(rng.standard_normal((b, g, r * s, d)).astype(np.float32)) for _ in "ab")
         k, v = (Tensor(rng.standard_normal((b, g, s, d)).astype(np.float32)) for _ in "ab")
-        fns = {name: (lambda f: lambda *a: grad(lambda x, y, z: f(x, y, z, 0.125))(*a, dout))(f)
-               for name, f in (("full", full_product), ("blocked", blocked))}
+        fns = {"full": fwd_bwd(full_product, dout), "blocked": fwd_bwd(blocked, dout)}
         times = {name: [] for name in fns}
         grads = {name: [t.asnumpy() for t in fn(q, k, v)] for name, fn in fns.items()}  # warm-up
         for _ in range(args.repeat):
