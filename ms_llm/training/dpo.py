@@ -10,6 +10,10 @@ loss mask) under the policy / the frozen reference, and ``logits = (pi_c - pi_r)
   the reply tokens for ipo (TRL's ``concatenated_forward`` divides by the mask's length when
   ``loss_type == "ipo"``), for the policy and the reference alike.
 
+Under context parallel each rank holds two chunks of every row (split as a training batch):
+the per-row sums add the cp ranks' pieces, the policy's with gradient, before the loss
+(``CPRows`` in ``ms_llm.parallel.context_parallel.sequence_sums``).
+
 Rewards (logged, not differentiated): ``beta * (pi - ref)`` per side; accuracy is the share of
 pairs whose chosen reward exceeds the rejected one, margin the mean difference.
 
