@@ -1,6 +1,6 @@
 """DPO with evaluation under real msrun (one job, two workers): data parallel, tensor parallel,
-fully-sharded data parallel and context parallel each equal the single-process run over 5 steps (losses, grad norms,
-reward metrics, and the eval rows at steps 2, 4 and the end).
+fully-sharded data parallel and context parallel each equal the single-process run over 5 steps
+(losses, grad norms, reward metrics, and the eval rows at steps 2, 4 and the end).
 
 Tolerance rtol 1e-5 (atol 1e-6 for rewards and margins that are near 0): the parallel runs sum
 the same fp32 terms in another order (all-reduce, sharded matmuls), as in

@@ -12,9 +12,9 @@ the msrun equality is test_context_parallel_training's cp2_moe_ep2 run.
 Tolerance rtol 1e-5 (atol 1e-9 for near-zero gradient entries): the same fp32 terms summed in
 two groups instead of one.
 """
+import mindspore as ms
 import numpy as np
 import pytest
-import mindspore as ms
 from mindspore import Tensor
 
 from ms_llm.models.config import TransformerConfig

@@ -15,6 +15,7 @@ from mindspore import Tensor
 
 from ms_llm.compat import F
 from ms_llm.models.moe import moe_layers
+
 from .. import comm
 from ..autograd import sum_over_group
 
