@@ -15,7 +15,8 @@ OpenBLAS-backed matmuls live in a separate library that needs the ``scipy-openbl
         s = ck.bmm(q, k, transpose_b=True)
 """
 
-from .blas import bmm, blas_threads, linear, linear_fp32, linear_grad, set_blas_threads
+from .blas import (bmm, blas_threads, causal_attention, linear, linear_fp32, linear_grad,
+                   set_blas_threads)
 from .build import available, blas_available, blas_library_path, blas_reason, library_path, reason
 from .functional import (causal_softmax, cross_entropy, cross_entropy_grad, cross_entropy_lse,
                          rms_norm, rope, swiglu)
@@ -40,4 +41,5 @@ __all__ = [
     "set_blas_threads",
     "linear",
     "bmm",
+    "causal_attention",
 ]
