@@ -383,10 +383,6 @@ def _check_parallel(cfg: RunConfig) -> None:
         _fail(cfg, ("parallel.use_distributed_optimizer", "parallel.fsdp_size"),
               "parallel.use_distributed_optimizer with parallel.fsdp_size > 1: FSDP already "
               "shards the optimizer state; use one of them")
-    if p.use_distributed_optimizer and p.context_parallel_size > 1:
-        _fail(cfg, ("parallel.use_distributed_optimizer", "parallel.context_parallel_size"),
-              "parallel.use_distributed_optimizer with parallel.context_parallel_size > 1 is not "
-              "built yet (its shards are reduced over dp only, cp replicas would be missed)")
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         _fail(cfg, ("parallel.sequence_parallel",),
               "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1")

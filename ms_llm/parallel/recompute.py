@@ -38,9 +38,10 @@ def _layers(root) -> List[TransformerLayer]:
 
 
 def apply_recompute(roots: Iterable, granularity=None, method=None, num_layers=None,
-                    norm: bool = False) -> List[str]:
+                    norm: bool = False, mark=recompute_module) -> List[str]:
     """Mark the recomputed modules of every root (a model, or each pipeline chunk: ``block``
-    counts layers per chunk, as Megatron counts them per stage). Returns their names."""
+    counts layers per chunk, as Megatron counts them per stage). Returns their names.
+    ``mark``: how a module is made to recompute (under FSDP: ``fsdp.recompute``'s marker)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"training.recompute_granularity must be full, selective or null, "
                          f"got {granularity!r}")
@@ -63,7 +64,7 @@ def apply_recompute(roots: Iterable, granularity=None, method=None, num_layers=N
             marked += [cell for layer in layers if layer not in full
                        for cell in (layer.input_layernorm, layer.pre_mlp_layernorm)]
         for cell in marked:
-            recompute_module(cell)
+            mark(cell)
         ids = {id(c) for c in marked}
         names += [n for n, c in root.cells_and_names() if id(c) in ids]
     return names
