@@ -64,8 +64,8 @@ def test_moe_recompute_same_curve_and_counts_once(tmp_path):
 
 
 def test_recompute_config_errors(tmp_path):
-    cases = [(FULL + ["--training.recompute_method", "block"], "recompute_num_layers"),
-             (FULL + ["--parallel.fsdp_size", "2"], "fsdp_size")]
+    # (recompute with FSDP is built: tests/test_fsdp_recompute.py, tests/test_fsdp.py)
+    cases = [(FULL + ["--training.recompute_method", "block"], "recompute_num_layers")]
     for extra, msg in cases:
         with pytest.raises((ConfigError, ValueError), match=msg):
             cfg = load_config(CONFIG, BASE + ["--training.jit", "false"] + extra)

@@ -9,9 +9,9 @@ Every rank builds the same full model (same seed); ``parallelize_model`` then ap
    reuse the Parameters);
 3. tensor (+ sequence) parallel; 4. expert parallel and the token dispatcher; 5. noop layers
    and pipeline stages: this rank's model chunks (layers under their global index);
-6. activation recompute (under FSDP after step 7: ``fsdp.recompute``); 7. FSDP; 8. gradient
-   synchronisation: each trainable parameter's gradient is summed over the mesh dim its
-   ``Placement`` names (data parallel, expert-data parallel, or none after FSDP).
+6. activation recompute (under FSDP with the weights as explicit inputs: ``fsdp.recompute``);
+7. FSDP; 8. gradient synchronisation: each trainable parameter's gradient is summed over the
+   mesh dim its ``Placement`` names (data parallel, expert-data parallel, or none after FSDP).
 
 A new capability (pipeline or context parallel, recompute, LoRA) is one more step here that adds
 mesh dims or global indices to the records; the trainer only calls this function.
@@ -31,7 +31,7 @@ from . import comm
 from .data_parallel import PartitionedGradSync
 from .expert_parallel import apply_expert_parallel
 from .fsdp import MixedPrecisionPolicy, apply_fsdp, fsdp_group
-from .fsdp.recompute import recompute_marker as fsdp_recompute_marker
+from .fsdp.recompute import check_recompute_under_fsdp, recompute_under_fsdp
 from .pipeline.stages import apply_noop_layers, split_model
 from .context_parallel.apply import apply_context_parallel
 from .placement import grad_replica_dims, placement_of, update_placement
@@ -106,12 +106,12 @@ def _pipeline_chunks(model: GPTModel, cfg, pstate: ParallelState) -> Optional[li
 
 
 def _recompute(model: GPTModel, chunks: Optional[list], cfg) -> List[str]:
-    """Under FSDP called after it: recomputed units re-run with their gathered weights as
-    explicit inputs (``fsdp.recompute``)."""
+    """Under FSDP recomputed modules re-run with their gathered weights as explicit inputs
+    (``fsdp.recompute``)."""
     t = cfg.training
     if t.recompute_granularity is None and not t.recompute_norm:
         return []
-    kw = {"mark": fsdp_recompute_marker(chunks or [model])} if cfg.parallel.fsdp_size > 1 else {}
+    kw = {"mark": recompute_under_fsdp} if cfg.parallel.fsdp_size > 1 else {}
     names = apply_recompute(chunks or [model], t.recompute_granularity, t.recompute_method,
                             t.recompute_num_layers, t.recompute_norm, **kw)
     return [f"recompute: {len(names)} modules ({t.recompute_granularity or 'norm'})"]
@@ -170,9 +170,8 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
             expert_groups=cfg.moe.expert_groups, token_chunks=cfg.moe.token_chunks)
     apply_noop_layers(model, p.noop_layers)
     chunks = _pipeline_chunks(model, cfg, pstate)
+    notes += _recompute(model, chunks, cfg)
     fsdp = p.fsdp_size > 1
-    if not fsdp:
-        notes += _recompute(model, chunks, cfg)
     if fsdp:
         dp, dp_dim = fsdp_group(pstate, p.fsdp_size)     # dp x cp (Megatron's dp_cp group)
         policy = MixedPrecisionPolicy(param_dtype=p.fsdp_param_dtype,
@@ -188,7 +187,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
                        reshard_after_forward=p.reshard_after_forward, prefetch=p.fsdp_prefetch,
                        ignored_params=expert_params, mp_policy=policy, tied=tied, strict=strict,
                        mesh_dim=dp_dim)
-        notes += _recompute(model, chunks, cfg)
+        check_recompute_under_fsdp(chunks or [model])
     jit = cfg.training.jit
     blockers = _jit_blockers(cfg, pstate)
     if jit and blockers:

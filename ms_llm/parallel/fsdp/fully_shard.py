@@ -185,7 +185,6 @@ class _FSDPState:
         self.prefetched = None            # (Work, gathered flat parts) of an async all-gather
         self.fulls: Optional[List[Tensor]] = None
         self.freed = False
-        self.rerun = None     # set by fsdp.recompute: the unit's forward is recomputed
 
     # ------------------------------------------------------------------ dtypes
     def param_dtype(self):
@@ -306,11 +305,7 @@ class FSDPModule:
         for fp, full in zip(st.fparams, fulls):
             shadow_parameter(fp.owner, fp.attr, full)
         try:
-            if st.rerun is not None and self.training:   # activation recompute (fsdp.recompute)
-                from .recompute import run_recomputed
-                out = run_recomputed(self, fulls, args, kwargs)
-            else:
-                out = super().construct(*args, **kwargs)
+            out = super().construct(*args, **kwargs)
         finally:
             for fp in st.fparams:
                 unshadow_parameter(fp.owner, fp.attr)

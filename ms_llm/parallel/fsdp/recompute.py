@@ -1,34 +1,37 @@
-"""Activation recompute of FSDP units (``training.recompute_*`` with ``parallel.fsdp_size`` > 1).
+"""Activation recompute under FSDP (``training.recompute_*`` with ``parallel.fsdp_size`` > 1).
 
-A recomputed module keeps only its inputs in forward and runs again in backward. Under FSDP the
-module reads its weights as the unit's all-gathered full tensors, which exist only while the
-unit runs (``FSDPModule.construct`` shadows the shard Parameters with them and removes the shadow
-afterwards). MindSpore's ``Cell.recompute`` re-runs the module's own ``construct`` inside its
-backward and differentiates it only with respect to its inputs and its registered Parameters, so
-under FSDP it would (a) bypass the unit's gather altogether (the recompute wrapper replaces the
-call to ``FSDPModule.construct``) and (b) even with the weights in place, send no gradient to the
-gathered tensors (they are neither inputs nor Parameters) and so none through the reduce-scatter.
+A recomputed module keeps only its inputs in forward and runs again in backward. Under FSDP it
+reads its weights as its unit's all-gathered full tensors, which exist only while the unit runs
+(``FSDPModule.construct`` shadows the shard Parameters with them and removes the shadow after).
+MindSpore's ``Cell.recompute`` re-runs the module's ``construct`` inside its backward and
+differentiates the re-run only with respect to the module's inputs and its registered
+Parameters. Under FSDP that is wrong twice: the re-run would read the shards (the shadow is
+gone), and the gathered tensors, being neither inputs nor Parameters, would get no gradient, so
+nothing would reach the unit's reduce-scatter.
 
-What is built instead: a recomputed FSDP unit passes its gathered full weights to
-``mindspore.recompute`` as explicit inputs, in front of the unit's own inputs; the re-run shadows
-them over the shard Parameters again. Their gradients then come back as input gradients of the
-recompute cell and flow into the unit's gather function, whose backward reduce-scatters them, as
-without recompute. With ``reshard_after_forward`` the full tensors' storage is freed after the
-forward and refilled by the pre-backward hook on the unit's outputs, which runs before the
-recompute's backward (it sits after the unit in forward), so the re-run reads the refilled
-weights: nothing is gathered twice, and "keep them gathered for recomputed units" is not needed
-(it would hold every recomputed layer's weights from forward to backward, defeating FSDP).
+So a module recomputed under FSDP passes every weight it reads *at the time of the call* to
+``mindspore.recompute`` as an explicit input, in front of its own inputs: the full tensor its
+unit gathered (or, for a parameter FSDP does not shard such as an expert weight, the Parameter
+itself). The re-run shadows the module's weights with those inputs again, so it computes with
+the same values, and their gradients come back as input gradients: into the unit's gather
+function (whose backward reduce-scatters them, as without recompute) or into the Parameter.
+The recompute cell itself registers no Parameters (a shard among them would receive a second,
+zero gradient, added before the asynchronous reduce-scatter had filled the first).
 
-Built: recompute of whole FSDP units (``full`` granularity with the default units
-``decoder.layers.*``) and of modules that hold no FSDP-sharded weights (``selective``: the
-attention core). Not built (``ValueError`` naming the module): a recomputed module whose weights
-belong to an enclosing unit (``recompute_norm``, or layers that are not units), a recomputed unit
-containing other units, and a unit holding parameters FSDP does not shard (expert weights under
-MoE): each would need those weights as explicit inputs as well.
+Nothing is gathered twice: with ``reshard_after_forward`` the full tensors' storage is freed
+after the unit's forward and refilled by the pre-backward hook on the unit's outputs, which runs
+before any recompute inside the unit (it sits after the unit in forward), and the re-run reads
+the refilled tensors. Keeping recomputed units gathered from forward to backward instead would
+hold every recomputed layer's full weights at once, which is what FSDP exists to avoid.
+
+Applies to whole FSDP units (``full`` with the default units ``decoder.layers.*``), to modules
+inside a unit (``recompute_norm``; ``selective``'s attention core has no weights) and to MoE
+layers (expert weights are not sharded by FSDP). Not built (``check_recompute_under_fsdp``
+raises): a recomputed module that contains an FSDP unit, whose re-run would gather again.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Iterable, List, Tuple
 
 import mindspore as ms
 from mindspore import nn
@@ -37,69 +40,79 @@ from ms_llm.compat.nn import shadow_parameter, unshadow_parameter
 from .fully_shard import FSDPModule
 
 
-class _UnitForward(nn.Cell):
-    """A unit's own forward (its model class's ``construct``, below ``FSDPModule``) taking the
-    gathered full weights in front of its inputs. It registers no Parameters, so
-    ``mindspore.recompute`` differentiates the re-run with respect to its inputs only (a shard
-    Parameter among its weights would receive a second, zero gradient, added before the
-    asynchronous reduce-scatter had filled the first)."""
+def _weight_slots(cell) -> List[Tuple[object, str]]:
+    """(owning module, attribute) of every trainable parameter in ``cell``'s tree."""
+    slots = []
+    for _, owner in cell.cells_and_names():
+        for attr, p in owner.parameters_and_names(expand=False):
+            if p.requires_grad:
+                slots.append((owner, attr.rsplit(".", 1)[-1]))
+    return slots
 
-    def __init__(self, unit):
+
+class _State:
+    """A recomputed module's recompute cell and weight slots, kept outside the Cell tree (as
+    Cell attributes they would register the recompute cell, which refers back to the module,
+    as a sub-cell)."""
+
+    def __init__(self, cell):
+        self.cell = cell
+        self.slots: List[Tuple[object, str]] = []
+        self.rerun = _Rerun(self)
+
+
+class _Rerun(nn.Cell):
+    """The module's own forward with its weights as leading inputs, shadowed while it runs."""
+
+    def __init__(self, state: _State):
         super().__init__(auto_prefix=False)
-        self._state = unit._fsdp_state                      # plain object: not a sub-cell
-        self._forward = super(FSDPModule, unit).construct   # the model class's construct
+        self.state = state
 
     def construct(self, *args, **kwargs):
-        fparams = self._state.fparams
-        n = len(fparams)
-        for fp, full in zip(fparams, args[:n]):
-            shadow_parameter(fp.owner, fp.attr, full)
+        cell, slots = self.state.cell, self.state.slots
+        for (owner, attr), w in zip(slots, args[:len(slots)]):
+            shadow_parameter(owner, attr, w)
         try:
-            return self._forward(*args[n:], **kwargs)
+            return super(RecomputedUnderFSDP, cell).construct(*args[len(slots):], **kwargs)
         finally:
-            for fp in fparams:
-                unshadow_parameter(fp.owner, fp.attr)
+            for owner, attr in slots:
+                unshadow_parameter(owner, attr)
 
 
-def run_recomputed(unit, fulls, args, kwargs):
-    """Called by ``FSDPModule.construct`` for a unit marked by ``recompute_marker``."""
-    return ms.recompute(unit._fsdp_state.rerun, *fulls, *args, **kwargs)
+class RecomputedUnderFSDP:
+    """Mixed into a recomputed module's class (before ``fully_shard``, so a unit's gather runs
+    first: ``FSDPModule`` -> this -> the model class)."""
+
+    _fsdp_recompute: _State
+
+    def construct(self, *args, **kwargs):
+        if not self.training:
+            return super().construct(*args, **kwargs)
+        st = self._fsdp_recompute
+        st.slots = _weight_slots(self)
+        weights = [getattr(owner, attr) for owner, attr in st.slots]   # gathered, if sharded
+        return ms.recompute(st.rerun, *weights, *args, **kwargs)
 
 
-def _describe(cell) -> str:
-    return type(cell).__name__.replace("FSDP", "", 1) if isinstance(cell, FSDPModule) \
-        else type(cell).__name__
+def recompute_under_fsdp(cell) -> None:
+    """``apply_recompute``'s marker when FSDP will be applied: make ``cell`` recompute with its
+    weights as explicit inputs (called before ``fully_shard``)."""
+    cls = type(cell)
+    if not isinstance(cell, RecomputedUnderFSDP):
+        cell.__class__ = type(f"Recomputed{cls.__name__}", (RecomputedUnderFSDP, cls), {})
+    cell._fsdp_recompute = _State(cell)
 
 
-def recompute_marker(roots) -> Callable:
-    """The function ``apply_recompute`` calls on each module to recompute, once FSDP has been
-    applied to ``roots`` (the model or its pipeline chunks)."""
-    units = [c for root in roots for _, c in root.cells_and_names() if isinstance(c, FSDPModule)]
-    managed = {id(fp.param) for u in units for fp in u._fsdp_state.fparams}
-
-    def mark(cell) -> None:
-        inner = [c for _, c in cell.cells_and_names() if isinstance(c, FSDPModule)
-                 and c is not cell]
-        if inner:
-            raise ValueError(f"training.recompute_* with parallel.fsdp_size > 1: a recomputed "
-                             f"{_describe(cell)} containing other FSDP units "
-                             f"(parallel.fsdp_modules) is not built yet")
-        if isinstance(cell, FSDPModule):
-            st = cell._fsdp_state
-            own = {id(fp.param) for fp in st.fparams}
-            extra = [p.name for p in cell.trainable_params() if id(p) not in own]
-            if extra:
-                raise ValueError(f"training.recompute_* with parallel.fsdp_size > 1: the FSDP "
-                                 f"unit {_describe(cell)} holds parameters FSDP does not shard "
-                                 f"({extra[0]}, e.g. MoE experts); recomputing it is not built "
-                                 f"yet")
-            st.rerun = _UnitForward(cell)
-            return
-        if any(id(p) in managed for p in cell.get_parameters()):
-            raise ValueError(f"training.recompute_* with parallel.fsdp_size > 1: {_describe(cell)}"
-                             f" is not an FSDP unit but holds FSDP-sharded weights (e.g. "
-                             f"training.recompute_norm, or layers outside parallel.fsdp_modules)"
-                             f"; recomputing it is not built yet (only whole units, or modules "
-                             f"without weights)")
-        cell.recompute()
-    return mark
+def check_recompute_under_fsdp(roots: Iterable) -> None:
+    """After FSDP: refuse a recomputed module containing an FSDP unit (its re-run would gather
+    that unit again inside the backward; not built)."""
+    for root in roots:
+        for name, cell in root.cells_and_names():
+            if not isinstance(cell, RecomputedUnderFSDP):
+                continue
+            inner = [n for n, c in cell.cells_and_names() if n and isinstance(c, FSDPModule)]
+            if inner:
+                raise ValueError(f"training.recompute_* with parallel.fsdp_size > 1: the "
+                                 f"recomputed module {name} contains the FSDP unit "
+                                 f"{name}.{inner[0]} (parallel.fsdp_modules); recomputing a "
+                                 f"module around a unit is not built yet")
