@@ -82,3 +82,31 @@ def test_fsdp_size_is_dp_times_cp():
                                           r"parallel.context_parallel_size \(2\)") as e:
         load_config(None, ["--parallel.context_parallel_size", "2", "--parallel.fsdp_size", "3"])
     assert "\n" not in str(e.value)
+
+
+def test_distributed_optimizer_expert_shards_over_edp_cp_tile_the_tensor():
+    """The distributed optimizer's cut of a grouped expert weight (``row_blocks``: rows of its
+    stored view) over expert-data x context parallel, on ep2 x dp2 x cp2 (world 8): the main
+    shards' checkpoint regions of all ranks cover the global tensor once (one tp rank: tp=1)."""
+    from ms_llm.parallel.distributed_optimizer import shard_rows
+    w1 = np.random.default_rng(0).standard_normal((3, 24))    # [H, E=4 x 2F=6]
+    blocks = w1.reshape(4, -1)
+    seen = np.zeros(12)                                        # 3 x 24 / 6 stored rows
+    for st in _states(cp=2, ep=2, world=8):
+        mesh = Mesh.of(st)
+        e = st.ep_rank
+        local = np.ascontiguousarray(blocks[e * 2:(e + 1) * 2]).reshape(3, 12)
+        pl = Placement(shards=(("ep", 1),), layout="row_blocks", row_width=6,
+                       global_shape=(3, 24))
+        rows, rs = shard_rows(local.shape, pl, "edp_cp", mesh.size["edp_cp"],
+                              mesh.rank["edp_cp"])
+        assert rows == (6, 6) and mesh.size["edp_cp"] == 4    # edp (dp 4 / ep 2) x cp 2
+        spl = Placement(shards=pl.shards + (("edp_cp", 0),), layout="row_blocks", row_width=6,
+                        global_shape=(3, 24))
+        assert writes_checkpoint(spl, mesh)
+        shard = local.reshape(rows)[rs.start:rs.start + rs.length]
+        for r in checkpoint_regions("w1", shard.shape, spl, mesh):
+            want = w1.reshape(-1, 6)[r.offsets[0]:r.offsets[0] + r.sizes[0]]
+            np.testing.assert_array_equal(shard[r.lstart:r.lstart + r.length], want)
+            seen[r.offsets[0]:r.offsets[0] + r.sizes[0]] += 1
+    assert (seen == 1).all(), seen
