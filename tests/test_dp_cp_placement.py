@@ -32,13 +32,10 @@ def test_mesh_index_is_the_rank_order_of_the_group():
 @pytest.mark.parametrize("rows", [8, 7, 2])
 def test_dp_cp_shards_tile_the_global_tensor_once(rows):
     """FSDP's dp_cp cut (chunk rule over dp x cp, uneven included) of a plain and a
-    tensor-parallel ``[gate; up]`` weight: every rank writes its own rows, and the regions of
-    all ranks cover each global tensor exactly once."""
-    rng = np.random.default_rng(rows)
-    w = rng.standard_normal((rows, 3))
-    gate, up = rng.standard_normal((2 * rows, 4)), rng.standard_normal((2 * rows, 4))
-    seen = {"w": np.zeros(w.shape[0]), "fc1:gate": np.zeros(2 * rows),
-            "fc1:up": np.zeros(2 * rows)}
+    tensor-parallel ``[gate; up]`` weight (each half 2 x rows rows over tp 2): every rank writes
+    its own rows, and the regions of all ranks cover each global tensor's rows exactly once."""
+    w = np.zeros((rows, 3))
+    seen = {"w": np.zeros(rows), "fc1:gate": np.zeros(2 * rows), "fc1:up": np.zeros(2 * rows)}
     for st in _states(tp=2, cp=2, world=8):
         mesh = Mesh.of(st)
         t = st.tp_rank

@@ -6,9 +6,9 @@ and the fsdp=3 run also keeps the gathered weights (reshard_after_forward=false)
 1e-5 (fp32; reduce-scatter and the split gradient norm sum in another order).
 
 The same msrun jobs also run TP x FSDP (4 workers), the bf16 reduce MixedPrecisionPolicy (model
-level and one unit against a bf16 NumPy reference), FSDP + MXFP8 and FSDP + full recompute; single-process tests check
-the flat buffer layout against NumPy and the storage-freeing reshard against the unsharded
-model."""
+level and one unit against a bf16 NumPy reference), FSDP + MXFP8 and FSDP + full recompute;
+single-process tests check the flat buffer layout against NumPy and the storage-freeing reshard
+against the unsharded model."""
 import json
 
 import numpy as np

@@ -2,8 +2,8 @@
 
 FSDP over the one-process world group runs the whole unit path (flat gather, freed storage,
 pre-backward refill, reduce-scatter into the gradient views); the recomputed modules must give
-the same loss and gradients as the plain, unsharded model without recompute. Same kernels in the same
-order, so rtol 1e-6 (they come out bit-equal). The msrun run (fsdp=2 + full recompute against
+the same loss and gradients as the plain, unsharded model without recompute. Same kernels in the
+same order, so rtol 1e-6 (they come out bit-equal). The msrun run (fsdp=2 + full recompute against
 fsdp=2 and one process) is in tests/test_fsdp.py.
 """
 import numpy as np
