@@ -74,6 +74,9 @@ def test_recompute_under_fsdp_matches_plain_model(what):
     # (a norm has no sub-module to watch: watch its recompute cell, called in both passes)
     probe = layer0.pre_mlp_layernorm._fsdp_recompute.rerun if what == "norm" else layer0.mlp
     probe.register_forward_pre_hook(lambda cell, args: calls.append(1))
+    after_norm = []   # inside the unit, after the recomputed norm ran: still the gathered weight
+    layer0.mlp.register_forward_pre_hook(lambda cell, args: after_norm.append(
+        type(layer0.pre_mlp_layernorm.weight).__name__))
     for step in range(2):       # the second step reuses the units (storage refilled, re-freed)
         loss, got = grads(model)
         np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
@@ -81,6 +84,7 @@ def test_recompute_under_fsdp_matches_plain_model(what):
         for k, w in want.items():
             np.testing.assert_allclose(got[k], w, rtol=1e-6, atol=1e-7, err_msg=k)
         assert len(calls) == 2 * (step + 1), calls
+    assert after_norm and "Parameter" not in after_norm, after_norm
 
 
 def test_recompute_around_a_unit_is_a_clear_error():

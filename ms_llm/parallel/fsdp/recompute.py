@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import Iterable, List, Tuple
 
 import mindspore as ms
-from mindspore import nn
+from mindspore import Parameter, nn
 
 from ms_llm.compat.nn import shadow_parameter, unshadow_parameter
 from .fully_shard import FSDPModule
@@ -70,13 +70,19 @@ class _Rerun(nn.Cell):
 
     def construct(self, *args, **kwargs):
         cell, slots = self.state.cell, self.state.slots
+        # What each attribute read as before (in forward, a module inside a unit reads the
+        # unit's shadows, which the rest of the unit's forward may still need): restored after.
+        before = [getattr(owner, attr) for owner, attr in slots]
         for (owner, attr), w in zip(slots, args[:len(slots)]):
             shadow_parameter(owner, attr, w)
         try:
             return super(RecomputedUnderFSDP, cell).construct(*args[len(slots):], **kwargs)
         finally:
-            for owner, attr in slots:
-                unshadow_parameter(owner, attr)
+            for (owner, attr), b in zip(slots, before):
+                if isinstance(b, Parameter):      # the registered Parameter itself
+                    unshadow_parameter(owner, attr)
+                else:
+                    shadow_parameter(owner, attr, b)
 
 
 class RecomputedUnderFSDP:
