@@ -5,9 +5,9 @@ cp=4 and cp=2 (x dp=2), Ulysses cp=2 and cp=4 (2 KV heads replicated), hybrid cp
 2 x ring 2), cp=2 x tp=2 with sequence parallel, cp=2 x FSDP 4 (dp x cp), cp=2 with packed
 documents crossing the chunk boundaries, and cp=2 on the MoE model with expert parallel 2
 (load-balancing aux loss and z-loss on, an evaluation at the end: the routers pool their counts
-over cp, eval batches split like training ones), cp=2 x dp=2 with DeepSeek's sequence-wise aux loss. A cp=2
-run saves at step 3 and the test resumes it in one process (cp=1), so checkpoints do not depend
-on cp. FSDP (3 steps, saved and resumed in one process) and the distributed optimizer at dp2 x
+over cp, eval batches split like training ones), cp=2 x dp=2 with DeepSeek's sequence-wise aux
+loss. A cp=2 run saves at step 3 and the test resumes it in one process (cp=1), so checkpoints do
+not depend on cp. FSDP (3 steps, saved and resumed in one process) and the distributed optimizer at dp2 x
 cp2 shard over the dp x cp group: their per-rank optimizer state is a quarter of the
 one-process state.
 
