@@ -7,8 +7,8 @@ documents crossing the chunk boundaries, and cp=2 on the MoE model with expert p
 (load-balancing aux loss and z-loss on, an evaluation at the end: the routers pool their counts
 over cp, eval batches split like training ones), cp=2 x dp=2 with DeepSeek's sequence-wise aux
 loss. A cp=2 run saves at step 3 and the test resumes it in one process (cp=1), so checkpoints do
-not depend on cp. FSDP (3 steps, saved and resumed in one process) and the distributed optimizer at dp2 x
-cp2 shard over the dp x cp group: their per-rank optimizer state is a quarter of the
+not depend on cp. FSDP (3 steps, saved and resumed in one process) and the distributed optimizer
+at dp2 x cp2 shard over the dp x cp group: their per-rank optimizer state is a quarter of the
 one-process state.
 
 Tolerance: rtol 1e-5 on loss and gradient norm (MoE gradient norm: 3e-5, see below). The ranks sum the same terms in another order
