@@ -22,6 +22,7 @@ import ctypes
 import json
 import os
 import sys
+import traceback
 
 import numpy as np
 
@@ -94,6 +95,8 @@ def main() -> None:
                         json.dump(rec, f)
                     os.replace(part + ".tmp", part)
                     code = 0
+                except BaseException:     # os._exit below would swallow the traceback
+                    traceback.print_exc()
                 finally:
                     sys.stdout.flush()
                     sys.stderr.flush()
