@@ -18,6 +18,15 @@ if "MS_LLM_PEAK_FILE" not in os.environ:
     os.environ["MS_LLM_PEAK_FILE"] = os.path.join(tempfile.gettempdir(),
                                                   f"ms_llm_test_peak_{_RUN}.json")
 
+# Under pytest-xdist each worker process gets its share of the CPUs for the BLAS kernels (as
+# default_blas_threads() shares them among msrun workers): OpenBLAS's idle threads spin for a
+# while after every GEMM, so two processes with a 2-thread pool each on 2 cores steal each other's
+# (and their msrun jobs') cores. A value set by the caller wins; subprocesses inherit it.
+_XDIST = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _XDIST > 1:
+    _SHARE = str(max(1, len(os.sched_getaffinity(0)) // _XDIST))
+    os.environ.setdefault("MS_LLM_BLAS_THREADS", _SHARE)
+
 # PyNative errors are sticky without synchronous execution: a failing op would otherwise
 # re-raise its stale error from the next unrelated op and poison later tests.
 setup_device("CPU", synchronize=True)

@@ -15,8 +15,6 @@ def bad(*overrides):
 def test_context_parallel_config_errors():
     cp2 = ["--parallel.context_parallel_size", "2"]
     assert "2*cp chunks" in bad(*cp2, "--data.seq_length", "250")
-    assert "not built yet" in bad(*cp2, "--parallel.pipeline_model_parallel_size", "2")
-    assert "not built yet" in bad(*cp2, "--training.recompute_granularity", "full")
     assert "ulysses_degree_in_cp" in bad("--parallel.context_parallel_size", "4",
                                          "--parallel.context_parallel_algo", "hybrid_cp_algo")
     assert "ulysses_degree_in_cp" in bad(*cp2, "--parallel.ulysses_degree_in_cp", "2")
@@ -36,3 +34,18 @@ def test_context_parallel_configs_accepted():
         cfg = load_config(None, ["--parallel.context_parallel_size", "4",
                                  "--parallel.context_parallel_algo", algo, *extra])
         assert cfg.parallel.context_parallel_algo == algo
+
+
+def test_context_parallel_composes_with_pipeline_and_recompute():
+    """cp x pipeline (1F1B, interleaved) and cp x activation recompute are accepted (trained
+    and compared to one process in test_context_parallel_training.py)."""
+    cp2 = ["--parallel.context_parallel_size", "2"]
+    cfg = load_config(None, cp2 + ["--parallel.pipeline_model_parallel_size", "2",
+                                   "--parallel.virtual_pipeline_model_parallel_size", "2",
+                                   "--model.num_layers", "4"])
+    assert cfg.parallel.pipeline_model_parallel_size == 2
+    for extra in (["--training.recompute_granularity", "full"],
+                  ["--training.recompute_granularity", "selective",
+                   "--training.recompute_norm", "true"]):
+        cfg = load_config(None, cp2 + extra)
+        assert cfg.parallel.context_parallel_size == 2

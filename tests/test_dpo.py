@@ -188,12 +188,6 @@ def test_layouts_and_keys_dpo_does_not_take_are_config_errors(tiny):
         (["--training.eval_interval", "5", "--parallel.pipeline_model_parallel_size", "2"],
          "command line --training.eval_interval: training.eval_interval with "
          "parallel.pipeline_model_parallel_size > 1 is not built yet"),
-        (["--training.stage", "dpo", "--parallel.context_parallel_size", "2"],
-         "command line --training.stage: training.stage dpo with "
-         "parallel.context_parallel_size > 1 is not built yet"),
-        (["--training.eval_interval", "5", "--parallel.context_parallel_size", "2"],
-         "command line --training.eval_interval: training.eval_interval with "
-         "parallel.context_parallel_size > 1 is not built yet"),
         (["--training.stage", "dpo", "--model.hidden_dropout", "0.1"],
          "command line --model.hidden_dropout: training.stage dpo needs model.hidden_dropout and "
          "model.attention_dropout 0"),
@@ -206,6 +200,11 @@ def test_layouts_and_keys_dpo_does_not_take_are_config_errors(tiny):
         with pytest.raises(ConfigError) as e:
             load_config(None, data + extra)
         assert str(e.value).startswith(want) and "\n" not in str(e.value), (extra, str(e.value))
+    # DPO and evaluation with context parallel are built (test_dpo_parallel, test_context_
+    # parallel_training): the configs load
+    for extra in (["--training.stage", "dpo", "--parallel.context_parallel_size", "2"],
+                  ["--training.eval_interval", "5", "--parallel.context_parallel_size", "2"]):
+        load_config(None, data + extra)
 
 
 def test_lora_dpo_reference_is_the_base_with_adapters_off(tiny, tmp_path):

@@ -1,6 +1,6 @@
-"""DPO with evaluation under real msrun (one job, two workers): data parallel, tensor parallel and
-fully-sharded data parallel each equal the single-process run over 5 steps (losses, grad norms,
-reward metrics, and the eval rows at steps 2, 4 and the end).
+"""DPO with evaluation under real msrun (one job, two workers): data parallel, tensor parallel,
+fully-sharded data parallel and context parallel each equal the single-process run over 5 steps
+(losses, grad norms, reward metrics, and the eval rows at steps 2, 4 and the end).
 
 Tolerance rtol 1e-5 (atol 1e-6 for rewards and margins that are near 0): the parallel runs sum
 the same fp32 terms in another order (all-reduce, sharded matmuls), as in
@@ -18,7 +18,10 @@ from ms_llm.training.trainer import Trainer
 
 RTOL, ATOL = 1e-5, 1e-6
 LAYOUTS = {"dp2": [], "tp2": ["--parallel.tensor_model_parallel_size", "2"],
-           "fsdp2": ["--parallel.fsdp_size", "2"]}
+           "fsdp2": ["--parallel.fsdp_size", "2"],
+           # context parallel: each rank holds two chunks of every row; a row's log-prob sum
+           # adds both ranks' pieces (with gradient) before the DPO loss
+           "cp2": ["--parallel.context_parallel_size", "2"]}
 
 
 def dpo_args(root) -> list:

@@ -56,6 +56,21 @@ def _run_in_jit() -> bool:
     return _is_none(_probe)
 
 
+class LocalTokens:
+    """The router's view of where the tokens of its sequences live: all of them on this rank.
+
+    Why: a load-balancing loss pools routed counts over whole sequences. When a parallel layout
+    spreads each sequence over ``pieces`` ranks (context parallel), it installs an object with the
+    same interface on the router (``TopKRouter.token_partition``) whose ``sum_counts`` sums the
+    counts over those ranks; the model itself stays parallelism-free."""
+
+    pieces = 1
+
+    def sum_counts(self, counts: Tensor) -> Tensor:
+        """``counts`` (routed slots, no gradient) summed over the ranks holding the sequences."""
+        return counts
+
+
 class TopKRouter(nn.Module):
     """Linear router + top-k (Megatron's ``TopKRouter``; names ``weight`` / ``expert_bias``).
 
@@ -88,6 +103,7 @@ class TopKRouter(nn.Module):
         self.pending_counts: Optional[Tensor] = None
         self.aux_loss: Optional[Tensor] = None
         self.seq_length: Optional[int] = None    # set by MoELayer: tokens are [b*s] batch-first
+        self.token_partition = LocalTokens()      # replaced from outside under context parallel
         # (sum over tokens of the aux-loss scores [E], routed counts [E], tokens) of the last call.
         self.stats: Optional[Tuple[Tensor, Tensor, int]] = None
 
@@ -122,23 +138,33 @@ class TopKRouter(nn.Module):
         return probs, idx
 
     def _record(self, logits: Tensor, aux_scores: Tensor, idx: Tensor) -> None:
+        """The auxiliary losses of this forward. When the sequences are spread over
+        ``token_partition.pieces`` ranks, each rank's loss is its share: the routed counts are
+        summed over those ranks (no gradient flows through counts), token totals are global, and
+        the scores stay local. Every loss is linear in the scores given the counts, so the shares
+        add up to the loss of the whole sequences and each share's gradient is exactly that
+        loss's gradient with respect to this rank's scores (Megatron's scheme over its tp x cp
+        group); the trainer sums gradients and losses over those ranks."""
         c, n_tok = self.config, logits.shape[0]
+        part = self.token_partition
         counts = F.stop_gradient(F.sum(F.one_hot(idx.reshape(-1), self.num_experts), 0))
         score_sum = F.sum(aux_scores, 0)
         self.stats = (score_sum, counts, n_tok)
+        n_all = n_tok * part.pieces
         loss = None
         if c.moe_router_load_balancing_type == "seq_aux_loss" and c.moe_aux_loss_coeff:
             loss = seq_aux_loss(aux_scores, idx, self.num_experts, self.topk,
-                                self.seq_length or n_tok) * c.moe_aux_loss_coeff
+                                self.seq_length or n_tok, part) * c.moe_aux_loss_coeff
         if c.moe_router_load_balancing_type == "aux_loss" and c.moe_aux_loss_coeff:
             # Megatron's switch_load_balancing_loss_func: E / (k T^2) * sum_e P_e * C_e.
-            scale = c.moe_aux_loss_coeff * self.num_experts / (self.topk * n_tok * n_tok)
-            loss = F.sum(score_sum * counts) * scale
+            scale = c.moe_aux_loss_coeff * self.num_experts / (self.topk * n_all * n_all)
+            loss = F.sum(score_sum * part.sum_counts(counts)) * scale
         if c.moe_z_loss_coeff:
-            # Megatron's z_loss_func: mean over tokens of logsumexp(logits)^2.
+            # Megatron's z_loss_func: mean over tokens of logsumexp(logits)^2 (this rank's
+            # share: its tokens' sum over the global token count).
             # logsumexp = x_0 - log_softmax(x)_0 (mint.logsumexp has no CPU kernel).
             lse = (logits - F.log_softmax(logits, -1))[:, 0]
-            z = F.mean(lse * lse) * c.moe_z_loss_coeff
+            z = F.sum(lse * lse) * (c.moe_z_loss_coeff / n_all)
             loss = z if loss is None else loss + z
         self.aux_loss = loss
         if self.training and self.expert_bias is not None and not is_recomputing():
@@ -189,15 +215,21 @@ def group_limited_scores(choice: Tensor, num_groups: int, group_topk: int) -> Te
 
 
 def seq_aux_loss(scores: Tensor, idx: Tensor, num_experts: int, topk: int,
-                 seq_length: int) -> Tensor:
+                 seq_length: int, partition: Optional[LocalTokens] = None) -> Tensor:
     """DeepSeek-V3's complementary sequence-wise balance loss (without its coefficient): per
     sequence ``sum_e f_e P_e`` with ``f_e = E / (k s) * count_e`` and ``P_e`` the mean over the
-    sequence of the normalised scores, averaged over sequences. Rows are ``[b*s]`` batch-first."""
+    sequence of the normalised scores, averaged over sequences. Rows are ``[b*s]`` batch-first,
+    ``seq_length`` this rank's piece of each sequence. With a ``partition`` over several ranks
+    the per-sequence counts are summed over them and this rank's scores give its share of
+    ``P_e`` (see ``TopKRouter._record``)."""
+    partition = partition or LocalTokens()
     t = scores.shape[0]
     b = t // seq_length
+    s_all = seq_length * partition.pieces
     counts = F.sum(F.one_hot(idx.reshape(b, -1), num_experts), 1)               # [b, E]
-    f = F.stop_gradient(counts) * (num_experts / (topk * seq_length))
-    p = F.mean(scores.reshape(b, seq_length, num_experts), 1)
+    counts = partition.sum_counts(F.stop_gradient(counts))
+    f = counts * (num_experts / (topk * s_all))
+    p = F.sum(scores.reshape(b, seq_length, num_experts), 1) / s_all
     return F.mean(F.sum(f * p, -1))
 
 

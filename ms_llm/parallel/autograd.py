@@ -77,6 +77,17 @@ class _ReduceFromGroup(Function):
         return g, None
 
 
+class _SumOverGroup(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group), None
+
+
 def _along_dim(name: str, fwd, bwd, doc: str = ""):
     """A Function that runs ``fwd(x, dim, group)`` forward and ``bwd(g, dim, group)`` backward:
     Megatron's mappings are pairs of one collective and its adjoint."""
@@ -127,6 +138,14 @@ def copy_to_group(x: Tensor, group) -> Tensor:
 def reduce_from_group(x: Tensor, group) -> Tensor:
     """All-reduce forward; identity backward (the output of a row-parallel layer)."""
     return x if _trivial(group) else _ReduceFromGroup.apply(x, group)
+
+
+def sum_over_group(x: Tensor, group) -> Tensor:
+    """All-reduce (sum) forward and backward: every rank's copy of the sum feeds its own loss
+    term, so the gradient of the summed terms with respect to this rank's ``x`` is the sum of
+    the incoming gradients over the group (unlike ``reduce_from_group``, whose consumers
+    compute the same replicated thing and pass the gradient through)."""
+    return x if _trivial(group) else _SumOverGroup.apply(x, group)
 
 
 def gather_from_group(x: Tensor, group, dim: int = -1) -> Tensor:

@@ -13,6 +13,12 @@ function of the same inputs and weights, so the re-run makes the same decisions;
 token counts are collected once per forward by the training loop, so the re-run does not count
 them twice.
 
+Under context parallel the re-run includes the cp attention's collectives (ring exchanges,
+Ulysses all-to-alls, inside hand-written backward functions): every cp rank recomputes the same
+layers in the same backward order, so the re-run exchanges match up, and ``Cell.recompute`` in
+PyNative re-runs them like any other op (tests/test_context_parallel_training.py counts the
+attention forwards).
+
 ``uniform`` with ``recompute_num_layers`` N > 1 recomputes every layer on its own (each layer's
 input is kept, not only every N-th), which keeps module names unchanged at the cost of N - 1
 more stored hidden states per group.

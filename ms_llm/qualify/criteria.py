@@ -137,6 +137,8 @@ def round_trip(cell: Cell, recs: Dict[str, dict], names, work: str) -> Check:
     target = ["--target-tensor-parallel-size", lay.get(TP, "1"),
               "--target-pipeline-parallel-size", lay.get(PP, "1"),
               "--target-expert-parallel-size", lay.get(EP, "1")]
+    if "--parallel.num_layer_list" in lay:      # the trained uneven split, as MindSpeed's flag
+        target += ["--num-layer-list", lay["--parallel.num_layer_list"]]
     from ms_llm.checkpoint.convert import main as convert
     import contextlib
     import io

@@ -134,9 +134,8 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in [
     # the DeepSeek proxy's 3 layers split 1 + 2 (Megatron's --num-layer-list)
     Feature("pipeline", 2, (PP, "2"),
             family_layout=(("deepseek-v3", (PP, "2", "--parallel.num_layer_list", "1,2")),)),
-    # MoE: the aux losses are computed per cp rank on its own tokens (README, context
-    # parallel), so they are off here and the loss is the language-model loss
-    Feature("context-parallel", 2, (CP, "2"), moe_model=("--model.moe_aux_loss_coeff", "0"),
+    # MoE: the aux losses stay on (the routers sum their counts over cp, README)
+    Feature("context-parallel", 2, (CP, "2"),
             moe_tolerance=Tolerance(norm_rtol=3e-5, why="the routers' per-rank token sums "
                                     "reorder more terms (tests/test_context_parallel_training)")),
 ]}

@@ -10,6 +10,10 @@ loss mask) under the policy / the frozen reference, and ``logits = (pi_c - pi_r)
   the reply tokens for ipo (TRL's ``concatenated_forward`` divides by the mask's length when
   ``loss_type == "ipo"``), for the policy and the reference alike.
 
+Under context parallel each rank holds two chunks of every row (split as a training batch):
+the per-row sums add the cp ranks' pieces, the policy's with gradient, before the loss
+(``CPRows`` in ``ms_llm.parallel.context_parallel.sequence_sums``).
+
 Rewards (logged, not differentiated): ``beta * (pi - ref)`` per side; accuracy is the share of
 pairs whose chosen reward exceeds the rejected one, margin the mean difference.
 
@@ -40,11 +44,42 @@ LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
 
 
-def sequence_logps(per_token_nll: Tensor, loss_mask: Tensor, average: bool) -> Tensor:
-    """Rows' reply log-probabilities ``[rows]`` from the model's per-token cross entropy."""
-    logp = -(per_token_nll * loss_mask).sum(-1)
+class WholeRows:
+    """Every row's tokens are on this rank: the model inputs are the rows as they are and a
+    row's sums need no communication. ``ms_llm.parallel.context_parallel.sequence_sums.CPRows``
+    is the context-parallel counterpart (each rank holds pieces of every row)."""
+
+    share = 1.0     # this rank's share of the (replicated) pair losses
+
+    @staticmethod
+    def model_inputs(rows: Dict[str, np.ndarray]) -> Dict[str, object]:
+        return {k: Tensor(v) for k, v in rows.items() if k != "position_ids"}
+
+    @staticmethod
+    def sum_logps(x: Tensor) -> Tensor:
+        return x
+
+    @staticmethod
+    def sum_counts(x: Tensor) -> Tensor:
+        return x
+
+
+def dpo_pieces(context_parallel) -> dict:
+    """``DPOObjective``'s keyword for the run's layout: under context parallel its rows are
+    split over the cp ranks (``CPRows``); otherwise nothing (``WholeRows``)."""
+    if context_parallel is None:
+        return {}
+    from ms_llm.parallel.context_parallel.sequence_sums import CPRows
+    return {"pieces": CPRows(context_parallel)}
+
+
+def sequence_logps(per_token_nll: Tensor, loss_mask: Tensor, average: bool,
+                   pieces=WholeRows) -> Tensor:
+    """Rows' reply log-probabilities ``[rows]`` from the model's per-token cross entropy
+    (``pieces`` adds up the pieces of rows spread over ranks)."""
+    logp = pieces.sum_logps(-(per_token_nll * loss_mask).sum(-1))
     if average:   # ipo (TRL): per-token mean; an empty reply counts as one token
-        logp = logp / mint.clamp(loss_mask.sum(-1), min=1.0)
+        logp = logp / mint.clamp(pieces.sum_counts(loss_mask.sum(-1)), min=1.0)
     return logp
 
 
@@ -101,7 +136,7 @@ class DPOObjective:
     and the reward metrics of the step."""
 
     def __init__(self, cfg, model, params: Sequence, dp_group, moe_aux_scale: Optional[float],
-                 reference: Optional[Callable[[], ContextManager]] = None):
+                 reference: Optional[Callable[[], ContextManager]] = None, pieces=WholeRows):
         self.beta, self.loss_type = float(cfg.beta), cfg.loss_type
         self.label_smoothing = float(cfg.label_smoothing)
         if self.loss_type not in LOSS_TYPES:
@@ -110,36 +145,55 @@ class DPOObjective:
         self.moe_aux_scale = moe_aux_scale
         self.reference = reference or reference_for(model, params)
         self._sums: List[np.ndarray] = []
+        # Under context parallel each rank holds pieces of every row: per-row log-prob sums
+        # are summed over the cp ranks (with gradient) before the loss, which every cp rank
+        # then computes alike and weights by its share.
+        self.pieces = pieces
 
     # ------------------------------------------------------------------ per micro-batch
     @staticmethod
     def pairs(batches: Sequence[dict]) -> int:
         return sum(len(b["chosen_tokens"]) for b in batches)
 
-    def rows(self, b: dict) -> Dict[str, Tensor]:
-        return {k: Tensor(v) for k, v in pair_rows(b).items() if k != "position_ids"}
+    def rows(self, b: dict) -> Dict[str, object]:
+        """The ``2B`` rows as this rank's model inputs (tokens, labels, loss_mask, and under
+        context parallel its pieces' positions and block mask)."""
+        return self.pieces.model_inputs(pair_rows(b))
 
-    def reference_logps(self, rows: Dict[str, Tensor]) -> Tensor:
+    def _nll(self, rows: Dict[str, object]) -> Tensor:
+        return self.model(rows["tokens"], labels=rows["labels"],
+                          attention_mask=rows.get("attention_mask"),
+                          position_ids=rows.get("position_ids"))
+
+    def _logps(self, nll: Tensor, loss_mask: Tensor) -> Tensor:
+        return sequence_logps(nll, loss_mask, self.loss_type == "ipo", self.pieces)
+
+    def reference_logps(self, rows: Dict[str, object]) -> Tensor:
         """Reference log-probs of the ``2B`` rows: no gradient, reference weights."""
         with no_grad(), self.reference():
-            nll = self.model(rows["tokens"], labels=rows["labels"])
-            return F.clone(sequence_logps(nll, rows["loss_mask"], self.loss_type == "ipo"))
+            return F.clone(self._logps(self._nll(rows), rows["loss_mask"]))
 
     def micro_batch_args(self, b: dict, inv_pairs: Tensor) -> tuple:
         rows = self.rows(b)
-        return (rows["tokens"], rows["labels"], rows["loss_mask"],
+        args = (rows["tokens"], rows["labels"], rows["loss_mask"],
                 self.reference_logps(rows), inv_pairs)
+        if "attention_mask" in rows:     # context parallel: the pieces' mask and positions
+            args += (rows["attention_mask"], rows["position_ids"])
+        return args
 
     def loss(self, tokens: Tensor, labels: Tensor, loss_mask: Tensor, ref_logps: Tensor,
-             inv_pairs: Tensor):
+             inv_pairs: Tensor, attention_mask=None, position_ids=None):
         """(sum of the pairs' losses x ``inv_pairs``, policy log-probs): summed over micro-batches
         and data-parallel ranks, the gradients are those of the global batch's mean loss."""
-        nll = self.model(tokens, labels=labels)
-        logps = sequence_logps(nll, loss_mask, self.loss_type == "ipo")
+        nll = self._nll({"tokens": tokens, "labels": labels, "attention_mask": attention_mask,
+                         "position_ids": position_ids})
+        logps = self._logps(nll, loss_mask)
         n = logps.shape[0] // 2
         losses = dpo_loss(logps[:n], logps[n:], ref_logps[:n], ref_logps[n:], self.beta,
                           self.loss_type, self.label_smoothing)
         loss = losses.sum() * inv_pairs
+        if self.pieces.share != 1.0:
+            loss = loss * self.pieces.share
         if self.moe_aux_scale is not None:
             aux = self.model.aux_loss()
             if aux is not None:
@@ -152,8 +206,7 @@ class DPOObjective:
         micro-batch; the caller holds no_grad."""
         rows = self.rows(b)
         ref = self.reference_logps(rows)
-        nll = self.model(rows["tokens"], labels=rows["labels"])
-        pi = sequence_logps(nll, rows["loss_mask"], self.loss_type == "ipo")
+        pi = self._logps(self._nll(rows), rows["loss_mask"])
         n = pi.shape[0] // 2
         losses = dpo_loss(pi[:n], pi[n:], ref[:n], ref[n:], self.beta, self.loss_type,
                           self.label_smoothing)

@@ -8,7 +8,9 @@
   so each evaluation sees new samples; evaluation ``k`` starts at sample
   ``k * eval_iters * global_batch_size``, which is also where a resumed run picks it up.
 * ``eval_loss`` is the token-weighted mean loss over all of an evaluation's micro-batches and
-  data-parallel ranks (Megatron sums the loss and the token count, then divides);
+  data-parallel ranks (Megatron sums the loss and the token count, then divides); under context
+  parallel each batch is split over the cp ranks exactly as in training and both sums also run
+  over cp;
   ``eval_ppl = exp(min(20, eval_loss))`` as Megatron prints it. A DPO run logs the mean DPO loss
   over the pairs and the reward metrics instead (``eval_rewards/accuracy``...).
 """
@@ -54,9 +56,12 @@ class Evaluator:
                            for _ in range(self.iters * tr.accum_steps))
         finally:
             model.set_train(was_training)
-        if tr.dp_group.size > 1:
+        # LM sums are this rank's tokens (under cp its pieces of the sequences): summed over
+        # dp x cp. DPO sums are whole pairs, alike on the cp ranks: summed over dp.
+        group = tr.dp_group if tr.dpo is not None else tr.dp_cp_group
+        if group.size > 1:
             t = Tensor(np.asarray(sums, np.float32))
-            comm.all_reduce(t, group=tr.dp_group)
+            comm.all_reduce(t, group=group)
             sums = t.asnumpy().astype(np.float64)
         self.done += 1
         self.last_step = step
@@ -71,7 +76,7 @@ class Evaluator:
                              attention_mask=mb.get("attention_mask"),
                              position_ids=mb.get("position_ids"))
         loss_sum = float((per_token * mb["loss_mask"]).sum().asnumpy())
-        return np.array([loss_sum, float(b["loss_mask"].sum())])
+        return np.array([loss_sum, float(mb["loss_mask"].sum().asnumpy())])
 
     def _values(self, sums: np.ndarray) -> Dict[str, float]:
         if self.trainer.dpo is not None:

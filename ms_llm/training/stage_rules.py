@@ -24,10 +24,6 @@ def stage_problem(cfg) -> Problem:
             return ("training.stage", "parallel.pipeline_model_parallel_size"), (
                 "training.stage dpo with parallel.pipeline_model_parallel_size > 1 is not built "
                 "yet (data, tensor and fully-sharded data parallel are)")
-        if p.context_parallel_size > 1:
-            return ("training.stage", "parallel.context_parallel_size"), (
-                "training.stage dpo with parallel.context_parallel_size > 1 is not built yet "
-                "(a pair's log-probs would have to be summed over the cp ranks)")
         if m.hidden_dropout > 0 or m.attention_dropout > 0:
             return ("model.hidden_dropout", "model.attention_dropout", "training.stage"), (
                 "training.stage dpo needs model.hidden_dropout and model.attention_dropout 0 "
@@ -45,8 +41,4 @@ def stage_problem(cfg) -> Problem:
         return ("training.eval_interval", "parallel.pipeline_model_parallel_size"), (
             "training.eval_interval with parallel.pipeline_model_parallel_size > 1 is not built "
             "yet (evaluation runs on data, tensor and fully-sharded data parallel layouts)")
-    if t.eval_interval is not None and p.context_parallel_size > 1:
-        return ("training.eval_interval", "parallel.context_parallel_size"), (
-            "training.eval_interval with parallel.context_parallel_size > 1 is not built yet "
-            "(evaluation batches are not split over the cp ranks)")
     return None

@@ -36,7 +36,7 @@ from . import mixed_precision
 from . import checkpointing as ckpt
 from . import faults, resilience, rng_state
 from .data_setup import build_data
-from .dpo import DPOObjective, reference_for
+from .dpo import DPOObjective, dpo_pieces, reference_for
 from .evaluate import Evaluator
 from .lr_schedule import lr_at
 from .metrics import MetricsLogger, current_rss_gb, reset_peak_rss
@@ -132,9 +132,10 @@ class Trainer:
         loss = (per_token * loss_mask).sum() * inv_tokens
         aux = self.model.aux_loss() if self.moe else None
         if aux is not None:
-            # Each rank's MoE auxiliary loss covers its own micro-batch while gradients are
-            # summed over micro-batches and data-parallel ranks: average it accordingly.
-            loss = loss + aux / (self.accum_steps * self.dp_cp_group.size)
+            # Each rank's MoE auxiliary loss covers its own micro-batch (under cp: its share of
+            # it, the shares sum over cp) while gradients are summed over micro-batches and
+            # data-parallel ranks: average it accordingly.
+            loss = loss + aux / (self.accum_steps * self.dp_group.size)
         mtp = self.model.mtp_loss(loss_mask)     # multi-token prediction (ms_llm.models.mtp)
         if mtp is not None:
             loss = loss + mtp[0] * inv_tokens
@@ -148,7 +149,8 @@ class Trainer:
         scale = 1.0 / (self.accum_steps * self.dp_group.size) if self.moe else None
         params = [q for _, q in self.named_params]
         return DPOObjective(self.cfg.dpo, self.model, params, self.dp_group, scale,
-                            reference_for(self.model, params, lora=self.cfg.lora.r > 0))
+                            reference_for(self.model, params, lora=self.cfg.lora.r > 0),
+                            **dpo_pieces(self.context_parallel))
 
     def _step_args(self, b: dict, inv: Tensor) -> tuple:
         """The differentiated loss function's arguments for one loader batch."""
@@ -169,7 +171,9 @@ class Trainer:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         seq = self.cfg.data.seq_length // (self.tp_group.size if p.sequence_parallel else 1)
+        seq //= self.pstate.sizes.cp    # context parallel: each rank's stages carry its chunks
         for chunk in chunks:    # the aux loss weight _loss uses, per micro-batch and replica
+            # (under cp each rank's aux loss is its share of the micro-batch's: over dp only)
             chunk.aux_loss_scale = 1.0 / (self.accum_steps * self.dp_group.size)
         c = self.model.config        # a loaded checkpoint's architecture, not the YAML's
         return PipelineExecutor(chunks, self.pstate, schedule, vpp,

@@ -4,7 +4,9 @@
 argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], where RUN_SPEC is "name:--key=value,--key=value"
 (``@dead`` among them: kill parallel_common.DEAD_EXPERTS before training; ``@packed``: wrap the
 loader in parallel_common.PackedLoader; ``@deepseek``: the DeepSeek-V3 proxy of
-deepseek_parallel_common instead of the tiny config; ``|`` inside a value
+deepseek_parallel_common instead of the tiny config; ``@count_attention``: record in the
+run's ``attention_forwards`` how often this rank ran the context-parallel attention forward,
+to show activation recompute re-runs it; ``|`` inside a value
 stands for a list's comma, e.g. ``--parallel.num_layer_list=1|3``).
 """
 import json
@@ -22,6 +24,16 @@ from deepseek_parallel_common import DS_BASE, DS_CONFIG  # noqa: E402
 from parallel_common import BASE, CONFIG, PackedLoader, kill_experts, run_record  # noqa: E402
 
 info = init_distributed()
+ATTENTION_FORWARDS = [0]
+if any("@count_attention" in spec for spec in sys.argv[2:]):
+    # test-only counter around the ring attention forward (every cp algorithm runs it)
+    from ms_llm.parallel.context_parallel import ring
+    _ring_forward = ring._RingAttention.forward
+
+    def _counted(ctx, *a):
+        ATTENTION_FORWARDS[0] += 1
+        return _ring_forward(ctx, *a)
+    ring._RingAttention.forward = staticmethod(_counted)
 results = {}
 for spec in sys.argv[2:]:
     name, _, extra = spec.partition(":")
@@ -33,7 +45,10 @@ for spec in sys.argv[2:]:
         kill_experts(trainer)
     if "@packed" in args:
         trainer.data.loader = PackedLoader(trainer.data.loader)
+    ATTENTION_FORWARDS[0] = 0
     results[name] = run_record(trainer)
+    if "@count_attention" in args:
+        results[name]["attention_forwards"] = ATTENTION_FORWARDS[0]
     print(f"RUN {name} DONE", flush=True)
 if info.rank == 0:
     with open(sys.argv[1], "w") as f:

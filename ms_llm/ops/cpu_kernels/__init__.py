@@ -15,7 +15,7 @@ OpenBLAS-backed matmuls live in a separate library that needs the ``scipy-openbl
         s = ck.bmm(q, k, transpose_b=True)
 """
 
-from .blas import bmm, blas_threads, linear, set_blas_threads
+from .blas import bmm, blas_threads, causal_attention, linear, set_blas_threads
 from .build import available, blas_available, blas_library_path, blas_reason, library_path, reason
 from .functional import causal_softmax, cross_entropy, rms_norm, rope, swiglu
 
@@ -35,4 +35,5 @@ __all__ = [
     "set_blas_threads",
     "linear",
     "bmm",
+    "causal_attention",
 ]

@@ -30,6 +30,7 @@ from mindspore import mint, ops
 from mindspore.ops import constexpr
 
 from .build import blas_available, blas_library_path
+from .functional import causal_softmax
 
 logger = logging.getLogger("ms_llm.ops.cpu_kernels")
 
@@ -143,6 +144,19 @@ def _make_prims():
 
     for ta, tb in _TRANS:
         prims[f"bmm{int(ta)}{int(tb)}"] = custom("BmmFwd", _bmm_shape(ta, tb), lambda a, b, ta_, tb_: a, bmm_bprop)
+
+    # --- causal attention (blas_attention.cpp): (q [.., R*S, D], k, v [.., S, D], scale)
+    #     -> (o, probs [.., R*S, S]) ; bwd (q, k, v, probs, do, scale) -> (dq, dk, dv)
+    attn_bwd = custom("CausalAttnBwd", lambda q, k, v, p, do, sc: (q, k, v),
+                      lambda q, k, v, p, do, sc: (q, k, v))
+
+    def attn_bprop(q, k, v, scale, out, dout):
+        dq, dk, dv = attn_bwd(q, k, v, out[1], dout[0], scale)
+        return dq, dk, dv, _scalar_grad(scale)
+
+    prims["causal_attention"] = custom(
+        "CausalAttnFwd", lambda q, k, v, sc: (q, list(q[:-1]) + [k[-2]]),
+        lambda q, k, v, sc: (q, q), attn_bprop)
     return prims
 
 
@@ -214,3 +228,17 @@ def bmm(a, b, transpose_a=False, transpose_b=False):
         return prim(a, b, int(bool(transpose_a)), int(bool(transpose_b)))
     c = prim(_f32(a), _f32(b), int(bool(transpose_a)), int(bool(transpose_b)))
     return c if dt == ms.float32 else c.astype(dt)
+
+
+def causal_attention(q, k, v, scale: float):
+    """Causal softmax attention in the grouped layout: q [..., R*S, D] (rows ``h*S + i``: the R query
+    heads of one KV group), k, v [..., S, D], fp32 -> [..., R*S, D]. Query blocks skip the keys the
+    causal mask hides, in forward and backward (``blas_attention.cpp``); grads for q, k and v.
+    Without BLAS: the full product, masked by the (AOT or composed) causal softmax."""
+    if not _blas_enabled():
+        r = q.shape[-2] // k.shape[-2]
+        lead, s = tuple(q.shape[:-2]), k.shape[-2]
+        scores = mint.matmul(q, k.swapaxes(-1, -2)).reshape(lead + (r, s, s))
+        probs = causal_softmax(scores, scale).reshape(lead + (r * s, s))
+        return mint.matmul(probs, v)
+    return _prim("causal_attention")(q, k, v, float(scale))[0]

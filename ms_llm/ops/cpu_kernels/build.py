@@ -63,8 +63,10 @@ def sources() -> list[Path]:
 
 
 def blas_sources() -> list[Path]:
-    """The C++ sources of the BLAS library (``blas_*.cpp`` / ``blas_*.h``)."""
-    return sorted(p for p in list(_SRC_DIR.glob("blas_*.cpp")) + list(_SRC_DIR.glob("blas_*.h")))
+    """The C++ sources of the BLAS library (``blas_*.cpp`` / ``blas_*.h``, and the shared
+    ``cpu_math.h``)."""
+    return sorted(p for p in list(_SRC_DIR.glob("blas_*.cpp")) + list(_SRC_DIR.glob("blas_*.h"))
+                  + [_SRC_DIR / "cpu_math.h"])
 
 
 def _compiler() -> str | None:
@@ -285,8 +287,9 @@ def openblas_info() -> dict:
 def _blas_flag_sets():
     ob = openblas_info()
     libs = [f"-L{ob['lib_dir']}", f"-l{ob['library']}", f"-Wl,-rpath,{ob['lib_dir']}"]
-    # BLAS kernels use no OpenMP threads of their own (OpenBLAS has its own pool): -fopenmp-simd only.
-    return [(_BASE_FLAGS + ["-fopenmp-simd", f"-I{ob['include_dir']}"], libs, "")]
+    # BLAS kernels use no OpenMP threads of their own (OpenBLAS has its own pool): -fopenmp-simd only;
+    # -pthread for the attention kernel's std::threads (blas_attention.cpp).
+    return [(_BASE_FLAGS + ["-fopenmp-simd", "-pthread", f"-I{ob['include_dir']}"], libs, "")]
 
 
 def _blas_key_extra():

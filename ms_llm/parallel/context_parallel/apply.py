@@ -1,11 +1,17 @@
 """Context parallel applied from outside the model: the attention swap and the batch split.
 
 ``apply_context_parallel`` replaces every layer's ``core_attention`` (the model's own
-parameter-free module) by ``ContextParallelAttention``; the trainer gives the model this rank's
+parameter-free module) by ``ContextParallelAttention`` and gives every MoE router the cp
+partition of its tokens (``sequence_sums``); the trainer gives the model this rank's
 part of each micro-batch (``ContextParallel.micro_batch``): tokens, labels and loss mask of
 its two chunks, the global RoPE positions of those tokens, and, in place of the attention mask
 tensor, a ``CPBatch`` carrying the block plan of the whole sequence (its packed-document mask),
 which the swapped attention reads. The model code does not change.
+
+Pipeline parallel: every stage's micro-batch is split the same way (the executor hands each
+stage the same dict: positions and the ``CPBatch`` on every stage, labels and loss mask on the
+last), and the pipeline group of a rank holds the same cp rank on every stage, so activations
+of ``seq / cp`` tokens travel between matching chunk owners.
 
 Groups: the cp group in cp-rank order is cut into Ulysses groups of ``ulysses_degree``
 consecutive cp ranks; the ring runs over the ranks at the same place of every Ulysses group
@@ -22,6 +28,7 @@ from ms_llm.compat import nn
 from .. import comm
 from .layout import ChunkMask, local_token_index, rank_chunks, split_sequence
 from .ring import RingExchange, RingPlan, ring_attention
+from .sequence_sums import install_router_partition
 from .ulysses import check_heads, heads_to_seq, replicate_kv, seq_to_heads
 
 ALGOS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo")
@@ -60,6 +67,7 @@ class ContextParallel:
     def __init__(self, pstate, algo: str, degree_in_cp: Optional[int], seq_length: int):
         cp_group = pstate.group("cp")
         self.cp, self.cp_rank = cp_group.size, cp_group.rank
+        self.group = cp_group
         self.seq_length = seq_length
         local_token_index(seq_length, self.cp, 0)       # divisibility, one-line error
         self.u = ulysses_degree(self.cp, algo, degree_in_cp)
@@ -134,4 +142,6 @@ def apply_context_parallel(model, cfg, pstate) -> Optional[ContextParallel]:
                     "parallel.context_parallel_algo: ")
     for layer in model.decoder.layers:
         layer.self_attention.core_attention = ContextParallelAttention(cp)
+    # the routers' balancing losses pool their counts over the sequences' pieces
+    install_router_partition(model, pstate.group("cp"))
     return cp

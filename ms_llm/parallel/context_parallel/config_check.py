@@ -38,9 +38,3 @@ def check_context_parallel(cfg, fail: Callable) -> None:
         except ValueError as e:
             fail(cfg, algo_keys + ("model.num_attention_heads", "model.num_query_groups"),
                  f"parallel.context_parallel_algo {p.context_parallel_algo}: {e}")
-    if p.pipeline_model_parallel_size > 1:
-        fail(cfg, (_CP, "parallel.pipeline_model_parallel_size"),
-             f"{_CP} > 1 with pipeline_model_parallel_size > 1 is not built yet")
-    if cfg.training.recompute_granularity or cfg.training.recompute_norm:
-        fail(cfg, (_CP, "training.recompute_granularity", "training.recompute_norm"),
-             f"{_CP} > 1 with activation recompute is not built yet")
