@@ -46,9 +46,12 @@ ACT = {
     "hidden": 4.0,       # [T, h]: norm inputs/outputs, residual branches, attention/MLP outputs
     "qkv": 1.5,          # [T, (nh + 2 ng) d / tp]: fused QKV output, q/k before and after RoPE
     "ffn": 1.5,          # [T, F / tp]: fc1 output ([gate; up] = 2 F) and the SwiGLU output
-    "scores": 2.5,       # [b, nh / tp, s, s]: attention scores and probabilities, kept
-    "scores_backward": 3.5,   # the same shape, transient while one layer's backward runs
-    "scores_backward_full": 2.0,  # the same, for a layer re-run by full recompute
+    # [b, nh / tp, s, s] terms, with the BLAS causal attention kernel (ms_llm.ops.cpu_kernels:
+    # its probabilities kept for the backward); refitted on the 55M model at seq 2048 (none /
+    # selective / full recompute: 3.42 / 2.24 / 1.75 GB measured)
+    "scores": 1.4,       # kept through forward
+    "scores_backward": 4.6,   # transient while one layer's backward runs
+    "scores_backward_full": 3.1,  # the same, for a layer re-run by full recompute
     "logits": 2.0,       # [T, V]: fp32 logits and log-softmax (one fused cross entropy)
     "logits_tp": 6.0,    # [T, V / tp]: vocab-parallel cross entropy (shifted, exp, gathers...)
     "moe_routed": 6.0,   # [T * topk, h]: permuted tokens, per-expert pieces, outputs back

@@ -36,7 +36,7 @@ from ms_llm.training.trainer import Trainer  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MADV_POPULATE_READ = 22        # Linux >= 5.14
-CONCURRENT = 2
+CONCURRENT = int(os.environ.get("MS_LLM_MEASURE_CONCURRENT", "2"))
 
 
 def resident_file_runs():
