@@ -46,12 +46,15 @@ ACT = {
     "hidden": 4.0,       # [T, h]: norm inputs/outputs, residual branches, attention/MLP outputs
     "qkv": 1.5,          # [T, (nh + 2 ng) d / tp]: fused QKV output, q/k before and after RoPE
     "ffn": 1.5,          # [T, F / tp]: fc1 output ([gate; up] = 2 F) and the SwiGLU output
-    # [b, nh / tp, s, s] terms, with the BLAS causal attention kernel (ms_llm.ops.cpu_kernels:
-    # its probabilities kept for the backward); refitted on the 55M model at seq 2048 (none /
-    # selective / full recompute: 3.42 / 2.24 / 1.75 GB measured)
-    "scores": 1.4,       # kept through forward
-    "scores_backward": 4.6,   # transient while one layer's backward runs
-    "scores_backward_full": 3.1,  # the same, for a layer re-run by full recompute
+    # [s, s] terms of the BLAS causal attention kernel (ms_llm.ops.cpu_kernels): fitted on the
+    # 55M model at seq 2048, micro-batch 1 (none / selective / full recompute: 3.40 / 2.21 /
+    # 1.72 GB measured) and the tiny model at seq 512, micro-batch 2 (none / selective)
+    "scores": 1.4,       # [b, nh / tp, s, s]: kept through forward (its probabilities)
+    "scores_backward": 4.5,   # [nh / tp, s, s] (one sequence: the kernel's backward works a
+                              # sequence at a time), transient while one layer's backward runs
+    "scores_backward_full": 1.5,  # the same, for a layer re-run by full recompute: a compromise
+    # between the 55M run (2.7 fits it; 1.5 plans 0.91 of its peak) and the tiny model's block
+    # recompute (1.15 of its peak): the re-run layer is not modelled more closely than that
     "logits": 2.0,       # [T, V]: fp32 logits and log-softmax (one fused cross entropy)
     "logits_tp": 6.0,    # [T, V / tp]: vocab-parallel cross entropy (shifted, exp, gathers...)
     "moe_routed": 6.0,   # [T * topk, h]: permuted tokens, per-expert pieces, outputs back
@@ -206,8 +209,8 @@ def _layer_activation_bytes(c: TransformerConfig, b: int, s: int, tp: int, sp: b
         scores, transient = _cp_attention_bytes(c, b, full_s, tp, cp, u)
         rerun_transient = transient
     else:
-        one_scores = FP32 * b * nh * s * s
-        scores = ACT["scores"] * one_scores
+        one_scores = FP32 * nh * s * s          # one sequence's
+        scores = ACT["scores"] * b * one_scores
         transient = ACT["scores_backward"] * one_scores    # every layer's backward makes these
         # the re-run layer's own backward makes fewer transient copies than a layer whose
         # forward ran long before (measured)

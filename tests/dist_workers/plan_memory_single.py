@@ -6,7 +6,8 @@ argv: OUT_JSON SPEC_JSON, where SPEC_JSON maps a name to ``[config, [--section.k
 
 Why a fork server: MindSpore's CPU memory pool never returns memory, so each measured training
 needs a process of its own; importing MindSpore and ms-llm costs most of a short run, so this
-process imports once and forks one child per training (two at a time: the machine's two cores).
+process imports once and forks one child per training (two at a time: the machine's two cores;
+``MS_LLM_MEASURE_CONCURRENT`` changes it).
 
 Honest measurement in a forked child: ``fork`` copies the page tables of anonymous memory, but
 not those of file-backed pages (shared libraries, the Python code): the child would fault those
@@ -31,7 +32,6 @@ from ms_llm.compat import setup_device
 setup_device("CPU")
 from ms_llm.config import load_config  # noqa: E402
 from ms_llm.training.memory_plan import plan_memory  # noqa: E402
-from ms_llm.training.metrics import peak_rss_gb  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -68,8 +68,9 @@ def populate(runs) -> None:
 def measure(name: str, config: str, extra, out_dir: str) -> dict:
     cfg = load_config(config, list(extra) + ["--training.output_dir", out_dir])
     trainer = Trainer(cfg)
-    trainer.fit()
-    measured = peak_rss_gb() - trainer.rss_before_model_gb
+    records = trainer.fit()
+    # the high-water mark as each step logged it: training's, not the loss plot's drawn after
+    measured = max(r["peak_rss_gb"] for r in records) - trainer.rss_before_model_gb
     # planned after training, so the planner's own allocations cannot add to the peak
     plan = plan_memory(load_config(config, list(extra)), 1, model_config=trainer.cfg.model)
     return {"measured_gb": measured, "planned_gb": plan.peak_gb,
