@@ -47,6 +47,9 @@ def plan_state(sizes: ParallelSizes, rank: int) -> ParallelState:
     st = ParallelState(sizes, rank=rank)
     for dim in ParallelState.GROUP_DIMS:
         st.groups[dim] = PlanGroup(tuple(st.ranks_along(dim)), None, me=rank)
+    # steps that would open communicators and hold no parameters (context parallel's attention
+    # swap, which makes its ring and Ulysses groups) are skipped for this state
+    st.plan_only = True
     return st
 
 
