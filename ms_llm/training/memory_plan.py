@@ -381,8 +381,6 @@ def check_layout(cfg, nproc: int) -> None:
     if t.global_batch_size % mb_total:
         raise ValueError(f"training.global_batch_size ({t.global_batch_size}) must be a multiple "
                          f"of micro_batch_size x data-parallel size ({mb_total})")
-    if p.fsdp_size > 1 and (t.recompute_granularity or t.recompute_norm):
-        raise ValueError("training.recompute_* with parallel.fsdp_size > 1 is not built yet")
 
 
 def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,

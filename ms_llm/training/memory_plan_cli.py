@@ -32,15 +32,13 @@ def _candidates(cfg, nproc: int, distopt: bool) -> List[Tuple[str, dict, bool]]:
     t, p = cfg.training, cfg.parallel
     out = []
     fsdp_on = p.fsdp_size > 1
-    if not fsdp_on:
-        if t.recompute_granularity is None:
-            out.append(("selective recompute", {"training.recompute_granularity": "selective"},
-                        distopt))
-        if t.recompute_granularity != "full":
-            out.append(("full recompute", {"training.recompute_granularity": "full",
-                                           "training.recompute_method": "uniform"}, distopt))
-    base_rc = {} if fsdp_on else {"training.recompute_granularity": "full",
-                                  "training.recompute_method": "uniform"}
+    if t.recompute_granularity is None:
+        out.append(("selective recompute", {"training.recompute_granularity": "selective"},
+                    distopt))
+    if t.recompute_granularity != "full":
+        out.append(("full recompute", {"training.recompute_granularity": "full",
+                                       "training.recompute_method": "uniform"}, distopt))
+    base_rc = {"training.recompute_granularity": "full", "training.recompute_method": "uniform"}
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
         p.context_parallel_size
     dp = nproc // (tp * pp * cp)
@@ -49,11 +47,10 @@ def _candidates(cfg, nproc: int, distopt: bool) -> List[Tuple[str, dict, bool]]:
         out.append(("distributed optimizer", {}, True))
         out.append(("distributed optimizer + full recompute", dict(base_rc), True))
     if not fsdp_on and replicas > 1:
-        out.append(("FSDP over the data-parallel group", {"parallel.fsdp_size": replicas,
-                                                          "training.recompute_granularity": None,
-                                                          "training.recompute_method": None,
-                                                          "training.recompute_norm": False},
+        out.append(("FSDP over the data-parallel group", {"parallel.fsdp_size": replicas},
                     False))
+        out.append(("FSDP over the data-parallel group + full recompute",
+                    {"parallel.fsdp_size": replicas, **base_rc}, False))
     for new_tp in (2 * tp, 4 * tp, 8 * tp):
         if nproc % (new_tp * pp * cp) == 0 and new_tp <= 8:
             out.append((f"tensor parallel {new_tp} (+ sequence parallel, full recompute)",
