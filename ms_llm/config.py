@@ -87,7 +87,7 @@ class ParallelConfig:
     context_parallel_algo: str = "megatron_cp_algo"   # megatron_cp_algo (ring) | ulysses_cp_algo | hybrid_cp_algo
     ulysses_degree_in_cp: Optional[int] = None        # hybrid_cp_algo: Ulysses group size inside cp
     expert_model_parallel_size: int = 1
-    fsdp_size: int = 1
+    fsdp_size: int = 1                # FSDP group = data x context parallel (Megatron's dp-cp)
     sequence_parallel: bool = False
     ddp_bucket_mb: float = 25.0       # data-parallel gradient bucket size
     ddp_overlap: bool = True          # start bucket all-reduces during backward (PyNative)
@@ -99,6 +99,7 @@ class ParallelConfig:
     fsdp_param_dtype: Optional[str] = None   # MixedPrecisionPolicy: dtype of gathered weights
     fsdp_reduce_dtype: Optional[str] = None  # and of the gradient reduce-scatter (None = fp32)
     # Megatron's --use-distributed-optimizer: AdamW moments and fp32 main params sharded over dp
+    # (x cp under context parallel)
     use_distributed_optimizer: bool = False
     grad_reduce_in_fp32: bool = True  # training.bf16: sum and reduce gradients in fp32 (false: bf16)
 
@@ -383,10 +384,6 @@ def _check_parallel(cfg: RunConfig) -> None:
         _fail(cfg, ("parallel.use_distributed_optimizer", "parallel.fsdp_size"),
               "parallel.use_distributed_optimizer with parallel.fsdp_size > 1: FSDP already "
               "shards the optimizer state; use one of them")
-    if p.use_distributed_optimizer and p.context_parallel_size > 1:
-        _fail(cfg, ("parallel.use_distributed_optimizer", "parallel.context_parallel_size"),
-              "parallel.use_distributed_optimizer with parallel.context_parallel_size > 1 is not "
-              "built yet (its shards are reduced over dp only, cp replicas would be missed)")
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         _fail(cfg, ("parallel.sequence_parallel",),
               "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1")

@@ -2,12 +2,14 @@
 
 One 4-worker job trains every configuration for 5 AdamW steps (fp32): ring attention over
 cp=4 and cp=2 (x dp=2), Ulysses cp=2 and cp=4 (2 KV heads replicated), hybrid cp=4 (Ulysses
-2 x ring 2), cp=2 x tp=2 with sequence parallel, cp=2 x FSDP 2, cp=2 with packed documents
-crossing the chunk boundaries, and cp=2 on the MoE model with expert parallel 2 (load-balancing
-aux loss and z-loss on, an evaluation at the end: the routers pool their counts over cp, eval
-batches split like training ones), cp=2 x dp=2 with DeepSeek's sequence-wise aux loss. A cp=2
-run saves at step 3 and the test resumes it in one process (cp=1), so checkpoints do not depend
-on cp.
+2 x ring 2), cp=2 x tp=2 with sequence parallel, cp=2 x FSDP 4 (dp x cp), cp=2 with packed
+documents crossing the chunk boundaries, and cp=2 on the MoE model with expert parallel 2
+(load-balancing aux loss and z-loss on, an evaluation at the end: the routers pool their counts
+over cp, eval batches split like training ones), cp=2 x dp=2 with DeepSeek's sequence-wise aux
+loss. A cp=2 run saves at step 3 and the test resumes it in one process (cp=1), so checkpoints do
+not depend on cp. FSDP (3 steps, saved and resumed in one process) and the distributed optimizer
+at dp2 x cp2 shard over the dp x cp group: their per-rank optimizer state is a quarter of the
+one-process state.
 
 Tolerance: rtol 1e-5 on loss and gradient norm (MoE gradient norm: 3e-5, see below). The ranks sum the same terms in another order
 (blockwise online softmax, all-reduces over dp x cp), which differs from one process by fp32
@@ -50,6 +52,7 @@ EVAL = ["--data.split", "90,10,0", "--training.eval_interval", "5", "--training.
 # short: 2 steps of one micro-batch per rank (cp2 x dp2), two in one process
 SHORT = ["--training.max_steps", "2", "--training.global_batch_size", "4"]
 SAVE_AT_3 = ["--training.max_steps", "3", "--training.lr_decay_steps", "5"]
+FSDP4 = ["--parallel.fsdp_size", "4"]
 
 
 def cp(n, algo="megatron_cp_algo"):
@@ -100,6 +103,7 @@ def check_pipeline_and_recompute(runs, ref, tmp_path):
 @pytest.mark.msrun
 def test_context_parallel_matches_single_process(tmp_path):
     ck = str(tmp_path / "ckpt")
+    ck_fsdp = str(tmp_path / "ckpt_fsdp")
     # every run writes under this test's own folder (BASE's /tmp folder is shared by sessions)
     five = FIVE + ["--training.output_dir", str(tmp_path / "runs")]
     runs = run_worker_job("train_parallel.py", tmp_path, 4, [
@@ -120,7 +124,9 @@ def test_context_parallel_matches_single_process(tmp_path):
                                                            "2"]),
         spec("cp2_tp2_sp", five, cp(2), ["--parallel.tensor_model_parallel_size", "2",
                                          "--parallel.sequence_parallel", "true"]),
-        spec("cp2_fsdp2", five, cp(2), ["--parallel.fsdp_size", "2"]),
+        # dp2 x cp2, FSDP over the dp x cp group (fsdp_size = dp x cp = 4); saves at step 3
+        spec("cp2_fsdp2", five, cp(2), FSDP4, SAVE_AT_3, ["--checkpoint.save_dir", ck_fsdp]),
+        spec("cp2_distopt", five, cp(2), ["--parallel.use_distributed_optimizer", "true"]),
         spec("cp2_packed", five, cp(2), PACKED, flags=["@packed"]),
         spec("cp2_moe_ep2", five, cp(2), MOE, EVAL,
              ["--parallel.expert_model_parallel_size", "2"]),
@@ -130,8 +136,9 @@ def test_context_parallel_matches_single_process(tmp_path):
     ref = single([], tmp_path / "ref")
     check_pipeline_and_recompute(runs, ref, tmp_path)
     for name in ("ring_cp4", "ring_cp2_dp2", "ulysses_cp2", "ulysses_cp4_gqa", "hybrid_cp4",
-                 "cp2_tp2_sp", "cp2_fsdp2"):
+                 "cp2_tp2_sp", "cp2_distopt"):
         assert_matches(runs[name], ref, name)
+    check_dp_cp_sharding(runs, ref, ck_fsdp, tmp_path)
     assert_matches(runs["cp2_packed"], single(PACKED, tmp_path / "ref_packed", packed=True),
                    "cp2_packed")
     # MoE gradient norms: 3e-5. The loss stays within 1e-5 (measured 1.2e-7), but the expert
@@ -155,5 +162,22 @@ def test_context_parallel_matches_single_process(tmp_path):
     resumed = run_record(Trainer(load_config(CONFIG, BASE + FIVE + [
         "--training.output_dir", str(tmp_path / "resumed"), "--checkpoint.save_dir", ck,
         "--training.resume", "auto"])))
+    np.testing.assert_allclose(resumed["loss"], ref["loss"][3:], rtol=RTOL)
+    np.testing.assert_allclose(resumed["grad_norm"], ref["grad_norm"][3:], rtol=RTOL)
+
+
+def check_dp_cp_sharding(runs, ref, ck_fsdp, tmp_path):
+    """FSDP and the distributed optimizer under dp2 x cp2 shard over the dp x cp group (4
+    ranks): every rank's optimizer state (AdamW moments of the FSDP shards; moments + fp32 main
+    shards of the distributed optimizer) is the one-process state / 4. The tiny model's dim-0
+    sizes all divide by 4, so there is no padding (the uneven rule is FSDP's, tested in
+    tests/test_fsdp.py). The cp2 x FSDP checkpoint (step 3) resumes in one process."""
+    moments = ref["optimizer_bytes"][0]           # one process: AdamW's exp_avg + exp_avg_sq
+    assert runs["cp2_fsdp2"]["optimizer_bytes"] == [moments // 4] * 4
+    assert runs["cp2_distopt"]["optimizer_bytes"] == [moments * 3 // 2 // 4] * 4   # + mains
+    assert_matches(runs["cp2_fsdp2"], ref, "cp2_fsdp2", steps=3)
+    resumed = run_record(Trainer(load_config(CONFIG, BASE + FIVE + [
+        "--training.output_dir", str(tmp_path / "resumed_fsdp"), "--checkpoint.save_dir",
+        ck_fsdp, "--training.resume", "auto"])))
     np.testing.assert_allclose(resumed["loss"], ref["loss"][3:], rtol=RTOL)
     np.testing.assert_allclose(resumed["grad_norm"], ref["grad_norm"][3:], rtol=RTOL)

@@ -6,9 +6,9 @@ and the fsdp=3 run also keeps the gathered weights (reshard_after_forward=false)
 1e-5 (fp32; reduce-scatter and the split gradient norm sum in another order).
 
 The same msrun jobs also run TP x FSDP (4 workers), the bf16 reduce MixedPrecisionPolicy (model
-level and one unit against a bf16 NumPy reference) and FSDP + MXFP8; single-process tests check
-the flat buffer layout against NumPy and the storage-freeing reshard against the unsharded
-model."""
+level and one unit against a bf16 NumPy reference), FSDP + MXFP8 and FSDP + full recompute;
+single-process tests check the flat buffer layout against NumPy and the storage-freeing reshard
+against the unsharded model."""
 import json
 
 import numpy as np
@@ -82,6 +82,8 @@ def job_specs(nproc: int, ckpt_dir: str) -> list:
         specs.append(f"bf16_reduce:{common},--parallel.fsdp_reduce_dtype=bf16")
         specs.append(f"bf16_param:{common},--parallel.fsdp_param_dtype=bf16")
         specs.append(f"mxfp8:{common}," + ",".join(f"{a}={b}" for a, b in zip(MX[::2], MX[1::2])))
+        specs.append(f"recompute2:{common},--training.recompute_granularity=full,"
+                     f"--training.recompute_method=uniform")
     if nproc == 4:   # tensor parallel 2 x FSDP 2: global batch 12 = 6 x 2 data-parallel ranks
         specs.append("tp2_fsdp2:--parallel.tensor_model_parallel_size=2,--parallel.fsdp_size=2,"
                      "--training.micro_batch_size=6," + "=".join(V258))
@@ -117,6 +119,11 @@ def test_fsdp_matches_single_process(request, tmp_path, reference, reference6, r
         check_bf16_reduce(res.pop("bf16_reduce"), res["fsdp2"])
         check_bf16_param(res.pop("bf16_param"), res["fsdp2"])
         check_mxfp8(res.pop("mxfp8"), reference_mx)
+        # full recompute of the FSDP units re-runs the same kernels on the same gathered
+        # weights: equal to fsdp=2 without recompute (rtol 1e-6), and (below) to one process
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose(res["recompute2"][key], res["fsdp2"][key], rtol=1e-6,
+                                       err_msg=f"recompute2 {key}")
     if nproc == 4:
         assert_matches(res.pop("tp2_fsdp2"), reference_v258, "tp2_fsdp2")
     for name, run in res.items():

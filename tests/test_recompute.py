@@ -64,8 +64,8 @@ def test_moe_recompute_same_curve_and_counts_once(tmp_path):
 
 
 def test_recompute_config_errors(tmp_path):
-    cases = [(FULL + ["--training.recompute_method", "block"], "recompute_num_layers"),
-             (FULL + ["--parallel.fsdp_size", "2"], "fsdp_size")]
+    # (recompute with FSDP is built: tests/test_fsdp_recompute.py, tests/test_fsdp.py)
+    cases = [(FULL + ["--training.recompute_method", "block"], "recompute_num_layers")]
     for extra, msg in cases:
         with pytest.raises((ConfigError, ValueError), match=msg):
             cfg = load_config(CONFIG, BASE + ["--training.jit", "false"] + extra)
@@ -75,3 +75,42 @@ def test_recompute_config_errors(tmp_path):
                 ParallelSizes(world=1), rank=0).build_groups())
     with pytest.raises(ConfigError, match="training.recompute_granularity must be null or one of full, selective"):
         load_config(CONFIG, BASE + ["--training.recompute_granularity", "some"])
+
+
+def test_full_recompute_keeps_the_moe_aux_loss_gradient():
+    """With an auxiliary (and z-) loss the router is left out of the recomputed parts: every
+    gradient, the routers' included, equals the run without recompute (rtol 1e-6: the same
+    kernels on the same inputs). Recomputing the whole layer lost the aux loss's gradient
+    (PyNative's recompute runs the first forward without gradient)."""
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                            num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                            padded_vocab_size=97, mlp_type="moe", num_moe_experts=4,
+                            moe_router_topk=2, moe_ffn_hidden_size=32,
+                            moe_aux_loss_coeff=0.5, moe_z_loss_coeff=0.1,
+                            moe_shared_expert_intermediate_size=32)
+    ids = Tensor(np.arange(24).reshape(2, 12).astype(np.int32) % 97)
+
+    weights = {n: p.asnumpy().copy() for n, p in GPTModel(cfg).parameters_and_names()}
+
+    def grads(recompute):
+        model = GPTModel(cfg)
+        for n, p in model.parameters_and_names():
+            p.set_data(Tensor(weights[n]))
+        model.set_train(True)
+        if recompute:
+            names = apply_recompute([model], "full", "uniform")
+            assert "decoder.layers.0.mlp.experts" in names and \
+                not any(n.endswith("router") or n == "decoder.layers.0" for n in names)
+        params = model.trainable_params()
+
+        def loss_fn(t):
+            return model(t, labels=t).sum() + model.aux_loss()
+
+        _, g = ms.value_and_grad(loss_fn, None, params)(ids)
+        return {p.name: x.asnumpy() for p, x in zip(params, g)}
+
+    plain, recomputed = grads(False), grads(True)
+    assert any("router" in n for n in plain)
+    for name, g in plain.items():
+        assert np.abs(g).max() > 0 or "expert_bias" in name, name
+        np.testing.assert_allclose(recomputed[name], g, rtol=1e-6, atol=1e-9, err_msg=name)

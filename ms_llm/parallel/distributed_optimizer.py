@@ -5,7 +5,8 @@ The model keeps its full parameters (forward and backward are those of plain dat
 the AdamW moments and the fp32 main parameters exist only as this rank's shard: each parameter's
 dim 0 is cut with the chunk rule (``placement.RowShard``, the rule FSDP uses, uneven sizes
 included: 5 rows on 4 ranks hold 2, 2, 1, 0) over the group its gradient is summed over -- the
-data-parallel group, or the expert-data-parallel group for expert parameters. A step is
+data-parallel group, or the expert-data-parallel group for expert parameters (with context
+parallel: those groups x cp, Megatron's dp-cp groups, whose cp ranks are replicas too). A step is
 
 1. gradients reduce-scattered into the shard (``fsdp.flat.FlatLayout``: one flat buffer per
    bucket of parameters, one ``reduce_scatter_tensor`` per bucket -- on CPU the comm package's
@@ -52,7 +53,7 @@ def row_shape(shape: Sequence[int], pl: Placement, dim: str) -> tuple:
     """The shape whose dim 0 the optimizer cuts: the tensor's own, or for grouped expert
     weights cut over ``edp`` the rows of their stored view (what ``checkpoint_regions`` cuts for
     a non-``dp`` mesh dim)."""
-    if pl.layout == "row_blocks" and dim != "dp":
+    if pl.layout == "row_blocks" and dim not in ("dp", "dp_cp"):
         return (int(np.prod(shape)) // pl.row_width, pl.row_width)
     if not shape:
         raise ValueError("distributed optimizer: a 0-dim parameter cannot be cut along dim 0")
@@ -168,6 +169,10 @@ class DistributedOptimizer(WrapsAdamW):
             if d is None:
                 raise ValueError(f"parallel.use_distributed_optimizer: parameter {n} is already "
                                  f"sharded over data parallel (FSDP); use one of them")
+        # Under context parallel the cp ranks are replicas too: cut over (e)dp x cp, Megatron's
+        # data-parallel-with-context-parallel group (the gradient's whole replica group).
+        if pstate.sizes.cp > 1:
+            self.dims = [d + "_cp" for d in self.dims]
         self.groups = {d: pstate.group(d) for d in set(self.dims)}
         self.mains: List[Optional[Parameter]] = []
         self._rows: List[tuple] = []
@@ -180,7 +185,7 @@ class DistributedOptimizer(WrapsAdamW):
         self._slot = {id(p): i for i, p in enumerate(self.params)}
         self._model_slot = {id(p): i for i, p in enumerate(self.model_params)}
         parts = []
-        for d in ("dp", "edp"):
+        for d in ("dp", "edp", "dp_cp", "edp_cp"):
             idx = [i for i, x in enumerate(self.dims) if x == d]
             if idx:
                 parts.append((idx, [self.model_params[i] for i in idx], self.groups[d], True))

@@ -9,9 +9,9 @@ Every rank builds the same full model (same seed); ``parallelize_model`` then ap
    reuse the Parameters);
 3. tensor (+ sequence) parallel; 4. expert parallel and the token dispatcher; 5. noop layers
    and pipeline stages: this rank's model chunks (layers under their global index);
-6. activation recompute; 7. FSDP; 8. gradient synchronisation: each trainable parameter's
-   gradient is summed over the mesh dim its ``Placement`` names (data parallel, expert-data
-   parallel, or none after FSDP).
+6. activation recompute (under FSDP with the weights as explicit inputs: ``fsdp.recompute``);
+7. FSDP; 8. gradient synchronisation: each trainable parameter's gradient is summed over the
+   mesh dim its ``Placement`` names (data parallel, expert-data parallel, or none after FSDP).
 
 A new capability (pipeline or context parallel, recompute, LoRA) is one more step here that adds
 mesh dims or global indices to the records; the trainer only calls this function.
@@ -28,9 +28,11 @@ from ms_llm.models.moe import SharedExpertMLP, moe_layers
 from ms_llm.lora.apply import apply_lora, buffer_names, mark_frozen_shards, trainable_report
 from ms_llm.quant import apply_quantization
 from ms_llm.training import mixed_precision
+from . import comm
 from .data_parallel import PartitionedGradSync
 from .expert_parallel import apply_expert_parallel
-from .fsdp import MixedPrecisionPolicy, apply_fsdp
+from .fsdp import MixedPrecisionPolicy, apply_fsdp, fsdp_group
+from .fsdp.recompute import check_recompute_under_fsdp, recompute_under_fsdp
 from .pipeline.stages import apply_noop_layers, split_model
 from .context_parallel.apply import apply_context_parallel
 from .placement import grad_replica_dims, placement_of, update_placement
@@ -105,14 +107,14 @@ def _pipeline_chunks(model: GPTModel, cfg, pstate: ParallelState) -> Optional[li
 
 
 def _recompute(model: GPTModel, chunks: Optional[list], cfg) -> List[str]:
+    """Under FSDP recomputed modules re-run with their gathered weights as explicit inputs
+    (``fsdp.recompute``)."""
     t = cfg.training
     if t.recompute_granularity is None and not t.recompute_norm:
         return []
-    if cfg.parallel.fsdp_size > 1:
-        raise ValueError("training.recompute_* with parallel.fsdp_size > 1 is not built yet "
-                         "(the re-run forward would need FSDP's gathered weights again)")
+    kw = {"mark": recompute_under_fsdp} if cfg.parallel.fsdp_size > 1 else {}
     names = apply_recompute(chunks or [model], t.recompute_granularity, t.recompute_method,
-                            t.recompute_num_layers, t.recompute_norm)
+                            t.recompute_num_layers, t.recompute_norm, **kw)
     return [f"recompute: {len(names)} modules ({t.recompute_granularity or 'norm'})"]
 
 
@@ -132,9 +134,10 @@ def build_grad_sync(params: list, pstate: ParallelState, cfg, overlap: bool
                     ) -> PartitionedGradSync:
     """Partition the parameters by the mesh dim their gradients are summed over."""
     parts = []
-    for dims in (("cp",), ("dp", "cp"), ("edp", "cp")):
+    for dims in ((), ("cp",), ("dp", "cp"), ("edp", "cp")):
         idx = [i for i, q in enumerate(params) if grad_replica_dims(placement_of(q)) == dims]
-        group = pstate.group("_".join(dims))
+        # (): FSDP's reduce-scatter over dp x cp summed them already (a one-rank group: no sync)
+        group = pstate.group("_".join(dims)) if dims else comm.ProcessGroup((pstate.rank,))
         parts.append((idx, [params[i] for i in idx], group, group.size > 1))
     return PartitionedGradSync(parts, bucket_mb=cfg.parallel.ddp_bucket_mb, overlap=overlap,
                                grad_dtype=mixed_precision.grad_dtype(cfg))
@@ -172,11 +175,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
     notes += _recompute(model, chunks, cfg)
     fsdp = p.fsdp_size > 1
     if fsdp:
-        dp = pstate.group("dp")
-        if p.fsdp_size != dp.size:
-            raise ValueError(f"parallel.fsdp_size ({p.fsdp_size}) must equal the data-parallel "
-                             f"size ({dp.size} = workers / tensor parallel); hybrid sharding is "
-                             f"not supported")
+        dp, dp_dim = fsdp_group(pstate, p.fsdp_size)     # dp x cp (Megatron's dp_cp group)
         policy = MixedPrecisionPolicy(param_dtype=p.fsdp_param_dtype,
                                       reduce_dtype=p.fsdp_reduce_dtype)
         modules = p.fsdp_modules
@@ -188,7 +187,9 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
                                     for c in chunks]):
             apply_fsdp(unit, dp, modules=modules,
                        reshard_after_forward=p.reshard_after_forward, prefetch=p.fsdp_prefetch,
-                       ignored_params=expert_params, mp_policy=policy, tied=tied, strict=strict)
+                       ignored_params=expert_params, mp_policy=policy, tied=tied, strict=strict,
+                       mesh_dim=dp_dim)
+        check_recompute_under_fsdp(chunks or [model])
     jit = cfg.training.jit
     blockers = _jit_blockers(cfg, pstate)
     if jit and blockers:
@@ -200,9 +201,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
     params = [q for _, q in named if q.requires_grad]
     # Gradient hooks overlap the all-reduce with one autograd pass; the pipeline runs one vjp
     # per action instead, so it reduces after the step.
-    # (the distributed optimizer brings its own reduce-scatter; no all-reduce hooks here;
-    # FSDP with context parallel: the cp all-reduce of FSDP's shards runs after backward)
-    overlap = (p.ddp_overlap and not jit and chunks is None and not p.use_distributed_optimizer
-               and not (fsdp and pstate.sizes.cp > 1))
+    # (the distributed optimizer brings its own reduce-scatter; no all-reduce hooks here)
+    overlap = (p.ddp_overlap and not jit and chunks is None and not p.use_distributed_optimizer)
     grad_sync = build_grad_sync(params, pstate, cfg, overlap=overlap)
     return ParallelizedModel(model, named, params, grad_sync, fsdp, jit, notes, chunks, cp)

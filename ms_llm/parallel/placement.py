@@ -68,8 +68,13 @@ class RowShard:
 
 LAYOUTS = ("plain", "glu_halves", "row_blocks")
 # emb: the first and last pipeline stage of one (tp, cp, dp) coordinate, which both hold the
-# tied embedding weight (a singleton group on the other stages)
-MESH_DIMS = ("tp", "cp", "dp", "ep", "edp", "pp", "emb")
+# tied embedding weight (a singleton group on the other stages); dp_cp / edp_cp: data parallel
+# (expert-data parallel) together with context parallel, Megatron's dp-cp group, over which FSDP
+# and the distributed optimizer cut when cp > 1 (a cp rank holds the same weights for other
+# tokens, so it is one more data-parallel replica to shard over)
+MESH_DIMS = ("tp", "cp", "dp", "ep", "edp", "pp", "emb", "dp_cp", "edp_cp")
+# The data-parallel cuts (FSDP's shard, the distributed optimizer's): one per tensor, dim 0.
+DP_CUTS = ("dp", "edp", "dp_cp", "edp_cp")
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,17 @@ class Placement:
 
     def sharded_over(self, mesh_dim: str) -> bool:
         return mesh_dim in self.mesh_dims
+
+    @property
+    def dp_cut(self) -> Optional[str]:
+        """The data-parallel mesh dim (one of ``DP_CUTS``) this tensor is cut over, if any."""
+        return next((d for d in self.mesh_dims if d in DP_CUTS), None)
+
+    def covers(self, mesh_dim: str) -> bool:
+        """Sharded over ``mesh_dim``, alone or as part of a combined dim (``dp_cp`` covers dp
+        and cp)."""
+        return any(d == mesh_dim or (d.endswith("_cp") and mesh_dim in ("cp", d[:-3]))
+                   for d in self.mesh_dims)
 
 
 _ATTR = "placement"
@@ -151,6 +167,9 @@ class Mesh(NamedTuple):
                  "emb": int(last)}
         sizes = {"tp": s.tp, "cp": s.cp, "dp": s.dp, "pp": s.pp, "ep": s.ep, "edp": s.dp // s.ep,
                  "emb": 2 if s.pp > 1 and pstate.pp_rank in (0, s.pp - 1) else 1}
+        for d in ("dp", "edp"):   # index in the (e)dp x cp group: cp fastest (ranks tp-cp-dp)
+            ranks[d + "_cp"] = ranks["cp"] + s.cp * ranks[d]
+            sizes[d + "_cp"] = s.cp * sizes[d]
         return cls(ranks, sizes)
 
 
@@ -158,21 +177,28 @@ def grad_replica_dim(pl: Placement) -> Optional[str]:
     """Mesh dim whose ranks hold replicas of this parameter, over which its gradient must be
     summed; ``None`` when the parameter is sharded over it (FSDP reduce-scatters in backward)."""
     dim = "edp" if pl.sharded_over("ep") else "dp"
-    return None if pl.sharded_over(dim) or pl.sharded_over("dp") else dim
+    return None if pl.dp_cut is not None else dim
 
 
 def grad_replica_dims(pl: Placement) -> Tuple[str, ...]:
     """Every mesh dim this parameter's gradient is summed over: ``grad_replica_dim`` and
     context parallel, whose ranks hold the same weights for other tokens (Megatron's
-    data-parallel-with-context-parallel group); only cp when FSDP's reduce-scatter already
-    summed it over dp (FSDP shards over dp; its cp replicas are all-reduced, as in HSDP)."""
+    data-parallel-with-context-parallel group). FSDP's reduce-scatter already summed it over
+    its cut: nothing left after a ``dp_cp`` cut, cp after a ``dp`` cut (cp = 1 then)."""
     dim = grad_replica_dim(pl)
-    return ("cp",) if dim is None else (dim, "cp")
+    if dim is None:
+        return () if pl.covers("cp") else ("cp",)
+    return (dim, "cp")
 
 
 def norm_dims(pl: Placement) -> Tuple[str, ...]:
-    """Mesh dims over which the gradient's squares are summed: its distinct shard dims."""
-    return tuple(dict.fromkeys(pl.mesh_dims))
+    """Mesh dims over which the gradient's squares are summed: its distinct shard dims (a
+    ``dp_cp`` cut as dp then cp: summing over both groups in turn sums over the dp x cp
+    group, so the global norm needs no group of its own)."""
+    dims = []
+    for d in pl.mesh_dims:
+        dims += [d[:-3], "cp"] if d in ("dp_cp", "edp_cp") else [d]
+    return tuple(dict.fromkeys(dims))
 
 
 def counted_in_norm(pl: Placement, mesh: Mesh) -> bool:
@@ -185,8 +211,8 @@ def writes_checkpoint(pl: Placement, mesh: Mesh) -> bool:
     """The first replica writes: rank 0 along every dim the tensor is replicated over (incl.
     the dims its gradient is partial over, whose ranks hold copies)."""
     replicas = ["tp", "cp", "edp" if pl.sharded_over("ep") else "dp"] + list(pl.partial)
-    return all(mesh.rank[d] == 0 for d in replicas if not pl.sharded_over(d)
-               and not (d == "edp" and pl.sharded_over("dp")))
+    return all(mesh.rank[d] == 0 for d in replicas if not pl.covers(d)
+               and not (d == "edp" and pl.covers("dp")))
 
 
 def checkpoint_name(name: str, pl: Placement) -> str:
@@ -248,9 +274,9 @@ def _row_block_region(name, gshape, shape, pl: Placement, mesh: Mesh) -> Region:
     start, rows = 0, total_rows
     local_dims = list(gshape)
     for mesh_dim, tdim in pl.shards:
-        if mesh_dim == "dp":                      # FSDP: dim 0 of the ep-local tensor
+        if mesh_dim in ("dp", "dp_cp"):           # FSDP: dim 0 of the ep-local tensor
             per_row = int(np.prod(local_dims[1:])) // w
-            rs = RowShard(local_dims[0], mesh.size["dp"], mesh.rank["dp"])
+            rs = RowShard(local_dims[0], mesh.size[mesh_dim], mesh.rank[mesh_dim])
             start += rs.start * per_row
             rows = rs.length * per_row
             local_dims[0] = rs.length
@@ -267,9 +293,9 @@ def _glu_regions(name, gshape, pl: Placement, mesh: Mesh) -> List[Region]:
     """``[gate; up]``: shards before FSDP split each half; FSDP cuts the local concatenation."""
     half = gshape[0] // 2
     rest = list(gshape[1:])
-    # the data-parallel cut (FSDP's dp, or the distributed optimizer's dp / edp) is the last
-    outer = [s for s in pl.shards if s[0] not in ("dp", "edp")]
-    fsdp = [s for s in pl.shards if s[0] in ("dp", "edp")]
+    # the data-parallel cut (FSDP's, or the distributed optimizer's: DP_CUTS) is the last
+    outer = [s for s in pl.shards if s[0] not in DP_CUTS]
+    fsdp = [s for s in pl.shards if s[0] in DP_CUTS]
     if any(tdim != 0 for _, tdim in fsdp) or len(fsdp) > 1:
         raise ValueError(f"checkpoint: {name}: a GLU weight is cut once along dim 0 over dp")
     off, size = _apply([half] + rest, outer, mesh)

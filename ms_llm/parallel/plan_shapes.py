@@ -47,6 +47,9 @@ def plan_state(sizes: ParallelSizes, rank: int) -> ParallelState:
     st = ParallelState(sizes, rank=rank)
     for dim in ParallelState.GROUP_DIMS:
         st.groups[dim] = PlanGroup(tuple(st.ranks_along(dim)), None, me=rank)
+    # steps that would open communicators and hold no parameters (context parallel's attention
+    # swap, which makes its ring and Ulysses groups) are skipped for this state
+    st.plan_only = True
     return st
 
 
@@ -131,7 +134,7 @@ def rank_params(cfg, model_cfg: TransformerConfig, sizes: ParallelSizes, rank: i
         full_pl = replace(pl, global_shape=shape, layout=layout.layout, row_width=layout.row_width)
         numel = sum(int(np.prod(r.sizes)) for r in checkpoint_regions(name, shape, full_pl, mesh))
         out.append(LocalParam(gname, numel, int(np.prod(shape)), itemsize, bool(p.requires_grad),
-                              pl.sharded_over("ep"), pl.sharded_over("dp"), units.get(id(p))))
+                              pl.sharded_over("ep"), pl.dp_cut is not None, units.get(id(p))))
     return out
 
 

@@ -43,10 +43,28 @@ def _layers(root) -> List[TransformerLayer]:
     return [c for _, c in root.cells_and_names() if isinstance(c, TransformerLayer)]
 
 
+def _full_recompute_parts(layer: TransformerLayer) -> list:
+    """What full recompute marks in ``layer``: the layer, or, when its MoE router adds an
+    auxiliary loss, every part but the router. Why: PyNative's recompute runs the first forward
+    without gradient, and the router's aux loss is a side result the trainer adds to the loss,
+    not an output of the layer, so a recomputed router would leave that loss without a graph
+    (its gradient to the router lost). The router runs once; the attention, norms and experts
+    are recomputed. Cost: each part keeps its own input (the experts: their permuted tokens)
+    instead of only the layer's input."""
+    router = getattr(layer.mlp, "router", None)
+    c = getattr(router, "config", None)
+    if c is None or not (c.moe_aux_loss_coeff or c.moe_z_loss_coeff):
+        return [layer]
+    parts = [layer.input_layernorm, layer.self_attention, layer.pre_mlp_layernorm,
+             layer.mlp.experts, getattr(layer.mlp, "shared_experts", None)]
+    return [p for p in parts if p is not None]
+
+
 def apply_recompute(roots: Iterable, granularity=None, method=None, num_layers=None,
-                    norm: bool = False) -> List[str]:
+                    norm: bool = False, mark=recompute_module) -> List[str]:
     """Mark the recomputed modules of every root (a model, or each pipeline chunk: ``block``
-    counts layers per chunk, as Megatron counts them per stage). Returns their names."""
+    counts layers per chunk, as Megatron counts them per stage). Returns their names.
+    ``mark``: how a module is made to recompute (under FSDP: ``fsdp.recompute``'s marker)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"training.recompute_granularity must be full, selective or null, "
                          f"got {granularity!r}")
@@ -61,7 +79,7 @@ def apply_recompute(roots: Iterable, granularity=None, method=None, num_layers=N
         full = []
         if granularity == "full":
             full = layers[:num_layers] if method == "block" else layers
-        marked = list(full)
+        marked = [part for layer in full for part in _full_recompute_parts(layer)]
         if granularity == "selective":      # the attention core: scores, softmax, weighted sum
             chosen = layers[:num_layers] if method == "block" else layers
             marked += [layer.self_attention.core_attention for layer in chosen]
@@ -69,7 +87,7 @@ def apply_recompute(roots: Iterable, granularity=None, method=None, num_layers=N
             marked += [cell for layer in layers if layer not in full
                        for cell in (layer.input_layernorm, layer.pre_mlp_layernorm)]
         for cell in marked:
-            recompute_module(cell)
+            mark(cell)
         ids = {id(c) for c in marked}
         names += [n for n, c in root.cells_and_names() if id(c) in ids]
     return names

@@ -11,6 +11,11 @@ What is counted, per rank (every pipeline stage is planned; the worst one decide
   schedule's own action lists), minus what recompute drops;
 * communication buffers: data-parallel buckets, FSDP's gathered units and flat gradients,
   sequence-parallel gathers, expert all-to-all and pipeline send/receive buffers;
+* context parallel (cp): every ``[tokens, width]`` term holds ``s / cp`` tokens of each
+  sequence; the attention core is the blockwise kernel's (no ``[s, s]`` scores: its output
+  kept, one score block, the ring's K/V blocks in flight and, for Ulysses, the all-to-all'd
+  q/k/v); parameters, gradients and AdamW state are replicated over cp, gradients summed over
+  data x context parallel, and the distributed optimizer cuts over that dp-cp group;
 * gradients: the step's gradients plus the copies the optimizer step makes (``clip_`` scales
   into new tensors; several micro-batches add the accumulator and the sum being formed);
 * peak = parameters + optimizer state + the larger of (activations, with the micro-batch
@@ -41,9 +46,15 @@ ACT = {
     "hidden": 4.0,       # [T, h]: norm inputs/outputs, residual branches, attention/MLP outputs
     "qkv": 1.5,          # [T, (nh + 2 ng) d / tp]: fused QKV output, q/k before and after RoPE
     "ffn": 1.5,          # [T, F / tp]: fc1 output ([gate; up] = 2 F) and the SwiGLU output
-    "scores": 2.5,       # [b, nh / tp, s, s]: attention scores and probabilities, kept
-    "scores_backward": 3.5,   # the same shape, transient while one layer's backward runs
-    "scores_backward_full": 2.0,  # the same, for a layer re-run by full recompute
+    # [s, s] terms of the BLAS causal attention kernel (ms_llm.ops.cpu_kernels): fitted on the
+    # 55M model at seq 2048, micro-batch 1 (none / selective / full recompute: 3.40 / 2.21 /
+    # 1.72 GB measured) and the tiny model at seq 512, micro-batch 2 (none / selective)
+    "scores": 1.4,       # [b, nh / tp, s, s]: kept through forward (its probabilities)
+    "scores_backward": 4.5,   # [nh / tp, s, s] (one sequence: the kernel's backward works a
+                              # sequence at a time), transient while one layer's backward runs
+    "scores_backward_full": 1.5,  # the same, for a layer re-run by full recompute: a compromise
+    # between the 55M run (2.7 fits it; 1.5 plans 0.91 of its peak) and the tiny model's block
+    # recompute (1.15 of its peak): the re-run layer is not modelled more closely than that
     "logits": 2.0,       # [T, V]: fp32 logits and log-softmax (one fused cross entropy)
     "logits_tp": 6.0,    # [T, V / tp]: vocab-parallel cross entropy (shifted, exp, gathers...)
     "moe_routed": 6.0,   # [T * topk, h]: permuted tokens, per-expert pieces, outputs back
@@ -51,9 +62,18 @@ ACT = {
     "grads_dp": 4.0,     # [params]: gradient copies at the step under data parallel (dp > 1)
     "grads_distopt": 5.8,  # the same with parallel.use_distributed_optimizer
     "norm": 0.0,         # [T, h] per RMSNorm that training.recompute_norm drops: measured ~0
+    # context parallel (blockwise attention, ``context_parallel.kernel``: no [s, s] scores kept)
+    "cp_out": 2.0,       # [b, nh / tp, s / cp, d]: the attention output and its fp32 copy
+    "cp_a2a": 1.0,       # Ulysses: q/k/v after the all-to-all, kept by the attention's backward
+    "cp_block": 12.0,    # one score block: the scaled, masked scores, exp, P; dP, dS... of
+                         # the backward, transient (measured: ring cp=2, seq 1024 and 2048)
+    "cp_grouped": 4.0,   # [b, nh / tp, s / cp, d]: the backward's grouped q, dout, out and dq
+    "cp_kv": 4.0,        # ring: [2, b, ng, s / cp, d] K/V block: in hand, sent copy, received
+                         # (backward: + the dK/dV accumulator travelling with it)
 }
 FIXED_BYTES = 0.04 * GB  # kernels' workspaces and the pool's first blocks, independent of size
 DIST_FIXED_BYTES = 0.03 * GB  # a distributed worker's communicators and their buffers
+RING_FIXED_BYTES = 0.04 * GB  # context parallel's ring: its two-rank broadcast groups (measured)
 
 
 @dataclass
@@ -140,10 +160,37 @@ def _in_flight(pp: int, vpp: int, num_micro: int, stage: int) -> Tuple[int, int]
     return peak, vpp
 
 
+def _cp_attention_bytes(c: TransformerConfig, b: int, s: int, tp: int, cp: int, u: int
+                        ) -> Tuple[int, int]:
+    """(kept, transient) bytes of one layer's context-parallel attention core per micro-batch:
+    this rank holds ``s / cp`` tokens; Ulysses (degree ``u``) trades heads for the tokens of its
+    ``u`` ranks by all-to-all, the ring (``cp / u`` members) passes K/V blocks around. The
+    blockwise kernel keeps only the output (and its LSE): score blocks exist one at a time, of
+    one chunk pair (``s / 2cp`` tokens each side), or of whole K/V blocks when the chunks are
+    short (``kernel.fused_blocks``)."""
+    from ms_llm.parallel.context_parallel.kernel import fused_blocks
+    d = c.kv_channels
+    nh, ng = c.num_attention_heads // tp, c.num_query_groups // tp
+    s_loc = s // cp
+    ng_u = max(ng, u) // u                # KV heads per rank after Ulysses (replicated if fewer)
+    chunk = s // (2 * cp)
+    rows = u * s_loc                      # query (and K/V block) tokens after Ulysses
+    block = b * (nh // u) * (rows * rows if fused_blocks(chunk) else chunk * chunk)
+    kept = ACT["cp_out"] * b * nh * s_loc * d
+    if u > 1:
+        kept += ACT["cp_a2a"] * b * (nh + 2 * ng_u * u) * s_loc * d
+    transient = ACT["cp_block"] * block + ACT["cp_grouped"] * b * nh * s_loc * d
+    if cp // u > 1:
+        transient += ACT["cp_kv"] * 2 * b * ng_u * rows * d
+    return int(FP32 * kept), int(FP32 * transient)
+
+
 def _layer_activation_bytes(c: TransformerConfig, b: int, s: int, tp: int, sp: bool,
-                            t, moe_layer: bool) -> Tuple[int, int]:
+                            t, moe_layer: bool, cp: int = 1, u: int = 1) -> Tuple[int, int]:
     """(kept through forward, re-materialized while its backward runs) for one layer and one
-    micro-batch, under the recompute settings ``t``."""
+    micro-batch, under the recompute settings ``t``; ``cp``/``u``: context parallel size and
+    its Ulysses degree (this rank's tokens are ``s / cp`` of each sequence)."""
+    full_s, s = s, s // cp
     tokens = b * s
     t_sp = tokens // tp if sp else tokens
     h, d = c.hidden_size, c.kv_channels
@@ -158,17 +205,32 @@ def _layer_activation_bytes(c: TransformerConfig, b: int, s: int, tp: int, sp: b
     mlp = FP32 * ACT["ffn"] * tokens * ffn
     if moe_layer:   # routed copies of the hidden states: permuted in, expert outputs back
         mlp += FP32 * ACT["moe_routed"] * tokens * c.moe_router_topk * h
-    one_scores = FP32 * b * nh * s * s
-    scores = ACT["scores"] * one_scores
-    transient = ACT["scores_backward"] * one_scores    # every layer's backward makes these
-    whole = hidden + qkv + mlp + scores
-    if t.recompute_granularity == "full":
+    if cp > 1:
+        scores, transient = _cp_attention_bytes(c, b, full_s, tp, cp, u)
+        rerun_transient = transient
+    else:
+        one_scores = FP32 * nh * s * s          # one sequence's
+        scores = ACT["scores"] * b * one_scores
+        transient = ACT["scores_backward"] * one_scores    # every layer's backward makes these
         # the re-run layer's own backward makes fewer transient copies than a layer whose
         # forward ran long before (measured)
-        return FP32 * t_sp * h, whole + ACT["scores_backward_full"] * one_scores
+        rerun_transient = ACT["scores_backward_full"] * one_scores
+    whole = hidden + qkv + mlp + scores
+    if t.recompute_granularity == "full":
+        return FP32 * t_sp * h, whole + rerun_transient
     if t.recompute_granularity == "selective":
         return whole - scores, scores + transient
     return whole, transient
+
+
+def _ulysses(cfg) -> int:
+    """The Ulysses degree of the config's context-parallel algorithm (training's own rule)."""
+    p = cfg.parallel
+    if p.context_parallel_size == 1:
+        return 1
+    from ms_llm.parallel.context_parallel.apply import ulysses_degree
+    return ulysses_degree(p.context_parallel_size, p.context_parallel_algo,
+                          p.ulysses_degree_in_cp)
 
 
 def _stage_layers(cfg, c: TransformerConfig, stage: int, pp: int, vpp: int) -> List[int]:
@@ -205,19 +267,22 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     p, t = cfg.parallel, cfg.training
     tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
         p.virtual_pipeline_model_parallel_size
-    dp = nproc // (tp * pp * p.context_parallel_size)
+    cp, u = p.context_parallel_size, _ulysses(cfg)
+    dp = nproc // (tp * pp * cp)
     ep = p.expert_model_parallel_size
     b, s, sp = t.micro_batch_size, cfg.data.seq_length, p.sequence_parallel
+    s_loc = s // cp          # this rank's tokens of each sequence (context parallel)
     num_micro = t.global_batch_size // (b * dp)
     param_bytes = sum(q.numel * q.itemsize for q in params)
     trainable = [q for q in params if q.trainable]
     grad_bytes = sum(q.numel * FP32 for q in trainable)
     # AdamW moments; the distributed optimizer keeps them, and an fp32 main-parameter shard,
     # only for this rank's (first, largest) shard of its group (a group of one: the model's
-    # parameter is the main one)
+    # parameter is the main one). Under context parallel the cp ranks are replicas too: the
+    # group is (expert-)data parallel x cp, Megatron's dp-cp group.
     opt_bytes, shard_grad_bytes = 0, 0
     for q in trainable:
-        group = (dp // ep if q.expert else dp) if distributed_optimizer else 1
+        group = (dp // ep if q.expert else dp) * cp if distributed_optimizer else 1
         if group > 1:
             shard = -(-q.numel // group)
             opt_bytes += 3 * FP32 * shard
@@ -231,23 +296,25 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     chunk_kept, remat = [0] * chunks, 0
     for pos, i in enumerate(layers):
         k, r = _layer_activation_bytes(c, b, s, tp, sp, _recomputed(t, pos % per_chunk),
-                                       _is_moe(c, i))
+                                       _is_moe(c, i), cp, u)
         chunk_kept[min(pos // per_chunk, chunks - 1)] += k
         remat = max(remat, r)
     if pp > 1:
         # The executor keeps only each in-flight micro-batch's chunk input and re-runs the
         # chunk's forward inside its backward (compat.autograd.DeferredVJP: MindSpore 2.10 runs
         # pending backwards last-in first-out only), so one micro-batch's chunk is live.
-        kept = max(chunk_kept) + in_flight * FP32 * b * (s // tp if sp else s) * c.hidden_size
+        kept = max(chunk_kept) + in_flight * FP32 * b * (s_loc // tp if sp else s_loc) * \
+            c.hidden_size
     else:
         kept = sum(chunk_kept)
     last = stage == pp - 1
     copies = ACT["logits"] if tp == 1 else ACT["logits_tp"]
-    logits = int(FP32 * copies * b * s * c.padded_vocab_size // tp) if last else 0
+    logits = int(FP32 * copies * b * s_loc * c.padded_vocab_size // tp) if last else 0
     acts = kept + remat + logits
     # communication buffers
     comm = 0
-    if dp > 1 and not p.fsdp_size > 1:
+    replicas = dp * cp       # gradients are summed over data x context parallel (dp_cp)
+    if replicas > 1 and not p.fsdp_size > 1:
         comm += 2 * min(int(p.ddp_bucket_mb * 2 ** 20), grad_bytes)
     if p.fsdp_size > 1:
         units: Dict[str, int] = {}
@@ -260,23 +327,24 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
         comm += (2 + p.fsdp_prefetch) * biggest
         comm += sum(v for k, v in units.items() if k.endswith(":root"))
     if sp:
-        comm += 2 * FP32 * b * s * c.hidden_size
+        comm += 2 * FP32 * b * s_loc * c.hidden_size
     if ep > 1:
-        comm += 2 * FP32 * b * s * c.moe_router_topk * c.hidden_size
+        comm += 2 * FP32 * b * s_loc * c.moe_router_topk * c.hidden_size
     if pp > 1:
-        comm += 2 * FP32 * b * (s // tp if sp else s) * c.hidden_size
+        comm += 2 * FP32 * b * (s_loc // tp if sp else s_loc) * c.hidden_size
     # Gradient copies: the step's gradients, their clipped copy (``clip_`` scales into new
     # tensors) and, over several micro-batches, the accumulator plus the new micro-batch's
     # gradients while they are summed. The accumulator is also live during later forwards.
     accum = num_micro > 1
     grad_phase = (3 if accum else 2) * grad_bytes
-    if dp > 1 and p.fsdp_size == 1:
+    if replicas > 1 and p.fsdp_size == 1:
         # data parallel's per-parameter accumulators and flat buckets (measured, one dp=2 run
         # each; the distributed optimizer's flat reduce-scatter/all-gather buffers add more)
         copies = ACT["grads_distopt"] if shard_grad_bytes else ACT["grads_dp"]
         grad_phase = (copies + (1 if accum else 0)) * grad_bytes
     state = param_bytes + opt_bytes
-    fixed = int(FIXED_BYTES + (DIST_FIXED_BYTES if nproc > 1 else 0))
+    fixed = int(FIXED_BYTES + (DIST_FIXED_BYTES if nproc > 1 else 0) +
+                (RING_FIXED_BYTES if cp // u > 1 else 0))
     peak = state + max(acts + (ACT["accumulator"] * grad_bytes if accum else 0),
                        grad_phase) + comm + fixed
     return StagePlan(rank, param_bytes, grad_phase, opt_bytes, int(acts), comm, fixed, int(peak),
@@ -287,7 +355,8 @@ def _layout(cfg, nproc: int, distributed_optimizer: bool) -> Dict[str, object]:
     p, t = cfg.parallel, cfg.training
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     dp = nproc // (tp * pp * p.context_parallel_size)
-    return {"tp": tp, "sp": p.sequence_parallel, "pp": pp,
+    return {"tp": tp, "sp": p.sequence_parallel, "pp": pp, "cp": p.context_parallel_size,
+            "cp_algo": p.context_parallel_algo if p.context_parallel_size > 1 else None,
             "vpp": p.virtual_pipeline_model_parallel_size, "ep": p.expert_model_parallel_size,
             "dp": dp, "fsdp": p.fsdp_size, "distributed_optimizer": distributed_optimizer,
             "micro_batch": t.micro_batch_size, "seq": cfg.data.seq_length,
@@ -300,18 +369,18 @@ def check_layout(cfg, nproc: int) -> None:
     """The layout rules training applies before building anything (one-line errors)."""
     from ms_llm.parallel.state import ParallelSizes
     p, t = cfg.parallel, cfg.training
-    if p.context_parallel_size > 1:
-        raise ValueError("parallel.context_parallel_size > 1: the planner does not model "
-                         "context parallel yet (training supports it; plan at cp=1)")
     sizes = ParallelSizes(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                          ep=p.expert_model_parallel_size, world=nproc)
+                          cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                          world=nproc)
     sizes.validate()
+    if sizes.cp > 1:   # training's own checks (ContextParallel's sequence split)
+        from ms_llm.parallel.context_parallel.layout import local_token_index
+        local_token_index(cfg.data.seq_length, sizes.cp, 0)
+        _ulysses(cfg)
     mb_total = t.micro_batch_size * sizes.dp
     if t.global_batch_size % mb_total:
         raise ValueError(f"training.global_batch_size ({t.global_batch_size}) must be a multiple "
                          f"of micro_batch_size x data-parallel size ({mb_total})")
-    if p.fsdp_size > 1 and (t.recompute_granularity or t.recompute_norm):
-        raise ValueError("training.recompute_* with parallel.fsdp_size > 1 is not built yet")
 
 
 def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
@@ -326,10 +395,17 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
     if distributed_optimizer is None:
         distributed_optimizer = uses_distributed_optimizer(cfg)
     c = model_config or planned_model_config(cfg)
+    u = _ulysses(cfg)
+    if u > 1:    # apply_context_parallel's check, on the architecture training builds
+        from ms_llm.parallel.context_parallel.ulysses import check_heads
+        tp = cfg.parallel.tensor_model_parallel_size
+        check_heads(c.num_attention_heads // tp, c.num_query_groups // tp, u,
+                    "parallel.context_parallel_algo: ")
     shapes = _shapes or full_shapes(c)
     p = cfg.parallel
     sizes = ParallelSizes(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                          ep=p.expert_model_parallel_size, world=nproc)
+                          cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                          world=nproc)
     stages = []
     per_stage = sizes.world // sizes.pp
     cache = {} if _cache is None else _cache     # what-ifs of recompute/optimizer share layouts

@@ -32,33 +32,32 @@ def _candidates(cfg, nproc: int, distopt: bool) -> List[Tuple[str, dict, bool]]:
     t, p = cfg.training, cfg.parallel
     out = []
     fsdp_on = p.fsdp_size > 1
-    if not fsdp_on:
-        if t.recompute_granularity is None:
-            out.append(("selective recompute", {"training.recompute_granularity": "selective"},
-                        distopt))
-        if t.recompute_granularity != "full":
-            out.append(("full recompute", {"training.recompute_granularity": "full",
-                                           "training.recompute_method": "uniform"}, distopt))
-    base_rc = {} if fsdp_on else {"training.recompute_granularity": "full",
-                                  "training.recompute_method": "uniform"}
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    dp = nproc // (tp * pp)
-    if not distopt and dp > 1 and not fsdp_on:
+    if t.recompute_granularity is None:
+        out.append(("selective recompute", {"training.recompute_granularity": "selective"},
+                    distopt))
+    if t.recompute_granularity != "full":
+        out.append(("full recompute", {"training.recompute_granularity": "full",
+                                       "training.recompute_method": "uniform"}, distopt))
+    base_rc = {"training.recompute_granularity": "full", "training.recompute_method": "uniform"}
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
+        p.context_parallel_size
+    dp = nproc // (tp * pp * cp)
+    replicas = dp * cp     # the dp-cp group the distributed optimizer and FSDP cut over
+    if not distopt and replicas > 1 and not fsdp_on:
         out.append(("distributed optimizer", {}, True))
         out.append(("distributed optimizer + full recompute", dict(base_rc), True))
-    if not fsdp_on and dp > 1:
-        out.append(("FSDP over the data-parallel group", {"parallel.fsdp_size": dp,
-                                                          "training.recompute_granularity": None,
-                                                          "training.recompute_method": None,
-                                                          "training.recompute_norm": False},
+    if not fsdp_on and replicas > 1:
+        out.append(("FSDP over the data-parallel group", {"parallel.fsdp_size": replicas},
                     False))
+        out.append(("FSDP over the data-parallel group + full recompute",
+                    {"parallel.fsdp_size": replicas, **base_rc}, False))
     for new_tp in (2 * tp, 4 * tp, 8 * tp):
-        if nproc % (new_tp * pp) == 0 and new_tp <= 8:
+        if nproc % (new_tp * pp * cp) == 0 and new_tp <= 8:
             out.append((f"tensor parallel {new_tp} (+ sequence parallel, full recompute)",
                         {"parallel.tensor_model_parallel_size": new_tp,
                          "parallel.sequence_parallel": True, **base_rc}, distopt))
     for new_pp in (2 * pp, 4 * pp, 8 * pp):
-        if nproc % (tp * new_pp) == 0:
+        if nproc % (tp * new_pp * cp) == 0:
             out.append((f"pipeline parallel {new_pp} (+ full recompute)",
                         {"parallel.pipeline_model_parallel_size": new_pp, **base_rc}, distopt))
     return out
@@ -115,8 +114,9 @@ def format_plan(plan: MemoryPlan, source: str) -> str:
              f"ms-llm plan: {source} on {plan.nproc} worker(s), "
              f"{plan.total_params / 1e6:.2f} M parameters",
              f"layout: tp {lay['tp']}{' + sp' if lay['sp'] else ''}, pp {lay['pp']}"
-             f"{' x vpp ' + str(lay['vpp']) if lay['vpp'] > 1 else ''}, ep {lay['ep']}, "
-             f"dp {lay['dp']}{', FSDP' if lay['fsdp'] > 1 else ''}"
+             f"{' x vpp ' + str(lay['vpp']) if lay['vpp'] > 1 else ''}"
+             f"{', cp ' + str(lay['cp']) + ' (' + lay['cp_algo'] + ')' if lay['cp'] > 1 else ''}"
+             f", ep {lay['ep']}, dp {lay['dp']}{', FSDP' if lay['fsdp'] > 1 else ''}"
              f"{', distributed optimizer' if lay['distributed_optimizer'] else ''}; "
              f"micro-batch {lay['micro_batch']} x seq {lay['seq']}, "
              f"{lay['micro_batches_per_step']} micro-batch(es)/step; recompute {rc}",

@@ -15,14 +15,14 @@ from ms_llm.config import load_config  # noqa: E402
 from ms_llm.parallel.plan_shapes import full_shapes, rank_params  # noqa: E402
 from ms_llm.parallel.runtime import init_distributed  # noqa: E402
 from ms_llm.training.memory_plan import plan_memory  # noqa: E402
-from ms_llm.training.metrics import peak_rss_gb  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
 info = init_distributed()
 cfg = load_config(sys.argv[2], sys.argv[3:])
 trainer = Trainer(cfg, info)
-trainer.fit()
-peak = peak_rss_gb() - trainer.rss_before_model_gb
+records = trainer.fit()
+# the high-water mark as each step logged it: training's, not rank 0's loss plot drawn after
+peak = max(r["peak_rss_gb"] for r in records) - trainer.rss_before_model_gb
 real = {n: int(q.size) for n, q in trainer.named_params}
 model_cfg = trainer.cfg.model
 plan = plan_memory(cfg, info.world_size, model_config=model_cfg)

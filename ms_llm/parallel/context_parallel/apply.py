@@ -130,6 +130,10 @@ def apply_context_parallel(model, cfg, pstate) -> Optional[ContextParallel]:
     p = cfg.parallel
     if pstate.sizes.cp == 1:
         return None
+    if getattr(pstate, "plan_only", False):
+        # ms-llm plan's communicator-free state (plan_shapes.plan_state): the swap holds no
+        # parameters, and its ring / Ulysses groups would need a communicator
+        return None
     cp = ContextParallel(pstate, p.context_parallel_algo, p.ulysses_degree_in_cp,
                          cfg.data.seq_length)
     if cp.u > 1:

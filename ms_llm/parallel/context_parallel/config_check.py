@@ -23,6 +23,12 @@ def check_context_parallel(cfg, fail: Callable) -> None:
         fail(cfg, (_CP, "data.seq_length"),
              f"data.seq_length ({d.seq_length}) must be divisible by 2 x "
              f"{_CP} ({2 * cp}): the sequence is cut into 2*cp chunks")
+    if p.fsdp_size > 1 and p.fsdp_size % cp:
+        # FSDP shards over data x context parallel (Megatron's dp_cp group), so its size is
+        # dp x cp; the exact value is checked at start, when the world size is known
+        fail(cfg, ("parallel.fsdp_size", _CP),
+             f"parallel.fsdp_size ({p.fsdp_size}) must be a multiple of {_CP} ({cp}): FSDP "
+             f"shards over data x context parallel, fsdp_size = dp x cp")
     tp = p.tensor_model_parallel_size
     if p.sequence_parallel and (d.seq_length // cp) % tp:
         fail(cfg, (_CP, "data.seq_length", "parallel.tensor_model_parallel_size"),

@@ -63,7 +63,8 @@ class MixedPrecisionPolicy:
 class _FSDPParam:
     """One sharded parameter: where it lives in the module tree and how it is split."""
 
-    def __init__(self, owner, attr: str, param: Parameter, group: comm.ProcessGroup):
+    def __init__(self, owner, attr: str, param: Parameter, group: comm.ProcessGroup,
+                 mesh_dim: str = "dp"):
         self.owner, self.attr = owner, attr
         self.full_shape = tuple(param.shape)
         self.shard = RowShard(self.full_shape[0], group.size, group.rank)
@@ -71,8 +72,8 @@ class _FSDPParam:
         local = data[self.shard.start:self.shard.start + self.shard.length]
         self.param = Parameter(Tensor(local.copy()).astype(param.dtype), name=param.name,
                                requires_grad=param.requires_grad)
-        # The shard's rows follow from the record (the chunk rule over the dp group).
-        set_placement(self.param, add_shard(param, self.full_shape, "dp", 0))
+        # The shard's rows follow from the record (the chunk rule over the group's mesh dim).
+        set_placement(self.param, add_shard(param, self.full_shape, mesh_dim, 0))
         setattr(owner, attr, self.param)     # replaces the registered Parameter, same name
         self.pending_grad: Optional[Tensor] = None   # full-size grads while sync is off
 
@@ -153,7 +154,7 @@ class _PreBackward(Function):
 
 class _FSDPState:
     def __init__(self, module, group, reshard_after_forward: bool,
-                 mp_policy: MixedPrecisionPolicy, ignored: set):
+                 mp_policy: MixedPrecisionPolicy, ignored: set, mesh_dim: str = "dp"):
         self.group = group
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
@@ -171,9 +172,9 @@ class _FSDPState:
             self.keep_gathered |= isinstance(owner, MoELayer)
             for attr, p in list(owner.parameters_and_names(expand=False)):
                 attr = attr.rsplit(".", 1)[-1]
-                if id(p) in ignored or placement_of(p).sharded_over("dp") or not p.requires_grad:
+                if id(p) in ignored or placement_of(p).dp_cut or not p.requires_grad:
                     continue
-                self.fparams.append(_FSDPParam(owner, attr, p, group))
+                self.fparams.append(_FSDPParam(owner, attr, p, group, mesh_dim))
         dtypes = {fp.param.dtype for fp in self.fparams}
         if len(dtypes) > 1:
             raise ValueError(f"fully_shard({type(module).__name__}): its parameters mix dtypes "
@@ -355,16 +356,18 @@ class FSDPModule:
 def fully_shard(module, mesh: Optional[comm.ProcessGroup] = None, *,
                 reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                ignored_params: Optional[Iterable[Parameter]] = None):
+                ignored_params: Optional[Iterable[Parameter]] = None, mesh_dim: str = "dp"):
     """Shard ``module``'s parameters (those not already in a nested unit) over ``mesh`` (a process
     group; default: the world). Apply to children first, then to the root, as in torch: the
-    outermost call's unit owns the step bookkeeping of every unit inside it."""
+    outermost call's unit owns the step bookkeeping of every unit inside it. ``mesh_dim``
+    names the group in the shards' ``Placement`` (``dp``, or ``dp_cp`` when the group is data
+    x context parallel), from which checkpoint regions and gradient groups are derived."""
     group = mesh if mesh is not None else comm.world_group()
     ignored = {id(p) for p in (ignored_params or ())}
     cls = type(module)
     if not isinstance(module, FSDPModule):
         module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    st = _FSDPState(module, group, reshard_after_forward, mp_policy, ignored)
+    st = _FSDPState(module, group, reshard_after_forward, mp_policy, ignored, mesh_dim)
     module._fsdp_state = st
     for _, cell in module.cells_and_names():
         if isinstance(cell, FSDPModule) and cell is not module:
