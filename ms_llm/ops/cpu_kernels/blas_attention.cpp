@@ -34,26 +34,11 @@
 
 #define MSLLM_EXPORT extern "C" __attribute__((visibility("default")))
 
+using namespace msllm;
+
 namespace {
 
-constexpr int kErrDtype = 1;
-constexpr int kErrShape = 2;
-constexpr int kErrNParam = 4;
-constexpr int kErrTooLarge = 5;
 constexpr int64_t kBlock = 64;  // query rows per block; see benchmarks/attention.py
-
-bool is_f32(const char *d) { return std::strcmp(d, "float32") == 0 || std::strcmp(d, "float") == 0; }
-
-bool read_scale(const void *p, const char *d, float *out) {
-  if (is_f32(d)) {
-    *out = *static_cast<const float *>(p);
-  } else if (std::strcmp(d, "float64") == 0) {
-    *out = static_cast<float>(*static_cast<const double *>(p));
-  } else {
-    return false;
-  }
-  return true;
-}
 
 // C[m, n] (ldc) = op(A) op(B) + beta C, row-major with explicit leading dimensions.
 void gemm_ld(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
@@ -84,12 +69,6 @@ bool attn_dims(int *ndims, int64_t **shapes, Dims *dm) {
   return true;
 }
 
-int64_t numel(int nd, const int64_t *s) {
-  int64_t n = 1;
-  for (int i = 0; i < nd; ++i) n *= s[i];
-  return n;
-}
-
 // One score row (query position i sees keys [0, len)) -> softmax(scale * row) in place, zeros
 // from len to width.
 void softmax_row(float *row, int64_t len, int64_t width, float scale) {
@@ -103,7 +82,7 @@ void softmax_row(float *row, int64_t len, int64_t width, float scale) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < len; ++j) {
-    const float e = msllm::exp_f(scale * row[j] - shift);
+    const float e = exp_f(scale * row[j] - shift);
     row[j] = e;
     sum += e;
   }
@@ -205,8 +184,9 @@ MSLLM_EXPORT int CausalAttnFwd(int nparam, void **params, int *ndims, int64_t **
     if (!is_f32(dtypes[i])) return kErrDtype;
   Dims dm;
   if (!attn_dims(ndims, shapes, &dm)) return kErrShape;
-  float scale;
-  if (!read_scale(params[3], dtypes[3], &scale)) return kErrDtype;
+  double scale_d;
+  if (!read_scalar(params[3], dtypes[3], &scale_d)) return kErrDtype;
+  const float scale = static_cast<float>(scale_d);
   const int64_t bg = dm.bg, r = dm.r, s = dm.s, d = dm.d;
   if (numel(ndims[4], shapes[4]) != bg * r * s * d || numel(ndims[5], shapes[5]) != bg * r * s * s)
     return kErrShape;
@@ -229,8 +209,9 @@ MSLLM_EXPORT int CausalAttnBwd(int nparam, void **params, int *ndims, int64_t **
     if (!is_f32(dtypes[i])) return kErrDtype;
   Dims dm;
   if (!attn_dims(ndims, shapes, &dm)) return kErrShape;
-  float scale;
-  if (!read_scale(params[5], dtypes[5], &scale)) return kErrDtype;
+  double scale_d;
+  if (!read_scalar(params[5], dtypes[5], &scale_d)) return kErrDtype;
+  const float scale = static_cast<float>(scale_d);
   const int64_t bg = dm.bg, r = dm.r, s = dm.s, d = dm.d;
   const int64_t nq = bg * r * s * d, nk = bg * s * d;
   if (numel(ndims[3], shapes[3]) != bg * r * s * s || numel(ndims[4], shapes[4]) != nq ||

@@ -28,22 +28,13 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_math.h"
+
 #define MSLLM_EXPORT extern "C" __attribute__((visibility("default")))
 
+using namespace msllm;
+
 namespace {
-
-constexpr int kErrDtype = 1;
-constexpr int kErrShape = 2;
-constexpr int kErrNParam = 4;
-constexpr int kErrTooLarge = 5;  // a GEMM dimension does not fit OpenBLAS's 32-bit blasint
-
-int64_t numel(int nd, const int64_t *s) {
-  int64_t n = 1;
-  for (int i = 0; i < nd; ++i) n *= s[i];
-  return n;
-}
-
-bool is_f32(const char *d) { return std::strcmp(d, "float32") == 0 || std::strcmp(d, "float") == 0; }
 
 bool read_int(const void *p, const char *d, int64_t *out) {
   if (std::strcmp(d, "int64") == 0 || std::strcmp(d, "int") == 0) {

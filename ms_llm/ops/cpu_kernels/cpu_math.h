@@ -1,11 +1,47 @@
-// Math shared by the two kernel libraries (kernels.cpp and blas_attention.cpp include it; both
-// build keys hash it, see build.py).
+// What the kernel sources share (kernels.cpp, blas_kernels.cpp, blas_attention.cpp include it;
+// both libraries' build keys hash it, see build.py): the error codes MindSpore sees, the
+// dtype/shape/scalar readers of the AOT calling convention, and a vectorisable exp.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
 namespace msllm {
+
+// Non-zero kernel return codes (MindSpore raises on them).
+constexpr int kErrDtype = 1;
+constexpr int kErrShape = 2;
+constexpr int kErrLabel = 3;
+constexpr int kErrNParam = 4;
+constexpr int kErrTooLarge = 5;  // a GEMM dimension does not fit OpenBLAS's 32-bit blasint
+
+inline int64_t numel(int nd, const int64_t *s) {
+  int64_t n = 1;
+  for (int i = 0; i < nd; ++i) n *= s[i];
+  return n;
+}
+
+inline bool is_f32(const char *d) { return std::strcmp(d, "float32") == 0 || std::strcmp(d, "float") == 0; }
+
+inline bool is_i32(const char *d) { return std::strcmp(d, "int32") == 0; }
+
+inline bool is_i64(const char *d) { return std::strcmp(d, "int64") == 0 || std::strcmp(d, "int") == 0; }
+
+// Read a scalar (0-d or 1-element tensor) of any common dtype as double.
+inline bool read_scalar(const void *p, const char *d, double *out) {
+  if (is_f32(d)) {
+    *out = *static_cast<const float *>(p);
+  } else if (std::strcmp(d, "float64") == 0) {
+    *out = *static_cast<const double *>(p);
+  } else if (is_i64(d)) {
+    *out = static_cast<double>(*static_cast<const int64_t *>(p));
+  } else if (is_i32(d)) {
+    *out = *static_cast<const int32_t *>(p);
+  } else {
+    return false;
+  }
+  return true;
+}
 
 // exp(x) for fp32, branch-free so that GCC vectorises the loops that call it (Cephes expf
 // polynomial, about 1 ulp on the clamped range). Returns 0 below -87.34 (where expf would be

@@ -30,43 +30,12 @@
 
 #define MSLLM_EXPORT extern "C" __attribute__((visibility("default")))
 
-namespace {
+using namespace msllm;
 
-constexpr int kErrDtype = 1;
-constexpr int kErrShape = 2;
-constexpr int kErrLabel = 3;
-constexpr int kErrNParam = 4;
+namespace {
 
 // A call is split across threads only if it touches at least this many elements.
 constexpr int64_t kMinParallelWork = 1 << 20;
-
-int64_t numel(int nd, const int64_t *s) {
-  int64_t n = 1;
-  for (int i = 0; i < nd; ++i) n *= s[i];
-  return n;
-}
-
-bool is_f32(const char *d) { return std::strcmp(d, "float32") == 0 || std::strcmp(d, "float") == 0; }
-
-bool is_i32(const char *d) { return std::strcmp(d, "int32") == 0; }
-
-bool is_i64(const char *d) { return std::strcmp(d, "int64") == 0 || std::strcmp(d, "int") == 0; }
-
-// Read a scalar (0-d or 1-element tensor) of any common dtype as double.
-bool read_scalar(const void *p, const char *d, double *out) {
-  if (is_f32(d)) {
-    *out = *static_cast<const float *>(p);
-  } else if (std::strcmp(d, "float64") == 0) {
-    *out = *static_cast<const double *>(p);
-  } else if (is_i64(d)) {
-    *out = static_cast<double>(*static_cast<const int64_t *>(p));
-  } else if (is_i32(d)) {
-    *out = *static_cast<const int32_t *>(p);
-  } else {
-    return false;
-  }
-  return true;
-}
 
 int max_threads() {
 #ifdef _OPENMP
@@ -90,8 +59,6 @@ int threads_for(int64_t work, int64_t rows) {
   if (rows < t) t = static_cast<int>(rows < 1 ? 1 : rows);
   return t;
 }
-
-using msllm::exp_f;
 
 inline float sigmoid_f(float a) { return 1.0f / (1.0f + exp_f(-a)); }
 
