@@ -97,3 +97,15 @@ def hf_reference(model, ids: np.ndarray, labels: np.ndarray):
         h.remove()
     return (logits.detach().double().numpy(), float(loss.detach()), norm,
             {i: np.sort(r, -1) for i, r in routes.items()})
+
+
+def run_convert(*args) -> None:
+    """``ms-llm convert`` in this process, arguments as a user types them; must succeed."""
+    from ms_llm.checkpoint.convert import main as convert_main
+    assert convert_main([str(a) for a in args]) == 0, args
+
+
+def same_bits(a, b) -> bool:
+    """Same dtype, shape and bytes (conversions must be bit-exact, NaN payloads included)."""
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
+        np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))

@@ -14,8 +14,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import deepseek_fixtures as fx
+from deepseek_fixtures import run_convert as run, same_bits as same
 from ms_llm.checkpoint import torch_pickle as tp
-from ms_llm.checkpoint.convert import main as convert_main
 from ms_llm.checkpoint.hf_io import read_hf_weights
 
 import transformers  # noqa: E402,F401  (test extra: cross-checks against HF modeling code)
@@ -36,15 +36,6 @@ def hf_dir(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     fx.build_hf(kind, kwargs, seed=7).save_pretrained(str(root / "hf"))
     return request.param, root
-
-
-def run(*args) -> None:
-    assert convert_main([str(a) for a in args]) == 0, args
-
-
-def same(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
-        np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
 
 
 def _logits(path):

@@ -24,6 +24,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import deepseek_fixtures as fx
+from deepseek_fixtures import run_convert as _run, same_bits as _same
 from ms_llm.checkpoint import torch_pickle as tp
 from ms_llm.checkpoint.convert import main as convert_main
 from ms_llm.checkpoint.hf_io import read_hf_weights
@@ -167,15 +168,6 @@ def test_mtp_loss_and_grads_match_reference(folder):
     np.testing.assert_allclose(means, want_means, rtol=1e-5)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     np.testing.assert_allclose(norm, want_norm, rtol=1e-5)
-
-
-def _run(*args) -> None:
-    assert convert_main([str(a) for a in args]) == 0, args
-
-
-def _same(a, b) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
-        np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
 
 
 def test_mtp_converts_hf_mg_hf_bit_exact_with_megatron_keys(folder):
