@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from ms_llm.validation import yaml_load_unique
+
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models.families import family_defaults
 from ms_llm.config_rules import RULES, ConfigError, check_value  # noqa: F401 (re-exported)
@@ -242,7 +244,7 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError(f"{path}: config file not found")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml_load_unique(f) or {}   # a key or section given twice is refused
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):

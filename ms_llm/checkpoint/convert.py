@@ -207,6 +207,18 @@ class MegatronSource:
             return self.reader.tensor(t, p, e, c, name)
         return MTP.mtp_merge(self.spec, self.lay, read, j, L.merge_layer)
 
+    def check(self) -> None:
+        """After streaming: every stored tensor was read (a ``config.json`` listing fewer
+        layers or no MTP depth than the checkpoint holds must not drop them silently). The last
+        stage's copy of a tied embedding is Megatron's duplicate, not a weight of its own."""
+        dup = {"embedding.word_embeddings.weight"} | ({"output_layer.weight"}
+                                                      if self.spec.tied else set())
+        left = [u for u in self.reader.unread() if u.rsplit(": ", 1)[1] not in dup]
+        if left:
+            raise ConvertError(f"{self.reader.path}: {len(left)} stored tensor(s) were not "
+                               f"converted, e.g. {left[0]} (config.json num_hidden_layers "
+                               f"{self.spec.num_layers}: does it describe this checkpoint?)")
+
     def close(self) -> None:
         self.reader.close()
 
@@ -383,7 +395,8 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
                 copy_hf_side_files(opts.load_dir, tmp)
             sink = HFSink(tmp, spec, src.config, out_dtype, opts.max_shard_size)
         return stream_to_sink(src, sink, tmp, save, progress=progress,
-                              check=getattr(src, "check", None))
+                              check=getattr(src, "check", None),
+                              allow_nonfinite=opts.allow_non_finite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -405,22 +418,39 @@ def _select_mtp(opts: argparse.Namespace, src) -> None:
     src.config = dict(src.config, num_nextn_predict_layers=0)
 
 
-def stream_to_sink(src, sink, tmp: str, out: str, *, progress=None, check=None) -> str:
+def _finite(where: str, tensors, allow: bool):
+    """``tensors`` (an array, a dict of them, or None), refusing a NaN/inf unless ``allow``:
+    a converted or merged model with one is wrong in every output it produces."""
+    if allow or tensors is None:
+        return tensors
+    items = tensors.items() if isinstance(tensors, dict) else [("", tensors)]
+    for name, x in items:
+        if isinstance(x, np.ndarray) and (x.dtype.kind == "f" or x.dtype == ml_dtypes.bfloat16) \
+                and not np.isfinite(x).all():
+            raise ConvertError(f"{where}{' ' + name if name else ''} holds a non-finite value "
+                               f"(NaN/inf); pass --allow-non-finite to convert it anyway")
+    return tensors
+
+
+def stream_to_sink(src, sink, tmp: str, out: str, *, progress=None, check=None,
+                   allow_nonfinite: bool = False) -> str:
     """Copy ``src`` into ``sink`` one layer at a time (memory stays near one layer), then
     publish the folder ``tmp`` as ``out`` by renaming it. On any failure the sink is aborted and
     ``tmp`` removed, so ``out`` is either complete or absent. ``check()`` runs before the sink
-    is closed (e.g. to reject source tensors that nothing consumed)."""
+    is closed (e.g. to reject source tensors that nothing consumed). Every tensor is checked for
+    NaN/inf on the way (unless ``allow_nonfinite``)."""
+    ok = allow_nonfinite
     try:
-        sink.embedding(src.embedding())
+        sink.embedding(_finite("embedding", src.embedding(), ok))
         n = src.spec.num_layers
         for i in range(n):
-            sink.layer(i, src.layer(i))
+            sink.layer(i, _finite(f"decoder layer {i}", src.layer(i), ok))
             if progress:
                 progress(i + 1, n)
-        output = src.output()
+        output = _finite("output layer", src.output(), ok)
         for j in range(src.spec.mtp_layers):
-            sink.mtp_layer(j, src.mtp_layer(j), output)
-        sink.final(src.final_norm(), output)
+            sink.mtp_layer(j, _finite(f"MTP depth {j}", src.mtp_layer(j), ok), output)
+        sink.final(_finite("final norm", src.final_norm(), ok), output)
         if check is not None:
             check()
         sink.close()

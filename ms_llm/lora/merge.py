@@ -199,6 +199,9 @@ class MergedSource:
 
     def check(self) -> None:
         self.adapters.check_all_applied()
+        inner = getattr(self.src, "check", None)
+        if inner is not None:
+            inner()
 
     def layer(self, i: int) -> Dict:
         full = self.src.layer(i)
