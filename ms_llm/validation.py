@@ -17,7 +17,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import yaml
 
 __all__ = ["InputError", "yaml_load_unique", "read_json_object", "validate_hf_config",
-           "validate_adapter_config", "check_generation_flags", "HF_INT_BOUNDS"]
+           "validate_adapter_config", "check_generation_flags", "check_int", "check_float",
+           "HF_INT_BOUNDS"]
 
 
 class InputError(ValueError):
@@ -92,7 +93,8 @@ def read_json_object(path: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- checks
-def _int(where: str, key: str, value: Any, lo: int, hi: int) -> int:
+def check_int(where: str, key: str, value: Any, lo: int, hi: int) -> int:
+    """An int (not a bool, float or string) in ``[lo, hi]``, else ``InputError``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise InputError(f"{where}: {key} must be an integer, got {value!r}")
     if not lo <= value <= hi:
@@ -100,8 +102,9 @@ def _int(where: str, key: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
-def _float(where: str, key: str, value: Any, lo: float = -math.inf, hi: float = math.inf,
-           open_lo: bool = False) -> float:
+def check_float(where: str, key: str, value: Any, lo: float = -math.inf,
+                hi: float = math.inf, open_lo: bool = False) -> float:
+    """A finite number in ``[lo, hi]`` (``(lo, hi]`` with ``open_lo``), else ``InputError``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(f"{where}: {key} must be a number, got {value!r}")
     v = float(value)
@@ -139,10 +142,10 @@ def validate_hf_config(cfg: Any, path: str) -> dict:
         raise InputError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
     for key, (lo, hi) in HF_INT_BOUNDS.items():
         if cfg.get(key) is not None:
-            _int(path, key, cfg[key], lo, hi)
+            check_int(path, key, cfg[key], lo, hi)
     for key, (lo, hi, open_lo) in HF_FLOAT_KEYS.items():
         if cfg.get(key) is not None:
-            _float(path, key, cfg[key], lo, hi, open_lo)
+            check_float(path, key, cfg[key], lo, hi, open_lo)
     for key in ("tie_word_embeddings", "attention_bias", "norm_topk_prob"):
         if key in cfg and cfg[key] is not None and not isinstance(cfg[key], bool):
             raise InputError(f"{path}: {key} must be true or false, got {cfg[key]!r}")
@@ -163,8 +166,8 @@ def validate_adapter_config(cfg: Any, path: str) -> dict:
     for key in ("r", "lora_alpha"):
         if key not in cfg:
             raise InputError(f"{path}: missing key {key!r}")
-    _int(path, "r", cfg["r"], 1, 1 << 16)
-    _float(path, "lora_alpha", cfg["lora_alpha"])
+    check_int(path, "r", cfg["r"], 1, 1 << 16)
+    check_float(path, "lora_alpha", cfg["lora_alpha"])
     tm = cfg.get("target_modules")
     if tm is not None and not (isinstance(tm, str) or (
             isinstance(tm, list) and all(isinstance(m, str) for m in tm))):
@@ -182,13 +185,13 @@ def check_generation_flags(max_new_tokens: Optional[int] = None,
     ``--temperature`` >= 0, ``--top-k`` >= 0, ``--top-p`` in (0, 1], ``--max-context`` >= 1,
     ``--seed`` in [0, 2**32)."""
     checks: Mapping[str, Tuple[Any, Any]] = {
-        "--max-new-tokens": (max_new_tokens, lambda v: _int(prog, "--max-new-tokens", v, 1,
+        "--max-new-tokens": (max_new_tokens, lambda v: check_int(prog, "--max-new-tokens", v, 1,
                                                             1 << 24)),
-        "--temperature": (temperature, lambda v: _float(prog, "--temperature", v, 0.0)),
-        "--top-k": (top_k, lambda v: _int(prog, "--top-k", v, 0, 1 << 24)),
-        "--top-p": (top_p, lambda v: _float(prog, "--top-p", v, 0.0, 1.0, open_lo=True)),
-        "--max-context": (max_context, lambda v: _int(prog, "--max-context", v, 1, 1 << 27)),
-        "--seed": (seed, lambda v: _int(prog, "--seed", v, 0, (1 << 32) - 1)),
+        "--temperature": (temperature, lambda v: check_float(prog, "--temperature", v, 0.0)),
+        "--top-k": (top_k, lambda v: check_int(prog, "--top-k", v, 0, 1 << 24)),
+        "--top-p": (top_p, lambda v: check_float(prog, "--top-p", v, 0.0, 1.0, open_lo=True)),
+        "--max-context": (max_context, lambda v: check_int(prog, "--max-context", v, 1, 1 << 27)),
+        "--seed": (seed, lambda v: check_int(prog, "--seed", v, 0, (1 << 32) - 1)),
     }
     for value, check in checks.values():
         if value is not None:
