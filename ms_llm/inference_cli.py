@@ -35,7 +35,7 @@ def sampling_args(args: argparse.Namespace) -> dict:
     flags' ranges are checked (``ms_llm.validation.check_generation_flags``)."""
     from ms_llm.validation import check_generation_flags
     check_generation_flags(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                           args.max_context, args.seed, prog=args.prog)
+                           args.max_context, args.seed)
     sample = ((args.temperature is not None and args.temperature > 0)
               or (args.top_k or 0) > 0 or (args.top_p is not None and args.top_p < 1.0))
     if args.temperature == 0:
@@ -61,7 +61,6 @@ def generate_main(argv: List[str], out: Optional[TextIO] = None) -> int:
     p.add_argument("--prompt", required=True)
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     args = p.parse_args(argv)
-    args.prog = "ms-llm generate"
     out = out or sys.stdout
     from ms_llm.inference.generate import generate
     from ms_llm.inference.loading import encode_prompt
@@ -101,7 +100,6 @@ def chat_main(argv: List[str], stdin: Optional[TextIO] = None,
     _common(p, max_new_tokens=512)
     p.add_argument("--system", default=None, help="system prompt")
     args = p.parse_args(argv)
-    args.prog = "ms-llm chat"
     stdin, out = stdin or sys.stdin, out or sys.stdout
     from ms_llm.inference.chat import ChatSession, ContextTooLong
     from ms_llm.inference.streamer import TextStreamer

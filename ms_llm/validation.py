@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
@@ -95,22 +95,24 @@ def read_json_object(path: str) -> dict:
 # ----------------------------------------------------------------------------- checks
 def check_int(where: str, key: str, value: Any, lo: int, hi: int) -> int:
     """An int (not a bool, float or string) in ``[lo, hi]``, else ``InputError``."""
+    at = f"{where}: " if where else ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InputError(f"{where}: {key} must be an integer, got {value!r}")
+        raise InputError(f"{at}{key} must be an integer, got {value!r}")
     if not lo <= value <= hi:
-        raise InputError(f"{where}: {key} = {value} is outside [{lo}, {hi}]")
+        raise InputError(f"{at}{key} = {value} is outside [{lo}, {hi}]")
     return value
 
 
 def check_float(where: str, key: str, value: Any, lo: float = -math.inf,
                 hi: float = math.inf, open_lo: bool = False) -> float:
     """A finite number in ``[lo, hi]`` (``(lo, hi]`` with ``open_lo``), else ``InputError``."""
+    at = f"{where}: " if where else ""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InputError(f"{where}: {key} must be a number, got {value!r}")
+        raise InputError(f"{at}{key} must be a number, got {value!r}")
     v = float(value)
     if not math.isfinite(v) or v < lo or v > hi or (open_lo and v == lo):
         lo_s = "(" if open_lo else "["
-        raise InputError(f"{where}: {key} = {value} is outside {lo_s}{lo}, {hi}]")
+        raise InputError(f"{at}{key} = {value} is outside {lo_s}{lo}, {hi}]")
     return v
 
 
@@ -179,21 +181,20 @@ def validate_adapter_config(cfg: Any, path: str) -> dict:
 def check_generation_flags(max_new_tokens: Optional[int] = None,
                            temperature: Optional[float] = None,
                            top_k: Optional[int] = None, top_p: Optional[float] = None,
-                           max_context: Optional[int] = None, seed: Optional[int] = None,
-                           prog: str = "ms-llm generate") -> None:
+                           max_context: Optional[int] = None,
+                           seed: Optional[int] = None) -> None:
     """Ranges of the sampling flags (one line naming the flag): ``--max-new-tokens`` >= 1,
     ``--temperature`` >= 0, ``--top-k`` >= 0, ``--top-p`` in (0, 1], ``--max-context`` >= 1,
-    ``--seed`` in [0, 2**32)."""
-    checks: Mapping[str, Tuple[Any, Any]] = {
-        "--max-new-tokens": (max_new_tokens, lambda v: check_int(prog, "--max-new-tokens", v, 1,
-                                                            1 << 24)),
-        "--temperature": (temperature, lambda v: check_float(prog, "--temperature", v, 0.0)),
-        "--top-k": (top_k, lambda v: check_int(prog, "--top-k", v, 0, 1 << 24)),
-        "--top-p": (top_p, lambda v: check_float(prog, "--top-p", v, 0.0, 1.0, open_lo=True)),
-        "--max-context": (max_context, lambda v: check_int(prog, "--max-context", v, 1, 1 << 27)),
-        "--seed": (seed, lambda v: check_int(prog, "--seed", v, 0, (1 << 32) - 1)),
-    }
-    for value, check in checks.values():
+    ``--seed`` in [0, 2**32). The caller prefixes its command name."""
+    checks = [
+        (max_new_tokens, lambda v: check_int("", "--max-new-tokens", v, 1, 1 << 24)),
+        (temperature, lambda v: check_float("", "--temperature", v, 0.0)),
+        (top_k, lambda v: check_int("", "--top-k", v, 0, 1 << 24)),
+        (top_p, lambda v: check_float("", "--top-p", v, 0.0, 1.0, open_lo=True)),
+        (max_context, lambda v: check_int("", "--max-context", v, 1, 1 << 27)),
+        (seed, lambda v: check_int("", "--seed", v, 0, (1 << 32) - 1)),
+    ]
+    for value, check in checks:
         if value is not None:
             check(value)
 

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .dcp_format import FORMAT, METADATA, DCPError, file_crc32, list_iters, read_json
+from .dcp_format import FORMAT, METADATA, TRACKER, DCPError, file_crc32, list_iters, read_json
 
 __all__ = ["metadata_problem", "verify_checkpoint", "verify_file", "survey", "guard_save_dir",
            "SHAPE_KEYS", "main"]
@@ -131,30 +131,32 @@ def guard_save_dir(save_dir: Optional[str], resume_path: Optional[str],
     (a fresh start would overwrite shards that may still be recovered), or an intact checkpoint
     of another model shape. When resuming from an intact checkpoint, newer broken ones are
     renamed to ``.unverified_iter_*`` (kept for inspection, never loaded, never overwritten) by
-    rank 0 and said once. Checkpoints are verified by size here: the resume point was already
-    verified by crc during discovery, and the others are only looked at, not loaded."""
+    rank 0 and said once. Without a resume point the newest checkpoints are crc-verified until
+    one passes (usually one read)."""
     if not save_dir or not os.path.isdir(save_dir):
         return
-    found = survey(save_dir, crc=False)
-    if resume_path is None:
-        intact = [p for _, p, why in found if why is None]
-        if found and not intact:
-            step, path, why = found[-1]
+    found = list_iters(save_dir)
+    if resume_path is None:   # newest first, until one verifies (usually one read)
+        first_why = None
+        for _, p in reversed(found):
+            why = verify_checkpoint(p, crc=True)
+            if why is None:
+                diff = _foreign(p, model_config or {})
+                if diff:
+                    raise DCPError(f"checkpoint.save_dir {save_dir}: {p} belongs to another "
+                                   f"model ({diff}); pick another save_dir")
+                return
+            first_why = first_why or why
+        if found:
             raise DCPError(f"checkpoint.save_dir {save_dir}: holds checkpoint(s) that do not "
-                           f"verify and none to resume from ({why}); move them away, "
+                           f"verify and none to resume from ({first_why}); move them away, "
                            f"or pick another save_dir")
-        for p in intact[-1:]:
-            diff = _foreign(p, model_config or {})
-            if diff:
-                raise DCPError(f"checkpoint.save_dir {save_dir}: {p} belongs to another model "
-                               f"({diff}); pick another save_dir")
         return
-    resume_step = next((s for s, p, _ in found
+    resume_step = next((s for s, p in found
                         if os.path.realpath(p) == os.path.realpath(resume_path)), None)
     if resume_step is None:
         return   # resuming from a checkpoint outside save_dir: nothing of it is overwritten
-    from .dcp_format import TRACKER
-    newer = [(s, p) for s, p, _ in found if s > resume_step]
+    newer = [(s, p) for s, p in found if s > resume_step]
     newer = [(s, p) for s, p in newer if verify_checkpoint(p, crc=True) is not None]
     if rank != 0 or not newer:
         return
