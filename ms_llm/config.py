@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from ms_llm.validation import yaml_load_unique
+from ms_llm.validation import size_bound_problem, yaml_load_unique
 
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models.families import family_defaults
@@ -232,6 +232,9 @@ def _checked(value: Any, tp: Any, key: str, source: str) -> Any:
     """Type, then value: the one gate every explicitly set key passes through."""
     value = _coerce(value, tp, key, source)
     check_value(key, value, source)
+    too_big = size_bound_problem(key, value)   # before anything is sized by it
+    if too_big:
+        raise ConfigError(f"{source}: {too_big}")
     return value
 
 

@@ -18,7 +18,7 @@ import yaml
 
 __all__ = ["InputError", "yaml_load_unique", "read_json_object", "validate_hf_config",
            "validate_adapter_config", "check_generation_flags", "check_int", "check_float",
-           "HF_INT_BOUNDS"]
+           "HF_INT_BOUNDS", "RUN_SIZE_BOUNDS", "size_bound_problem"]
 
 
 class InputError(ValueError):
@@ -176,6 +176,27 @@ def validate_adapter_config(cfg: Any, path: str) -> dict:
         raise InputError(f"{path}: target_modules must be a string or a list of strings, "
                          f"got {tm!r}")
     return cfg
+
+
+# Run-config keys that size an allocation, with the same far-above-any-model bounds: a typo
+# (``num_layers: 1000000000``) is refused at load, not discovered when memory runs out.
+RUN_SIZE_BOUNDS: Dict[str, int] = {
+    "model.num_layers": 4096, "model.hidden_size": 1 << 17, "model.ffn_hidden_size": 1 << 20,
+    "model.num_attention_heads": 4096, "model.num_query_groups": 4096,
+    "model.kv_channels": 1 << 14, "model.padded_vocab_size": 1 << 23,
+    "model.max_position_embeddings": 1 << 27, "model.num_moe_experts": 1 << 14,
+    "model.moe_ffn_hidden_size": 1 << 20, "model.q_lora_rank": 1 << 17,
+    "model.kv_lora_rank": 1 << 17, "model.mtp_num_layers": 64, "data.seq_length": 1 << 27,
+    "training.micro_batch_size": 1 << 20, "training.global_batch_size": 1 << 30,
+}
+
+
+def size_bound_problem(key: str, value: Any) -> Optional[str]:
+    """Why ``value`` of run-config ``key`` (``section.key``) is too large to allocate, or None."""
+    hi = RUN_SIZE_BOUNDS.get(key)
+    if hi is None or not isinstance(value, int) or isinstance(value, bool) or value <= hi:
+        return None
+    return f"{key} = {value} is above the bound {hi} (a typo? nothing is allocated for it)"
 
 
 def check_generation_flags(max_new_tokens: Optional[int] = None,

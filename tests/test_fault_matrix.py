@@ -253,6 +253,9 @@ CASES = {
     "yaml-duplicate-section": lambda fx, t, o: (
         ["train", yaml_file(t, "training:\n  max_steps: 1\nmodel: {}\ntraining: {}\n")],
         "key 'training' given twice"),
+    "yaml-layers-huge": lambda fx, t, o: (
+        ["train", yaml_file(t, "model:\n  num_layers: 1000000000\n")],
+        r"config error: .*model.num_layers = 1000000000 is above the bound 4096"),
     "train-into-unverified-checkpoints": lambda fx, t, o: (
         ["train", CONFIG, *TRAIN, "--training.output_dir", o, "--training.resume", "auto",
          "--checkpoint.save_dir", (lambda d: (flip_byte(ckpt_shard(d)), d)[1])(
