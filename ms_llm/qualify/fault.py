@@ -143,5 +143,8 @@ def check_cell(cell: Cell, run: dict, index: int, launch: Dict, uninterrupted: D
 
 def restart_logs(launch: Dict, tail: int = 40) -> List[str]:
     """The supervisor's lines (restarts, exit codes) for a cell log."""
-    lines = [ln for ln in launch["log"].splitlines() if ln.startswith("ms-llm restart:")]
+    # the supervisor's "resuming from" names its --save-dir; each run resumes from its own
+    lines = [re.sub(r"resuming from .*?; worker logs", "each killed run resumes from its own "
+                    "save_dir; worker logs", ln)
+             for ln in launch["log"].splitlines() if ln.startswith("ms-llm restart:")]
     return ["--- fault launch (restart supervisor)", *lines[-tail:]]
