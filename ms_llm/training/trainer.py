@@ -17,7 +17,8 @@ from ms_llm.checkpoint import dcp
 from ms_llm.compat import manual_seed, setup_device
 from ms_llm.compat.autograd import is_recomputing
 from ms_llm.config import ConfigError, RunConfig
-from ms_llm.models import GPTModel, from_pretrained
+from ms_llm.models import GPTModel
+from ms_llm.checkpoint import from_pretrained
 from ms_llm.models.moe import collect_router_counts, update_expert_bias
 from ms_llm.lora import base as lora_base
 from ms_llm.lora.modules import is_frozen_base, lora_module_names
