@@ -22,8 +22,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .config import TransformerConfig
 
-__all__ = ["FamilySpec", "Qualify", "register_family", "get_family", "family_for_hf",
-           "family_for_config", "families", "parse_hf_config", "BUILTIN_FAMILY_MODULES"]
+__all__ = ["FamilySpec", "Qualify", "register_family", "unregister_family", "get_family",
+           "family_for_hf", "family_for_config", "families", "names", "parse_hf_config",
+           "BUILTIN_FAMILY_MODULES"]
 
 # The families ms-llm ships; ``families()`` imports them on first use (each registers itself).
 BUILTIN_FAMILY_MODULES = ("llama", "qwen25", "qwen3", "qwen3_moe", "deepseek_v3", "glm45")
@@ -138,6 +139,16 @@ def register_family(spec: FamilySpec) -> FamilySpec:
     for n in names:
         _NAMES[n] = spec.name
     _HF_TYPES[spec.hf_model_type] = spec.name
+    return spec
+
+
+def unregister_family(name: str) -> FamilySpec:
+    """Remove a family and all its names (tests, or a plugin replacing a built-in family)."""
+    spec = get_family(name)
+    del _FAMILIES[spec.name]
+    for n in [n for n, f in _NAMES.items() if f == spec.name]:
+        del _NAMES[n]
+    del _HF_TYPES[spec.hf_model_type]
     return spec
 
 

@@ -6,7 +6,7 @@ function: ``family_defaults(name)`` (a run's ``model.family`` switches) and ``co
 (the one ``config.json`` -> TransformerConfig translation)."""
 from __future__ import annotations
 
-from typing import Dict, Mapping
+from typing import Mapping
 
 from ..config import TransformerConfig
 from ..registry import families, get_family, names, parse_hf_config

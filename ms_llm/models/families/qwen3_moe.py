@@ -25,6 +25,10 @@ def sparse_pattern(hf: Mapping, layers: int, experts: int) -> List[int]:
 
 
 def moe_fields(hf: Mapping, source: str) -> dict:
+    # transformers 5 writes ``num_local_experts`` (its attribute map for ``num_experts``,
+    # the name published Qwen3-MoE configs use)
+    if "num_experts" not in hf and "num_local_experts" in hf:
+        hf = dict(hf, num_experts=hf["num_local_experts"])
     try:
         experts, topk = int(hf["num_experts"]), int(hf["num_experts_per_tok"])
         moe_ffn = int(hf["moe_intermediate_size"])
