@@ -15,7 +15,7 @@ from mindspore import Tensor
 
 from ms_llm.checkpoint import dcp
 from ms_llm.compat import manual_seed, setup_device
-from ms_llm.config import ConfigError, RunConfig
+from ms_llm.config import ConfigError, RunConfig, check_launch
 from ms_llm.models import GPTModel, from_pretrained
 from ms_llm.lora import base as lora_base
 from ms_llm.lora.modules import is_frozen_base, lora_module_names
@@ -70,26 +70,21 @@ class Trainer:
         if self.dist.world_size > 1:
             comm.set_collective_timeout(p.collective_timeout_s)
             self.callbacks.append(RankStatus(t.output_dir))   # the watchdog's time-out report
-        try:
-            self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
-                                                    pp=p.pipeline_model_parallel_size,
-                                                    cp=p.context_parallel_size,
-                                                    ep=p.expert_model_parallel_size)
-        except ValueError as e:
-            raise ConfigError(f"launch with {self.dist.world_size} worker(s): {e}") from None
+        check_launch(cfg, self.dist.world_size)   # the mesh, global batch, pipeline schedule
+        self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
+                                                pp=p.pipeline_model_parallel_size,
+                                                cp=p.context_parallel_size,
+                                                ep=p.expert_model_parallel_size)
         self.tp_group, self.dp_group = self.pstate.group("tp"), self.pstate.group("dp")
-        mb_total = t.micro_batch_size * self.dp_group.size
-        if t.global_batch_size % mb_total:
-            raise ConfigError(f"training.global_batch_size ({t.global_batch_size}) must be a "
-                              f"multiple of micro_batch_size x data-parallel size ({mb_total})")
-        self.accum_steps = t.global_batch_size // mb_total
+        self.accum_steps = t.global_batch_size // (t.micro_batch_size * self.dp_group.size)
         manual_seed(t.seed)
         np.random.seed(t.seed)
         self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
-        cfg.model = self.data.model_config
+        # The config this run trains with, derived (the loaded one stays as it was): the data's
+        # model config (the tokenizer's padded vocabulary) and training.bf16's dtypes.
+        self.cfg = cfg = mixed_precision.resolved(cfg.replace(model=self.data.model_config))
         reset_peak_rss()   # the logged peak is training's, not the data set-up's transients
         self.rss_before_model_gb = current_rss_gb()   # the baseline `ms-llm plan` predicts above
-        mixed_precision.apply_to_config(cfg)   # training.bf16: bf16 params, FSDP gathers
         self.model = build_model(cfg)
         try:
             par = parallelize_model(self.model, cfg, self.pstate)
@@ -105,11 +100,8 @@ class Trainer:
         self.mesh = Mesh.of(self.pstate)
         self.pipeline = None
         if par.chunks is not None:
-            try:
-                self.pipeline = build_pipeline(par.chunks, cfg, self.pstate, self.accum_steps,
-                                               self.model.config)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+            self.pipeline = build_pipeline(par.chunks, cfg, self.pstate, self.accum_steps,
+                                           self.model.config)
         named = [(n, q) for n, q in self.named_params if q.requires_grad]
         self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit)
         # The distributed optimizer reduce-scatters instead of all-reducing (its own grad sync).
