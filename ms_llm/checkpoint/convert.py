@@ -38,6 +38,7 @@ from . import layouts as L
 from . import layouts_mtp as MTP
 from .convert_args import (DTYPES, ConvertError, _check_num_layers,  # noqa: F401 (re-exported)
                            _int_list, _refuse_unsupported, build_parser)
+from .convert_stream import stream_to_sink  # noqa: F401 (re-exported: dcp_export, lora)
 from .hf_io import HFReader, HFWriter, copy_hf_side_files, read_hf_config
 from .megatron import (MegatronReader, MegatronWriter, check_hf_template, hf_config_from_args,
                        make_args, write_hf_config)
@@ -417,52 +418,6 @@ def _select_mtp(opts: argparse.Namespace, src) -> None:
     log.warning("--mtp-num-layers 0: dropping the checkpoint's %d MTP layer(s)", have)
     src.spec.mtp_layers = 0
     src.config = dict(src.config, num_nextn_predict_layers=0)
-
-
-def _finite(where: str, tensors, allow: bool):
-    """``tensors`` (an array, a dict of them, or None), refusing a NaN/inf unless ``allow``:
-    a converted or merged model with one is wrong in every output it produces."""
-    if allow or tensors is None:
-        return tensors
-    items = tensors.items() if isinstance(tensors, dict) else [("", tensors)]
-    for name, x in items:
-        if isinstance(x, np.ndarray) and (x.dtype.kind == "f" or x.dtype == ml_dtypes.bfloat16) \
-                and not np.isfinite(x).all():
-            raise ConvertError(f"{where}{' ' + name if name else ''} holds a non-finite value "
-                               f"(NaN/inf); pass --allow-non-finite to convert it anyway")
-    return tensors
-
-
-def stream_to_sink(src, sink, tmp: str, out: str, *, progress=None, check=None,
-                   allow_nonfinite: bool = False) -> str:
-    """Copy ``src`` into ``sink`` one layer at a time (memory stays near one layer), then
-    publish the folder ``tmp`` as ``out`` by renaming it. On any failure the sink is aborted and
-    ``tmp`` removed, so ``out`` is either complete or absent. ``check()`` runs before the sink
-    is closed (e.g. to reject source tensors that nothing consumed). Every tensor is checked for
-    NaN/inf on the way (unless ``allow_nonfinite``)."""
-    ok = allow_nonfinite
-    try:
-        sink.embedding(_finite("embedding", src.embedding(), ok))
-        n = src.spec.num_layers
-        for i in range(n):
-            sink.layer(i, _finite(f"decoder layer {i}", src.layer(i), ok))
-            if progress:
-                progress(i + 1, n)
-        output = _finite("output layer", src.output(), ok)
-        for j in range(src.spec.mtp_layers):
-            sink.mtp_layer(j, _finite(f"MTP depth {j}", src.mtp_layer(j), ok), output)
-        sink.final(_finite("final norm", src.final_norm(), ok), output)
-        if check is not None:
-            check()
-        sink.close()
-    except BaseException:
-        sink.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.isdir(out):
-        os.rmdir(out)
-    os.rename(tmp, out)
-    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
