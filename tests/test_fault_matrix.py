@@ -333,3 +333,31 @@ def test_kill_during_convert_leaves_no_output_that_looks_complete(tmp_path):
     else:   # finished before the kill: the output is complete
         assert proc.returncode == 0
         assert cli([*TO_HF, "--load-dir", str(out), "--save-dir", str(tmp_path / "back")]) == 0
+
+
+def test_kill_during_save_leaves_only_checkpoints_that_verify(tmp_path):
+    """SIGKILL while ``ms-llm train`` writes a checkpoint (its ``.tmp_iter_*`` folder exists):
+    every ``iter_*`` folder left verifies (crc32), so resume and ``ms-llm checkpoint verify``
+    see only complete checkpoints."""
+    save = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ms_llm.cli", "train", CONFIG, *TRAIN[:-1], "50",
+         "--training.output_dir", str(tmp_path / "run"), "--checkpoint.save_dir", str(save),
+         "--checkpoint.save_interval", "1"],
+        env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    deadline, killed = time.time() + 300, False
+    while time.time() < deadline and proc.poll() is None:
+        done = [n for n in os.listdir(save) if n.startswith("iter_")] if save.exists() else []
+        if done and [n for n in os.listdir(save) if n.startswith(".tmp_iter_")]:
+            proc.send_signal(signal.SIGKILL)   # a save after the first one is under way
+            killed = True
+            break
+        time.sleep(0.002)
+    proc.wait(timeout=60)
+    assert killed, "the run ended before a save could be interrupted"
+    iters = sorted(n for n in os.listdir(save) if n.startswith("iter_"))
+    assert iters
+    for n in iters:
+        assert dcp.check_complete(str(save / n), verify="crc") is None, n
+    assert cli(["checkpoint", "verify", str(save)]) == 0
