@@ -156,9 +156,11 @@ def guard_save_dir(save_dir: Optional[str], resume_path: Optional[str],
                         if os.path.realpath(p) == os.path.realpath(resume_path)), None)
     if resume_step is None:
         return   # resuming from a checkpoint outside save_dir: nothing of it is overwritten
+    if rank != 0:
+        return
     newer = [(s, p) for s, p in found if s > resume_step]
     newer = [(s, p) for s, p in newer if verify_checkpoint(p, crc=True) is not None]
-    if rank != 0 or not newer:
+    if not newer:
         return
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     moved = []
