@@ -177,8 +177,8 @@ def test_bf16_config_rules():
     cfg = load_config(CONFIG, ["--training.bf16", "true", "--parallel.grad_reduce_in_fp32", "false",
                                "--parallel.fsdp_size", "2"])
     assert mp.grad_dtype(cfg) == ms.bfloat16
-    mp.apply_to_config(cfg)
-    assert cfg.parallel.fsdp_reduce_dtype == "bfloat16"
+    assert mp.resolved(cfg).parallel.fsdp_reduce_dtype == "bfloat16"
+    assert cfg.parallel.fsdp_reduce_dtype is None     # the loaded config is left as it was
     assert mp.grad_dtype(load_config(CONFIG, ["--training.bf16", "true"])) == ms.float32
 
 

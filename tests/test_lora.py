@@ -308,7 +308,6 @@ def test_merged_export_convert_and_resume(base, tmp_path):
     shutil.copytree(base / "hf", other)
     with open(other / "config.json", "a") as f:
         f.write("\n")
-    cfg = lora_cfg(base, tmp_path, "--training.resume", "auto")
-    cfg.checkpoint.load = str(other)
+    cfg = lora_cfg(base, tmp_path, "--training.resume", "auto", "--checkpoint.load", str(other))
     with pytest.raises(ConfigError, match="a different base"):
         Trainer(cfg)

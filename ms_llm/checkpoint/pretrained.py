@@ -88,8 +88,9 @@ def adopt_pretrained_architecture(cfg) -> None:
             knobs[key] = value
         elif not _agrees(key, value, loaded):
             raise ConfigError(_disagreement(src, key, value, getattr(loaded, key), folder))
-    cfg.model = loaded.replace(**knobs) if knobs else loaded
-    cfg.model_family = family
+    model = loaded.replace(**knobs) if knobs else loaded
+    if (cfg.model, cfg.model_family) != (model, family):   # a loaded config is frozen
+        cfg.model, cfg.model_family = model, family
 
 
 def _family_name(value: str) -> str:

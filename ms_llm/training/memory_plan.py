@@ -126,9 +126,7 @@ def planned_model_config(cfg) -> TransformerConfig:
     """The architecture training would build: a ``checkpoint.load`` folder's, or the config's
     with the tokenizer's padded vocabulary (as ``build_data`` decides), without reading data."""
     from ms_llm.training.data_setup import padded_vocab
-    if cfg.checkpoint.load:
-        from ms_llm.checkpoint.pretrained import adopt_pretrained_architecture
-        adopt_pretrained_architecture(cfg)
+    if cfg.checkpoint.load:     # load_config adopted the folder's architecture
         return cfg.model
     if "padded_vocab_size" in cfg.model_overrides:
         return cfg.model
