@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from mindspore import Tensor
 
+from cli_util import run_ms_llm
 from hf_fixtures import make_hf_checkpoint
 from ms_llm.checkpoint.pretrained import DEFAULT_CONFIG, pretrained_architecture
 from ms_llm.config import ConfigError, load_config
@@ -135,12 +134,10 @@ def test_cross_key_checks_run_on_the_loaded_architecture(hf, tmp_path):
 
 
 def test_cli_train_disagreement_is_one_stderr_line(hf, tmp_path):
-    exe = os.path.join(os.path.dirname(sys.executable), "ms-llm")
-    r = subprocess.run([exe, "train", "--checkpoint.load", str(hf / "hf"), *data_args(hf),
-                        "--model.num_query_groups", "4", "--training.max_steps", "1",
-                        "--training.output_dir", str(tmp_path / "out")],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                       env={**os.environ, "GLOG_v": "3"})   # MindSpore's own deprecation notes
+    r = run_ms_llm("train", "--checkpoint.load", str(hf / "hf"), *data_args(hf),
+                   "--model.num_query_groups", "4", "--training.max_steps", "1",
+                   "--training.output_dir", str(tmp_path / "out"),
+                   cwd=tmp_path, timeout=300)   # GLOG_v=3: not MindSpore's deprecation notes
     assert r.returncode != 0
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(err) == 1, r.stderr
