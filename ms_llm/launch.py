@@ -110,9 +110,31 @@ class LaunchResult:
                                   f"its output:", self.stdout[-2000:], self.stderr[-2000:]])
 
 
+def descendants(pid: int) -> List[int]:
+    """Every live process below ``pid`` (from ``/proc``; empty where there is none)."""
+    children: dict = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 class MsrunJob:
-    """A started launch in its own process group, so a time-out ends the workers too (killing
-    msrun alone would leave them running on this shared machine)."""
+    """A started launch, ended as a whole on a time-out or an interrupt: msrun starts every
+    worker in a process group of its own and leaves them running when it is killed, so the
+    workers are found as msrun's descendants and killed one by one (a leftover job would hold
+    the cores of this shared machine)."""
 
     def __init__(self, cmd: Sequence[str], log_dir: str, nproc: int,
                  env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
@@ -138,16 +160,26 @@ class MsrunJob:
             self.kill()
             out, err = self.proc.communicate()
             rc = TIMEOUT
+        except BaseException:   # KeyboardInterrupt, a failing test's teardown: no orphans
+            self.kill()
+            raise
         if self._out:
             self._out.close()
         return LaunchResult(rc, out or "", err or "", read_worker_logs(self.log_dir, self.nproc),
                             time.time() - self.t0)
 
     def kill(self) -> None:
+        """SIGKILL msrun, its process group and every descendant (the workers)."""
+        victims = descendants(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
+        for pid in victims + descendants(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def start_msrun(script: str, nproc: int, log_dir: str, args: Sequence[str] = (), *,

@@ -202,8 +202,9 @@ def test_pretrain_sh_supervisor_builds_the_msrun_command(monkeypatch):
 
 def test_a_timed_out_launch_is_killed_with_its_children(tmp_path):
     pid_file = tmp_path / "child.pid"
-    job = ms_launch.MsrunJob(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; echo hi; wait"],
-                             str(tmp_path), 1, output=str(tmp_path / "worker_0.log"))
+    # the grandchild runs in a session of its own, as msrun's workers do
+    job = ms_launch.MsrunJob(["bash", "-c", f"setsid sleep 60 & echo $! > {pid_file}; echo hi; "
+                              "wait"], str(tmp_path), 1, output=str(tmp_path / "worker_0.log"))
     res = job.wait(timeout=2)
     assert res.returncode == ms_launch.TIMEOUT and not res.ok and res.logs == ["hi\n"]
     child = int(pid_file.read_text())
