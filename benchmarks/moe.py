@@ -42,7 +42,7 @@ def worker(args) -> None:
     from ms_llm.compat import manual_seed
     from ms_llm.models import TransformerConfig
     from ms_llm.models.moe import MoELayer
-    from ms_llm.ops._dispatch import resolve_paths
+    from ms_llm.ops import resolve_paths
     from ms_llm.parallel import comm
     from ms_llm.parallel.expert_parallel import apply_expert_parallel
     from ms_llm.parallel.megamoe import Timeline

@@ -251,7 +251,7 @@ def test_reshard_frees_storage_and_gradients_match_unsharded():
     import mindspore as ms
     from mindspore import Tensor
     from ms_llm.compat import manual_seed
-    from ms_llm.compat._private import storage_nbytes
+    from ms_llm.compat.private_api import storage_nbytes
     from ms_llm.models import GPTModel, TransformerConfig
     from ms_llm.parallel import comm
     from ms_llm.parallel.fsdp import fully_shard
