@@ -247,7 +247,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     cfg = RunConfig(model=model, model_family=family, model_overrides=explicit, sources=sources,
                     base_source=base, **built)
     if cfg.checkpoint.load:   # the folder's architecture, before the cross-key checks see it
-        from ms_llm.checkpoint.pretrained import adopt_pretrained_architecture
+        from ms_llm.config_pretrained import adopt_pretrained_architecture
         adopt_pretrained_architecture(cfg)
     validate(cfg)
     if world_size is not None:

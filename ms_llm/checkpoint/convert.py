@@ -353,8 +353,8 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
     tmp = f"{save.rstrip(os.sep)}.tmp-{os.getpid()}"
     sink = None
     try:
-        if opts.lora_load:     # W + alpha/r B A, one layer at a time (ms_llm.lora.merge)
-            from ms_llm.lora.merge import merged_source
+        if opts.lora_load:     # W + alpha/r B A, one layer at a time (lora_merge)
+            from .lora_merge import merged_source
             src = merged_source(src, opts, opts.load_dir)
         spec = src.spec
         _check_num_layers(opts, spec)

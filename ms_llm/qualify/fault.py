@@ -16,9 +16,11 @@ import subprocess
 import time
 from typing import Dict, List
 
+from ms_llm.launch import free_port
+
 from .criteria import Check, compare, restart_built
 from .matrix import ROOT, Cell
-from .runner import free_port, job_env
+from .runner import job_env
 
 SAVE_INTERVAL = 2
 

@@ -20,7 +20,7 @@ from ms_llm.models import GPTModel
 from ms_llm.checkpoint import from_pretrained
 from ms_llm.lora import base as lora_base
 from ms_llm.lora.modules import is_frozen_base, lora_module_names
-from ms_llm.ops._dispatch import resolve_paths
+from ms_llm.ops import resolve_paths
 from ms_llm.parallel import comm
 from ms_llm.parallel.distributed_optimizer import build_optimizer, bytes_per_rank
 from ms_llm.parallel.parallelize import parallelize_model
