@@ -40,6 +40,7 @@ from .dpo import DPOObjective, dpo_pieces, reference_for
 from .evaluate import Evaluator
 from .lr_schedule import lr_at
 from .metrics import MetricsLogger, current_rss_gb, reset_peak_rss
+from .observability import Observability
 
 log = logging.getLogger("ms_llm.train")
 
@@ -75,6 +76,9 @@ class Trainer:
             raise ConfigError(f"training.global_batch_size ({t.global_batch_size}) must be a "
                               f"multiple of micro_batch_size x data-parallel size ({mb_total})")
         self.accum_steps = t.global_batch_size // mb_total
+        # timers, TensorBoard, profiler; deterministic mode before the model is built
+        self.observe = Observability(cfg, self.dist.rank, self.dist.world_size, self._say)
+        self.timers = self.observe.timers
         manual_seed(t.seed)
         np.random.seed(t.seed)
         self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
@@ -102,6 +106,8 @@ class Trainer:
         self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit)
         # The distributed optimizer reduce-scatters instead of all-reducing (its own grad sync).
         self.grad_sync = getattr(self.optimizer, "grad_sync", self.grad_sync)
+        self._grad_sync_timer = "grads-reduce-scatter" if self.fsdp or \
+            p.use_distributed_optimizer else "grads-all-reduce"   # Megatron's timer names
         self.optimizer_bytes = bytes_per_rank(sum(self.optimizer.state_bytes().values()))
         self._say(f"optimizer state per rank (moments + fp32 main-param shards): "
                   f"{', '.join(f'{b / 2 ** 20:.2f}' for b in self.optimizer_bytes)} MiB "
@@ -279,7 +285,10 @@ class Trainer:
     def train_step(self) -> Dict[str, float]:
         t = self.cfg.training
         resilience.note_step(self.step + 1)
-        batches = [next(self.data.loader) for _ in range(self.accum_steps)]
+        with self.timers("batch-generator"):
+            batches = [next(self.data.loader) for _ in range(self.accum_steps)]
+        fwd_bwd_timer = self.timers("forward-backward")
+        fwd_bwd_timer.start()
         units = self.dpo.pairs(batches) if self.dpo is not None else \
             sum(b["loss_mask"].sum() for b in batches)
         n_local = Tensor(np.array([units], np.float32))
@@ -306,11 +315,15 @@ class Trainer:
             if not self.grad_sync.overlap:
                 grads = gradlib.accumulate(grads, g, self.grad_dtype)
         if self.pipeline is None:
-            grads = self.grad_sync.finish() if self.grad_sync.overlap \
-                else self.grad_sync.reduce(grads)
+            with self.timers(self._grad_sync_timer):
+                grads = self.grad_sync.finish() if self.grad_sync.overlap \
+                    else self.grad_sync.reduce(grads)
         # The optimizer's params match the gradients (shards under the distributed optimizer).
         grads = gradlib.reduce_partial_grads(self.optimizer.params, grads, self.pstate.group)
         grads = mixed_precision.grads_to_fp32(grads)   # bf16-reduced: fp32 for norm, clip, AdamW
+        fwd_bwd_timer.stop()
+        opt_timer = self.timers("optimizer")
+        opt_timer.start()
         injected = faults.maybe_inject_nan(self.step + 1, self._opt_names, grads)
         sumsq, grads = (sumsq if injected is grads else None), injected
         comm.all_reduce(total_loss, group=self.dp_cp_group)
@@ -333,6 +346,7 @@ class Trainer:
             self.optimizer.step(grads, lr)
             if self.moe:
                 update_expert_bias(self.model, self._sum_over_dp)
+        opt_timer.stop()
         tokens = sum(int(v.size) for b in batches for k, v in b.items() if k.endswith("tokens"))
         metrics = self.dpo.step_metrics() if self.dpo is not None else {}
         if self.model.mtp is not None:
@@ -393,14 +407,18 @@ class Trainer:
                                append=faults.restart_attempt() > 0,
                                **self._mfu_args(is_main))
         records = []
+        self.observe.on_train_begin(self)
         try:
             while self.step < t.max_steps:
+                self.observe.on_step_begin(self.step + 1)
                 t0 = time.time()
                 out = self.train_step()
                 dt = time.time() - t0
+                self.observe.on_step_end(self.step, out)
                 if self.step % t.log_interval == 0 or self.step == t.max_steps:
                     out["metrics"] = {**out["metrics"], **resilience.step_extras(
-                        self.guard, out["skipped"], dt, self.dist.world_size)}
+                        self.guard, out["skipped"], dt, self.dist.world_size),
+                        **self.observe.log_extras()}
                     records.append(logger.log(
                         self.step, loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],
                         tokens=out["tokens"], step_time=dt,
@@ -408,14 +426,18 @@ class Trainer:
                         global_batch_size=t.global_batch_size, extra={**out["metrics"], **(
                             {} if records else
                             {"optimizer_state_bytes_per_rank": self.optimizer_bytes})}))
+                    self.observe.on_log(self.step, records[-1])
                 if self.evaluator is not None and \
                         self.evaluator.due(self.step, final=self.step == t.max_steps):
                     records.append(logger.log_eval(self.step, self.evaluator.run(self.step)))
+                    self.observe.on_eval(self.step, records[-1],
+                                         self.data.loader.consumed_samples)
                 if ck.save_dir and ((ck.save_interval and self.step % ck.save_interval == 0)
                                     or self.step == t.max_steps):
                     self._say(f"saved checkpoint {self.save()}")
         finally:
             logger.close()
+            self.observe.on_train_end()
         if is_main and records:
             from .plot import plot_loss
             print(f"ms-llm: loss curve {plot_loss(t.output_dir)}", flush=True)
@@ -425,5 +447,7 @@ class Trainer:
 def run(cfg: RunConfig) -> list:
     # The device must be chosen before mindspore.communication.init().
     setup_device(None if cfg.training.device == "auto" else cfg.training.device)
+    from .observability import apply_deterministic
+    apply_deterministic(cfg.training.deterministic)   # before communication.init (MindSpore)
     dist = init_distributed()
     return Trainer(cfg, dist).fit()
