@@ -39,22 +39,6 @@ def current_rss_gb() -> float:
     return 0.0
 
 
-def drop_rows_after(path: str, step: int) -> int:
-    """Remove the rows of steps after ``step`` (a run that got past its last checkpoint before it
-    died) so the resumed run's rows are the only ones for those steps; returns how many."""
-    if not os.path.exists(path):
-        return 0
-    with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    keep = [ln for ln in lines if not ln.strip() or json.loads(ln).get("step", 0) <= step]
-    if len(keep) != len(lines):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(keep)
-        os.replace(tmp, path)
-    return len(lines) - len(keep)
-
-
 class MetricsLogger:
     def __init__(self, output_dir: str, max_steps: int, enabled: bool = True,
                  progress_bar: bool = True, start_step: int = 0,
@@ -75,8 +59,6 @@ class MetricsLogger:
             os.makedirs(output_dir, exist_ok=True)
             if start_step == 0 and not append and os.path.exists(self.path):
                 os.remove(self.path)  # a fresh run starts a fresh file (a restart appends)
-            elif start_step > 0:      # a resume appends, each step once
-                drop_rows_after(self.path, start_step)
             # A bar only on a terminal; under msrun stdout is a log file, where each logged line
             # carries progress and ETA instead.
             if progress_bar and sys.stderr.isatty():
