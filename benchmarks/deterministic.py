@@ -55,7 +55,7 @@ def run_job(deterministic: bool, steps: int) -> float:
     if os.path.exists(out):
         os.remove(out)
     cmd, env = msrun_command(os.path.abspath(__file__), 2, f"/tmp/ms_llm_bench_det_logs_{flag}",
-                             ["--worker", out, str(steps), flag], cluster_time_out=120)
+                             ["worker", out, str(steps), flag], cluster_time_out=120)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if r.returncode != 0 or not os.path.exists(out):
         raise SystemExit(f"msrun job (deterministic={flag}) failed: {r.stdout[-2000:]}")
@@ -64,7 +64,7 @@ def run_job(deterministic: bool, steps: int) -> float:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":   # (msrun would take "--worker" as its own flag)
         worker(sys.argv[2], int(sys.argv[3]), sys.argv[4])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -104,6 +104,7 @@ def test_timers_levels_and_min_max():
 
 
 # --------------------------------------------------------------------------- profiler
+@pytest.mark.slow
 def test_profile_two_steps_on_cpu_has_the_matmuls(tmp_path):
     """``ms-llm train`` profiles steps 2-3; the trace is Chrome trace JSON with the step's
     matmuls. ms-llm's own OpenBLAS kernels are AOT custom ops, which MindSpore's profiler names
@@ -156,6 +157,7 @@ def observe_job(tmp_path_factory):
     return run_worker_job("observe_train.py", tmp, 2, specs, timeout=1200)
 
 
+@pytest.mark.msrun
 def test_timers_on_dp2_sum_to_the_step_time(observe_job):
     run = observe_job["timers"]
     for step_time, timers in list(zip(run["step_time_s"], run["timers_ms"]))[1:]:  # after step 1
@@ -170,6 +172,7 @@ def test_timers_on_dp2_sum_to_the_step_time(observe_job):
             assert 0 <= mm["min"] <= mm["max"]
 
 
+@pytest.mark.msrun
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_deterministic_reruns_are_bit_identical(observe_job, layout):
     a, b = observe_job[f"{layout}_1"], observe_job[f"{layout}_2"]
