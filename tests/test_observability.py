@@ -178,3 +178,16 @@ def test_deterministic_reruns_are_bit_identical(observe_job, layout):
     a, b = observe_job[f"{layout}_1"], observe_job[f"{layout}_2"]
     assert len(a["loss"]) == 3
     assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a, b)
+
+
+def test_tensorboard_moe_load_balancing_and_mtp_tags(tmp_path):
+    tb = tmp_path / "tb"
+    Trainer(load_config(CONFIG, PLAIN + [
+        "--training.output_dir", str(tmp_path / "out"), "--training.tensorboard_dir", str(tb),
+        "--training.max_steps", "2", *MOE, "--model.mtp_num_layers", "1"])).fit()
+    steps = [r for r in _rows(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    _, lb = _scalars(str(tb), "load_balancing_loss")
+    assert lb == [(r["step"], float(np.float32(r["moe_aux_loss"]))) for r in steps]
+    assert all(v > 0 for _, v in lb)
+    _, mtp = _scalars(str(tb), "mtp_1 loss")
+    assert mtp == [(r["step"], float(np.float32(r["mtp_1_loss"]))) for r in steps]

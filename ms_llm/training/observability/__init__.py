@@ -50,6 +50,8 @@ class Observability:
         self._hooks: List[Any] = []
         self._pipeline = None
         self._fwd_t0: Optional[float] = None
+        self._moe_layers: list = []
+        self._aux: List[float] = []
 
     # ------------------------------------------------------------------ run boundaries
     def on_train_begin(self, trainer) -> None:
@@ -60,6 +62,9 @@ class Observability:
             self.tb.log_config(self.cfg.to_dict())
             self.say(f"TensorBoard event files in {t.tensorboard_dir} "
                      f"(tensorboard --logdir {t.tensorboard_dir})")
+            if trainer.moe:
+                from ms_llm.models.moe import moe_layers
+                self._moe_layers = moe_layers(trainer.model)
         if self.timers.log_level >= 2:
             self._attach_compute_timers(trainer)
 
@@ -80,6 +85,11 @@ class Observability:
 
     def on_step_end(self, step: int, out: Dict[str, Any]) -> None:
         self._steps_since_log += 1
+        if self.tb is not None and self._moe_layers:   # the step's loss already synchronised
+            losses = [float(l.router.aux_loss.asnumpy()) for l in self._moe_layers
+                      if l.router.aux_loss is not None]
+            if losses:
+                self._aux.append(sum(losses))
         if self._pipeline is not None:   # level 2 under pp: the executor's timed spans
             spans = {"F": "forward-compute", "B": "backward-compute",
                      "comm": "pipeline-send-recv"}
@@ -95,11 +105,20 @@ class Observability:
         every rank calls it on the same steps."""
         if not self.timers.enabled:
             self._steps_since_log = 0
-            return {}
+            return self._moe_extras()
         stats = gather_min_max(self.timers, self._steps_since_log,
                                self._all_gather if self.world_size > 1 else None)
         self._steps_since_log = 0
-        return {"timers_ms": stats}
+        return {"timers_ms": stats, **self._moe_extras()}
+
+    def _moe_extras(self) -> Dict[str, float]:
+        """``moe_aux_loss``: the routers' auxiliary losses (load balancing, plus the z-loss when
+        its coefficient is set) of the last micro-batch, summed over this rank's MoE layers and
+        averaged over the steps since the last log (rank 0's view; TensorBoard only)."""
+        if not self._aux:
+            return {}
+        value, self._aux = float(np.mean(self._aux)), []
+        return {"moe_aux_loss": value}
 
     def on_log(self, step: int, record: Dict[str, Any]) -> None:
         if self.rank != 0:

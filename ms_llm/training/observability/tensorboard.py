@@ -10,7 +10,9 @@ all-reduced before logging). Tags are Megatron's:
   ``rewards/*``, ``skipped-steps``;
 * per iteration: ``throughput`` (model TFLOP/s per device, Megatron's ``--log-throughput``),
   ``tokens-per-sec``, ``iteration-time``, ``mem-peak-rss-bytes`` (MindSpore's allocator stats
-  read 0 on CPU, so the process high-water mark stands in for Megatron's ``mem-*-bytes``);
+  read 0 on CPU, so the process high-water mark stands in for Megatron's ``mem-*-bytes``), and
+  for MoE models ``load_balancing_loss`` (rank 0's routers' auxiliary losses of the step's last
+  micro-batch, summed over its MoE layers; includes the z-loss when that is on);
 * validation: ``lm loss validation`` and ``lm loss validation ppl`` (DPO: ``<metric>
   validation``), per iteration and vs samples;
 * timers (``training.log_timers_to_tensorboard``, level > 0): ``<name>-time``, the max over
@@ -36,7 +38,7 @@ _BOTH_AXES = {"loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm"
               "skipped_steps": "skipped-steps"}
 # metrics.jsonl key -> tag (x = iteration only)
 _ITERATION_ONLY = {"tflops_per_device": "throughput", "tokens_per_s": "tokens-per-sec",
-                   "step_time_s": "iteration-time"}
+                   "step_time_s": "iteration-time", "moe_aux_loss": "load_balancing_loss"}
 
 
 def tag_for(key: str) -> Optional[str]:
