@@ -16,6 +16,8 @@ all_to_all_single          one ``scatter`` rooted at each rank, rows   same (+ r
                            padded to that root's largest split         the root's largest split)
 send / recv                ``broadcast`` in a two-rank group           same
 barrier                    ``all_reduce`` of one element               -
+all_reduce sum/avg under   list ``all_gather`` + sum in rank order     W x N received (a ring:
+``set_deterministic``      (the same bits on every rank)               2(W-1)/W x N)
 =========================  ==========================================  ==========================
 
 ``all_to_all_v`` is ``all_to_all_single`` for callers that already hold every rank's split sizes.

@@ -18,22 +18,10 @@ from ms_llm.compat import F, is_cpu
 from . import cpu_compose
 from .backend import dist, log_once
 from .groups import ProcessGroup, get_rank, member_group
+from .cpu_compose import is_deterministic, set_deterministic  # noqa: F401 (re-exported)
 from .work import Work, finish
 
 _OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "prod"}
-# Deterministic mode (``set_deterministic``): CPU sum/avg all-reduces add the ranks' tensors in
-# rank order (cpu_compose.all_reduce_in_rank_order) instead of mccl's own order.
-_DETERMINISTIC = [False]
-
-
-def set_deterministic(enabled: bool) -> None:
-    """Fixed, rank-ordered reductions in every CPU collective composition (on Ascend HCCL's
-    ``HCCL_DETERMINISTIC`` does this; ``mindspore.set_deterministic`` sets it)."""
-    _DETERMINISTIC[0] = bool(enabled)
-
-
-def is_deterministic() -> bool:
-    return _DETERMINISTIC[0]
 
 
 def _op(op: str) -> str:
@@ -56,7 +44,7 @@ def all_reduce(tensor: Tensor, op: str = "sum", group: Optional[ProcessGroup] = 
     if g.size == 1:
         return finish(Work(), async_op)
     op = _op(op)
-    if _DETERMINISTIC[0] and op in ("sum", "avg") and is_cpu():
+    if is_deterministic() and op in ("sum", "avg") and is_cpu():
         return cpu_compose.all_reduce_in_rank_order(tensor, op, g, async_op)
     if op == "avg":
         h = dist().all_reduce(tensor, op="sum", group=g.name, async_op=async_op)

@@ -24,6 +24,21 @@ from .work import Work, finish
 # benchmarks/collectives.py measures both.
 CPU_REDUCE_SCATTER = "scatter"
 
+# Deterministic mode (``set_deterministic``): sum/avg all-reduces add the ranks' tensors in rank
+# order (``all_reduce_in_rank_order``) instead of mccl's own order.
+_DETERMINISTIC = [False]
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Fixed, rank-ordered reductions in every CPU collective composition (on Ascend HCCL's
+    ``HCCL_DETERMINISTIC`` does this; ``mindspore.set_deterministic`` sets it)."""
+    _DETERMINISTIC[0] = bool(enabled)
+
+
+def is_deterministic() -> bool:
+    return _DETERMINISTIC[0]
+
+
 _COMBINE = {"sum": lambda a, b: a + b, "avg": lambda a, b: a + b, "prod": lambda a, b: a * b,
             "max": lambda a, b: mint.maximum(a, b), "min": lambda a, b: mint.minimum(a, b)}
 
@@ -70,7 +85,6 @@ def reduce_scatter_by_all_reduce(output: Tensor, input: Tensor, op: str, g: Proc
     """All-reduce a copy of the whole input, keep this rank's slice (2(W-1)/W x N bytes sent)."""
     buf = F.clone(input)
     n = output.shape[0]
-    from .collectives import is_deterministic
     if is_deterministic() and op in ("sum", "avg"):   # the rank-order sum, then the slice
         h = all_reduce_in_rank_order(buf, "sum", g, async_op)   # a Work when async: waitable
     else:
