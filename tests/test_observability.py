@@ -150,10 +150,12 @@ def observe_job(tmp_path_factory):
     """One 2-worker msrun job: a timed dp=2 run (timing_log_level 2), then every layout twice
     in deterministic mode."""
     tmp = tmp_path_factory.mktemp("observe_job")
-    specs = ["timers:--training.timing_log_level=2,--training.max_steps=4,--training.jit=false"]
+    out = f"--training.output_dir={tmp / 'runs'}"   # not BASE's folder, which other jobs share
+    specs = ["timers:--training.timing_log_level=2,--training.max_steps=4,--training.jit=false,"
+             + out]
     for name, flags in LAYOUTS.items():
         for k in (1, 2):
-            specs.append(f"{name}_{k}:" + ",".join(DET + flags))
+            specs.append(f"{name}_{k}:" + ",".join(DET + flags + [out]))
     return run_worker_job("observe_train.py", tmp, 2, specs, timeout=1200)
 
 
