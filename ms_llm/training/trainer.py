@@ -430,8 +430,7 @@ class Trainer:
                 if self.evaluator is not None and \
                         self.evaluator.due(self.step, final=self.step == t.max_steps):
                     records.append(logger.log_eval(self.step, self.evaluator.run(self.step)))
-                    self.observe.on_eval(self.step, records[-1],
-                                         self.data.loader.consumed_samples)
+                    self.observe.on_eval(self.step, records[-1])
                 if ck.save_dir and ((ck.save_interval and self.step % ck.save_interval == 0)
                                     or self.step == t.max_steps):
                     self._say(f"saved checkpoint {self.save()}")

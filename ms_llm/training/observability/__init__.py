@@ -28,7 +28,9 @@ __all__ = ["Observability", "apply_deterministic", "Timers", "TensorBoardWriter"
 class Observability:
     """The run's observers. Hook order in ``Trainer.fit``: ``on_train_begin`` once, then per step
     ``on_step_begin`` / ``on_step_end``, ``log_extras`` + ``on_log`` on logged steps (collective
-    when timers are on), ``on_eval``, and ``on_train_end`` (also when training raised)."""
+    when timers are on), ``on_eval``, and ``on_train_end`` (also when training raised). The hook
+    names and signatures are those of the trainer-callback interface; ``log_extras`` and
+    ``timers`` (used inside the step) are the two additions."""
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1,
                  say: Callable[[str], None] = print):
@@ -51,11 +53,13 @@ class Observability:
         self._pipeline = None
         self._fwd_t0: Optional[float] = None
         self._moe_layers: list = []
+        self._trainer = None
         self._aux: List[float] = []
 
     # ------------------------------------------------------------------ run boundaries
     def on_train_begin(self, trainer) -> None:
         t = self.cfg.training
+        self._trainer = trainer
         if t.tensorboard_dir and self.rank == 0:
             self.tb = TensorBoardWriter(t.tensorboard_dir, start_step=trainer.step,
                                         start_samples=trainer.data.loader.consumed_samples)
@@ -131,9 +135,9 @@ class Observability:
                 self.tb.log_timers(step, record["timers_ms"])
             self.tb.flush()
 
-    def on_eval(self, step: int, values: Dict[str, float], consumed_samples: int) -> None:
+    def on_eval(self, step: int, values: Dict[str, float]) -> None:
         if self.tb is not None:
-            self.tb.log_eval(step, values, consumed_samples)
+            self.tb.log_eval(step, values, self._trainer.data.loader.consumed_samples)
             self.tb.flush()
 
     # ------------------------------------------------------------------ helpers
