@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
+from ..callbacks import TrainerCallback
 from .determinism import apply_deterministic
 from .profiling import StepProfiler
 from .tensorboard import TensorBoardWriter
@@ -25,12 +26,10 @@ __all__ = ["Observability", "apply_deterministic", "Timers", "TensorBoardWriter"
            "StepProfiler"]
 
 
-class Observability:
-    """The run's observers. Hook order in ``Trainer.fit``: ``on_train_begin`` once, then per step
-    ``on_step_begin`` / ``on_step_end``, ``log_extras`` + ``on_log`` on logged steps (collective
-    when timers are on), ``on_eval``, and ``on_train_end`` (also when training raised). The hook
-    names and signatures are those of the trainer-callback interface; ``log_extras`` and
-    ``timers`` (used inside the step) are the two additions."""
+class Observability(TrainerCallback):
+    """The run's observers, one trainer callback. ``on_step_end`` of a step that will be logged
+    adds ``timers_ms`` (and ``moe_aux_loss``) to the step's metrics; with timers on it is
+    collective (every rank logs the same steps). ``timers`` is used inside the step itself."""
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1,
                  say: Callable[[str], None] = print):
@@ -66,7 +65,7 @@ class Observability:
             self.tb.log_config(self.cfg.to_dict())
             self.say(f"TensorBoard event files in {t.tensorboard_dir} "
                      f"(tensorboard --logdir {t.tensorboard_dir})")
-            if trainer.moe:
+            if self.cfg.model.mlp_type == "moe":
                 from ms_llm.models.moe import moe_layers
                 self._moe_layers = moe_layers(trainer.model)
         if self.timers.log_level >= 2:
@@ -88,6 +87,7 @@ class Observability:
             self.profiler.on_step_begin(step)
 
     def on_step_end(self, step: int, out: Dict[str, Any]) -> None:
+        t = self.cfg.training
         self._steps_since_log += 1
         if self.tb is not None and self._moe_layers:   # the step's loss already synchronised
             losses = [float(l.router.aux_loss.asnumpy()) for l in self._moe_layers
@@ -102,6 +102,8 @@ class Observability:
                     self.timers(spans[kind]).add(t1 - t0)
         if self.profiler is not None:
             self.profiler.on_step_end(step)
+        if step % t.log_interval == 0 or step == t.max_steps:   # the trainer logs this step
+            out["metrics"] = {**out.get("metrics", {}), **self.log_extras()}
 
     def log_extras(self) -> Dict[str, Any]:
         """Extra metrics.jsonl keys of a logged step: ``timers_ms`` = ``{name: {min, max}}``
@@ -155,7 +157,7 @@ class Observability:
             trainer.pipeline.timed = True
             self._pipeline = trainer.pipeline
             return
-        if trainer.fwd_bwd is not None:
+        if getattr(trainer.executor, "fwd_bwd", None) is not None:   # training.jit
             return
         from .timers import device_sync
         fwd = self.timers("forward-compute")
