@@ -153,10 +153,26 @@ def observe_job(tmp_path_factory):
     out = f"--training.output_dir={tmp / 'runs'}"   # not BASE's folder, which other jobs share
     specs = ["timers:--training.timing_log_level=2,--training.max_steps=4,--training.jit=false,"
              + out]
+    specs.append("profile:--training.profile=true,--training.profile_ranks=0|1,"
+                 "--training.profile_step_start=2,--training.profile_step_end=3,"
+                 f"--training.max_steps=2,--training.jit=false,--training.profile_dir={tmp}/prof,"
+                 + out)
     for name, flags in LAYOUTS.items():
         for k in (1, 2):
             specs.append(f"{name}_{k}:" + ",".join(DET + flags + [out]))
-    return run_worker_job("observe_train.py", tmp, 2, specs, timeout=1200)
+    result = run_worker_job("observe_train.py", tmp, 2, specs, timeout=1200)
+    result["profile_dir"] = str(tmp / "prof")
+    return result
+
+
+@pytest.mark.msrun
+def test_profile_writes_one_trace_per_profiled_rank(observe_job):
+    from ms_llm.training.observability.profiling import trace_files
+    for rank in (0, 1):
+        traces = trace_files(os.path.join(observe_job["profile_dir"], f"rank_{rank}"))
+        assert len(traces) == 1, (rank, traces)
+        with open(traces[0]) as f:
+            assert any(e.get("ph") == "X" for e in json.load(f))
 
 
 @pytest.mark.msrun
