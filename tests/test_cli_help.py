@@ -38,7 +38,7 @@ def _default(f: dataclasses.Field) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, list):
-        return ",".join(value) or "(empty)"
+        return ",".join(map(str, value)) or "(empty)"
     return str(value)
 
 
