@@ -37,7 +37,10 @@ def names_of(params: Sequence, named_params: Sequence) -> List[str]:
 
 
 # ----------------------------------------------------------------------------- LR schedule
-_SCHEDULE_KEYS = ("lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+_SCHEDULE_KEYS = ("lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
+                  "lr_warmup_init", "lr_warmup_fraction", "train_samples", "lr_warmup_samples",
+                  "lr_decay_samples", "lr_wsd_decay_steps", "lr_wsd_decay_samples",
+                  "lr_wsd_decay_style")
 
 
 def lr_schedule(cfg: RunConfig) -> Dict[str, object]:
@@ -56,10 +59,21 @@ def check_lr_schedule(state: dict, cfg: RunConfig, say: Callable[[str], None]) -
     if not saved:
         return
     now = lr_schedule(cfg)
-    diff = [f"{k} {saved[k]} -> {now[k]}" for k in _SCHEDULE_KEYS if saved.get(k) != now[k]]
+    diff = [f"{k} {saved[k]} -> {now[k]}" for k in _SCHEDULE_KEYS
+            if k in saved and saved[k] != now[k]]   # (older checkpoints lack the newer keys)
     if diff:
         say(f"resume: the LR schedule differs from the checkpoint's ({', '.join(diff)}); "
             f"continuing with the config's schedule from step {state['step']}")
+
+
+def restore_scheduler(scheduler, state: dict, cfg: RunConfig) -> None:
+    """The scheduler's sample count from the checkpoint (Megatron's ``opt_param_scheduler``
+    entry); a checkpoint from before it existed counted one global batch per updated step."""
+    saved = state.get("opt_param_scheduler")
+    if saved is None:
+        done = int(state["step"]) - int(state.get("skipped_steps", 0))
+        saved = {"num_steps": done * cfg.training.global_batch_size}
+    scheduler.load_state_dict(saved, cfg.training.use_checkpoint_opt_param_scheduler)
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -38,7 +38,7 @@ from . import faults, resilience, rng_state
 from .data_setup import build_data
 from .dpo import DPOObjective, dpo_pieces, reference_for
 from .evaluate import Evaluator
-from .lr_schedule import lr_at
+from .lr_schedule import scheduler_from_config
 from .metrics import MetricsLogger, current_rss_gb, reset_peak_rss
 
 log = logging.getLogger("ms_llm.train")
@@ -116,6 +116,7 @@ class Trainer:
             self._say("training.jit ignored: training.stage dpo runs in PyNative")
         self.fwd_bwd = self._fwd_bwd_jit() if par.jit and self.dpo is None else None
         self.step = 0
+        self.scheduler = scheduler_from_config(t)   # Megatron's, counted in samples
         self.mtp_log = []       # per micro-batch: each MTP depth's mean loss (for logging)
         self._lora_state = None
         self.guard = resilience.guard_for(cfg, self.dist)
@@ -248,6 +249,7 @@ class Trainer:
         self.data.loader.load_state_dict(state["data"])
         rng_state.restore(state.get("rng") or {"numpy": state["numpy_rng"]})
         resilience.check_lr_schedule(state, self.cfg, self._say)
+        resilience.restore_scheduler(self.scheduler, state, self.cfg)
         self.guard.skipped = int(state.get("skipped_steps", 0))
         self._say(f"resumed from {latest} at step {self.step}")
 
@@ -262,6 +264,7 @@ class Trainer:
         state = {"step": self.step, "data": self.data.loader.state_dict(),
                  "numpy_rng": rng["numpy"], "rng": rng,
                  "lr_schedule": resilience.lr_schedule(self.cfg),
+                 "opt_param_scheduler": self.scheduler.state_dict(),
                  "skipped_steps": self.guard.skipped,
                  "model_config": dataclasses.asdict(self.cfg.model)}
         if self.cfg.lora.r:   # adapters only: record the base they belong to (rank 0 writes)
@@ -324,20 +327,22 @@ class Trainer:
         skip = self.guard.check(self.step + 1, total_loss, norm, self._opt_names, grads)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step += 1
-        lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,
-                   decay_steps=t.lr_decay_steps or t.max_steps, style=t.lr_decay_style)
+        lr = self.scheduler.get_lr()   # applied: the lr of the samples consumed before this step
         if skip:   # training.nan_policy skip: no update; the routed counts are dropped too
             if self.moe:
                 resilience.drop_router_counts(self.model)
         else:
             self.optimizer.step(grads, lr)
+            self.scheduler.step(t.global_batch_size)
             if self.moe:
                 update_expert_bias(self.model, self._sum_over_dp)
         tokens = sum(int(v.size) for b in batches for k, v in b.items() if k.endswith("tokens"))
         metrics = self.dpo.step_metrics() if self.dpo is not None else {}
         if self.model.mtp is not None:
             metrics.update(self._mtp_metrics())
-        return {"loss": total_loss, "grad_norm": norm, "lr": lr, "skipped": skip,
+        # logged: the lr after the scheduler's advance, as Megatron's log line prints it
+        return {"loss": total_loss, "grad_norm": norm, "lr": self.scheduler.get_lr(),
+                "skipped": skip,
                 "tokens": tokens * self.dp_group.size, "metrics": metrics}
 
     def _mtp_metrics(self) -> Dict[str, float]:
