@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -162,3 +162,44 @@ def schedule_problem(cfg) -> Optional[Tuple[Tuple[str, ...], str]]:
 
 
 SCHEDULE_KEYS = tuple(f.name for f in fields(OptimizerParamScheduler) if f.name != "num_steps")
+
+
+# ----------------------------------------------------------------------------- resume
+_RECORDED = ("lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
+             "lr_warmup_init", "lr_warmup_fraction", "train_samples", "lr_warmup_samples",
+             "lr_decay_samples", "lr_wsd_decay_steps", "lr_wsd_decay_samples",
+             "lr_wsd_decay_style")
+
+
+def lr_schedule(cfg) -> Dict[str, object]:
+    """The config keys the schedule is a function of (recorded in a checkpoint; the sample
+    count itself is saved as the scheduler's ``num_steps``)."""
+    t = cfg.training
+    out = {k: getattr(t, k) for k in _RECORDED}
+    out["lr_decay_steps"] = t.lr_decay_steps or t.max_steps
+    return out
+
+
+def check_lr_schedule(state: dict, cfg, say: Callable[[str], None]) -> None:
+    """The resumed run continues the saved LR schedule: the sample count comes back exactly, and
+    this says when the config changed the schedule itself (e.g. a larger ``training.max_steps``
+    stretches the default decay): the config's schedule is then used from the resumed step on."""
+    saved = state.get("lr_schedule")
+    if not saved:
+        return
+    now = lr_schedule(cfg)
+    diff = [f"{k} {saved[k]} -> {now[k]}" for k in _RECORDED
+            if k in saved and saved[k] != now[k]]   # (older checkpoints lack the newer keys)
+    if diff:
+        say(f"resume: the LR schedule differs from the checkpoint's ({', '.join(diff)}); "
+            f"continuing with the config's schedule from step {state['step']}")
+
+
+def restore_scheduler(scheduler: OptimizerParamScheduler, state: dict, cfg) -> None:
+    """The scheduler's sample count from the checkpoint (Megatron's ``opt_param_scheduler``
+    entry); a checkpoint from before it existed counted one global batch per updated step."""
+    saved = state.get("opt_param_scheduler")
+    if saved is None:
+        done = int(state["step"]) - int(state.get("skipped_steps", 0))
+        saved = {"num_steps": done * cfg.training.global_batch_size}
+    scheduler.load_state_dict(saved, cfg.training.use_checkpoint_opt_param_scheduler)
