@@ -148,3 +148,15 @@ def test_entry_prints_the_config_and_refuses_in_one_line(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "posttrain_gpt.py: --o2-optimizer: not supported: bf16 optimizer state (MindSpeed O2) "
         "is not built"]
+
+
+def test_load_of_a_torch_dist_training_checkpoint_is_one_line(tmp_path):
+    from ms_llm.checkpoint.torch_dist import TorchDistWriter
+    import numpy as np
+    w = TorchDistWriter(str(tmp_path / "ck" / "iter_0000010"))
+    w.add("output_layer.weight", (2, 2), (0, 0), np.zeros((2, 2), np.float32))
+    w.close({"iteration": 10})
+    with pytest.raises(ConfigError, match=r"--load .*ck: a --ckpt-format torch_dist training "
+                                          r"checkpoint: resuming from it is not built yet"):
+        translate(SCRIPTS["qwen3/pretrain_qwen3_0point6b_4K_ptd.sh"]["argv"] +
+                  ["--load", str(tmp_path / "ck")])

@@ -202,6 +202,12 @@ def _load(tr: Translation, folder: str, finetune: bool) -> None:
     same folder as ``--save`` holding an ms-llm checkpoint resumes that run instead
     (``training.resume auto``) unless ``--finetune``."""
     k = tr.keys
+    from ms_llm.checkpoint.torch_dist import is_torch_dist_dir
+    if os.path.isdir(folder) and any(is_torch_dist_dir(os.path.join(folder, d)) for d in
+                                     os.listdir(folder) if d.startswith("iter_")):
+        raise ConfigError(f"--load {folder}: a --ckpt-format torch_dist training checkpoint: "
+                          f"resuming from it is not built yet (ms_llm.checkpoint.torch_dist "
+                          f"reads its tensors); save with --ckpt-format torch and convert")
     if not finetune and os.path.abspath(folder) == os.path.abspath(
             str(k.get("checkpoint.save_dir", ""))) and _has_ms_llm_checkpoint(folder):
         k["training.resume"] = "auto"
