@@ -68,8 +68,19 @@ class TrainingConfig(_Section):
     lr: float = 1e-3
     min_lr: float = 1e-4
     lr_warmup_steps: int = 10
-    lr_decay_style: str = "cosine"    # cosine | linear | constant
+    lr_decay_style: str = "cosine"    # cosine | linear | constant | inverse-square-root | WSD
     lr_decay_steps: Optional[int] = None  # default: max_steps
+    # Megatron's OptimizerParamScheduler (training/lr_schedule.py): iteration i applies the lr
+    # of (i - 1) x global_batch_size samples, starting from lr_warmup_init
+    lr_warmup_init: float = 0.0
+    lr_warmup_fraction: Optional[float] = None    # warmup = this fraction of the decay
+    lr_wsd_decay_steps: Optional[int] = None      # WSD: anneal over the last N iterations
+    lr_wsd_decay_style: str = "exponential"       # linear | cosine | exponential | minus_sqrt
+    train_samples: Optional[int] = None   # sample-based run: max_steps = this // global batch
+    lr_warmup_samples: int = 0            # (sample-based) warmup / decay / WSD in samples
+    lr_decay_samples: Optional[int] = None
+    lr_wsd_decay_samples: Optional[int] = None
+    use_checkpoint_opt_param_scheduler: bool = False  # resume takes the checkpoint's schedule
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95

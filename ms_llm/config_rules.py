@@ -72,7 +72,13 @@ RULES: Dict[str, Rule] = {
         "seed", "lr", "min_lr", "lr_warmup_steps", "weight_decay", "clip_grad")},
     "training.adam_beta1": _within(0, 1, hi_open=True),
     "training.adam_beta2": _within(0, 1, hi_open=True),
-    "training.lr_decay_style": _one_of("cosine", "linear", "constant"),
+    "training.lr_decay_style": _one_of("cosine", "linear", "constant", "inverse-square-root",
+                                       "WSD"),
+    "training.lr_wsd_decay_style": _one_of("linear", "cosine", "exponential", "minus_sqrt"),
+    "training.lr_warmup_fraction": _within(0, 1, hi_open=True),
+    **{f"training.{k}": _POSITIVE for k in (
+        "train_samples", "lr_decay_samples", "lr_wsd_decay_samples", "lr_wsd_decay_steps")},
+    **{f"training.{k}": _NON_NEGATIVE for k in ("lr_warmup_init", "lr_warmup_samples")},
     "training.resume": _one_of("none", "auto"),
     "training.recompute_granularity": _one_of("full", "selective", null=True),
     "training.recompute_method": _one_of("uniform", "block", null=True),
@@ -183,6 +189,10 @@ def _fail(cfg, keys: Sequence[str], message: str) -> None:
 
 
 def _check_schedule(cfg) -> None:
+    from ms_llm.training.lr_schedule import schedule_problem   # Megatron's scheduler rules
+    problem = schedule_problem(cfg)
+    if problem is not None:
+        _fail(cfg, problem[0], problem[1])
     t = cfg.training
     if t.min_lr > t.lr:
         _fail(cfg, ("training.min_lr", "training.lr"),

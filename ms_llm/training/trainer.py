@@ -37,7 +37,8 @@ from .dpo import DPOObjective, dpo_pieces, reference_for
 from .evaluate import Evaluator
 from .executors import PipelineStepExecutor, PlainExecutor, StepExecutor, build_pipeline
 from .fault_hooks import FaultInjection, RankStatus, appends_metrics
-from .lr_schedule import check_lr_schedule, lr_for_step, lr_schedule
+from .lr_schedule import check_lr_schedule, lr_schedule, restore_scheduler, \
+    scheduler_from_config
 from .metrics import MetricsLogger, current_rss_gb, reset_peak_rss, step_extras
 from .moe_step import ExpertBiasUpdate
 from .nonfinite import guard_for, names_of
@@ -122,6 +123,7 @@ class Trainer:
         resolve_paths()  # pick every op's kernel now, outside any graph capture
         self.executor = self._executor(par, grad_sync)
         self.step = 0
+        self.scheduler = scheduler_from_config(t)   # Megatron's, counted in samples
         self._lora_state = None
         self.guard = guard_for(cfg, self.dist)
         self._opt_names = names_of(self.optimizer.params, self.named_params)
@@ -195,6 +197,7 @@ class Trainer:
         self.data.loader.load_state_dict(state["data"])
         rng_state.restore(state.get("rng") or {"numpy": state["numpy_rng"]})
         check_lr_schedule(state, self.cfg, self._say)
+        restore_scheduler(self.scheduler, state, self.cfg)
         self.guard.skipped = int(state.get("skipped_steps", 0))
         self._say(f"resumed from {latest} at step {self.step}")
 
@@ -209,6 +212,7 @@ class Trainer:
         state = {"step": self.step, "data": self.data.loader.state_dict(),
                  "numpy_rng": rng["numpy"], "rng": rng,
                  "lr_schedule": lr_schedule(self.cfg),
+                 "opt_param_scheduler": self.scheduler.state_dict(),
                  "skipped_steps": self.guard.skipped,
                  "model_config": dataclasses.asdict(self.cfg.model)}
         if self.cfg.lora.r:   # adapters only: record the base they belong to (rank 0 writes)
@@ -254,13 +258,16 @@ class Trainer:
         skip = self.guard.check(step, total_loss, norm, self._opt_names, grads)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step = step
-        lr = lr_for_step(self.cfg, step)
-        if not skip:   # training.nan_policy skip: no update
+        lr = self.scheduler.get_lr()   # applied: the lr of the samples consumed before this step
+        if not skip:   # training.nan_policy skip: no update, and the schedule does not advance
             self.optimizer.step(grads, lr)
+            self.scheduler.step(t.global_batch_size)
         self.callbacks.on_update(step, skip)
         opt_timer.stop()
         tokens = sum(int(v.size) for b in batches for k, v in b.items() if k.endswith("tokens"))
-        out = {"loss": total_loss, "grad_norm": norm, "lr": lr, "skipped": skip,
+        # logged: the lr after the scheduler's advance, as Megatron's log line prints it
+        out = {"loss": total_loss, "grad_norm": norm, "lr": self.scheduler.get_lr(),
+               "skipped": skip,
                "tokens": tokens * self.dp_group.size, "metrics": self.objective.step_metrics()}
         self.callbacks.on_step_end(step, out)
         return out
