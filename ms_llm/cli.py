@@ -1,5 +1,5 @@
-"""``ms-llm`` console entry: ``train``, ``plot``, ``convert``, ``export``, ``preprocess``,
-``generate``, ``chat``, ``evaluate``, ``lm-eval``..."""
+"""``ms-llm`` console entry: ``train``, ``plot``, ``convert``, ``export``, ``checkpoint``,
+``preprocess``, ``generate``, ``chat``, ``evaluate``, ``lm-eval``..."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,7 @@ COMMANDS = {
     "plot": "draw loss.png from a run's metrics.jsonl",
     "convert": "convert weights between Hugging Face and Megatron layouts",
     "export": "export a training checkpoint to Hugging Face or Megatron",
+    "checkpoint": "verify training checkpoints (ms-llm checkpoint verify DIR: sizes and crc32)",
     "preprocess": "tokenize text into Megatron indexed datasets",
     "generate": "generate text from a prompt (HF, Megatron or training checkpoint)",
     "chat": "chat on stdin with the tokenizer's chat template",
@@ -65,6 +66,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return convert_main(rest)
     if command == "export":
         return export_main(rest)
+    if command == "checkpoint":
+        from ms_llm.checkpoint.verify import main as checkpoint_main
+        return checkpoint_main(rest)
     if command == "schedule":
         from ms_llm.training.schedule_cli import main as schedule_main
         return schedule_main(rest)

@@ -14,6 +14,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 from ms_llm.checkpoint import dcp
+from ms_llm.checkpoint.verify import guard_save_dir
 from ms_llm.compat import manual_seed, setup_device
 from ms_llm.config import ConfigError, RunConfig, check_launch
 from ms_llm.models import GPTModel
@@ -180,9 +181,12 @@ class Trainer:
 
     def _maybe_resume(self) -> None:
         ck = self.cfg.checkpoint
-        if self.cfg.training.resume != "auto":
+        auto = self.cfg.training.resume == "auto"
+        latest = dcp.resolve_resume("auto", ck.save_dir, report=self._say) if auto else None
+        guard_save_dir(ck.save_dir, latest, dataclasses.asdict(self.cfg.model), self._say,
+                       self.dist.rank)   # never write over checkpoints that do not verify
+        if not auto:
             return
-        latest = dcp.resolve_resume("auto", ck.save_dir, report=self._say)
         if latest is None:
             self._say(f"resume=auto: no complete checkpoint in {ck.save_dir}, starting fresh")
             return
