@@ -18,7 +18,8 @@ The order, bottom to top (a package may import only from layers below its own):
 
 * the package ``__init__`` (only ``__version__``), ``compat`` (the PyTorch-shaped shims over
   MindSpore) and ``launch`` (the msrun launcher: the standard library only, so a light
-  supervisor process and any package can use it);
+  supervisor process and any package can use it) and ``validation`` (one-line checks of external
+  JSON/YAML inputs: the standard library and yaml only, so every reader can use it);
 * ``ops`` (kernels), ``models`` (Megatron-Core-shaped modules and their config);
 * ``quant`` and ``lora``: module conversions of a built model, independent of each other;
 * ``parallel`` (it shards whatever modules the conversions produced, LoRA adapters included);
@@ -31,7 +32,8 @@ The order, bottom to top (a package may import only from layers below its own):
   ``config_pretrained``: the run schema, whose cross-key rules may ask the packages below, e.g.
   pipeline stages or a checkpoint folder's architecture);
 * ``training`` (the loop, composing everything below);
-* ``qualify`` (the support matrix: runs training jobs);
+* ``mindspeed`` (MindSpeed-LLM's script flags onto the run config, then a training run) and
+  ``qualify`` (the support matrix: runs training jobs);
 * the entry points ``cli``, ``train`` and ``inference_cli``.
 """
 from __future__ import annotations
@@ -47,7 +49,7 @@ PACKAGE = "ms_llm"
 
 # Bottom to top; members of one tuple are one layer (and may not import each other).
 LAYERS: List[Tuple[str, ...]] = [
-    ("__init__", "compat", "launch"),
+    ("__init__", "compat", "launch", "validation"),
     ("ops",),
     ("models",),
     ("quant", "lora"),
@@ -59,7 +61,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("evaluation",),
     ("config", "config_rules", "config_help", "config_parse", "config_pretrained"),
     ("training",),
-    ("qualify",),
+    ("mindspeed", "qualify"),
     ("cli", "train", "inference_cli"),
 ]
 # Top-level modules that form one unit with another (private names may cross between them).
