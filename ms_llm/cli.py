@@ -70,7 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ms_llm.checkpoint.verify import main as checkpoint_main
         return checkpoint_main(rest)
     if command == "schedule":
-        from ms_llm.parallel.pipeline.show import main as schedule_main
+        from ms_llm.training.schedule_cli import main as schedule_main
         return schedule_main(rest)
     if command == "plan":
         from ms_llm.training.memory_plan_cli import main as plan_main
@@ -127,7 +127,7 @@ def export_main(argv: List[str]) -> int:
             if latest is None:
                 raise dcp.DCPError(f"{path}: no complete checkpoint found")
             path = latest
-        from ms_llm.lora import export as lora_export
+        from ms_llm.checkpoint import lora_export
         if lora_export.is_lora_checkpoint(path):
             out = lora_export.export_peft(path, args.out_dir) if args.lora_only else \
                 lora_export.export_merged(path, args.out_dir, fmt=args.format, dtype=args.dtype,

@@ -124,7 +124,9 @@ class MegatronSource:
                                                              hf_cfg_dir)
             self.spec = L.spec_from_hf_config(self.config, self.model_type, cfg_path)
             self.lay = self.reader.layout(self.spec)
-            if template is not None:
+            if template is not None and not isinstance(self.reader.args, argparse.Namespace):
+                self._check_template_shapes(path, hf_cfg_dir)
+            elif template is not None:
                 spec = L.spec_from_hf_config(template, self.model_type,
                                              os.path.join(hf_cfg_dir, "config.json"))
                 check_hf_template(self.spec, spec, self.lay.padded_vocab, hf_cfg_dir, path)
@@ -138,6 +140,19 @@ class MegatronSource:
             self.reader.close()
             raise
 
+    def _check_template_shapes(self, path: str, template_dir: str) -> None:
+        """No ``args``: the tensors are all that confirms the template (megatron_template)."""
+        from .megatron_template import check_template
+        r = self.reader
+        layers = sum(1 + max((int(k.split(".")[2]) for k in sd if k.startswith("decoder.layers.")),
+                             default=-1)
+                     for p in range(r.pp) for sd in r.models[(0, p, 0)])
+        try:
+            check_template(self.spec, self.lay, lambda key: r.models[(0, 0, 0)][0][key].shape,
+                           layers, os.path.join(template_dir, "config.json"), path)
+        except ValueError as e:
+            raise ConvertError(str(e)) from None
+
     def _own_config(self, path: str, model_type_hf: Optional[str], template: Optional[dict],
                     template_dir: Optional[str]):
         """The checkpoint's HF config (``config.json`` beside it, else rebuilt from ``args``)
@@ -146,9 +161,11 @@ class MegatronSource:
             config = read_hf_config(path)
             return config, model_type_hf or _infer_type(config, path)
         a = self.reader.args
+        if not isinstance(a, argparse.Namespace) and template is not None:
+            return dict(template), model_type_hf or _infer_type(template, template_dir)
         if not isinstance(a, argparse.Namespace):
             raise ConvertError(f"{path}: no config.json beside the checkpoint and no args "
-                               f"in it to rebuild one from")
+                               f"in it to rebuild one from; pass --hf-cfg-dir ORIGINAL_HF")
         model_type = model_type_hf or getattr(a, "model_type_hf", None) or \
             (_infer_type(template, template_dir) if template is not None else None)
         if not model_type:
@@ -366,8 +383,8 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
     tmp = f"{save.rstrip(os.sep)}.tmp-{os.getpid()}"
     sink = None
     try:
-        if opts.lora_load:     # W + alpha/r B A, one layer at a time (ms_llm.lora.merge)
-            from ms_llm.lora.merge import merged_source
+        if opts.lora_load:     # W + alpha/r B A, one layer at a time (lora_merge)
+            from .lora_merge import merged_source
             src = merged_source(src, opts, opts.load_dir)
         spec = src.spec
         _check_num_layers(opts, spec)

@@ -30,10 +30,12 @@ import sys
 import time
 from typing import Dict, List
 
+from ms_llm.launch import free_port, msrun_command
+
 from .criteria import Check, compare, restart_built
 from .matrix import ROOT, Cell
 from .plan import Job
-from .runner import WORKER, free_port, job_env
+from .runner import WORKER, job_env
 
 SAVE_INTERVAL = 2
 _FAILED = re.compile(r"attempt (\d+) failed with exit code (-?\d+) after ([\d.]+) s")
@@ -63,9 +65,8 @@ def run_fault_launch(job: Job, work: str, timeout: float, say=print) -> Dict:
     if job.nproc == 1:
         cmd = [sys.executable, WORKER, spec]
     else:
-        cmd = ["msrun", "--worker_num", str(job.nproc), "--local_worker_num", str(job.nproc),
-               "--master_port", "@PORT@", "--log_dir", "@LOG_DIR@", "--join", "True",
-               "--cluster_time_out", "60", WORKER, spec]
+        cmd = msrun_command(WORKER, [spec], worker_num=job.nproc, master_port="@PORT@",
+                            log_dir="@LOG_DIR@", cluster_time_out=60)
     sup = [sys.executable, "-m", "ms_llm.training.restart", "--max-restarts",
            str(len(job.runs)), "--save-dir", jdir, "--master-port", str(free_port()),
            "--log-dir", os.path.join(jdir, "msrun"), "--", *cmd]

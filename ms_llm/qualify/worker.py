@@ -40,7 +40,7 @@ def probe_logits(model, vocab: int) -> np.ndarray:
 def export_hf(save_dir: str, out_dir: str) -> str:
     """The newest complete checkpoint of ``save_dir`` as an HF folder (LoRA: merged)."""
     from ms_llm.checkpoint import dcp, dcp_export
-    from ms_llm.lora import export as lora_export
+    from ms_llm.checkpoint import lora_export
     path = dcp.find_latest_complete(save_dir)
     if path is None:
         raise FileNotFoundError(f"{save_dir}: no complete checkpoint")

@@ -18,8 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ms_llm.checkpoint import layouts as L
-
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")   # lora.target_modules
+from ms_llm.lora.base import STATE_KEY, check_base
 
 # Megatron module (relative to decoder.layers.{i}.) -> HF module(s) it fuses
 MODULES = OrderedDict([
@@ -126,7 +125,6 @@ def _hf_shapes(spec: L.ModelSpec, mod: str) -> List[tuple]:
 def read_checkpoint_adapters(path: str) -> Adapters:
     """The adapters of an ms-llm training checkpoint (an ``iter_*`` folder)."""
     from ms_llm.checkpoint.dcp_load import DCPReader
-    from .base import STATE_KEY
     reader = DCPReader(path)
     try:
         st = reader.state.get(STATE_KEY)
@@ -241,7 +239,6 @@ def merged_source(src, opts, load_dir: str):
     """``ms-llm convert --lora-load DIR``: ``src`` with the adapters of DIR merged in. MindSpeed's
     ``--lora-r`` / ``--lora-alpha`` / ``--lora-target-modules`` are checked against what the
     adapters record; an ms-llm checkpoint's base fingerprint must match ``load_dir``."""
-    from .base import check_base
     ad = read_adapters(opts.lora_load)
     for flag, given, have in (("--lora-r", opts.lora_r, ad.r),
                               ("--lora-alpha", opts.lora_alpha, ad.alpha)):
