@@ -103,6 +103,16 @@ class TrainingConfig(_Section):
     max_restarts: int = 0             # scripts/pretrain.sh relaunches a failed job this often
     nan_policy: str = "stop"          # stop | skip: a step whose gradient is not finite
     max_skipped_steps: int = 10       # nan_policy skip: stop once more steps were skipped
+    # Seeing a run (ms_llm.training.observability; Megatron's flag names)
+    tensorboard_dir: Optional[str] = None   # event files (Megatron's tags); null: none
+    log_timers_to_tensorboard: bool = False
+    timing_log_level: int = 0         # 0: iteration time only | 1: + forward-backward, optimizer.. | 2: all
+    profile: bool = False             # MindSpore Profiler over steps [profile_step_start, profile_step_end)
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: List[int] = field(default_factory=lambda: [0])
+    profile_dir: Optional[str] = None  # null: <output_dir>/profile
+    deterministic: bool = False       # MindSpeed's --use-deter-comp: bit-identical reruns
 
 
 @dataclass
@@ -258,7 +268,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     cfg = RunConfig(model=model, model_family=family, model_overrides=explicit, sources=sources,
                     base_source=base, **built)
     if cfg.checkpoint.load:   # the folder's architecture, before the cross-key checks see it
-        from ms_llm.checkpoint.pretrained import adopt_pretrained_architecture
+        from ms_llm.config_pretrained import adopt_pretrained_architecture
         adopt_pretrained_architecture(cfg)
     validate(cfg)
     if world_size is not None:

@@ -54,6 +54,10 @@ def _one_of(*choices: str, null: bool = False, case: bool = True) -> Rule:
     return _rule(desc, lambda v: v.lower() in choices)
 
 
+def _one_of_int(*choices: int) -> Rule:
+    return _rule("one of " + ", ".join(map(str, choices)), lambda v: v in choices)
+
+
 def _existing_dir() -> Rule:
     return _rule("an existing folder", lambda v: os.path.isdir(os.path.expanduser(v)))
 
@@ -86,6 +90,10 @@ RULES: Dict[str, Rule] = {
     "training.max_restarts": _NON_NEGATIVE,
     "training.nan_policy": _one_of("stop", "skip"),
     "training.max_skipped_steps": _NON_NEGATIVE,
+    "training.timing_log_level": _one_of_int(0, 1, 2),
+    "training.profile_step_start": _ge(1),
+    "training.profile_step_end": _ge(1),
+    "training.profile_ranks": _NON_NEGATIVE,
     "dpo.beta": _POSITIVE,
     "dpo.loss_type": _one_of("sigmoid", "hinge", "ipo"),
     "dpo.label_smoothing": _within(0, 0.5, hi_open=True),
@@ -245,6 +253,11 @@ def _check_pipeline(cfg) -> None:
 
 
 def _check_misc(cfg) -> None:
+    t = cfg.training
+    if t.profile and t.profile_step_end <= t.profile_step_start:
+        _fail(cfg, ("training.profile_step_end", "training.profile_step_start"),
+              f"training.profile_step_end ({t.profile_step_end}) must be > "
+              f"training.profile_step_start ({t.profile_step_start})")
     if cfg.training.resume == "auto" and not cfg.checkpoint.save_dir:
         _fail(cfg, ("training.resume", "checkpoint.save_dir"),
               "training.resume=auto needs checkpoint.save_dir")

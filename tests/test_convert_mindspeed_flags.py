@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from mindspore import Tensor
 
+from cli_util import run_ms_llm
 from hf_fixtures import make_hf_checkpoint
 from ms_llm.checkpoint.convert import main as convert_main
 from ms_llm.checkpoint.hf_io import read_hf_weights
@@ -70,13 +69,11 @@ def test_hf_cfg_dir_keeps_the_hf_config_and_copies_tokenizer_files(folders, tmp_
     """Through the real ``ms-llm convert`` entry point, with the flags MindSpeed's example
     scripts pass."""
     out = tmp_path / "hf_out"
-    exe = os.path.join(os.path.dirname(sys.executable), "ms-llm")
-    r = subprocess.run([exe, "convert", *TO_HF, "--load-dir", str(folders / "mg"), "--save-dir",
-                        str(out), "--hf-cfg-dir", str(folders / "hf"), "--model-type-hf", "qwen3",
-                        "--use-mcore-models", "--model-type", "GPT", "--save-layer-by-layer",
-                        "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size",
-                        "1"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "GLOG_v": "3"})
+    r = run_ms_llm("convert", *TO_HF, "--load-dir", str(folders / "mg"), "--save-dir", str(out),
+                   "--hf-cfg-dir", str(folders / "hf"), "--model-type-hf", "qwen3",
+                   "--use-mcore-models", "--model-type", "GPT", "--save-layer-by-layer",
+                   "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1",
+                   timeout=300)
     assert r.returncode == 0, r.stderr
     src = folders / "hf"
     assert json.loads((out / "config.json").read_text()) == \

@@ -6,17 +6,16 @@ import os
 import numpy as np
 import pytest
 from mindspore import Parameter, Tensor
+from parallel_common import TINY_MODEL
 
 from ms_llm.config import load_config
 from ms_llm.training.lr_schedule import OptimizerParamScheduler
 from ms_llm.training.optimizer import AdamW
 from ms_llm.training.trainer import Trainer
 
-TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
-        "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
-        "--model.kv_channels", "16", "--data.seq_length", "32", "--training.micro_batch_size", "4",
-        "--training.global_batch_size", "4", "--training.progress_bar", "false",
-        "--training.lr_warmup_steps", "2", "--training.lr", "3e-3", "--training.log_interval", "1"]
+TINY = TINY_MODEL + ["--training.micro_batch_size", "4", "--training.global_batch_size", "4",
+                     "--training.progress_bar", "false", "--training.lr_warmup_steps", "2",
+                     "--training.lr", "3e-3", "--training.log_interval", "1"]
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "tiny.yaml")
 

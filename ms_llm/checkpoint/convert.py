@@ -38,6 +38,7 @@ from . import layouts as L
 from . import layouts_mtp as MTP
 from .convert_args import (DTYPES, ConvertError, _check_num_layers,  # noqa: F401 (re-exported)
                            _int_list, _refuse_unsupported, build_parser)
+from .convert_stream import stream_to_sink  # noqa: F401 (re-exported: dcp_export, lora)
 from .hf_io import HFReader, HFWriter, copy_hf_side_files, read_hf_config
 from .megatron import (MegatronReader, MegatronWriter, check_hf_template, hf_config_from_args,
                        make_args, write_hf_config)
@@ -225,6 +226,18 @@ class MegatronSource:
             return self.reader.tensor(t, p, e, c, name)
         return MTP.mtp_merge(self.spec, self.lay, read, j, L.merge_layer)
 
+    def check(self) -> None:
+        """After streaming: every stored tensor was read (a ``config.json`` listing fewer
+        layers or no MTP depth than the checkpoint holds must not drop them silently). The last
+        stage's copy of a tied embedding is Megatron's duplicate, not a weight of its own."""
+        dup = {"embedding.word_embeddings.weight"} | ({"output_layer.weight"}
+                                                      if self.spec.tied else set())
+        left = [u for u in self.reader.unread() if u.rsplit(": ", 1)[1] not in dup]
+        if left:
+            raise ConvertError(f"{self.reader.path}: {len(left)} stored tensor(s) were not "
+                               f"converted, e.g. {left[0]} (config.json num_hidden_layers "
+                               f"{self.spec.num_layers}: does it describe this checkpoint?)")
+
     def close(self) -> None:
         self.reader.close()
 
@@ -370,8 +383,8 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
     tmp = f"{save.rstrip(os.sep)}.tmp-{os.getpid()}"
     sink = None
     try:
-        if opts.lora_load:     # W + alpha/r B A, one layer at a time (ms_llm.lora.merge)
-            from ms_llm.lora.merge import merged_source
+        if opts.lora_load:     # W + alpha/r B A, one layer at a time (lora_merge)
+            from .lora_merge import merged_source
             src = merged_source(src, opts, opts.load_dir)
         spec = src.spec
         _check_num_layers(opts, spec)
@@ -401,7 +414,8 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
                 copy_hf_side_files(opts.load_dir, tmp)
             sink = HFSink(tmp, spec, src.config, out_dtype, opts.max_shard_size)
         return stream_to_sink(src, sink, tmp, save, progress=progress,
-                              check=getattr(src, "check", None))
+                              check=getattr(src, "check", None),
+                              allow_nonfinite=opts.allow_non_finite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -421,35 +435,6 @@ def _select_mtp(opts: argparse.Namespace, src) -> None:
     log.warning("--mtp-num-layers 0: dropping the checkpoint's %d MTP layer(s)", have)
     src.spec.mtp_layers = 0
     src.config = dict(src.config, num_nextn_predict_layers=0)
-
-
-def stream_to_sink(src, sink, tmp: str, out: str, *, progress=None, check=None) -> str:
-    """Copy ``src`` into ``sink`` one layer at a time (memory stays near one layer), then
-    publish the folder ``tmp`` as ``out`` by renaming it. On any failure the sink is aborted and
-    ``tmp`` removed, so ``out`` is either complete or absent. ``check()`` runs before the sink
-    is closed (e.g. to reject source tensors that nothing consumed)."""
-    try:
-        sink.embedding(src.embedding())
-        n = src.spec.num_layers
-        for i in range(n):
-            sink.layer(i, src.layer(i))
-            if progress:
-                progress(i + 1, n)
-        output = src.output()
-        for j in range(src.spec.mtp_layers):
-            sink.mtp_layer(j, src.mtp_layer(j), output)
-        sink.final(src.final_norm(), output)
-        if check is not None:
-            check()
-        sink.close()
-    except BaseException:
-        sink.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.isdir(out):
-        os.rmdir(out)
-    os.rename(tmp, out)
-    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
