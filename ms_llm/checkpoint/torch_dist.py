@@ -145,7 +145,7 @@ class TorchDistReader:
                 chunk.file, chunk.byte_offset, chunk.length = where
             else:
                 self.objects[idx.fqn] = Chunk((), (), *where)
-        from .verify import torch_dist_problem   # chunks inside their files, no aliasing
+        from .torch_dist_verify import torch_dist_problem   # chunks inside files, no aliasing
         why = torch_dist_problem(self)
         if why:
             raise ValueError(why)
