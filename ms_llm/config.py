@@ -52,6 +52,7 @@ class TrainingConfig:
     lr_warmup_steps: int = 10
     lr_decay_style: str = "cosine"    # cosine | linear | constant
     lr_decay_steps: Optional[int] = None  # default: max_steps
+    optimizer: str = "adamw"          # adamw (ms_llm.optim)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95

@@ -61,6 +61,7 @@ RULES: Dict[str, Rule] = {
     "training.adam_beta1": _within(0, 1, hi_open=True),
     "training.adam_beta2": _within(0, 1, hi_open=True),
     "training.lr_decay_style": _one_of("cosine", "linear", "constant"),
+    "training.optimizer": _one_of("adamw"),
     "training.resume": _one_of("none", "auto"),
     "training.recompute_granularity": _one_of("full", "selective", null=True),
     "training.recompute_method": _one_of("uniform", "block", null=True),

@@ -9,7 +9,7 @@ from mindspore import Parameter, Tensor
 
 from ms_llm.config import load_config
 from ms_llm.training.lr_schedule import lr_at
-from ms_llm.training.optimizer import AdamW
+from ms_llm.optim import AdamW
 from ms_llm.training.trainer import Trainer
 
 TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",

@@ -22,8 +22,9 @@ from ms_llm.models.moe import collect_router_counts, update_expert_bias
 from ms_llm.lora import base as lora_base
 from ms_llm.lora.modules import is_frozen_base, lora_module_names
 from ms_llm.ops._dispatch import resolve_paths
+from ms_llm.optim import build_optimizer, param_groups
 from ms_llm.parallel import comm
-from ms_llm.parallel.distributed_optimizer import build_optimizer, bytes_per_rank
+from ms_llm.parallel.distributed_optimizer import bytes_per_rank
 from ms_llm.compat import F, to_ms_dtype
 from ms_llm.parallel.parallelize import parallelize_model
 from ms_llm.parallel.pipeline.executor import PipelineExecutor
@@ -101,7 +102,9 @@ class Trainer:
         named = [(n, q) for n, q in self.named_params if q.requires_grad]
         self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit)
         # The distributed optimizer reduce-scatters instead of all-reducing (its own grad sync).
-        self.grad_sync = getattr(self.optimizer, "grad_sync", self.grad_sync)
+        self.grad_sync = self.optimizer.grad_sync or self.grad_sync
+        for line in param_groups.describe(self.optimizer.groups):
+            self._say(line)
         self.optimizer_bytes = bytes_per_rank(sum(self.optimizer.state_bytes().values()))
         self._say(f"optimizer state per rank (moments + fp32 main-param shards): "
                   f"{', '.join(f'{b / 2 ** 20:.2f}' for b in self.optimizer_bytes)} MiB "
