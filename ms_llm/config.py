@@ -52,7 +52,15 @@ class TrainingConfig:
     lr_warmup_steps: int = 10
     lr_decay_style: str = "cosine"    # cosine | linear | constant
     lr_decay_steps: Optional[int] = None  # default: max_steps
-    optimizer: str = "adamw"          # adamw (ms_llm.optim)
+    optimizer: str = "adamw"          # adamw | muon (ms_llm.optim; Megatron-Core's muon_* names)
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True       # orthogonalise Q, K and V apart (across query groups)
+    muon_coefficient_type: str = "quintic"   # simple | quintic | polar_express | cans | aol
+    muon_num_ns_steps: int = 5
+    muon_scale_mode: str = "spectral"  # spectral | shape_scaling | unit_rms_norm
+    muon_extra_scale_factor: float = 1.0
+    muon_tp_mode: str = "duplicated"  # blockwise | duplicated | distributed (tp > 1: blockwise)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -360,7 +368,7 @@ def validate(cfg: RunConfig) -> None:
     """Checks that involve more than one key (single values were checked while parsing). Each
     error names the source of the key it is about."""
     for check in (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora,
-                  _check_stage, _check_bf16, _check_fusion):
+                  _check_stage, _check_bf16, _check_fusion, _check_optimizer):
         check(cfg)
 
 
@@ -448,6 +456,13 @@ def _check_stage(cfg: RunConfig) -> None:
 def _check_bf16(cfg: RunConfig) -> None:
     from ms_llm.training.mixed_precision import bf16_problem
     problem = bf16_problem(cfg)
+    if problem is not None:
+        _fail(cfg, problem[0], problem[1])
+
+
+def _check_optimizer(cfg: RunConfig) -> None:
+    from ms_llm.optim.build import optimizer_problem
+    problem = optimizer_problem(cfg)
     if problem is not None:
         _fail(cfg, problem[0], problem[1])
 

@@ -1,4 +1,4 @@
-"""Optimizers: one ``Optimizer`` protocol (``base``), the update rules (``adamw``), the wrappers
+"""Optimizers: one ``Optimizer`` protocol (``base``), the update rules (``adamw``, ``muon``), the wrappers
 that run any of them on fp32 main parameters (``main_params``) or on data-parallel shards
 (``distributed``), parameter groups by rule (``param_groups``) and ``build_optimizer``.
 
@@ -10,6 +10,7 @@ from .base import Optimizer, StateTensor, Wrapper
 from .build import build_optimizer, state_elements
 from .distributed import DistributedOptimizer
 from .main_params import MainParams
+from .muon import Muon
 
-__all__ = ["AdamW", "DistributedOptimizer", "MainParams", "Optimizer", "StateTensor", "Wrapper",
+__all__ = ["AdamW", "DistributedOptimizer", "MainParams", "Muon", "Optimizer", "StateTensor", "Wrapper",
            "build_optimizer", "state_elements"]

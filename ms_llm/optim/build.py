@@ -1,30 +1,64 @@
-"""``build_optimizer``: the optimizer a run's config asks for, and what the memory planner asks
-of it (``state_elements``) without building one."""
+"""``build_optimizer``: the optimizer a run's config asks for, what the memory planner asks of it
+(``state_elements``) without building one, and the combinations not built
+(``optimizer_problem``, checked with the config)."""
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Optional, Sequence, Tuple
 
 from ms_llm.compat import float32
 from .adamw import AdamW
 from .base import Optimizer
 from .distributed import DistributedOptimizer
 from .main_params import MainParams, grad_dtype
+from .muon import Muon
 from .param_groups import assignment, build_groups
 
-OPTIMIZERS = {"adamw": AdamW}
+OPTIMIZERS = {"adamw": AdamW, "muon": Muon}
 
 
-def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = False) -> Optimizer:
+def optimizer_problem(cfg) -> Optional[Tuple[Sequence[str], str]]:
+    """``(keys, message)`` of an optimizer setting that is not built, else None."""
+    t, p = cfg.training, cfg.parallel
+    if t.optimizer != "muon":
+        return None
+    if p.fsdp_size > 1:
+        return ("training.optimizer", "parallel.fsdp_size"), (
+            "training.optimizer muon with parallel.fsdp_size > 1 is not built (Muon needs each "
+            "whole matrix; gathering FSDP shards to an owner rank is not implemented)")
+    if p.use_distributed_optimizer:
+        return ("training.optimizer", "parallel.use_distributed_optimizer"), (
+            "training.optimizer muon with parallel.use_distributed_optimizer is not built "
+            "(gathering dim-0 shards to an owner rank is not implemented)")
+    if p.tensor_model_parallel_size > 1 and t.muon_tp_mode != "blockwise":
+        return ("training.muon_tp_mode", "parallel.tensor_model_parallel_size"), (
+            f"training.muon_tp_mode {t.muon_tp_mode} is not built; with tensor parallel use "
+            f"blockwise (each rank orthogonalises its own shard)")
+    return None
+
+
+def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = False,
+                    model_config=None) -> Optimizer:
     """The optimizer the config asks for over ``named_params`` (trainable model parameters),
     grouped by rule (``param_groups``): the plain optimizer, wrapped for fp32 main parameters
     when the model is low precision (``training.bf16``), or with
     ``parallel.use_distributed_optimizer`` its dp-sharded form (whose ``grad_sync`` then replaces
-    the plain data-parallel all-reduce). ``jit``: the step is compiled (no backward hooks)."""
+    the plain data-parallel all-reduce). ``jit``: the step is compiled (no backward hooks).
+    ``model_config``: the architecture (Muon's QKV and grouped-expert views)."""
     t, p = cfg.training, cfg.parallel
-    groups = build_groups(named_params)
-    make = functools.partial(AdamW, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                             weight_decay=t.weight_decay, groups=assignment(groups))
+    muon = t.optimizer == "muon"
+    groups = assignment(build_groups(named_params, muon=muon))
+    adam = functools.partial(AdamW, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+                             eps=t.adam_eps, weight_decay=t.weight_decay)
+    if muon:
+        make = functools.partial(
+            Muon, lr=t.lr, momentum=t.muon_momentum, nesterov=t.muon_nesterov,
+            weight_decay=t.weight_decay, coefficient_type=t.muon_coefficient_type,
+            num_ns_steps=t.muon_num_ns_steps, scale_mode=t.muon_scale_mode,
+            extra_scale_factor=t.muon_extra_scale_factor, split_qkv=t.muon_split_qkv,
+            model_config=model_config or cfg.model, groups=groups, adam=adam)
+    else:
+        make = functools.partial(adam, groups=groups)
     if not p.use_distributed_optimizer:
         if any(q.dtype != float32 for _, q in named_params):   # training.bf16
             return MainParams(named_params, make)
