@@ -22,10 +22,6 @@ def optimizer_problem(cfg) -> Optional[Tuple[Sequence[str], str]]:
     t, p = cfg.training, cfg.parallel
     if t.optimizer != "muon":
         return None
-    if p.fsdp_size > 1:
-        return ("training.optimizer", "parallel.fsdp_size"), (
-            "training.optimizer muon with parallel.fsdp_size > 1 is not built (Muon needs each "
-            "whole matrix; gathering FSDP shards to an owner rank is not implemented)")
     if p.use_distributed_optimizer:
         return ("training.optimizer", "parallel.use_distributed_optimizer"), (
             "training.optimizer muon with parallel.use_distributed_optimizer is not built "
@@ -56,7 +52,7 @@ def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = Fals
             weight_decay=t.weight_decay, coefficient_type=t.muon_coefficient_type,
             num_ns_steps=t.muon_num_ns_steps, scale_mode=t.muon_scale_mode,
             extra_scale_factor=t.muon_extra_scale_factor, split_qkv=t.muon_split_qkv,
-            model_config=model_config or cfg.model, groups=groups, adam=adam)
+            model_config=model_config or cfg.model, groups=groups, adam=adam, pstate=pstate)
     else:
         make = functools.partial(adam, groups=groups)
     if not p.use_distributed_optimizer:
