@@ -1,10 +1,10 @@
-"""``build_optimizer``: the optimizer a run's config asks for, what the memory planner asks of it
-(``state_elements``) without building one, and the combinations not built
-(``optimizer_problem``, checked with the config)."""
+"""``build_optimizer``: the optimizer a run's config asks for, and what the memory planner asks
+of it (``state_elements``) without building one. The layouts an optimizer does not support are
+refused with the config (``config_rules.optimizer_problem``)."""
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence, Tuple
+from typing import Sequence
 
 from ms_llm.compat import float32
 from .adamw import AdamW
@@ -15,22 +15,6 @@ from .muon import Muon
 from .param_groups import assignment, build_groups
 
 OPTIMIZERS = {"adamw": AdamW, "muon": Muon}
-
-
-def optimizer_problem(cfg) -> Optional[Tuple[Sequence[str], str]]:
-    """``(keys, message)`` of an optimizer setting that is not built, else None."""
-    t, p = cfg.training, cfg.parallel
-    if t.optimizer != "muon":
-        return None
-    if p.use_distributed_optimizer:
-        return ("training.optimizer", "parallel.use_distributed_optimizer"), (
-            "training.optimizer muon with parallel.use_distributed_optimizer is not built "
-            "(gathering dim-0 shards to an owner rank is not implemented)")
-    if p.tensor_model_parallel_size > 1 and t.muon_tp_mode != "blockwise":
-        return ("training.muon_tp_mode", "parallel.tensor_model_parallel_size"), (
-            f"training.muon_tp_mode {t.muon_tp_mode} is not built; with tensor parallel use "
-            f"blockwise (each rank orthogonalises its own shard)")
-    return None
 
 
 def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = False,

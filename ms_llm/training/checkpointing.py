@@ -1,9 +1,9 @@
 """Training checkpoints on the distributed checkpoint format (``ms_llm.checkpoint.dcp``).
 
-Every rank writes the real rows it owns of each parameter and optimizer-state tensor (asked of the
-optimizer through the ``ms_llm.optim.Optimizer`` protocol), described as a
-region of the *global* (unsharded) tensor, so a checkpoint saved under one layout (fsdp=3,
-tp=2, dp replicas...) loads under another. The regions, names and the writing replica all come
+Every rank writes the real rows it owns of each parameter and optimizer-state tensor (asked of
+the optimizer through the ``ms_llm.optim.Optimizer`` protocol), described as a region of the
+*global* (unsharded) tensor, so a checkpoint saved under one layout (fsdp=3, tp=2, dp
+replicas...) loads under another. The regions, names and the writing replica all come
 from each parameter's ``Placement`` (``ms_llm.parallel.placement``): e.g. a fused gated
 ``linear_fc1`` is stored as ``<name>:gate`` and ``<name>:up`` because a tensor-parallel rank holds
 ``[gate_r; up_r]``, rows that are one rectangle of each half but not of ``[gate; up]``.
@@ -11,7 +11,7 @@ from each parameter's ``Placement`` (``ms_llm.parallel.placement``): e.g. a fuse
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 from mindspore import Tensor
@@ -25,8 +25,8 @@ log = logging.getLogger("ms_llm.train")
 
 
 def _pieces(named_params, optimizer, pstate):
-    """Per model tensor and per optimizer-state tensor held here: its regions (from its ``Placement``),
-    whether this rank writes them. Buffers such as ``expert_bias`` have no moments; the
+    """Per model tensor and per optimizer-state tensor held here: its regions (from its
+    ``Placement``), whether this rank writes them. Buffers such as ``expert_bias`` have no moments; the
     distributed optimizer's moments carry the ``dp``/``edp`` cut in their placement."""
     mesh = Mesh.of(pstate)
     for name, p in named_params:
@@ -45,7 +45,7 @@ def save(save_dir: str, step: int, model_named, optimizer, pstate, state: dict, 
          rank: int, world: int, keep_last: Optional[int] = None, all_finite=None) -> str:
     """Write this rank's pieces. A checkpoint with a NaN/inf is never written: every tensor is
     checked first and ``all_finite(first bad name or None)`` (collective, from
-    ``resilience.all_ranks_finite``) makes every rank refuse together."""
+    ``all_ranks_finite``) makes every rank refuse together."""
     local = {}
     for pl, prefix, tensor, regions, write in _pieces(model_named, optimizer, pstate):
         data = stored_view(tensor.asnumpy(), pl)
@@ -93,3 +93,19 @@ def load(path: str, model_named, optimizer, pstate) -> dict:
     optimizer.step_count = int(state["optimizer_step"])
     optimizer.load_finished()
     return state
+
+
+def all_ranks_finite(world: int) -> Callable[[Optional[str]], Optional[str]]:
+    """For ``checkpointing.save``: given this rank's first non-finite tensor (or None), the
+    description of a non-finite tensor on any rank (or None); one 1-element all-reduce when
+    there are several workers, so every rank refuses the save together."""
+    def agree(bad: Optional[str]) -> Optional[str]:
+        if world == 1:
+            return bad
+        from ms_llm.parallel import comm
+        flag = Tensor(np.array([0.0 if bad is None else 1.0], np.float32))
+        comm.all_reduce(flag, group=comm.world_group())
+        if bad is None and float(flag.asnumpy()[0]) > 0:
+            return "a tensor on another rank (its log names it)"
+        return bad
+    return agree
