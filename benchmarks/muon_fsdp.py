@@ -138,7 +138,8 @@ def run_ms(steps: int, args: list) -> float:
     from msrun_util import msrun_command
     out = "/tmp/ms_llm_bench_muon_fsdp_ms.json"
     cmd, env = msrun_command("../../benchmarks/muon_fsdp.py", 2, "/tmp/ms_llm_bench_muon_logs",
-                             ["--as-worker", out, "--steps", str(steps), "--", *args])
+                             ["--as-worker", out, "--steps", str(steps), "--", *args],
+                             cluster_time_out=600)
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0 or not os.path.isfile(out):
         raise SystemExit(f"ms-llm job failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")

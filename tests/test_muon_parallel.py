@@ -33,29 +33,32 @@ def spec(name, *arg_lists):
     return name + ":" + ",".join(f"{a}={b}" for a, b in zip(args[::2], args[1::2]))
 
 
-def one_process(*arg_lists):
+def one_process(tmp_path, name, *arg_lists):
+    """The single-process reference (its own output folder: BASE's is shared by sessions)."""
     args = [a for lst in arg_lists for a in lst]
-    return run_record(Trainer(load_config(CONFIG, BASE + args)))
+    out = ["--training.output_dir", str(tmp_path / f"one_{name}")]
+    return run_record(Trainer(load_config(CONFIG, BASE + args + out)))
 
 
 @pytest.mark.msrun
 def test_muon_two_workers_match_one_process(tmp_path):
+    out = ["--training.output_dir", str(tmp_path / "runs")]
     res = run_worker_job("train_parallel.py", tmp_path, 2, [
-        spec("dp2", MUON), spec("ep2_grouped", MUON, GROUPED,
-                                ["--parallel.expert_model_parallel_size", "2"]),
-        spec("pp2", MUON, PP2), spec("dp2_bf16", MUON, BF16),
-        spec("fsdp2_uneven", MUON, UNEVEN, ["--parallel.fsdp_size", "2"])])
-    ref = one_process(MUON)
+        spec("dp2", MUON, out), spec("ep2_grouped", MUON, GROUPED, out,
+                                     ["--parallel.expert_model_parallel_size", "2"]),
+        spec("pp2", MUON, PP2, out), spec("dp2_bf16", MUON, BF16, out),
+        spec("fsdp2_uneven", MUON, UNEVEN, out, ["--parallel.fsdp_size", "2"])])
+    ref = one_process(tmp_path, "muon", MUON)
     for name in ("dp2", "pp2"):
         for key in ("loss", "grad_norm"):
             np.testing.assert_allclose(res[name][key], ref[key], rtol=RTOL, err_msg=name)
-    ref_uneven = one_process(MUON, UNEVEN)
+    ref_uneven = one_process(tmp_path, "uneven", MUON, UNEVEN)
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(res["fsdp2_uneven"][key], ref_uneven[key], rtol=RTOL)
-    ref_moe = one_process(MUON, GROUPED)
+    ref_moe = one_process(tmp_path, "moe", MUON, GROUPED)
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(res["ep2_grouped"][key], ref_moe[key], rtol=RTOL)
-    ref_bf16 = one_process(MUON, BF16)
+    ref_bf16 = one_process(tmp_path, "bf16", MUON, BF16)
     for key, rtol in BF16_RTOL.items():
         np.testing.assert_allclose(res["dp2_bf16"][key], ref_bf16[key], rtol=rtol)
     assert len(ref["loss"]) == 5 and ref["loss"][-1] < ref["loss"][0]
