@@ -32,10 +32,12 @@ class Optimizer(Protocol):
     ``params`` are the tensors ``step`` updates, aligned with the gradients it takes (the model's
     parameters, their fp32 main copies, or this rank's shards of them); ``grad_sync`` is the
     gradient synchronisation that produces those gradients when the optimizer owns it (the
-    distributed optimizer's reduce-scatter), else None."""
+    distributed optimizer's reduce-scatter), else None; ``groups`` the parameter groups
+    (``param_groups.ParamGroup``: printed at start)."""
     params: List[Parameter]
     step_count: int
     grad_sync: Optional[object]
+    groups: list
 
     @property
     def lr(self) -> float: ...
