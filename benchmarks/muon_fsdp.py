@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from muon import MODEL, machine  # noqa: E402
 
 SHAPE = dict(layers=8, hidden=512, ffn=1408, heads=8, groups=2, d=64, vocab=32000)
-SMALL = dict(layers=2, hidden=64, ffn=128, heads=4, groups=2, d=16, vocab=512)
+SMALL = dict(layers=2, hidden=64, ffn=128, heads=4, groups=2, d=16, vocab=4096)
 
 
 def ms_args(shape: dict, seq: int, mbs: int) -> list:
