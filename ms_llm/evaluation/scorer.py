@@ -37,7 +37,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 class ModelScorer:
     """A model and its tokenizer, ready to score. ``max_length`` is the longest sequence fed to
     the model (longer inputs lose tokens on the left, as lm-eval does); ``vocab_size`` limits the
-    softmax to the first that many logits (a Megatron folder's padded vocabulary)."""
+    softmax to the first that many logits (a Megatron folder's padded vocabulary). ``tokenizer``
+    may be None for id-only use (``loglikelihood`` / ``generate`` on ids, benchmarks)."""
 
     def __init__(self, model, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
                  max_length: int, vocab_size: Optional[int] = None, add_special_tokens=True):
@@ -47,7 +48,7 @@ class ModelScorer:
         self.vocab_size = vocab_size
         self.add_special_tokens = add_special_tokens
         self._hf = None
-        if tokenizer.path.endswith(".json"):
+        if tokenizer is not None and tokenizer.path.endswith(".json"):
             from tokenizers import Tokenizer as HFTokenizer
             self._hf = HFTokenizer.from_file(tokenizer.path)
 
