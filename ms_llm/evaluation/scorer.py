@@ -47,10 +47,10 @@ class ModelScorer:
         self.max_length = int(max_length)
         self.vocab_size = vocab_size
         self.add_special_tokens = add_special_tokens
-        self._hf = None
+        self.hf_tokenizer = None
         if tokenizer is not None and tokenizer.path.endswith(".json"):
             from tokenizers import Tokenizer as HFTokenizer
-            self._hf = HFTokenizer.from_file(tokenizer.path)
+            self.hf_tokenizer = HFTokenizer.from_file(tokenizer.path)
 
     @classmethod
     def from_path(cls, path: str, tokenizer: Optional[str] = None, dtype: Optional[str] = None,
@@ -68,8 +68,8 @@ class ModelScorer:
         """Ids of ``text`` as HF's ``tokenizer.encode`` gives them: with the special tokens the
         ``tokenizer.json`` post-processor adds unless told otherwise; sentencepiece as is."""
         special = self.add_special_tokens if add_special_tokens is None else add_special_tokens
-        if self._hf is not None:
-            return list(self._hf.encode(text, add_special_tokens=bool(special)).ids)
+        if self.hf_tokenizer is not None:
+            return list(self.hf_tokenizer.encode(text, add_special_tokens=bool(special)).ids)
         return self.tokenizer.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
