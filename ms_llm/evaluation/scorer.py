@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -61,7 +62,8 @@ class ModelScorer:
         tok = load_tokenizer_for(path, tokenizer)
         model = model if model is not None else load_model(path, dtype)
         return cls(model, tok, eos_token_ids(path, tok),
-                   max_length or model.config.max_position_embeddings)
+                   max_length or model.config.max_position_embeddings,
+                   vocab_size=real_vocab_size(path, tok, model.config.padded_vocab_size))
 
     # -- text <-> ids -------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: Optional[bool] = None) -> List[int]:
@@ -170,3 +172,18 @@ class ModelScorer:
                 break
         return [cut_at_stop(t, stop) for t in texts]
 
+
+def real_vocab_size(path: str, tokenizer: Tokenizer, padded: int) -> Optional[int]:
+    """The vocabulary without Megatron's padding rows (``--make-vocab-size-divisible-by``), so
+    they stay out of the softmax: ``config.json``'s ``vocab_size`` (an HF folder's equals its
+    rows; ms-llm writes the HF one beside a Megatron folder), else the tokenizer's size (a
+    training checkpoint). None when nothing is padded."""
+    import json
+    vocab = None
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            vocab = json.load(f).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        vocab = None
+    vocab = int(vocab) if isinstance(vocab, int) else tokenizer.vocab_size
+    return vocab if vocab < padded else None
