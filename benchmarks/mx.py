@@ -107,7 +107,8 @@ over = ["--training.output_dir", out, "--training.progress_bar", "false"]
 if steps > 0:
     over += ["--training.max_steps", str(steps)]
 cfg = load_config("configs/tiny.yaml", over)
-cfg.quant.recipe = None if recipe == "none" else recipe  # config.validate still rejects it
+# config.validate still rejects it: set on a derived copy of the (frozen) loaded config
+cfg = cfg.with_values({"quant.recipe": None if recipe == "none" else recipe})
 build = T.build_model
 def build_model(c):
     model = build(c)

@@ -58,8 +58,9 @@ export PATH="$BIN_DIR:$PATH"
 command -v msrun >/dev/null || { echo "pretrain.sh: msrun not found (is mindspore installed?)" >&2; exit 2; }
 
 # One interpreter start (importing MindSpore costs seconds): check ms_llm imports, validate the
-# config before spending ~15 s on cluster start-up, and print the entry point msrun runs, the
-# config's training.max_restarts and checkpoint.save_dir.
+# config (with the launch rules for WORLD_SIZE workers) before spending ~15 s on cluster
+# start-up, and print the entry point msrun runs, the config's training.max_restarts and
+# checkpoint.save_dir.
 set +e
 ENTRY="$("$PY" -c "import sys
 try:
@@ -69,11 +70,11 @@ except ImportError as e:
     print(f'pretrain.sh: ms_llm or mindspore is not importable by {sys.executable} ({e}); '
           f\"run 'pip install -e .' first\", file=sys.stderr); sys.exit(2)
 try:
-    cfg = load_config(sys.argv[1], sys.argv[2:])
+    cfg = load_config(sys.argv[2], sys.argv[3:], world_size=int(sys.argv[1]))
 except ConfigError as e:
     print(f'config error: {e}', file=sys.stderr); sys.exit(2)
 print(entry.__file__, cfg.training.max_restarts, cfg.checkpoint.save_dir or '', sep='\x1f')" \
-  "$CONFIG" "$@")"
+  "$WORLD_SIZE" "$CONFIG" "$@")"
 rc=$?
 set -e
 (( rc == 0 )) || exit $rc

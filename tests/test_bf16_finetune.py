@@ -66,7 +66,7 @@ def test_bf16_dpo_full_finetune_matches_fp32(pairs, tmp_path):
     assert {p.dtype for p in opt.model_params} == {ms.bfloat16}
     assert {p.dtype for p in opt.params} == {ms.float32}
     # the reference snapshot is the starting bf16 weights (no fp32 copy of the model)
-    assert {v.dtype for v in trainer.dpo.reference.__self__.initial} == {ms.bfloat16}
+    assert {v.dtype for v in trainer.objective.reference.__self__.initial} == {ms.bfloat16}
     _close_to_fp32(got, want)
 
 

@@ -16,7 +16,7 @@ from mindspore import Tensor
 from finetune_fixtures import RUN, make_hf_folder, pairwise_rows, preprocess, write_jsonl
 from ms_llm.cli import main as cli_main
 from ms_llm.config import ConfigError, DPOConfig, load_config
-from ms_llm.models import from_pretrained
+from ms_llm.checkpoint import from_pretrained
 from ms_llm.ops.cross_entropy import cross_entropy
 from ms_llm.training.dpo import DPOObjective, dpo_loss, sequence_logps
 from ms_llm.training.trainer import Trainer
@@ -214,12 +214,12 @@ def test_lora_dpo_reference_is_the_base_with_adapters_off(tiny, tmp_path):
     from ms_llm.training.dpo import FrozenReference
     trainer = Trainer(dpo_cfg(tiny, tmp_path, "--data.data_path", str(tiny / "pairs"),
                               "--training.max_steps", "2", "--lora.r", "4", "--lora.alpha", "8"))
-    assert not isinstance(getattr(trainer.dpo.reference, "__self__", None), FrozenReference)
+    assert not isinstance(getattr(trainer.objective.reference, "__self__", None), FrozenReference)
     recs = trainer.fit()
     assert recs[0]["loss"] == pytest.approx(math.log(2.0), rel=1e-6)
     assert recs[0]["rewards/margin"] == 0.0 and recs[1]["rewards/margin"] != 0.0
-    rows = trainer.dpo.rows(next(trainer.data.loader))
-    ref = trainer.dpo.reference_logps(rows).asnumpy()
+    rows = trainer.objective.rows(next(trainer.data.loader))
+    ref = trainer.objective.reference_logps(rows).asnumpy()
     base = from_pretrained(str(tiny / "hf"))
     nll = base(rows["tokens"], labels=rows["labels"]).asnumpy()
     want = -(nll * rows["loss_mask"].asnumpy()).sum(-1)

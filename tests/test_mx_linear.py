@@ -5,6 +5,7 @@ The reference quantizes with the independent spec implementation in ``test_mx.re
 multiplies in float64. Tolerance 1e-5 relative to the largest entry: the only difference left is
 fp32 accumulation over K <= 128 products (~1e-6 relative), the quantized operands are identical.
 """
+import dataclasses
 import numpy as np
 import pytest
 import mindspore as ms
@@ -134,10 +135,10 @@ def test_apply_quantization_selection_and_errors(caplog):
     model = GPTModel(cfg.model)
     assert apply_quantization(model, cfg.quant) == []            # recipe unset: no-op
     before = dict(model.named_parameters())
-    cfg.quant.recipe = "mxfp8"
-    cfg.quant.ignored_modules = ["*.linear_proj"]
+    quant = dataclasses.replace(cfg.quant, recipe="mxfp8",   # the loaded config is frozen
+                                ignored_modules=["*.linear_proj"])
     with caplog.at_level("INFO", logger="ms_llm.quant"):
-        names = apply_quantization(model, cfg.quant)
+        names = apply_quantization(model, quant)
     assert names == [f"decoder.layers.{i}.{m}" for i in range(2)
                      for m in ("self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")]
     assert "emulated path" in caplog.text and names[0] in caplog.text
@@ -193,8 +194,7 @@ def test_quantized_model_trains_like_fp32():
     for recipe in (None, "mxfp8"):
         manual_seed(7)
         model = GPTModel(cfg.model)
-        cfg.quant.recipe = recipe
-        apply_quantization(model, cfg.quant)
+        apply_quantization(model, dataclasses.replace(cfg.quant, recipe=recipe))
         params = model.trainable_params()
         opt = AdamW(params, lr=3e-3)
         gf = ms.value_and_grad(lambda t: model(t, labels=t).mean(), None, params)

@@ -15,7 +15,7 @@ from ms_llm.config import ConfigError, load_config
 from ms_llm.data.dataset import BatchIterator
 from ms_llm.training import faults, restart
 from ms_llm.training.nonfinite import NonFiniteError, NonFiniteGuard
-from ms_llm.training.resilience import check_lr_schedule
+from ms_llm.training.lr_schedule import check_lr_schedule
 from ms_llm.training.trainer import Trainer
 
 TINY = TINY_MODEL + ["--training.micro_batch_size", "4",

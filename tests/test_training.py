@@ -191,7 +191,7 @@ def test_moe_training_runs_with_aux_loss(tmp_path):
     # says so in one line and trains in PyNative with the same numbers.
     jit = Trainer(make_cfg(tmp_path, "--training.max_steps", "4", *moe[:-2],
                            "--training.jit", "true"))
-    assert jit.fwd_bwd is None
+    assert jit.executor.fwd_bwd is None
     np.testing.assert_allclose([r["loss"] for r in jit.fit()], losses, rtol=1e-6)
 
 

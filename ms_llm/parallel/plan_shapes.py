@@ -18,7 +18,6 @@ function checkpoints use, so the chunk rule, GLU halves and expert row blocks co
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
@@ -95,12 +94,9 @@ def twin_config(c: TransformerConfig, tp: int, unit: int = 2) -> TransformerConf
 def _twin_run_config(cfg, model_cfg: TransformerConfig):
     """The run config the twin is parallelized with: the same layout, recompute off (it only
     marks modules) and no jit."""
-    tcfg = copy.copy(cfg)
-    tcfg.model = model_cfg
-    tcfg.training = dataclasses.replace(cfg.training, recompute_granularity=None,
-                                        recompute_method=None, recompute_num_layers=None,
-                                        recompute_norm=False, jit=False)
-    return tcfg
+    return cfg.replace(model=model_cfg, training=dataclasses.replace(
+        cfg.training, recompute_granularity=None, recompute_method=None,
+        recompute_num_layers=None, recompute_norm=False, jit=False))
 
 
 def rank_params(cfg, model_cfg: TransformerConfig, sizes: ParallelSizes, rank: int,

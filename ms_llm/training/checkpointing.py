@@ -10,7 +10,7 @@ from each parameter's ``Placement`` (``ms_llm.parallel.placement``): e.g. a fuse
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 from mindspore import Tensor
@@ -44,7 +44,7 @@ def save(save_dir: str, step: int, model_named, optimizer, pstate, state: dict, 
          rank: int, world: int, keep_last: Optional[int] = None, all_finite=None) -> str:
     """Write this rank's pieces. A checkpoint with a NaN/inf is never written: every tensor is
     checked first and ``all_finite(first bad name or None)`` (collective, from
-    ``resilience.all_ranks_finite``) makes every rank refuse together."""
+    ``all_ranks_finite``) makes every rank refuse together."""
     local = {}
     for pl, prefix, tensor, regions, write in _pieces(model_named, optimizer, pstate):
         data = stored_view(tensor.asnumpy(), pl)
@@ -92,3 +92,19 @@ def load(path: str, model_named, optimizer, pstate) -> dict:
     optimizer.step_count = int(state["optimizer_step"])
     optimizer.load_finished()
     return state
+
+
+def all_ranks_finite(world: int) -> Callable[[Optional[str]], Optional[str]]:
+    """For ``checkpointing.save``: given this rank's first non-finite tensor (or None), the
+    description of a non-finite tensor on any rank (or None); one 1-element all-reduce when
+    there are several workers, so every rank refuses the save together."""
+    def agree(bad: Optional[str]) -> Optional[str]:
+        if world == 1:
+            return bad
+        from ms_llm.parallel import comm
+        flag = Tensor(np.array([0.0 if bad is None else 1.0], np.float32))
+        comm.all_reduce(flag, group=comm.world_group())
+        if bad is None and float(flag.asnumpy()[0]) > 0:
+            return "a tensor on another rank (its log names it)"
+        return bad
+    return agree

@@ -6,8 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from ms_llm.checkpoint.pretrained import adopt_pretrained_architecture
-from ms_llm.config import ConfigError, RunConfig, validate
+from ms_llm.config import ConfigError, RunConfig
 from ms_llm.data import (BatchIterator, PretrainDataset, Tokenizer, ensure_default_corpus,
                          load_tokenizer, tokenize_corpus)
 from ms_llm.models.config import TransformerConfig
@@ -31,12 +30,9 @@ def padded_vocab(vocab_size: int, divisible_by: int) -> int:
 
 def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
     """The tokenizer, the sharded batches, and the model config they need: with
-    ``checkpoint.load`` the folder's architecture (``cfg.model`` becomes it and the cross-key
-    checks run again on it), otherwise the config's with the tokenizer's padded vocabulary."""
+    ``checkpoint.load`` the folder's architecture (``load_config`` adopted it before the rules
+    ran), otherwise the config's with the tokenizer's padded vocabulary."""
     d = cfg.data
-    if cfg.checkpoint.load:
-        adopt_pretrained_architecture(cfg)
-        validate(cfg)
     corpus, tok_path = d.corpus, d.tokenizer
     if corpus == "embedded" or tok_path == "embedded":
         emb_corpus, emb_tok = ensure_default_corpus(d.cache_dir, d.embedded_vocab_size)

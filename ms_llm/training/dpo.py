@@ -133,7 +133,10 @@ def reference_for(model, params: Sequence, lora: bool = False) -> Callable[[], C
 class DPOObjective:
     """What the trainer needs for a DPO step: the micro-batch arguments (with the reference
     log-probs), the differentiated loss (which returns the policy log-probs as auxiliary output)
-    and the reward metrics of the step."""
+    and the reward metrics of the step (an ``ms_llm.training.objectives.Objective``)."""
+
+    has_aux = True       # the loss returns the policy log-probs too
+    eval_group = "dp"    # DPO sums are whole pairs, alike on the cp ranks
 
     def __init__(self, cfg, model, params: Sequence, dp_group, moe_aux_scale: Optional[float],
                  reference: Optional[Callable[[], ContextManager]] = None, pieces=WholeRows):
@@ -154,6 +157,20 @@ class DPOObjective:
     @staticmethod
     def pairs(batches: Sequence[dict]) -> int:
         return sum(len(b["chosen_tokens"]) for b in batches)
+
+    def units(self, batches: Sequence[dict]) -> int:
+        return self.pairs(batches)
+
+    def micro_batch_loss(self, out, args: tuple) -> Tensor:
+        """The loss of ``loss(*args)``'s output; records the micro-batch's rewards (``args[3]``
+        holds the reference log-probs)."""
+        loss, logps = out
+        self.record(logps, args[3])
+        return loss
+
+    @staticmethod
+    def pipeline_loss(per_token: Tensor, b: dict, inv: Tensor) -> Tensor:
+        raise NotImplementedError("training.stage dpo under pipeline parallel is not built yet")
 
     def rows(self, b: dict) -> Dict[str, object]:
         """The ``2B`` rows as this rank's model inputs (tokens, labels, loss_mask, and under

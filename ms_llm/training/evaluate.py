@@ -16,7 +16,6 @@
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, Optional
 
 import numpy as np
@@ -52,13 +51,13 @@ class Evaluator:
         model.set_train(False)
         try:
             with no_grad():
-                sums = sum(self._batch_sums(next(self.loader))
+                sums = sum(tr.evaluate_batch(next(self.loader))
                            for _ in range(self.iters * tr.accum_steps))
         finally:
             model.set_train(was_training)
-        # LM sums are this rank's tokens (under cp its pieces of the sequences): summed over
-        # dp x cp. DPO sums are whole pairs, alike on the cp ranks: summed over dp.
-        group = tr.dp_group if tr.dpo is not None else tr.dp_cp_group
+        # The objective names the group its sums add over: LM sums are this rank's tokens
+        # (under cp its pieces of the sequences): dp x cp; DPO sums are whole pairs: dp.
+        group = tr.pstate.group(tr.objective.eval_group)
         if group.size > 1:
             t = Tensor(np.asarray(sums, np.float32))
             comm.all_reduce(t, group=group)
@@ -67,19 +66,5 @@ class Evaluator:
         self.last_step = step
         return self._values(sums)
 
-    def _batch_sums(self, b: dict) -> np.ndarray:
-        tr = self.trainer
-        if tr.dpo is not None:
-            return tr.dpo.eval_sums(b)
-        mb = tr._micro_batch(b)
-        per_token = tr.model(mb["tokens"], labels=mb["labels"],
-                             attention_mask=mb.get("attention_mask"),
-                             position_ids=mb.get("position_ids"))
-        loss_sum = float((per_token * mb["loss_mask"]).sum().asnumpy())
-        return np.array([loss_sum, float(mb["loss_mask"].sum().asnumpy())])
-
     def _values(self, sums: np.ndarray) -> Dict[str, float]:
-        if self.trainer.dpo is not None:
-            return self.trainer.dpo.eval_values(sums)
-        loss = float(sums[0] / max(sums[1], 1.0))
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(20.0, loss))}
+        return self.trainer.objective.eval_values(sums)

@@ -2,8 +2,6 @@
 a layout fit (``memory_plan`` does the accounting)."""
 from __future__ import annotations
 
-import copy
-import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 from .memory_plan import GB, MemoryPlan, planned_model_config, plan_memory
@@ -64,13 +62,7 @@ def _candidates(cfg, nproc: int, distopt: bool) -> List[Tuple[str, dict, bool]]:
 
 
 def _apply(cfg, changes: dict):
-    new = copy.copy(cfg)
-    new.training = dataclasses.replace(cfg.training)
-    new.parallel = dataclasses.replace(cfg.parallel)
-    for key, value in changes.items():
-        section, name = key.split(".")
-        setattr(getattr(new, section), name, value)
-    return new
+    return cfg.with_values(changes)
 
 
 def suggest_fix(cfg, nproc: int, device_memory_gb: float, distopt: bool, c, shapes,

@@ -6,7 +6,7 @@ import os
 import resource
 import sys
 import time
-from typing import Optional
+from typing import Dict, Optional
 
 
 def peak_rss_gb() -> float:
@@ -136,3 +136,27 @@ class MetricsLogger:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def slowest_rank(step_time: float, world: int) -> Dict[str, float]:
+    """Every worker's step time gathered (one tiny all-gather per logged step): the slowest
+    rank and its time, so a straggler shows in the step log."""
+    if world == 1:
+        return {}
+    import numpy as np
+    from mindspore import Tensor, float32, mint
+    from ms_llm.parallel import comm
+    mine = Tensor(np.array([step_time], np.float32))
+    times = [mint.zeros((1,), dtype=float32) for _ in range(world)]
+    comm.all_gather(times, mine, group=comm.world_group())
+    values = [float(t.asnumpy()[0]) for t in times]
+    r = int(np.argmax(values))
+    return {"step_time_max_s": values[r], "slowest_rank": r}
+
+
+def step_extras(guard, skipped: bool, step_time: float,
+                world: int) -> Dict[str, object]:
+    out: Dict[str, object] = slowest_rank(step_time, world)
+    if guard.policy == "skip":
+        out.update(skipped=bool(skipped), skipped_steps=guard.skipped)
+    return out

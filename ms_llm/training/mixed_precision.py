@@ -19,7 +19,8 @@
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import dataclasses
+from typing import Dict, List, Optional, Sequence
 
 from mindspore import Parameter, Tensor
 
@@ -27,30 +28,6 @@ from ms_llm.compat import F, bfloat16, float32
 from ms_llm.parallel.placement import placement_of, set_placement
 from .optimizer import AdamW, WrapsAdamW
 
-Problem = Optional[Tuple[Sequence[str], str]]
-_LOW = ("bfloat16", "bf16")
-
-
-def bf16_problem(cfg) -> Problem:
-    """Combinations with ``training.bf16`` that are not built (config.validate names the keys)."""
-    t, p, m = cfg.training, cfg.parallel, cfg.model
-    if not t.bf16:
-        return None
-    if m.params_dtype not in ("float32", "fp32") + _LOW:
-        return ("training.bf16", "model.params_dtype"), (
-            f"training.bf16 with model.params_dtype {m.params_dtype}: leave params_dtype at "
-            f"float32 (bf16 sets the model's dtype itself)")
-    if not p.grad_reduce_in_fp32 and p.fsdp_size > 1 and p.fsdp_reduce_dtype is not None \
-            and p.fsdp_reduce_dtype.lower() not in _LOW:
-        return ("parallel.grad_reduce_in_fp32", "parallel.fsdp_reduce_dtype"), (
-            f"parallel.grad_reduce_in_fp32 false reduces in bf16, but parallel.fsdp_reduce_dtype "
-            f"is {p.fsdp_reduce_dtype} (leave it unset)")
-    if p.fsdp_size > 1 and p.fsdp_param_dtype is not None \
-            and p.fsdp_param_dtype.lower() not in _LOW:
-        return ("training.bf16", "parallel.fsdp_param_dtype"), (
-            f"training.bf16 with parallel.fsdp_param_dtype {p.fsdp_param_dtype}: bf16 gathers "
-            f"bf16 weights (leave fsdp_param_dtype unset)")
-    return None
 
 
 def model_config_for(cfg):
@@ -67,14 +44,18 @@ def fsdp_param_dtype(cfg) -> Optional[str]:
     return "bfloat16" if cfg.training.bf16 and p.fsdp_param_dtype is None else p.fsdp_param_dtype
 
 
-def apply_to_config(cfg) -> None:
-    """What ``training.bf16`` sets for the trainer: the model's parameter dtype and FSDP's
-    gathered-weight and gradient-reduce dtypes (config checks already refused the combinations
-    not built)."""
-    cfg.model = model_config_for(cfg)
-    cfg.parallel.fsdp_param_dtype = fsdp_param_dtype(cfg)
-    if reduces_in_bf16(cfg) and cfg.parallel.fsdp_reduce_dtype is None:
-        cfg.parallel.fsdp_reduce_dtype = "bfloat16"
+def resolved(cfg):
+    """The run config a ``training.bf16`` trainer runs: the model's parameter dtype and FSDP's
+    gathered-weight and gradient-reduce dtypes set (a derived copy; the rules already refused
+    the combinations not built)."""
+    if not cfg.training.bf16:
+        return cfg
+    reduce_dtype = cfg.parallel.fsdp_reduce_dtype
+    if reduces_in_bf16(cfg) and reduce_dtype is None:
+        reduce_dtype = "bfloat16"
+    parallel = dataclasses.replace(cfg.parallel, fsdp_param_dtype=fsdp_param_dtype(cfg),
+                                   fsdp_reduce_dtype=reduce_dtype)
+    return cfg.replace(model=model_config_for(cfg), parallel=parallel)
 
 
 def reduces_in_bf16(cfg) -> bool:

@@ -14,7 +14,7 @@ parameter costs one host scan plus one tiny all-gather, and only on the failure 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 from mindspore import Tensor
@@ -81,3 +81,15 @@ class NonFiniteGuard:
             return locate(names, grads, self.rank, self.world)
         i = first_nonfinite(names, grads)
         return f"{names[i]}" if i is not None else "none of the gradients (the loss itself)"
+
+
+def guard_for(cfg, dist) -> NonFiniteGuard:
+    """The guard of ``training.nan_policy`` / ``max_skipped_steps`` for this rank."""
+    t = cfg.training
+    return NonFiniteGuard(t.nan_policy, t.max_skipped_steps, dist.rank, dist.world_size)
+
+
+def names_of(params: Sequence, named_params: Sequence) -> List[str]:
+    """Model names of the optimizer's parameters (its own ``name`` for a shard it made)."""
+    by_id = {id(q): n for n, q in named_params}
+    return [by_id.get(id(p), getattr(p, "name", f"param{i}")) for i, p in enumerate(params)]

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import mindspore as ms
@@ -15,31 +15,33 @@ from mindspore import Tensor
 
 from ms_llm.checkpoint import dcp
 from ms_llm.compat import manual_seed, setup_device
-from ms_llm.compat.autograd import is_recomputing
-from ms_llm.config import ConfigError, RunConfig
-from ms_llm.models import GPTModel, from_pretrained
-from ms_llm.models.moe import collect_router_counts, update_expert_bias
+from ms_llm.config import ConfigError, RunConfig, check_launch
+from ms_llm.models import GPTModel
+from ms_llm.checkpoint import from_pretrained
 from ms_llm.lora import base as lora_base
 from ms_llm.lora.modules import is_frozen_base, lora_module_names
 from ms_llm.ops._dispatch import resolve_paths
 from ms_llm.parallel import comm
 from ms_llm.parallel.distributed_optimizer import build_optimizer, bytes_per_rank
-from ms_llm.compat import F, to_ms_dtype
 from ms_llm.parallel.parallelize import parallelize_model
-from ms_llm.parallel.pipeline.executor import PipelineExecutor
-from ms_llm.parallel.pipeline.schedules import build_schedule
 from ms_llm.parallel.placement import Mesh
 from ms_llm.parallel.runtime import DistInfo, init_distributed
 from ms_llm.parallel.state import initialize_model_parallel
 from . import grad as gradlib
 from . import mixed_precision
 from . import checkpointing as ckpt
-from . import faults, resilience, rng_state
+from . import rng_state
+from .callbacks import CallbackList, TrainerCallback
 from .data_setup import build_data
 from .dpo import DPOObjective, dpo_pieces, reference_for
 from .evaluate import Evaluator
-from .lr_schedule import lr_at
-from .metrics import MetricsLogger, current_rss_gb, reset_peak_rss
+from .executors import PipelineStepExecutor, PlainExecutor, StepExecutor, build_pipeline
+from .fault_hooks import FaultInjection, RankStatus, appends_metrics
+from .lr_schedule import check_lr_schedule, lr_for_step, lr_schedule
+from .metrics import MetricsLogger, current_rss_gb, reset_peak_rss, step_extras
+from .moe_step import ExpertBiasUpdate
+from .nonfinite import guard_for, names_of
+from .objectives import LMObjective, ModelInputs, MTPTerm, objective_unit_scale
 
 log = logging.getLogger("ms_llm.train")
 
@@ -54,176 +56,114 @@ def build_model(cfg: RunConfig) -> GPTModel:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, dist: Optional[DistInfo] = None):
+    """A training run of ``cfg`` composed of parts: the loss objective (``objectives``), the
+    step executor (plain or pipeline, ``executors``), the optimizer, and callbacks around the
+    step (``callbacks``: fault injection, watchdog bookkeeping, MoE expert bias, and whatever
+    is appended to ``self.callbacks``)."""
+
+    def __init__(self, cfg: RunConfig, dist: Optional[DistInfo] = None,
+                 callbacks: Sequence[TrainerCallback] = ()):
         self.cfg = cfg
         self.dist = dist or DistInfo()
         t = cfg.training
         p = cfg.parallel
+        self.callbacks = CallbackList()
         if self.dist.world_size > 1:
             comm.set_collective_timeout(p.collective_timeout_s)
-            resilience.publish_rank_status(t.output_dir)   # for the watchdog's time-out report
-        try:
-            self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
-                                                    pp=p.pipeline_model_parallel_size,
-                                                    cp=p.context_parallel_size,
-                                                    ep=p.expert_model_parallel_size)
-        except ValueError as e:
-            raise ConfigError(f"launch with {self.dist.world_size} worker(s): {e}") from None
+            self.callbacks.append(RankStatus(t.output_dir))   # the watchdog's time-out report
+        check_launch(cfg, self.dist.world_size)   # the mesh, global batch, pipeline schedule
+        self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
+                                                pp=p.pipeline_model_parallel_size,
+                                                cp=p.context_parallel_size,
+                                                ep=p.expert_model_parallel_size)
         self.tp_group, self.dp_group = self.pstate.group("tp"), self.pstate.group("dp")
-        mb_total = t.micro_batch_size * self.dp_group.size
-        if t.global_batch_size % mb_total:
-            raise ConfigError(f"training.global_batch_size ({t.global_batch_size}) must be a "
-                              f"multiple of micro_batch_size x data-parallel size ({mb_total})")
-        self.accum_steps = t.global_batch_size // mb_total
+        self.accum_steps = t.global_batch_size // (t.micro_batch_size * self.dp_group.size)
         manual_seed(t.seed)
         np.random.seed(t.seed)
         self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
-        cfg.model = self.data.model_config
+        # The config this run trains with, derived (the loaded one stays as it was): the data's
+        # model config (the tokenizer's padded vocabulary) and training.bf16's dtypes.
+        self.cfg = cfg = mixed_precision.resolved(cfg.replace(model=self.data.model_config))
         reset_peak_rss()   # the logged peak is training's, not the data set-up's transients
         self.rss_before_model_gb = current_rss_gb()   # the baseline `ms-llm plan` predicts above
-        mixed_precision.apply_to_config(cfg)   # training.bf16: bf16 params, FSDP gathers
         self.model = build_model(cfg)
-        self.moe = cfg.model.mlp_type == "moe"
         try:
             par = parallelize_model(self.model, cfg, self.pstate)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         for note in par.notes:
             self._say(note)
-        self.fsdp, self.params, self.grad_sync = par.fsdp, par.params, par.grad_sync
-        self.grad_dtype = mixed_precision.grad_dtype(cfg)
+        self.fsdp, self.params = par.fsdp, par.params
         self.named_params = par.named_params
         self.context_parallel = par.context_parallel
         # gradients, loss and router counts of replicas sum over dp x cp (cp=1: the dp group)
         self.dp_cp_group = self.pstate.group("dp_cp")
         self.mesh = Mesh.of(self.pstate)
-        self.pipeline = None if par.chunks is None else self._pipeline_executor(par.chunks)
+        self.pipeline = None
+        if par.chunks is not None:
+            self.pipeline = build_pipeline(par.chunks, cfg, self.pstate, self.accum_steps,
+                                           self.model.config)
         named = [(n, q) for n, q in self.named_params if q.requires_grad]
         self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit)
         # The distributed optimizer reduce-scatters instead of all-reducing (its own grad sync).
-        self.grad_sync = getattr(self.optimizer, "grad_sync", self.grad_sync)
+        grad_sync = getattr(self.optimizer, "grad_sync", par.grad_sync)
         self.optimizer_bytes = bytes_per_rank(sum(self.optimizer.state_bytes().values()))
         self._say(f"optimizer state per rank (moments + fp32 main-param shards): "
                   f"{', '.join(f'{b / 2 ** 20:.2f}' for b in self.optimizer_bytes)} MiB "
                   f"({type(self.optimizer).__name__})")
         # DPO snapshots the starting weights (its reference) here, before a resume loads others.
-        self.dpo = self._dpo_objective() if t.stage == "dpo" else None
-        self.grad_fn = ms.value_and_grad(self._loss if self.dpo is None else self.dpo.loss,
-                                         grad_position=None, weights=self.params,
-                                         has_aux=self.dpo is not None)
+        self.objective = self._objective()
         resolve_paths()  # pick every op's kernel now, outside any graph capture
-        if par.jit and self.dpo is not None:
-            self._say("training.jit ignored: training.stage dpo runs in PyNative")
-        self.fwd_bwd = self._fwd_bwd_jit() if par.jit and self.dpo is None else None
+        self.executor = self._executor(par, grad_sync)
         self.step = 0
-        self.mtp_log = []       # per micro-batch: each MTP depth's mean loss (for logging)
         self._lora_state = None
-        self.guard = resilience.guard_for(cfg, self.dist)
-        self._opt_names = resilience.names_of(self.optimizer.params, self.named_params)
+        self.guard = guard_for(cfg, self.dist)
+        self._opt_names = names_of(self.optimizer.params, self.named_params)
+        self.callbacks.append(FaultInjection(self._opt_names, self.dist.rank))
+        if cfg.model.mlp_type == "moe":
+            self.callbacks.append(ExpertBiasUpdate(self.model, self._sum_over_dp,
+                                                   collect=self.pipeline is None))
+        for callback in callbacks:
+            self.callbacks.append(callback)
         self._maybe_resume()
         self.evaluator = None if self.data.valid is None else \
             Evaluator(self, self.data.valid, self.step)
 
-    # The loss of one micro-batch, pre-divided by the global batch's loss-token count so summed
-    # micro-batch gradients equal the gradient of the global per-token mean.
-    def _loss(self, tokens: Tensor, labels: Tensor, loss_mask: Tensor, inv_tokens: Tensor,
-              attention_mask: Optional[Tensor] = None, position_ids: Optional[Tensor] = None):
-        per_token = self.model(tokens, labels=labels, attention_mask=attention_mask,
-                               position_ids=position_ids)
-        loss = (per_token * loss_mask).sum() * inv_tokens
-        aux = self.model.aux_loss() if self.moe else None
-        if aux is not None:
-            # Each rank's MoE auxiliary loss covers its own micro-batch (under cp: its share of
-            # it, the shares sum over cp) while gradients are summed over micro-batches and
-            # data-parallel ranks: average it accordingly.
-            loss = loss + aux / (self.accum_steps * self.dp_group.size)
-        mtp = self.model.mtp_loss(loss_mask)     # multi-token prediction (ms_llm.models.mtp)
-        if mtp is not None:
-            loss = loss + mtp[0] * inv_tokens
-            self.mtp_log.append([float(m.asnumpy()) for m in mtp[1]])   # PyNative only
-        return loss
+    def _objective(self):
+        """The loss this run differentiates: DPO (``training.stage dpo``) or the LM loss with
+        the MoE auxiliary loss and the MTP term the model has."""
+        aux_scale = objective_unit_scale(self.accum_steps, self.dp_group.size) \
+            if self.cfg.model.mlp_type == "moe" else None
+        if self.cfg.training.stage == "dpo":
+            params = [q for _, q in self.named_params]
+            return DPOObjective(self.cfg.dpo, self.model, params, self.dp_group, aux_scale,
+                                reference_for(self.model, params, lora=self.cfg.lora.r > 0),
+                                **dpo_pieces(self.context_parallel))
+        mtp = None if self.model.mtp is None else MTPTerm(
+            self.model, self.dp_cp_group,
+            self.pstate.group("pp") if self.pipeline is not None else None)
+        return LMObjective(self.model, self.model_inputs, aux_scale, mtp)
 
-    def _dpo_objective(self) -> DPOObjective:
-        if self.model.mtp is not None:
-            raise ConfigError("training.stage dpo with model.mtp_num_layers is not built yet "
-                              "(the DPO loss has no MTP term); set model.mtp_num_layers 0")
-        scale = 1.0 / (self.accum_steps * self.dp_group.size) if self.moe else None
-        params = [q for _, q in self.named_params]
-        return DPOObjective(self.cfg.dpo, self.model, params, self.dp_group, scale,
-                            reference_for(self.model, params, lora=self.cfg.lora.r > 0),
-                            **dpo_pieces(self.context_parallel))
+    def _executor(self, par, grad_sync) -> StepExecutor:
+        if self.pipeline is not None:
+            return PipelineStepExecutor(self.pipeline, self.objective, self.model_inputs,
+                                        grad_sync, self.pstate.group("pp"))
+        jit = par.jit and not self.objective.has_aux
+        if par.jit and not jit:
+            self._say("training.jit ignored: training.stage dpo runs in PyNative")
+        return PlainExecutor(self.objective, self.params, grad_sync, self.model, self.fsdp,
+                             mixed_precision.grad_dtype(self.cfg), self.cfg if jit else None,
+                             self.callbacks)
 
-    def _step_args(self, b: dict, inv: Tensor) -> tuple:
-        """The differentiated loss function's arguments for one loader batch."""
-        if self.dpo is not None:
-            return self.dpo.micro_batch_args(b, inv)
-        mb = self._micro_batch(b)
-        args = (mb["tokens"], mb["labels"], mb["loss_mask"], inv)
-        mask, pos = mb.get("attention_mask"), mb.get("position_ids")
-        if mask is not None or pos is not None:
-            args += (mask,) + ((pos,) if pos is not None else ())
-        return args
+    @property
+    def model_inputs(self) -> ModelInputs:
+        """A loader batch as this rank's model inputs (under context parallel its chunks)."""
+        return ModelInputs(self.context_parallel, self.cfg.data.reset_position_ids)
 
-    def _pipeline_executor(self, chunks) -> PipelineExecutor:
-        t, p = self.cfg.training, self.cfg.parallel
-        vpp = p.virtual_pipeline_model_parallel_size
-        try:
-            schedule = build_schedule(self.pstate.sizes.pp, self.accum_steps, vpp)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        seq = self.cfg.data.seq_length // (self.tp_group.size if p.sequence_parallel else 1)
-        seq //= self.pstate.sizes.cp    # context parallel: each rank's stages carry its chunks
-        for chunk in chunks:    # the aux loss weight _loss uses, per micro-batch and replica
-            # (under cp each rank's aux loss is its share of the micro-batch's: over dp only)
-            chunk.aux_loss_scale = 1.0 / (self.accum_steps * self.dp_group.size)
-        c = self.model.config        # a loaded checkpoint's architecture, not the YAML's
-        return PipelineExecutor(chunks, self.pstate, schedule, vpp,
-                                (t.micro_batch_size, seq, c.hidden_size),
-                                to_ms_dtype(c.params_dtype), mixed_precision.grad_dtype(self.cfg))
-
-    def _micro_batch(self, b: dict) -> Dict[str, Tensor]:
-        """A loader batch as the model's inputs. Packed documents add their masks
-        (data.reset_attention_mask) and restarting positions (data.reset_position_ids); plain
-        position_ids are 0..s-1, the model's default, so they are not passed."""
-        if self.context_parallel is not None:   # this rank's chunks of the sequence
-            return self.context_parallel.micro_batch(b, self.cfg.data.reset_position_ids)
-        mb = {k: Tensor(b[k]) for k in ("tokens", "labels", "loss_mask")}
-        if "attention_mask" in b:
-            mb["attention_mask"] = Tensor(b["attention_mask"])
-        if self.cfg.data.reset_position_ids and "position_ids" in b:
-            mb["position_ids"] = Tensor(b["position_ids"])
-        return mb
-
-    def _pipeline_fwd_bwd(self, batches, inv: Tensor):
-        """All micro-batches through this rank's stages; the loss is summed on the last stage
-        and shared over the pipeline group for logging."""
-        def loss_of(per_token, b):
-            loss = (per_token * b["loss_mask"]).sum() * inv
-            mtp = self.model.mtp_loss(b["loss_mask"])   # the last stage's MTP block
-            if mtp is None:
-                return loss
-            if not is_recomputing():     # the backward re-runs this forward: log it once
-                self.mtp_log.append([float(m.asnumpy()) for m in mtp[1]])
-            return loss + mtp[0] * inv
-        loss, grads = self.pipeline.run([self._micro_batch(b) for b in batches], loss_of)
-        loss = F.clone(loss)
-        comm.all_reduce(loss, group=self.pstate.group("pp"))
-        return loss, self.grad_sync.reduce(grads)
-
-    def _fwd_bwd_jit(self):
-        """One compiled graph for forward, backward and the gradients' sum of squares (the
-        global norm inside the graph saves a per-tensor PyNative dispatch for each gradient)."""
-        grad_fn = self.grad_fn
-        to_fp32 = mixed_precision.grads_to_fp32 if self.cfg.training.bf16 \
-            and not mixed_precision.reduces_in_bf16(self.cfg) else mixed_precision.same
-
-        def fwd_bwd(tokens, labels, loss_mask, inv_tokens, attention_mask=None,
-                    position_ids=None):
-            loss, grads = grad_fn(tokens, labels, loss_mask, inv_tokens, attention_mask,
-                                  position_ids)
-            grads = to_fp32(grads)   # training.bf16: fp32 gradients leave the graph
-            return loss, grads, gradlib.sum_of_squares(grads)
-        return ms.jit(fwd_bwd)
+    def evaluate_batch(self, b: dict) -> np.ndarray:
+        """The objective's evaluation sums of one validation micro-batch (forward only; the
+        caller holds ``no_grad`` and eval mode)."""
+        return self.objective.eval_sums(b)
 
     def _say(self, msg: str) -> None:
         if self.dist.rank == 0:
@@ -247,7 +187,7 @@ class Trainer:
         self.step = state["step"]
         self.data.loader.load_state_dict(state["data"])
         rng_state.restore(state.get("rng") or {"numpy": state["numpy_rng"]})
-        resilience.check_lr_schedule(state, self.cfg, self._say)
+        check_lr_schedule(state, self.cfg, self._say)
         self.guard.skipped = int(state.get("skipped_steps", 0))
         self._say(f"resumed from {latest} at step {self.step}")
 
@@ -261,7 +201,7 @@ class Trainer:
         rng = rng_state.capture()
         state = {"step": self.step, "data": self.data.loader.state_dict(),
                  "numpy_rng": rng["numpy"], "rng": rng,
-                 "lr_schedule": resilience.lr_schedule(self.cfg),
+                 "lr_schedule": lr_schedule(self.cfg),
                  "skipped_steps": self.guard.skipped,
                  "model_config": dataclasses.asdict(self.cfg.model)}
         if self.cfg.lora.r:   # adapters only: record the base they belong to (rank 0 writes)
@@ -273,88 +213,43 @@ class Trainer:
         return ckpt.save(self.cfg.checkpoint.save_dir, self.step, self._checkpointed(),
                          self.optimizer,
                          self.pstate, state, barrier=comm.barrier, rank=self.dist.rank,
-                         all_finite=resilience.all_ranks_finite(self.dist.world_size),
+                         all_finite=ckpt.all_ranks_finite(self.dist.world_size),
                          world=self.dist.world_size, keep_last=self.cfg.checkpoint.keep_last)
 
     def train_step(self) -> Dict[str, float]:
-        t = self.cfg.training
-        resilience.note_step(self.step + 1)
+        """One optimizer step over ``accum_steps`` micro-batches per data-parallel rank."""
+        t, step = self.cfg.training, self.step + 1
+        self.callbacks.on_step_begin(step)
         batches = [next(self.data.loader) for _ in range(self.accum_steps)]
-        units = self.dpo.pairs(batches) if self.dpo is not None else \
-            sum(b["loss_mask"].sum() for b in batches)
-        n_local = Tensor(np.array([units], np.float32))
+        n_local = Tensor(np.array([self.objective.units(batches)], np.float32))
         comm.all_reduce(n_local, group=self.dp_group)   # loss tokens (DPO: pairs) of the batch
         inv = Tensor(np.float32(1.0 / max(float(n_local.asnumpy()[0]), 1.0)))
-        total_loss, grads, sumsq = None, None, None
-        if self.pipeline is not None:
-            total_loss, grads = self._pipeline_fwd_bwd(batches, inv)
-        for i, b in enumerate(batches if self.pipeline is None else []):
-            args = self._step_args(b, inv)
-            self.grad_sync.begin_micro_batch(is_last=i == len(batches) - 1)
-            if self.fsdp:   # reduce-scatter only on the last micro-batch of the step
-                self.model.set_requires_gradient_sync(i == len(batches) - 1)
-            if self.fwd_bwd is not None:
-                loss, g, sumsq = self.fwd_bwd(*args)
-            else:
-                loss, g = self.grad_fn(*args)
-            if self.dpo is not None:      # (loss, policy log-probs); args[3]: reference ones
-                loss, logps = loss
-                self.dpo.record(logps, args[3])
-            total_loss = loss if total_loss is None else total_loss + loss
-            if self.moe:
-                collect_router_counts(self.model)
-            if not self.grad_sync.overlap:
-                grads = gradlib.accumulate(grads, g, self.grad_dtype)
-        if self.pipeline is None:
-            grads = self.grad_sync.finish() if self.grad_sync.overlap \
-                else self.grad_sync.reduce(grads)
+        total_loss, grads, sumsq = self.executor.run(batches, inv, step)
         # The optimizer's params match the gradients (shards under the distributed optimizer).
         grads = gradlib.reduce_partial_grads(self.optimizer.params, grads, self.pstate.group)
         grads = mixed_precision.grads_to_fp32(grads)   # bf16-reduced: fp32 for norm, clip, AdamW
-        injected = faults.maybe_inject_nan(self.step + 1, self._opt_names, grads)
-        sumsq, grads = (sumsq if injected is grads else None), injected
+        hooked = self.callbacks.on_grads(step, grads)
+        sumsq, grads = (sumsq if hooked is grads else None), hooked
         comm.all_reduce(total_loss, group=self.dp_cp_group)
         total_loss = float(total_loss.asnumpy())
-        if len(batches) == 1 and sumsq is not None and self.dist.world_size == 1:
+        if sumsq is not None and self.dist.world_size == 1:
             norm = math.sqrt(float(sumsq.asnumpy()))
         else:
             norm = gradlib.global_norm(grads, self.optimizer.params, self.pstate.group,
                                        self.mesh)
-        faults.maybe_kill(self.step + 1, self.dist.rank)   # test hook: a worker dies mid-step
-        skip = self.guard.check(self.step + 1, total_loss, norm, self._opt_names, grads)
+        self.callbacks.on_before_update(step)
+        skip = self.guard.check(step, total_loss, norm, self._opt_names, grads)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
-        self.step += 1
-        lr = lr_at(self.step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_steps,
-                   decay_steps=t.lr_decay_steps or t.max_steps, style=t.lr_decay_style)
-        if skip:   # training.nan_policy skip: no update; the routed counts are dropped too
-            if self.moe:
-                resilience.drop_router_counts(self.model)
-        else:
+        self.step = step
+        lr = lr_for_step(self.cfg, step)
+        if not skip:   # training.nan_policy skip: no update
             self.optimizer.step(grads, lr)
-            if self.moe:
-                update_expert_bias(self.model, self._sum_over_dp)
+        self.callbacks.on_update(step, skip)
         tokens = sum(int(v.size) for b in batches for k, v in b.items() if k.endswith("tokens"))
-        metrics = self.dpo.step_metrics() if self.dpo is not None else {}
-        if self.model.mtp is not None:
-            metrics.update(self._mtp_metrics())
-        return {"loss": total_loss, "grad_norm": norm, "lr": lr, "skipped": skip,
-                "tokens": tokens * self.dp_group.size, "metrics": metrics}
-
-    def _mtp_metrics(self) -> Dict[str, float]:
-        """Each MTP depth's loss (Megatron's ``mtp_{k} loss``): its per-token mean, averaged
-        over the step's micro-batches and the data-parallel replicas. ``loss`` includes them
-        times ``mtp_loss_scaling_factor / mtp_num_layers``."""
-        d = self.model.config.mtp_num_layers
-        means = np.mean(np.array(self.mtp_log, np.float64), axis=0) if self.mtp_log \
-            else np.zeros(d)
-        self.mtp_log = []
-        if self.pipeline is not None:     # only the last stage ran the MTP block: share it
-            t = Tensor(means.astype(np.float32))
-            comm.all_reduce(t, group=self.pstate.group("pp"))
-            means = t.asnumpy().astype(np.float64)
-        if self.dp_cp_group.size > 1:
-            means = self._sum_over_dp(means) / self.dp_cp_group.size
-        return {f"mtp_{k + 1}_loss": float(v) for k, v in enumerate(means)}
+        out = {"loss": total_loss, "grad_norm": norm, "lr": lr, "skipped": skip,
+               "tokens": tokens * self.dp_group.size, "metrics": self.objective.step_metrics()}
+        self.callbacks.on_step_end(step, out)
+        return out
 
     def _mfu_args(self, is_main: bool) -> dict:
         """Model FLOPs per token and the peak (``training.peak_tflops`` or the cached CPU GEMM
@@ -390,16 +285,17 @@ class Trainer:
         logger = MetricsLogger(t.output_dir, t.max_steps, enabled=is_main,
                                progress_bar=t.progress_bar, start_step=self.step,
                                rss_before_model_gb=self.rss_before_model_gb,
-                               append=faults.restart_attempt() > 0,
+                               append=appends_metrics(),
                                **self._mfu_args(is_main))
         records = []
+        self.callbacks.on_train_begin(self)
         try:
             while self.step < t.max_steps:
                 t0 = time.time()
                 out = self.train_step()
                 dt = time.time() - t0
                 if self.step % t.log_interval == 0 or self.step == t.max_steps:
-                    out["metrics"] = {**out["metrics"], **resilience.step_extras(
+                    out["metrics"] = {**out["metrics"], **step_extras(
                         self.guard, out["skipped"], dt, self.dist.world_size)}
                     records.append(logger.log(
                         self.step, loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],
@@ -408,14 +304,20 @@ class Trainer:
                         global_batch_size=t.global_batch_size, extra={**out["metrics"], **(
                             {} if records else
                             {"optimizer_state_bytes_per_rank": self.optimizer_bytes})}))
+                    self.callbacks.on_log(self.step, records[-1])
                 if self.evaluator is not None and \
                         self.evaluator.due(self.step, final=self.step == t.max_steps):
-                    records.append(logger.log_eval(self.step, self.evaluator.run(self.step)))
+                    values = self.evaluator.run(self.step)
+                    records.append(logger.log_eval(self.step, values))
+                    self.callbacks.on_eval(self.step, values)
                 if ck.save_dir and ((ck.save_interval and self.step % ck.save_interval == 0)
                                     or self.step == t.max_steps):
-                    self._say(f"saved checkpoint {self.save()}")
+                    path = self.save()
+                    self._say(f"saved checkpoint {path}")
+                    self.callbacks.on_save(self.step, path)
         finally:
             logger.close()
+            self.callbacks.on_train_end()
         if is_main and records:
             from .plot import plot_loss
             print(f"ms-llm: loss curve {plot_loss(t.output_dir)}", flush=True)
