@@ -254,3 +254,28 @@ def test_megatron_folder_scores_like_its_hf_source(ref, tmp_path):
     pairs = [(hf.encode("Question: what is"), hf.encode(" 42 Yes"))]
     assert hf.loglikelihood(pairs)[0][0] == pytest.approx(meg.loglikelihood(pairs)[0][0],
                                                           abs=1e-5)
+
+
+def test_chunked_generation_equals_one_pass(ref):
+    """Decoding in chunks that continue one KV cache (so a batch can stop at its stop strings)
+    gives what one uninterrupted ``generate`` gives, for left-padded prompts of different
+    lengths; stop strings cut the text and EOS ends it."""
+    from ms_llm.evaluation.scorer import ModelScorer
+    from ms_llm.inference import generate
+    scorer = ModelScorer.from_path(ref[0])
+    prompts = [scorer.encode("Question: Let's think step by step"), scorer.encode("A B"),
+               scorer.encode("def f(x):\n    return")]
+    chunked = scorer.generate(prompts, 10, chunk=3)
+    whole = generate(scorer.model, prompts, 10, eos_token_id=scorer.eos_token_ids)
+    s = whole.shape[1] - 10
+    want = []
+    for row in whole[:, s:]:
+        ids = []
+        for t in row:
+            if int(t) in scorer.eos_token_ids:
+                break
+            ids.append(int(t))
+        want.append(scorer.decode(ids))
+    assert chunked == want
+    stop = want[0][2:4]
+    assert scorer.generate(prompts[:1], 10, stop=[stop], chunk=3) == [want[0].split(stop)[0]]
