@@ -11,7 +11,7 @@ from typing import Optional
 import mindspore as ms
 from mindspore.ops import constexpr
 
-from ._private import device_chosen_by_caller
+from .private_api import device_chosen_by_caller
 
 _STATE = {"device": None, "threads": None}
 
