@@ -196,11 +196,28 @@ def _fail(cfg, keys: Sequence[str], message: str) -> None:
 
 
 def _check_schedule(cfg) -> None:
-    from ms_llm.training.lr_schedule import schedule_problem   # Megatron's scheduler rules
-    problem = schedule_problem(cfg)
-    if problem is not None:
-        _fail(cfg, problem[0], problem[1])
+    """Megatron's scheduler rules (training/lr_schedule.py applies the schedule). A sample-based
+    run (``training.train_samples``) sets ``max_steps`` to ``train_samples // global_batch_size``
+    unless it was set explicitly (then they must agree)."""
     t = cfg.training
+    if t.train_samples:
+        iters = t.train_samples // t.global_batch_size
+        if iters < 1:
+            _fail(cfg, ("training.train_samples",), f"training.train_samples ({t.train_samples}) "
+                  f"is less than one global batch ({t.global_batch_size})")
+        if "training.max_steps" not in cfg.sources:
+            t.max_steps = iters
+        elif t.max_steps != iters:
+            _fail(cfg, ("training.max_steps", "training.train_samples"),
+                  f"training.max_steps ({t.max_steps}) disagrees with training.train_samples "
+                  f"// global_batch_size ({iters}); set one of them")
+    if t.lr_warmup_init > t.lr:
+        _fail(cfg, ("training.lr_warmup_init", "training.lr"),
+              f"training.lr_warmup_init ({t.lr_warmup_init}) must be <= training.lr ({t.lr})")
+    wsd = t.lr_wsd_decay_samples if t.train_samples else t.lr_wsd_decay_steps
+    if t.lr_decay_style == "WSD" and not wsd:
+        _fail(cfg, ("training.lr_decay_style",), "training.lr_decay_style WSD needs "
+              "training.lr_wsd_decay_steps (lr_wsd_decay_samples for a sample-based run)")
     if t.min_lr > t.lr:
         _fail(cfg, ("training.min_lr", "training.lr"),
               f"training.min_lr ({t.min_lr}) must be <= training.lr ({t.lr})")
