@@ -12,6 +12,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, mint
 
 from ms_llm.compat import nn
+from ms_llm.compat.environment import configure
 from ms_llm.config import load_config
 from ms_llm.models import GPTModel
 from ms_llm.quant import MXFP8GroupedLinear, MXFP8Linear, apply_quantization, mx_linear
@@ -172,15 +173,21 @@ def test_apply_quantization_selection_and_errors(caplog):
     assert not any(isinstance(x, MXFP8Linear) for _, x in odd.cells_and_names())
 
 
-def test_dispatch_is_emulated_here(monkeypatch):
+def test_dispatch_is_emulated_here(monkeypatch, caplog):
     assert _dispatch.resolve_mx_path() == "emulated"
     monkeypatch.setattr(_dispatch, "_STATE", {})
-    monkeypatch.setenv("MS_LLM_MX_PATH", "native")
-    with pytest.raises(RuntimeError, match="MS_LLM_MX_PATH=native.*not Ascend"):
+    configure({"quant.mx_path": "native"})     # the key, as the trainer hands it down
+    try:
+        with pytest.raises(RuntimeError, match="quant.mx_path native.*not Ascend"):
+            _dispatch.resolve_mx_path()
+    finally:
+        configure({})
+    monkeypatch.setattr(_dispatch, "_STATE", {})
+    monkeypatch.setenv("MS_LLM_MX_PATH", "fast")    # the deprecated alias is still read
+    with caplog.at_level("WARNING", logger="ms_llm.environment"), \
+            pytest.raises(ValueError, match="quant.mx_path"):
         _dispatch.resolve_mx_path()
-    monkeypatch.setenv("MS_LLM_MX_PATH", "fast")
-    with pytest.raises(ValueError, match="MS_LLM_MX_PATH"):
-        _dispatch.resolve_mx_path()
+    assert "MS_LLM_MX_PATH is deprecated: set quant.mx_path" in caplog.text
 
 
 def test_quantized_model_trains_like_fp32():

@@ -37,7 +37,7 @@ class PlainExecutor:
                  grad_dtype, jit_cfg=None, callbacks: Optional[TrainerCallback] = None):
         self.objective, self.grad_sync, self.model, self.fsdp = objective, grad_sync, model, fsdp
         self.grad_dtype = grad_dtype
-        self.callbacks = callbacks or TrainerCallback()
+        self.callbacks = callbacks if callbacks is not None else TrainerCallback()
         self.grad_fn = ms.value_and_grad(objective.loss, grad_position=None, weights=params,
                                          has_aux=objective.has_aux)
         self.fwd_bwd = None if jit_cfg is None else self._fwd_bwd_jit(jit_cfg)

@@ -15,6 +15,7 @@ from mindspore import Tensor
 
 from ms_llm.checkpoint import dcp
 from ms_llm.compat import manual_seed, setup_device
+from ms_llm.compat.environment import configure
 from ms_llm.config import ConfigError, RunConfig, check_launch
 from ms_llm.models import GPTModel, from_pretrained
 from ms_llm.lora import base as lora_base
@@ -63,6 +64,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, dist: Optional[DistInfo] = None,
                  callbacks: Sequence[TrainerCallback] = ()):
         self.cfg = cfg
+        configure(cfg.explicit_settings())   # runtime.* keys for the packages below the config
         self.dist = dist or DistInfo()
         t = cfg.training
         p = cfg.parallel
@@ -324,6 +326,7 @@ class Trainer:
 
 
 def run(cfg: RunConfig) -> list:
+    configure(cfg.explicit_settings())   # before the device and the kernels are set up
     # The device must be chosen before mindspore.communication.init().
     setup_device(None if cfg.training.device == "auto" else cfg.training.device)
     dist = init_distributed()
