@@ -66,13 +66,13 @@ class Trainer:
         self.cfg = cfg
         configure(cfg.explicit_settings())   # runtime.* keys for the packages below the config
         self.dist = dist or DistInfo()
+        check_launch(cfg, self.dist.world_size)   # the mesh, global batch, pipeline schedule
         t = cfg.training
         p = cfg.parallel
         self.callbacks = CallbackList()
         if self.dist.world_size > 1:
             comm.set_collective_timeout(p.collective_timeout_s)
             self.callbacks.append(RankStatus(t.output_dir))   # the watchdog's time-out report
-        check_launch(cfg, self.dist.world_size)   # the mesh, global batch, pipeline schedule
         self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
                                                 pp=p.pipeline_model_parallel_size,
                                                 cp=p.context_parallel_size,
