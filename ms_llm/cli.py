@@ -1,5 +1,5 @@
 """``ms-llm`` console entry: ``train``, ``plot``, ``convert``, ``export``, ``preprocess``,
-``generate``, ``chat``."""
+``generate``, ``chat``, ``evaluate``, ``lm-eval``..."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +19,8 @@ COMMANDS = {
     "schedule": "print the pipeline schedule a config would run",
     "plan": "per-rank memory of a config and layout before launch, and what makes it fit",
     "qualify": "run every model family x layout as real jobs; write support.md (Pass / Test)",
+    "evaluate": "score a checkpoint on MMLU / C-Eval / BoolQ / GSM8K / HumanEval files",
+    "lm-eval": "lm-evaluation-harness's own command line with the ms-llm model registered",
     **{name: f"{what} (not available yet)" for name, what in _LATER.items()},
 }
 
@@ -72,6 +74,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command == "qualify":
         from ms_llm.qualify.cli import main as qualify_main
         return qualify_main(rest)
+    if command == "evaluate":
+        from ms_llm.evaluation.cli import main as evaluate_main
+        return evaluate_main(rest)
+    if command == "lm-eval":
+        from ms_llm.evaluation.lm_eval_backend import lm_eval_main
+        return lm_eval_main(rest)
     if command in ("generate", "chat"):
         from ms_llm import inference_cli   # outside the package: its __init__ imports MindSpore
         return (inference_cli.generate_main if command == "generate"

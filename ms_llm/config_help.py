@@ -53,9 +53,10 @@ def _key_lines(section: str, cls) -> List[str]:
 def schema_help() -> str:
     """Every config section and key with its type, default and allowed values, generated from
     the dataclasses and RULES above (so it cannot drift from what load_config accepts)."""
-    from ms_llm.models.families import FAMILIES
+    from ms_llm.models.registry import families
+    names = ", ".join(f.name for f in families())
     lines = ["model:  (family sets architecture defaults; the keys below override them)",
-             f"  {'family':<38} {'str or null':<20} null  [one of {', '.join(FAMILIES)}]"]
+             f"  {'family':<38} {'str or null':<20} null  [one of {names}]"]
     lines += _key_lines("model", TransformerConfig)
     for section, cls in _SECTIONS.items():
         lines += ["", f"{section}:"] + _key_lines(section, cls)

@@ -119,7 +119,7 @@ def test_bf16_model_grads_match_float64_reference(tmp_path):
     the global norm, 3e-4 on the loss). Checked with ~4-12x margin: loss within 5e-3 absolute,
     the global gradient norm within 1e-2 relative, every gradient tensor within 6e-2 relative
     Frobenius error. A wrong layout or a missing term gives O(1)."""
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     w = make_hf_checkpoint(tmp_path, "qwen3", hidden=64, layers=2, heads=4, kv_heads=2,
                            head_dim=24, ffn=96, vocab=128, tied=False, rope_theta=1e6,
                            dtype="bfloat16", seed=1)

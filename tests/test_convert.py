@@ -200,7 +200,7 @@ def test_mg_resharding_round_trip_and_logits(dense_ckpts, name):
         assert fa["mp_rank_00"]["model"]["output_layer._extra_state"] is None
 
     from mindspore import Tensor
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     ids = Tensor(np.random.default_rng(5).integers(0, DENSE[name]["vocab"], (2, 12)).astype(
         np.int32))
     ref = from_pretrained(str(paths[name]))(ids).asnumpy()

@@ -21,7 +21,7 @@ from hf_fixtures import make_hf_checkpoint
 from ms_llm.checkpoint.convert import main as convert_main
 from ms_llm.checkpoint.hf_io import read_hf_weights
 from ms_llm.data import load_tokenizer
-from ms_llm.models import from_pretrained
+from ms_llm.checkpoint import from_pretrained
 
 TO_MG = ["--load-model-type", "hf", "--save-model-type", "mg"]
 TO_HF = ["--load-model-type", "mg", "--save-model-type", "hf"]

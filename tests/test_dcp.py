@@ -372,7 +372,7 @@ EXPORT_CASES = {
 def test_export_hf_and_megatron_give_same_logits(tmp_path, name):
     import hf_reference as ref
     from ms_llm.checkpoint.hf_io import read_hf_config, read_hf_weights
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
 
     cfg, model, sd = _model_and_weights(EXPORT_CASES[name], seed=len(name))
     ids = np.random.default_rng(0).integers(0, cfg.padded_vocab_size, size=(2, 11))

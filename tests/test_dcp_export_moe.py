@@ -194,7 +194,7 @@ def _same_routes(got, want, what):
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_export_hf_and_megatron_keep_logits_and_routes(tmp_path, name):
     from ms_llm.checkpoint.megatron import MegatronReader
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
 
     cfg, model, sd = _build(CASES[name], seed=7 + len(name))
     ids = np.random.default_rng(3).integers(0, V, size=(2, 9))
@@ -313,7 +313,7 @@ def test_cli_export_newest_checkpoint(tmp_path):
     import subprocess
     import sys
     from ms_llm.cli import main as cli_main
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     cfg, model, _ = _build(CASES["grouped"], seed=7)
     save_dir = str(tmp_path / "ckpt")
     _save(model, cfg, save_dir, step=1)

@@ -40,7 +40,7 @@ def hf_dir(request, tmp_path_factory):
 
 def _logits(path):
     import mindspore as ms
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     ids, _ = fx.batch()
     return from_pretrained(str(path))(ms.Tensor(ids.astype(np.int32))).asnumpy()
 
@@ -124,7 +124,7 @@ def test_mtp_weights_are_loaded_when_asked_and_skipped_otherwise(hf_dir, tmp_pat
     assert sum("skipped" in r.getMessage() and "MTP" in r.getMessage()
                for r in caplog.records) == 1
     from ms_llm.checkpoint.hf_io import read_hf_config
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     from ms_llm.models.families import config_from_hf
     cfg = config_from_hf(read_hf_config(str(src))).replace(mtp_num_layers=1)
     model = from_pretrained(str(src), config=cfg)
@@ -163,7 +163,7 @@ def test_trained_proxy_exports_to_hf(tmp_path, variant):
     from deepseek_parallel_common import DS_BASE, DS_CONFIG
     from ms_llm import cli
     from ms_llm.config import load_config
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     from ms_llm.training.trainer import Trainer
     extra = ["--model.mtp_num_layers", "1"] if variant == "mla" else [
         "--model.multi_latent_attention", "false", "--model.num_query_groups", "2",

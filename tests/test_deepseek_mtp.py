@@ -132,7 +132,7 @@ def _reference(big, mtp, ids, labels, mask):
 
 def _ms_model(path):
     from ms_llm.checkpoint.hf_io import read_hf_config
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     from ms_llm.models.families import config_from_hf
     cfg = config_from_hf(read_hf_config(str(path))).replace(mtp_num_layers=D,
                                                             mtp_loss_scaling_factor=SCALE)

@@ -26,7 +26,7 @@ def case(request, tmp_path_factory):
     hf = fx.build_hf(kind, kwargs, seed=len(request.param))
     path = str(tmp_path_factory.mktemp(request.param))
     hf.save_pretrained(path)
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     return request.param, hf, from_pretrained(path), path
 
 
@@ -160,7 +160,7 @@ def test_bf16_sharded_folder_loads(tmp_path):
     import mindspore as ms
     import torch
     import transformers as tf
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     kind, kwargs = fx.CASES["deepseek_q_lora"]
     hf = fx.build_hf(kind, kwargs, seed=11).to(torch.bfloat16)
     hf.save_pretrained(str(tmp_path), max_shard_size="100KB")

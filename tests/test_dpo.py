@@ -16,7 +16,7 @@ from mindspore import Tensor
 from finetune_fixtures import RUN, make_hf_folder, pairwise_rows, preprocess, write_jsonl
 from ms_llm.cli import main as cli_main
 from ms_llm.config import ConfigError, DPOConfig, load_config
-from ms_llm.models import from_pretrained
+from ms_llm.checkpoint import from_pretrained
 from ms_llm.ops.cross_entropy import cross_entropy
 from ms_llm.training.dpo import DPOObjective, dpo_loss, sequence_logps
 from ms_llm.training.trainer import Trainer

@@ -60,7 +60,7 @@ def folder(tmp_path_factory) -> str:
 def python_continuation(folder: str, ids, max_new: int) -> str:
     from ms_llm.data.tokenizer import load_tokenizer
     from ms_llm.inference import generate
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     tok = load_tokenizer(folder)
     out = generate(from_pretrained(folder), [ids], max_new, eos_token_id=tok.eod)[0, len(ids):]
     return tok.decode([t for t in out if t != tok.eod])
@@ -123,7 +123,7 @@ def test_chat_ends_at_eof(folder):
 
 
 def test_training_checkpoint_loads_directly(folder, tmp_path):
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     from ms_llm.parallel.parallelize import describe_layouts
     from ms_llm.parallel.state import initialize_model_parallel
     from ms_llm.training import checkpointing as ckpt
@@ -148,7 +148,7 @@ def test_training_checkpoint_loads_directly(folder, tmp_path):
 def test_chat_session_prefills_only_the_new_turn(folder, monkeypatch):
     from ms_llm.data.tokenizer import load_tokenizer
     from ms_llm.inference import ChatSession, KVCache
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     tok = load_tokenizer(folder)
     session = ChatSession(from_pretrained(folder), tok, [tok.eod], max_context=2048,
                           max_new_tokens=6)

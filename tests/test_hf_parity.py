@@ -192,7 +192,7 @@ def _ms():
 
 @pytest.fixture(scope="module")
 def from_pretrained():
-    from ms_llm.models import from_pretrained as fp
+    from ms_llm.checkpoint import from_pretrained as fp
     return fp
 
 

@@ -22,7 +22,7 @@ import hf_reference
 import test_moe
 from ms_llm.inference import KVCache, filtered_probs, generate
 from ms_llm.inference.sampling import sample
-from ms_llm.models import from_pretrained
+from ms_llm.checkpoint import from_pretrained
 
 DENSE = {
     "llama-mha": ("llama", dict(heads=4, kv_heads=4, seed=3)),

@@ -11,7 +11,7 @@ import pytest
 import hf_fixtures
 from msrun_util import run_msrun, worker_logs
 from ms_llm.inference import generate
-from ms_llm.models import from_pretrained
+from ms_llm.checkpoint import from_pretrained
 
 PROMPTS = [[5, 9, 11, 2, 7, 30], [40, 3], [17, 17, 60, 1]]
 

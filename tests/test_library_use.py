@@ -32,7 +32,7 @@ def run_program(body: str, prelude: str = PRELUDE) -> subprocess.CompletedProces
 def test_from_pretrained_after_a_mindspore_op(tmp_path):
     r = run_program(f"""
         from hf_fixtures import make_hf_checkpoint
-        from ms_llm.models import from_pretrained
+        from ms_llm.checkpoint import from_pretrained
         make_hf_checkpoint({str(tmp_path)!r}, "qwen3", vocab=64)
         model = from_pretrained({str(tmp_path)!r})
         logits = model(Tensor(np.arange(8, dtype=np.int32).reshape(1, 8)))

@@ -22,7 +22,8 @@ from test_pretrained_run import write_tokenizer
 from ms_llm.config import ConfigError, load_config
 from ms_llm.lora import adapters_disabled, apply_lora, count_parameters, select_targets
 from ms_llm.lora.modules import LoRALinear, is_frozen_base
-from ms_llm.models import GPTModel, from_pretrained
+from ms_llm.models import GPTModel
+from ms_llm.checkpoint import from_pretrained
 from ms_llm.training.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

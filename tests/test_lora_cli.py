@@ -17,7 +17,7 @@ from hf_fixtures import make_hf_checkpoint
 from test_pretrained_run import write_tokenizer
 
 from ms_llm.config import load_config
-from ms_llm.models import from_pretrained
+from ms_llm.checkpoint import from_pretrained
 from ms_llm.training.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

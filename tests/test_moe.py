@@ -28,7 +28,8 @@ from safetensors.numpy import save_file
 
 from ms_llm.checkpoint.pretrained import experts_to_grouped
 from ms_llm.compat import load_state_dict, manual_seed
-from ms_llm.models import GPTModel, TransformerConfig, config_from_hf, from_pretrained
+from ms_llm.models import GPTModel, TransformerConfig, config_from_hf
+from ms_llm.checkpoint import from_pretrained
 from ms_llm.models import moe
 from ms_llm.models.layers import MLP
 from ms_llm import ops as hot

@@ -21,7 +21,7 @@ from mindspore import Tensor
 from hf_fixtures import make_hf_checkpoint
 from ms_llm.checkpoint.pretrained import DEFAULT_CONFIG, pretrained_architecture
 from ms_llm.config import ConfigError, load_config
-from ms_llm.models import from_pretrained
+from ms_llm.checkpoint import from_pretrained
 from ms_llm.training.data_setup import build_data
 from ms_llm.training.trainer import Trainer
 

@@ -20,7 +20,7 @@ from mindspore import Tensor
 
 from finetune_fixtures import alpaca_rows, make_hf_folder, pairwise_rows, write_jsonl
 from ms_llm.config import load_config
-from ms_llm.models import from_pretrained
+from ms_llm.checkpoint import from_pretrained
 from ms_llm.training.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -17,7 +17,7 @@ from finetune_fixtures import (RUN, alpaca_rows, make_hf_folder, preprocess, sha
                                write_jsonl)
 from ms_llm.cli import main as cli_main
 from ms_llm.data.indexed import IndexedDataset
-from ms_llm.models import from_pretrained
+from ms_llm.checkpoint import from_pretrained
 
 IGN = -100
 SEQ = "32"

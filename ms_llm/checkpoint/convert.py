@@ -101,9 +101,10 @@ class HFSource:
 
 def _infer_type(cfg: dict, path: str) -> str:
     mt = cfg.get("model_type")
-    if mt not in L.HF_MODEL_TYPE_DEFAULTS:
+    name = L.default_megatron_name(mt)
+    if name is None:
         raise ConvertError(f"{path}: cannot infer --model-type-hf from model_type {mt!r}; pass it")
-    return L.HF_MODEL_TYPE_DEFAULTS[mt]
+    return name
 
 
 class MegatronSource:

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-model-type", choices=["hf", "mg"], required=True)
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True)
-    p.add_argument("--model-type-hf", default=None, choices=sorted(L.MODEL_TYPES))
+    p.add_argument("--model-type-hf", default=None, choices=sorted(L.megatron_names()))
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--target-expert-parallel-size", type=int, default=1)

@@ -21,7 +21,6 @@ undone in ``_Source.layer``):
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 from collections import OrderedDict
@@ -33,7 +32,6 @@ from . import layouts as L
 from .convert import DTYPES, HFSink, MegatronSink, stream_to_sink
 from .dcp_format import DCPError
 from .dcp_load import DCPReader
-from .megatron import hf_config_from_args
 
 __all__ = ["export_hf", "export_megatron", "hf_config_from_transformer_config"]
 
@@ -41,90 +39,23 @@ _MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
 _EXPERTS = "mlp.experts.local_experts."
 
 
-def _moe_refusals(c) -> Optional[str]:
-    """Why HF Qwen3-MoE (softmax router, top-k, optional renormalisation, no shared experts)
-    cannot express this MoE config, or None. Training-only settings (aux / z-loss
-    coefficients, load-balancing type) do not change the forward and are not checked."""
-    if c.moe_router_score_function != "softmax":
-        return (f"moe_router_score_function {c.moe_router_score_function!r} (HF Qwen3-MoE "
-                f"routes with softmax)")
-    if c.moe_router_enable_expert_bias:
-        return "moe_router_enable_expert_bias (HF Qwen3-MoE has no router bias)"
-    if c.moe_shared_expert_intermediate_size:
-        return "shared experts (moe_shared_expert_intermediate_size; HF Qwen3-MoE has none)"
-    if c.moe_router_topk_scaling_factor not in (None, 1, 1.0):
-        return (f"moe_router_topk_scaling_factor {c.moe_router_topk_scaling_factor} (HF "
-                f"Qwen3-MoE does not scale the routing weights)")
-    if not c.qk_layernorm or c.add_qkv_bias:
-        return "attention without QK-norm or with QKV bias (Qwen3-MoE attention is Qwen3's)"
-    if not any(c.is_moe_layer(i) for i in range(c.num_layers)):
-        return "no MoE layer (moe_layer_freq / moe_layer_pattern); export it as a dense model"
-    return None
-
-
 def hf_config_from_transformer_config(config, model_type_hf: Optional[str] = None
                                       ) -> Tuple[dict, str]:
-    """HF ``config.json`` for a ``TransformerConfig`` (family guessed from its switches:
-    MoE -> qwen3-moe, QK-norm -> qwen3, QKV bias -> qwen25, else llama2, unless
-    ``model_type_hf`` says)."""
-    c = config
-    moe = c.mlp_type == "moe"
-    from .hf_config_deepseek import hf_config_deepseek, is_deepseek_family
-    if is_deepseek_family(c):
-        try:
-            return hf_config_deepseek(c, model_type_hf)
-        except ValueError as e:
-            raise DCPError(str(e)) from None
-    if moe:
-        mt = model_type_hf or "qwen3-moe"
-        if L.MODEL_TYPES.get(mt, (None,))[0] != "qwen3-moe":
-            raise DCPError(f"export: model_type_hf {mt!r} cannot hold a MoE model (mlp_type "
-                           f"'moe' exports as qwen3-moe)")
-        why = _moe_refusals(c)
-        if why:
-            raise DCPError(f"export: HF Qwen3-MoE cannot express {why}")
-    else:
-        mt = model_type_hf or ("qwen3" if c.qk_layernorm else "qwen25" if c.add_qkv_bias
-                               else "llama2")
-        if L.MODEL_TYPES.get(mt, (None,))[0] == "qwen3-moe":
-            raise DCPError(f"export: model_type_hf {mt!r} needs a MoE model (mlp_type is "
-                           f"{c.mlp_type!r})")
-    if not c.swiglu or c.add_bias_linear:
-        raise DCPError("export: only SwiGLU models without linear biases map to HF Llama/Qwen")
-    family = L.MODEL_TYPES.get(mt, (None,))[0]
-    if family == "qwen25" and c.kv_channels * c.num_attention_heads != c.hidden_size:
-        raise DCPError(f"export: Qwen2 config.json has no head_dim; kv_channels {c.kv_channels} "
-                       f"must equal hidden_size / heads")
-    args = argparse.Namespace(
-        num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
-        num_attention_heads=c.num_attention_heads,
-        group_query_attention=c.num_query_groups != c.num_attention_heads,
-        num_query_groups=c.num_query_groups, kv_channels=c.kv_channels,
-        vocab_size=c.padded_vocab_size, padded_vocab_size=c.padded_vocab_size,
-        max_position_embeddings=c.max_position_embeddings, norm_epsilon=c.layernorm_epsilon,
-        rotary_base=c.rotary_base,
-        untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights,
-        params_dtype=None, bf16=c.params_dtype == "bfloat16", fp16=c.params_dtype == "float16")
-    if moe:
-        # The per-layer list form: Megatron's int moe_layer_freq N (layers 0, N, 2N.. sparse)
-        # is not HF's decoder_sparse_step N (layers N-1, 2N-1..), so never pass the int.
-        args.num_experts = c.num_moe_experts
-        args.moe_router_topk = c.moe_router_topk
-        args.moe_ffn_hidden_size = c.moe_ffn_hidden_size
-        args.moe_norm_topk_prob = not c.moe_router_pre_softmax
-        args.moe_layer_freq = [int(c.is_moe_layer(i)) for i in range(c.num_layers)]
-    cfg = hf_config_from_args(args, mt)
-    if moe:
-        cfg["router_aux_loss_coef"] = float(c.moe_aux_loss_coeff or 0.0)
-    from ms_llm.models.yarn import hf_rope_scaling   # lazily: ms_llm.models imports MindSpore
-    cfg["rope_scaling"] = hf_rope_scaling(c)   # YaRN, or None for plain RoPE
-    return cfg, mt
+    """HF ``config.json`` for a ``TransformerConfig`` and its ``--model-type-hf`` name: the
+    family is the registry's guess (``family_for_config``: MLA -> deepseek-v3, the DeepSeek router
+    -> glm45, other MoE -> qwen3-moe, QK-norm -> qwen3, QKV bias -> qwen25, else llama), unless
+    ``model_type_hf`` names one; the family's ``to_hf`` says what HF cannot express."""
+    try:
+        fam, mt = L.export_family(config, model_type_hf)
+        return fam.to_hf(config), mt
+    except ValueError as e:
+        raise DCPError(str(e)) from None
 
 
 def _layer_shapes(spec: L.ModelSpec, i: int) -> Dict[str, tuple]:
     """Full-layer keys (converter form, relative to ``decoder.layers.{i}.``) and shapes."""
     H, d = spec.hidden, spec.head_dim
-    if spec.mla or spec.expert_bias:   # DeepSeek-V3 / GLM-4.5: the shapes the layouts make
+    if spec.kind(i) != "attention" or spec.expert_bias:   # the shapes the layouts make
         shapes = dict(L.hf_layer_names(spec, i))
         full = L.hf_layer_to_full(spec, lambda n: np.empty(shapes[n], np.uint8), i)
         return {k: tuple(v.shape) for k, v in full.items()}
@@ -293,7 +224,7 @@ def _prepare(path: str, out_dir: str, hf_config, config, model_type_hf):
                 hf_config, model_type_hf = hf_config_from_transformer_config(config,
                                                                              model_type_hf)
         if model_type_hf is None:
-            mt = L.HF_MODEL_TYPE_DEFAULTS.get(hf_config.get("model_type"))
+            mt = L.default_megatron_name(hf_config.get("model_type"))
             if mt is None:
                 raise DCPError(f"export: cannot infer model_type_hf from model_type "
                                f"{hf_config.get('model_type')!r}; pass it")

@@ -24,7 +24,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .layouts import ModelSpec, ParallelLayout
+from ms_llm.models.registry import get_family
+
+from .layouts_spec import ModelSpec, ParallelLayout, family_of
 from .torch_pickle import GlobalRef, LazyTensor, TorchCheckpoint, TorchZipWriter, torch_dtype
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -69,16 +71,20 @@ def make_args(spec: ModelSpec, lay: ParallelLayout, hf_cfg: dict, dtype: np.dtyp
     """The ``args`` Namespace the PyTorch lane reads when loading (Megatron argument names)."""
     dname = np.dtype(dtype).name
     moe = spec.num_experts > 0
+    fam = get_family(spec.family)
+    c = spec.config or fam.from_hf(hf_cfg, "config.json")   # None: a spec built by hand
+    norm_topk = (not c.moe_router_pre_softmax if c.moe_router_score_function == "softmax"
+                 else c.moe_router_norm_topk_prob)
     return argparse.Namespace(
         num_layers=spec.num_layers + len(lay.noop_layers), hidden_size=spec.hidden,
         ffn_hidden_size=spec.ffn, num_attention_heads=spec.heads,
         group_query_attention=spec.groups != spec.heads, num_query_groups=spec.groups,
         kv_channels=spec.head_dim, padded_vocab_size=lay.padded_vocab, vocab_size=spec.vocab,
-        max_position_embeddings=int(hf_cfg.get("max_position_embeddings", 4096)),
-        seq_length=int(hf_cfg.get("max_position_embeddings", 4096)),
-        normalization="RMSNorm", norm_epsilon=float(hf_cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(c.max_position_embeddings),
+        seq_length=int(c.max_position_embeddings),
+        normalization="RMSNorm", norm_epsilon=float(c.layernorm_epsilon),
         swiglu=True, position_embedding_type="rope",
-        rotary_base=float(hf_cfg.get("rope_theta", 10000.0)),
+        rotary_base=float(c.rotary_base),
         untie_embeddings_and_output_weights=not spec.tied, add_qkv_bias=spec.qkv_bias,
         add_bias_linear=False, qk_layernorm=spec.qk_norm,
         tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
@@ -94,30 +100,12 @@ def make_args(spec: ModelSpec, lay: ParallelLayout, hf_cfg: dict, dtype: np.dtyp
         moe_ffn_hidden_size=spec.moe_ffn if moe else None,
         moe_grouped_gemm=lay.grouped_gemm,
         moe_layer_freq=[int(x) for x in spec.moe_layers] if moe else 1,
-        moe_norm_topk_prob=bool(hf_cfg.get("norm_topk_prob", False)) if moe else False,
+        moe_norm_topk_prob=bool(norm_topk) if moe else False,
         model_type_hf=model_type_hf, transformer_impl="local", use_mcore_models=True,
         ckpt_format="torch", iteration=iteration, consumed_train_samples=0,
         consumed_valid_samples=0, mtp_num_layers=spec.mtp_layers or None,
-        **_deepseek_args(spec, hf_cfg))
-
-
-def _deepseek_args(spec: ModelSpec, hf_cfg: dict) -> dict:
-    """Megatron's MLA / DeepSeek-router arguments (empty for the other families)."""
-    out = {}
-    if spec.mla:
-        # Megatron-Core's names and MindSpeed-LLM's (--multi-head-latent-attention ...).
-        out.update(multi_latent_attention=True, q_lora_rank=spec.q_lora_rank or None,
-                   kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_nope,
-                   qk_pos_emb_head_dim=spec.qk_rope, v_head_dim=spec.v_head,
-                   multi_head_latent_attention=True, qk_nope_head_dim=spec.qk_nope,
-                   qk_rope_head_dim=spec.qk_rope)
-    if spec.expert_bias:
-        out.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                   moe_router_num_groups=hf_cfg.get("n_group"),
-                   moe_router_group_topk=hf_cfg.get("topk_group"),
-                   moe_router_topk_scaling_factor=hf_cfg.get("routed_scaling_factor"),
-                   moe_shared_expert_intermediate_size=spec.shared_ffn or None)
-    return out
+        # the family's own (MLA, the DeepSeek router; none for the others)
+        **fam.megatron_args(c))
 
 
 def _int_list(value) -> Optional[List[int]]:
@@ -128,55 +116,53 @@ def _int_list(value) -> Optional[List[int]]:
     return [int(x) for x in value]
 
 
-def hf_config_from_args(args: argparse.Namespace, model_type_hf: str) -> dict:
-    """Rebuild an HF ``config.json`` from Megatron ``args`` (used when no config.json was
-    carried beside the checkpoint). ``vocab_size`` falls back to the padded size."""
-    from .layouts import MODEL_TYPES
-    if model_type_hf not in MODEL_TYPES:
-        raise ValueError(f"--model-type-hf: {model_type_hf!r} is not supported")
-    family, model_type = MODEL_TYPES[model_type_hf]
-    if family in ("deepseek-v3", "glm45"):
+def config_from_args(args: argparse.Namespace, model_type_hf: str):
+    """The TransformerConfig Megatron ``args`` describe, for a family whose architecture they
+    can hold (grouped-query attention, dense or softmax-routed MoE MLPs); the family's fixed
+    switches (QK-norm, QKV bias) come from its registry record."""
+    from ms_llm.models.config import TransformerConfig
+    fam = family_of(model_type_hf)
+    d = fam.defaults
+    if d.get("multi_latent_attention") or d.get("moe_router_score_function", "softmax") != \
+            "softmax":
         raise ValueError(f"--model-type-hf {model_type_hf}: rebuilding config.json from Megatron "
                          f"args is not built for this family; pass --hf-cfg-dir with its "
                          f"config.json")
     a = vars(args)
-    noop = _int_list(a.get("noop_layers")) or []
+    layers = a["num_layers"] - len(_int_list(a.get("noop_layers")) or [])
     heads = a["num_attention_heads"]
-    cfg = {
-        "model_type": model_type,
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[
-                               model_type]],
-        "hidden_size": a["hidden_size"], "intermediate_size": a["ffn_hidden_size"],
-        "num_attention_heads": heads, "num_hidden_layers": a["num_layers"] - len(noop),
-        "num_key_value_heads": a.get("num_query_groups") if a.get("group_query_attention")
-        else heads,
-        "head_dim": a.get("kv_channels") or a["hidden_size"] // heads,
-        "vocab_size": a.get("vocab_size") or a["padded_vocab_size"],
-        "max_position_embeddings": a.get("max_position_embeddings", 4096),
-        "rms_norm_eps": a.get("norm_epsilon", 1e-6), "rope_theta": a.get("rotary_base", 10000.0),
-        "tie_word_embeddings": not a.get("untie_embeddings_and_output_weights", True),
-        "hidden_act": "silu", "rope_scaling": None, "attention_bias": False,
-    }
     dt = a.get("params_dtype")
-    cfg["torch_dtype"] = dt.name if isinstance(dt, GlobalRef) else (
-        "bfloat16" if a.get("bf16") else "float16" if a.get("fp16") else "float32")
-    if model_type == "qwen2":
-        cfg.pop("head_dim")
-        cfg.pop("attention_bias")
-    if model_type == "qwen3_moe":
-        cfg["num_experts"] = a["num_experts"]
-        cfg["num_experts_per_tok"] = a.get("moe_router_topk", 2)
-        cfg["moe_intermediate_size"] = a.get("moe_ffn_hidden_size") or a["ffn_hidden_size"]
-        cfg["norm_topk_prob"] = bool(a.get("moe_norm_topk_prob", False))
+    fields = dict(
+        num_layers=layers, hidden_size=a["hidden_size"], ffn_hidden_size=a["ffn_hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=a.get("num_query_groups") if a.get("group_query_attention") else heads,
+        kv_channels=a.get("kv_channels") or a["hidden_size"] // heads,
+        padded_vocab_size=a.get("vocab_size") or a["padded_vocab_size"],
+        max_position_embeddings=a.get("max_position_embeddings", 4096),
+        layernorm_epsilon=a.get("norm_epsilon", 1e-6), rotary_base=a.get("rotary_base", 10000.0),
+        untie_embeddings_and_output_weights=a.get("untie_embeddings_and_output_weights", True),
+        params_dtype=dt.name if isinstance(dt, GlobalRef) else (
+            "bfloat16" if a.get("bf16") else "float16" if a.get("fp16") else "float32"))
+    if d.get("mlp_type") == "moe":
+        # Megatron: an int N makes layers 0, N, 2N, ... MoE; spelled out per layer.
         freq = a.get("moe_layer_freq", 1)
-        # Megatron: an int N makes layers 0, N, 2N, ... MoE; HF's decoder_sparse_step N makes
-        # layers N-1, 2N-1, ... sparse. Spell the pattern out per layer so both agree.
-        pattern = list(freq) if isinstance(freq, list) else \
-            [int(i % int(freq) == 0) for i in range(int(a["num_layers"]))]
-        cfg["decoder_sparse_step"] = 1
-        cfg["mlp_only_layers"] = [i for i, f in enumerate(pattern) if not f]
-    return cfg
+        pattern = [int(x) for x in freq] if isinstance(freq, list) else \
+            [int(i % int(freq) == 0) for i in range(layers)]
+        fields.update(num_moe_experts=a["num_experts"],
+                      moe_router_topk=a.get("moe_router_topk", 2),
+                      moe_ffn_hidden_size=a.get("moe_ffn_hidden_size") or a["ffn_hidden_size"],
+                      moe_router_pre_softmax=not bool(a.get("moe_norm_topk_prob", False)),
+                      moe_aux_loss_coeff=a.get("moe_aux_loss_coeff", 0.001),
+                      moe_layer_pattern=pattern)
+    return fam, TransformerConfig(**dict(d, **fields))
+
+
+def hf_config_from_args(args: argparse.Namespace, model_type_hf: str) -> dict:
+    """Rebuild an HF ``config.json`` from Megatron ``args`` (used when no config.json was
+    carried beside the checkpoint): ``config_from_args`` then the family's ``to_hf``.
+    ``vocab_size`` falls back to the padded size."""
+    fam, config = config_from_args(args, model_type_hf)
+    return fam.to_hf(config)
 
 
 # --------------------------------------------------------------------------------------------

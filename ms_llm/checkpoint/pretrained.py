@@ -12,7 +12,7 @@ import numpy as np
 
 from ms_llm.compat import load_state_dict, to_ms_dtype
 from ms_llm.models.config import TransformerConfig
-from ms_llm.models.families import ALIASES, config_from_hf
+from ms_llm.models.registry import family_for_hf, get_family, parse_hf_config
 from ms_llm.models.gpt import GPTModel
 from .hf_io import read_hf_config, read_hf_weights
 from . import layouts as L
@@ -32,14 +32,12 @@ def pretrained_architecture(path: str) -> Tuple[TransformerConfig, str]:
         from .convert import MegatronSource
         src = MegatronSource(path, None)
         try:
-            cfg = config_from_hf(src.config, source=os.path.join(path, "config.json"))
-            return cfg.replace(padded_vocab_size=src.lay.padded_vocab), \
-                L.MODEL_TYPES[src.model_type][0]
+            fam, cfg = parse_hf_config(src.config, os.path.join(path, "config.json"))
+            return cfg.replace(padded_vocab_size=src.lay.padded_vocab), fam.name
         finally:
             src.close()
-    hf_cfg = read_hf_config(path)
-    cfg = config_from_hf(hf_cfg, source=os.path.join(path, "config.json"))
-    return cfg, L.MODEL_TYPES[L.HF_MODEL_TYPE_DEFAULTS[hf_cfg["model_type"]]][0]
+    fam, cfg = parse_hf_config(read_hf_config(path), os.path.join(path, "config.json"))
+    return cfg, fam.name
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,7 +80,7 @@ def adopt_pretrained_architecture(cfg) -> None:
     requested = _requested_model_keys(cfg)
     if "family" in requested:
         value, src = requested.pop("family")
-        if ALIASES.get(value, value) != family:
+        if _family_name(value) != family:
             raise ConfigError(_disagreement(src, "family", value, family, folder))
     knobs = {}
     for key, (value, src) in requested.items():
@@ -93,6 +91,13 @@ def adopt_pretrained_architecture(cfg) -> None:
     model = loaded.replace(**knobs) if knobs else loaded
     if (cfg.model, cfg.model_family) != (model, family):   # a loaded config is frozen
         cfg.model, cfg.model_family = model, family
+
+
+def _family_name(value: str) -> str:
+    try:
+        return get_family(value).name
+    except ValueError:
+        return value
 
 
 def _requested_model_keys(cfg) -> dict:
@@ -153,7 +158,7 @@ def from_pretrained(path: str, dtype: Optional[str] = None,
     if is_megatron_dir(path):
         return _from_megatron(path, dtype, config)
     hf_cfg = read_hf_config(path)
-    cfg = config or config_from_hf(hf_cfg, source=os.path.join(path, "config.json"))
+    cfg = config or parse_hf_config(hf_cfg, os.path.join(path, "config.json"))[1]
     if dtype is not None:
         to_ms_dtype(dtype)  # validates the name
         cfg = cfg.replace(params_dtype=dtype)
@@ -174,7 +179,7 @@ def _from_megatron(path: str, dtype: Optional[str],
     from .convert import MegatronSource  # the converter's streaming reader
     src = MegatronSource(path, None)
     try:
-        cfg = config or config_from_hf(src.config, source=os.path.join(path, "config.json"))
+        cfg = config or parse_hf_config(src.config, os.path.join(path, "config.json"))[1]
         cfg = cfg.replace(padded_vocab_size=src.lay.padded_vocab)
         if dtype is not None:
             to_ms_dtype(dtype)
@@ -211,11 +216,8 @@ def _hf_to_mcore(hf: dict, hf_cfg: dict, cfg: TransformerConfig, source: str) ->
     """HF tensors -> GPTModel keys through the converter's per-layer layouts (one mapping for
     loading and converting: ``layouts.hf_layer_to_full`` fuses QKV per query group, ``[gate;
     up]``, and routes MoE experts)."""
-    model_type = L.HF_MODEL_TYPE_DEFAULTS.get(hf_cfg.get("model_type"))
-    if model_type is None:
-        raise ValueError(f"{os.path.join(source, 'config.json')}: model_type "
-                         f"{hf_cfg.get('model_type')!r} is not supported")
-    spec = L.spec_from_hf_config(hf_cfg, model_type, os.path.join(source, "config.json"))
+    where = os.path.join(source, "config.json")
+    spec = L.spec_of_config(family_for_hf(hf_cfg, where), cfg, hf_cfg, where)
     used = set()
 
     def get(name: str) -> np.ndarray:

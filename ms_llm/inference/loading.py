@@ -33,7 +33,7 @@ def training_checkpoint(path: str) -> Optional[str]:
 
 def load_model(path: str, dtype: Optional[str] = None):
     """GPTModel from an HF folder, a Megatron folder or a training checkpoint."""
-    from ms_llm.models import from_pretrained
+    from ms_llm.checkpoint import from_pretrained
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such folder")
     ckpt = training_checkpoint(path)

@@ -65,7 +65,7 @@ def peft_tensors(ad, spec: L.ModelSpec) -> Dict[str, np.ndarray]:
     for (i, mod), (a, b) in sorted(ad.fused.items()):
         hfs = MODULES[mod]
         if len(hfs) == 3:
-            bs = L._split_qkv(b, spec.heads, spec.groups, spec.head_dim)
+            bs = L.split_qkv(b, spec.heads, spec.groups, spec.head_dim)
         elif len(hfs) == 2:
             bs = np.split(b, 2, axis=0)
         else:

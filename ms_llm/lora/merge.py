@@ -82,7 +82,7 @@ class Adapters:
                 continue
             shapes = _hf_shapes(spec, mod)
             ds = [np.zeros(s) if d is None else d for d, s in zip(ds, shapes)]
-            out[mod + ".weight"] = (L._fuse_qkv(*ds, spec.groups) if len(ds) == 3
+            out[mod + ".weight"] = (L.fuse_qkv(*ds, spec.groups) if len(ds) == 3
                                     else np.concatenate(ds, 0))
         return out
 

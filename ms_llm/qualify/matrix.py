@@ -33,16 +33,6 @@ COMMON = ["--training.log_interval", "1", "--training.progress_bar", "false",
           "--training.lr_warmup_steps", "2", "--training.jit", "false",
           "--training.micro_batch_size", "2", "--training.global_batch_size", "4",
           "--data.seq_length", "32", "--parallel.collective_timeout_s", "180"]
-DENSE = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size",
-         "128", "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
-         "--model.kv_channels", "16"]
-MOE = DENSE + ["--model.num_moe_experts", "4", "--model.moe_router_topk", "2",
-               "--model.moe_ffn_hidden_size", "32", "--model.moe_aux_loss_coeff", "0.01"]
-DEEPSEEK = ["--model.hidden_size", "64", "--model.ffn_hidden_size", "96",
-            "--model.q_lora_rank", "32", "--model.kv_lora_rank", "16", "--model.qk_head_dim",
-            "16", "--model.qk_pos_emb_head_dim", "8", "--model.v_head_dim", "16",
-            "--model.moe_ffn_hidden_size", "32", "--model.moe_shared_expert_intermediate_size",
-            "32", "--model.moe_router_bias_update_rate", "0.01"]
 
 
 @dataclass(frozen=True)
@@ -54,13 +44,15 @@ class Family:
     hf_type: str          # ms-llm convert --model-type-hf
 
 
-FAMILIES: Dict[str, Family] = {f.name: f for f in [
-    Family("llama", "tiny.yaml", ("--model.family", "llama", *DENSE), False, "llama"),
-    Family("qwen2.5", "tiny.yaml", ("--model.family", "qwen25", *DENSE), False, "qwen2"),
-    Family("qwen3", "tiny.yaml", ("--model.family", "qwen3", *DENSE), False, "qwen3"),
-    Family("qwen3-moe", "tiny_moe.yaml", tuple(MOE), True, "qwen3_moe"),
-    Family("deepseek-v3", "deepseek_v3_proxy.yaml", tuple(DEEPSEEK), True, "deepseek_v3"),
-]}
+def _families() -> Dict[str, Family]:
+    """The registry's families that say how to qualify them (``FamilySpec.qualify``)."""
+    from ms_llm.models.registry import families
+    return {s.qualify.name: Family(s.qualify.name, s.qualify.config, s.qualify.args, s.is_moe,
+                                   s.convert_name)
+            for s in families() if s.qualify is not None}
+
+
+FAMILIES: Dict[str, Family] = _families()
 
 
 @dataclass(frozen=True)

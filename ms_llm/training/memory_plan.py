@@ -243,14 +243,6 @@ def _stage_layers(cfg, c: TransformerConfig, stage: int, pp: int, vpp: int) -> L
     return out
 
 
-def _is_moe(c: TransformerConfig, i: int) -> bool:
-    if c.mlp_type != "moe":
-        return False
-    if c.moe_layer_pattern:
-        return bool(c.moe_layer_pattern[i])
-    return i % c.moe_layer_freq == 0
-
-
 def _recomputed(t, position: int) -> object:
     """The recompute settings that apply to the layer at ``position`` of its stage (``block``
     covers the first ``recompute_num_layers`` of each stage)."""
@@ -294,9 +286,16 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     chunk_kept, remat = [0] * chunks, 0
     for pos, i in enumerate(layers):
         k, r = _layer_activation_bytes(c, b, s, tp, sp, _recomputed(t, pos % per_chunk),
-                                       _is_moe(c, i), cp, u)
+                                       c.is_moe_layer(i), cp, u)
         chunk_kept[min(pos // per_chunk, chunks - 1)] += k
         remat = max(remat, r)
+    if stage == pp - 1:
+        # Multi-token prediction layers run on the last stage after the decoder, each built like
+        # the last decoder layer (``is_moe_layer`` of an index >= num_layers says so).
+        for i in range(c.num_layers, c.num_layers + (c.mtp_num_layers or 0)):
+            k, r = _layer_activation_bytes(c, b, s, tp, sp, t, c.is_moe_layer(i), cp, u)
+            chunk_kept[-1] += k
+            remat = max(remat, r)
     if pp > 1:
         # The executor keeps only each in-flight micro-batch's chunk input and re-runs the
         # chunk's forward inside its backward (compat.autograd.DeferredVJP: MindSpore 2.10 runs

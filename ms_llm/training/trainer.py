@@ -17,7 +17,8 @@ from ms_llm.checkpoint import dcp
 from ms_llm.compat import manual_seed, setup_device
 from ms_llm.compat.environment import configure
 from ms_llm.config import ConfigError, RunConfig, check_launch
-from ms_llm.models import GPTModel, from_pretrained
+from ms_llm.models import GPTModel
+from ms_llm.checkpoint import from_pretrained
 from ms_llm.lora import base as lora_base
 from ms_llm.lora.modules import is_frozen_base, lora_module_names
 from ms_llm.ops._dispatch import resolve_paths

@@ -12,7 +12,7 @@ from ms_llm.compat import setup_device
 
 setup_device("CPU", synchronize=True)
 from ms_llm.inference import generate  # noqa: E402
-from ms_llm.models import from_pretrained  # noqa: E402
+from ms_llm.checkpoint import from_pretrained  # noqa: E402
 from ms_llm.parallel.parallelize import describe_layouts  # noqa: E402
 from ms_llm.parallel.runtime import init_distributed  # noqa: E402
 from ms_llm.parallel.state import initialize_model_parallel  # noqa: E402
