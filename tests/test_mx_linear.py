@@ -156,17 +156,13 @@ def test_apply_quantization_selection_and_errors(caplog):
            ({"scale_mode": "ceil"}, "quant.scale_mode"),
            ({"apply_modules": ["output_layer"]}, "selects no module")]
     for over, msg in bad:
-        c = _tiny_cfg().quant
-        c.recipe = "mxfp8"
-        for k, v in over.items():
-            setattr(c, k, v)
+        c = dataclasses.replace(_tiny_cfg().quant, **{"recipe": "mxfp8", **over})
         m = GPTModel(cfg.model)
         with pytest.raises(ValueError, match=msg):
             apply_quantization(m, c)
     # A selected module whose dims are not multiples of 32 names the module; nothing is replaced.
     odd = GPTModel(_tiny_cfg("--model.ffn_hidden_size", "80").model)
-    c = _tiny_cfg().quant
-    c.recipe = "mxfp8"
+    c = dataclasses.replace(_tiny_cfg().quant, recipe="mxfp8")
     msg = "'decoder.layers.0.mlp.linear_fc2' has in_features=80.*multiple of 32"
     with pytest.raises(ValueError, match=msg):
         apply_quantization(odd, c)
