@@ -55,7 +55,7 @@ def main() -> None:
     setup_device("CPU")
     import mindspore as ms
     from mindspore import Parameter, Tensor
-    from ms_llm.ops._dispatch import resolve_paths
+    from ms_llm.ops import resolve_paths
     from ms_llm.ops.attention import causal_attention
     from ms_llm.ops.cross_entropy import cross_entropy
     from ms_llm.ops.linear import linear

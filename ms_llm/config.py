@@ -68,8 +68,19 @@ class TrainingConfig(_Section):
     lr: float = 1e-3
     min_lr: float = 1e-4
     lr_warmup_steps: int = 10
-    lr_decay_style: str = "cosine"    # cosine | linear | constant
+    lr_decay_style: str = "cosine"    # cosine | linear | constant | inverse-square-root | WSD
     lr_decay_steps: Optional[int] = None  # default: max_steps
+    # Megatron's OptimizerParamScheduler (training/lr_schedule.py): iteration i applies the lr
+    # of (i - 1) x global_batch_size samples, starting from lr_warmup_init
+    lr_warmup_init: float = 0.0
+    lr_warmup_fraction: Optional[float] = None    # warmup = this fraction of the decay
+    lr_wsd_decay_steps: Optional[int] = None      # WSD: anneal over the last N iterations
+    lr_wsd_decay_style: str = "exponential"       # linear | cosine | exponential | minus_sqrt
+    train_samples: Optional[int] = None   # sample-based run: max_steps = this // global batch
+    lr_warmup_samples: int = 0            # (sample-based) warmup / decay / WSD in samples
+    lr_decay_samples: Optional[int] = None
+    lr_wsd_decay_samples: Optional[int] = None
+    use_checkpoint_opt_param_scheduler: bool = False  # resume takes the checkpoint's schedule
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -92,6 +103,16 @@ class TrainingConfig(_Section):
     max_restarts: int = 0             # scripts/pretrain.sh relaunches a failed job this often
     nan_policy: str = "stop"          # stop | skip: a step whose gradient is not finite
     max_skipped_steps: int = 10       # nan_policy skip: stop once more steps were skipped
+    # Seeing a run (ms_llm.training.observability; Megatron's flag names)
+    tensorboard_dir: Optional[str] = None   # event files (Megatron's tags); null: none
+    log_timers_to_tensorboard: bool = False
+    timing_log_level: int = 0         # 0: iteration time only | 1: + forward-backward, optimizer.. | 2: all
+    profile: bool = False             # MindSpore Profiler over steps [profile_step_start, profile_step_end)
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: List[int] = field(default_factory=lambda: [0])
+    profile_dir: Optional[str] = None  # null: <output_dir>/profile
+    deterministic: bool = False       # MindSpeed's --use-deter-comp: bit-identical reruns
 
 
 @dataclass
@@ -270,7 +291,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     cfg = RunConfig(model=model, model_family=family, model_overrides=explicit, sources=sources,
                     base_source=base, **built)
     if cfg.checkpoint.load:   # the folder's architecture, before the cross-key checks see it
-        from ms_llm.checkpoint.pretrained import adopt_pretrained_architecture
+        from ms_llm.config_pretrained import adopt_pretrained_architecture
         adopt_pretrained_architecture(cfg)
     validate(cfg)
     if world_size is not None:

@@ -54,6 +54,10 @@ def _one_of(*choices: str, null: bool = False, case: bool = True) -> Rule:
     return _rule(desc, lambda v: v.lower() in choices)
 
 
+def _one_of_int(*choices: int) -> Rule:
+    return _rule("one of " + ", ".join(map(str, choices)), lambda v: v in choices)
+
+
 def _existing_dir() -> Rule:
     return _rule("an existing folder", lambda v: os.path.isdir(os.path.expanduser(v)))
 
@@ -68,7 +72,13 @@ RULES: Dict[str, Rule] = {
         "seed", "lr", "min_lr", "lr_warmup_steps", "weight_decay", "clip_grad")},
     "training.adam_beta1": _within(0, 1, hi_open=True),
     "training.adam_beta2": _within(0, 1, hi_open=True),
-    "training.lr_decay_style": _one_of("cosine", "linear", "constant"),
+    "training.lr_decay_style": _one_of("cosine", "linear", "constant", "inverse-square-root",
+                                       "WSD"),
+    "training.lr_wsd_decay_style": _one_of("linear", "cosine", "exponential", "minus_sqrt"),
+    "training.lr_warmup_fraction": _within(0, 1, hi_open=True),
+    **{f"training.{k}": _POSITIVE for k in (
+        "train_samples", "lr_decay_samples", "lr_wsd_decay_samples", "lr_wsd_decay_steps")},
+    **{f"training.{k}": _NON_NEGATIVE for k in ("lr_warmup_init", "lr_warmup_samples")},
     "training.resume": _one_of("none", "auto"),
     "training.recompute_granularity": _one_of("full", "selective", null=True),
     "training.recompute_method": _one_of("uniform", "block", null=True),
@@ -80,6 +90,10 @@ RULES: Dict[str, Rule] = {
     "training.max_restarts": _NON_NEGATIVE,
     "training.nan_policy": _one_of("stop", "skip"),
     "training.max_skipped_steps": _NON_NEGATIVE,
+    "training.timing_log_level": _one_of_int(0, 1, 2),
+    "training.profile_step_start": _ge(1),
+    "training.profile_step_end": _ge(1),
+    "training.profile_ranks": _NON_NEGATIVE,
     "dpo.beta": _POSITIVE,
     "dpo.loss_type": _one_of("sigmoid", "hinge", "ipo"),
     "dpo.label_smoothing": _within(0, 0.5, hi_open=True),
@@ -180,6 +194,10 @@ def _fail(cfg, keys: Sequence[str], message: str) -> None:
 
 
 def _check_schedule(cfg) -> None:
+    from ms_llm.training.lr_schedule import schedule_problem   # Megatron's scheduler rules
+    problem = schedule_problem(cfg)
+    if problem is not None:
+        _fail(cfg, problem[0], problem[1])
     t = cfg.training
     if t.min_lr > t.lr:
         _fail(cfg, ("training.min_lr", "training.lr"),
@@ -240,6 +258,11 @@ def _check_pipeline(cfg) -> None:
 
 
 def _check_misc(cfg) -> None:
+    t = cfg.training
+    if t.profile and t.profile_step_end <= t.profile_step_start:
+        _fail(cfg, ("training.profile_step_end", "training.profile_step_start"),
+              f"training.profile_step_end ({t.profile_step_end}) must be > "
+              f"training.profile_step_start ({t.profile_step_start})")
     if cfg.training.resume == "auto" and not cfg.checkpoint.save_dir:
         _fail(cfg, ("training.resume", "checkpoint.save_dir"),
               "training.resume=auto needs checkpoint.save_dir")

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 import eval_fixtures
+from cli_util import run_ms_llm
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")      # the harness's hf model needs it
@@ -92,11 +91,9 @@ def test_matches_the_hf_model(setup):
 
 def test_cli_runs_the_harness_with_ms_llm_registered(setup, tmp_path):
     folder, tasks = setup
-    exe = os.path.join(os.path.dirname(sys.executable), "ms-llm")
-    r = subprocess.run([exe, "lm-eval", "--model", "ms-llm", "--model_args",
-                        f"pretrained={folder}", "--tasks", "tiny_mc", "--include_path", tasks,
-                        "--batch_size", "4", "--output_path", str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"))
+    r = run_ms_llm("lm-eval", "--model", "ms-llm", "--model_args", f"pretrained={folder}",
+                   "--tasks", "tiny_mc", "--include_path", tasks, "--batch_size", "4",
+                   "--output_path", tmp_path / "out", timeout=600,
+                   env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tiny_mc" in r.stdout and "acc" in r.stdout

@@ -10,8 +10,8 @@ from typing import Optional
 import mindspore as ms
 from mindspore.ops import constexpr
 
-from ._private import device_chosen_by_caller
 from .environment import setting
+from .private_api import device_chosen_by_caller
 
 _STATE = {"device": None, "threads": None}
 

@@ -36,6 +36,8 @@ def blas_enabled() -> bool:
 
 
 def resolve_paths() -> dict:
+    """Each hot op's kernel path on this device (``native``, ``aot`` or ``composed``), chosen
+    once per process."""
     if not _PATHS:
         aot = aot_enabled()
         for op in OPS:

@@ -7,6 +7,8 @@ optimizer's parameters) and, when the compiled step computed it, the gradients' 
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Optional, Protocol, Sequence, Tuple
 
 import mindspore as ms
@@ -34,8 +36,11 @@ class PlainExecutor:
     to the overlapping gradient sync."""
 
     def __init__(self, objective, params: Sequence, grad_sync, model, fsdp: bool,
-                 grad_dtype, jit_cfg=None, callbacks: Optional[TrainerCallback] = None):
+                 grad_dtype, jit_cfg=None, callbacks: Optional[TrainerCallback] = None,
+                 sync_timer=None):
         self.objective, self.grad_sync, self.model, self.fsdp = objective, grad_sync, model, fsdp
+        # the gradient reduction's Megatron timer (observability.timers; none: not timed)
+        self.sync_timer = sync_timer or contextlib.nullcontext()
         self.grad_dtype = grad_dtype
         self.callbacks = callbacks if callbacks is not None else TrainerCallback()
         self.grad_fn = ms.value_and_grad(objective.loss, grad_position=None, weights=params,
@@ -74,8 +79,9 @@ class PlainExecutor:
             self.callbacks.on_micro_batch_end(step, i)
             if not self.grad_sync.overlap:
                 grads = gradlib.accumulate(grads, g, self.grad_dtype)
-        grads = self.grad_sync.finish() if self.grad_sync.overlap \
-            else self.grad_sync.reduce(grads)
+        with self.sync_timer:
+            grads = self.grad_sync.finish() if self.grad_sync.overlap \
+                else self.grad_sync.reduce(grads)
         return total_loss, grads, sumsq if len(batches) == 1 else None
 
 
@@ -84,9 +90,10 @@ class PipelineStepExecutor:
     is summed on the last stage and shared over the pipeline group for logging."""
 
     def __init__(self, pipeline: PipelineExecutor, objective, inputs: ModelInputs, grad_sync,
-                 pp_group):
+                 pp_group, sync_timer=None):
         self.pipeline, self.objective, self.inputs = pipeline, objective, inputs
         self.grad_sync, self.pp_group = grad_sync, pp_group
+        self.sync_timer = sync_timer or contextlib.nullcontext()
 
     def run(self, batches: Sequence[dict], inv: Tensor, step: int) -> StepResult:
         def loss_of(per_token, b):
@@ -94,7 +101,9 @@ class PipelineStepExecutor:
         loss, grads = self.pipeline.run([self.inputs(b) for b in batches], loss_of)
         loss = F.clone(loss)
         comm.all_reduce(loss, group=self.pp_group)
-        return loss, self.grad_sync.reduce(grads), None
+        with self.sync_timer:
+            grads = self.grad_sync.reduce(grads)
+        return loss, grads, None
 
 
 def build_pipeline(chunks, cfg, pstate, accum_steps: int, model_config) -> PipelineExecutor:

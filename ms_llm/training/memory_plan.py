@@ -385,7 +385,7 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
                 _shapes=None, _cache=None) -> MemoryPlan:
     """Plan ``cfg`` on ``nproc`` workers. ``distributed_optimizer`` None: the config's setting
     (what-if otherwise). ``model_config``: the architecture (default: ``planned_model_config``)."""
-    from ms_llm.parallel.parallelize import _jit_blockers
+    from ms_llm.parallel.parallelize import jit_blockers
     from ms_llm.parallel.plan_shapes import full_shapes, plan_state, rank_params
     from ms_llm.parallel.state import ParallelSizes
     check_layout(cfg, nproc)
@@ -418,7 +418,7 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
     total = sum(math.prod(shape) for shape, _, _ in shapes.values())
     plan = MemoryPlan(nproc, _layout(cfg, nproc, distributed_optimizer), total, stages,
                       device_memory_gb)
-    if cfg.training.jit and not _jit_blockers(cfg, plan_state(sizes, 0)):
+    if cfg.training.jit and not jit_blockers(cfg, plan_state(sizes, 0)):
         plan.notes.append("training.jit: planned as PyNative; a compiled step keeps more "
                           "(measured up to 1.8x the RSS on CPU)")
     return plan

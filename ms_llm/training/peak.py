@@ -86,7 +86,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 def cpu_peak_tflops(say=None) -> float:
     """The cached probe figure for this host / kernel / thread count, measured if missing."""
-    from ms_llm.ops._dispatch import resolve_paths
+    from ms_llm.ops import resolve_paths
     path = resolve_paths()["linear"]
     key = _probe_key(path, _threads(path))
     file = cache_path()

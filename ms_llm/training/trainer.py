@@ -14,6 +14,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 from ms_llm.checkpoint import dcp
+from ms_llm.checkpoint.verify import guard_save_dir
 from ms_llm.compat import manual_seed, setup_device
 from ms_llm.compat.environment import configure
 from ms_llm.config import ConfigError, RunConfig, check_launch
@@ -21,7 +22,7 @@ from ms_llm.models import GPTModel
 from ms_llm.checkpoint import from_pretrained
 from ms_llm.lora import base as lora_base
 from ms_llm.lora.modules import is_frozen_base, lora_module_names
-from ms_llm.ops._dispatch import resolve_paths
+from ms_llm.ops import resolve_paths
 from ms_llm.parallel import comm
 from ms_llm.parallel.distributed_optimizer import build_optimizer, bytes_per_rank
 from ms_llm.parallel.parallelize import parallelize_model
@@ -38,11 +39,13 @@ from .dpo import DPOObjective, dpo_pieces, reference_for
 from .evaluate import Evaluator
 from .executors import PipelineStepExecutor, PlainExecutor, StepExecutor, build_pipeline
 from .fault_hooks import FaultInjection, RankStatus, appends_metrics
-from .lr_schedule import check_lr_schedule, lr_for_step, lr_schedule
+from .lr_schedule import check_lr_schedule, lr_schedule, restore_scheduler, \
+    scheduler_from_config
 from .metrics import MetricsLogger, current_rss_gb, reset_peak_rss, step_extras
 from .moe_step import ExpertBiasUpdate
 from .nonfinite import guard_for, names_of
 from .objectives import LMObjective, ModelInputs, MTPTerm, objective_unit_scale
+from .observability import Observability, apply_deterministic
 
 log = logging.getLogger("ms_llm.train")
 
@@ -80,6 +83,9 @@ class Trainer:
                                                 ep=p.expert_model_parallel_size)
         self.tp_group, self.dp_group = self.pstate.group("tp"), self.pstate.group("dp")
         self.accum_steps = t.global_batch_size // (t.micro_batch_size * self.dp_group.size)
+        # TensorBoard, timers, profiler (a callback); deterministic mode before the model exists
+        self.observe = Observability(cfg, self.dist.rank, self.dist.world_size, self._say)
+        self.timers = self.observe.timers
         manual_seed(t.seed)
         np.random.seed(t.seed)
         self.data = build_data(cfg, self.pstate.dp_rank, self.dp_group.size)
@@ -109,6 +115,8 @@ class Trainer:
         self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit)
         # The distributed optimizer reduce-scatters instead of all-reducing (its own grad sync).
         grad_sync = getattr(self.optimizer, "grad_sync", par.grad_sync)
+        self._sync_timer = self.timers("grads-reduce-scatter" if self.fsdp or
+                                       p.use_distributed_optimizer else "grads-all-reduce")
         self.optimizer_bytes = bytes_per_rank(sum(self.optimizer.state_bytes().values()))
         self._say(f"optimizer state per rank (moments + fp32 main-param shards): "
                   f"{', '.join(f'{b / 2 ** 20:.2f}' for b in self.optimizer_bytes)} MiB "
@@ -118,6 +126,7 @@ class Trainer:
         resolve_paths()  # pick every op's kernel now, outside any graph capture
         self.executor = self._executor(par, grad_sync)
         self.step = 0
+        self.scheduler = scheduler_from_config(t)   # Megatron's, counted in samples
         self._lora_state = None
         self.guard = guard_for(cfg, self.dist)
         self._opt_names = names_of(self.optimizer.params, self.named_params)
@@ -125,6 +134,7 @@ class Trainer:
         if cfg.model.mlp_type == "moe":
             self.callbacks.append(ExpertBiasUpdate(self.model, self._sum_over_dp,
                                                    collect=self.pipeline is None))
+        self.callbacks.append(self.observe)
         for callback in callbacks:
             self.callbacks.append(callback)
         self._maybe_resume()
@@ -149,13 +159,13 @@ class Trainer:
     def _executor(self, par, grad_sync) -> StepExecutor:
         if self.pipeline is not None:
             return PipelineStepExecutor(self.pipeline, self.objective, self.model_inputs,
-                                        grad_sync, self.pstate.group("pp"))
+                                        grad_sync, self.pstate.group("pp"), self._sync_timer)
         jit = par.jit and not self.objective.has_aux
         if par.jit and not jit:
             self._say("training.jit ignored: training.stage dpo runs in PyNative")
         return PlainExecutor(self.objective, self.params, grad_sync, self.model, self.fsdp,
                              mixed_precision.grad_dtype(self.cfg), self.cfg if jit else None,
-                             self.callbacks)
+                             self.callbacks, self._sync_timer)
 
     @property
     def model_inputs(self) -> ModelInputs:
@@ -173,9 +183,12 @@ class Trainer:
 
     def _maybe_resume(self) -> None:
         ck = self.cfg.checkpoint
-        if self.cfg.training.resume != "auto":
+        auto = self.cfg.training.resume == "auto"
+        latest = dcp.resolve_resume("auto", ck.save_dir, report=self._say) if auto else None
+        guard_save_dir(ck.save_dir, latest, dataclasses.asdict(self.cfg.model), self._say,
+                       self.dist.rank)   # never write over checkpoints that do not verify
+        if not auto:
             return
-        latest = dcp.resolve_resume("auto", ck.save_dir, report=self._say)
         if latest is None:
             self._say(f"resume=auto: no complete checkpoint in {ck.save_dir}, starting fresh")
             return
@@ -190,6 +203,7 @@ class Trainer:
         self.data.loader.load_state_dict(state["data"])
         rng_state.restore(state.get("rng") or {"numpy": state["numpy_rng"]})
         check_lr_schedule(state, self.cfg, self._say)
+        restore_scheduler(self.scheduler, state, self.cfg)
         self.guard.skipped = int(state.get("skipped_steps", 0))
         self._say(f"resumed from {latest} at step {self.step}")
 
@@ -204,6 +218,7 @@ class Trainer:
         state = {"step": self.step, "data": self.data.loader.state_dict(),
                  "numpy_rng": rng["numpy"], "rng": rng,
                  "lr_schedule": lr_schedule(self.cfg),
+                 "opt_param_scheduler": self.scheduler.state_dict(),
                  "skipped_steps": self.guard.skipped,
                  "model_config": dataclasses.asdict(self.cfg.model)}
         if self.cfg.lora.r:   # adapters only: record the base they belong to (rank 0 writes)
@@ -222,7 +237,10 @@ class Trainer:
         """One optimizer step over ``accum_steps`` micro-batches per data-parallel rank."""
         t, step = self.cfg.training, self.step + 1
         self.callbacks.on_step_begin(step)
-        batches = [next(self.data.loader) for _ in range(self.accum_steps)]
+        with self.timers("batch-generator"):   # Megatron's timers (observability.timers)
+            batches = [next(self.data.loader) for _ in range(self.accum_steps)]
+        fwd_bwd_timer = self.timers("forward-backward")
+        fwd_bwd_timer.start()
         n_local = Tensor(np.array([self.objective.units(batches)], np.float32))
         comm.all_reduce(n_local, group=self.dp_group)   # loss tokens (DPO: pairs) of the batch
         inv = Tensor(np.float32(1.0 / max(float(n_local.asnumpy()[0]), 1.0)))
@@ -230,6 +248,9 @@ class Trainer:
         # The optimizer's params match the gradients (shards under the distributed optimizer).
         grads = gradlib.reduce_partial_grads(self.optimizer.params, grads, self.pstate.group)
         grads = mixed_precision.grads_to_fp32(grads)   # bf16-reduced: fp32 for norm, clip, AdamW
+        fwd_bwd_timer.stop()
+        opt_timer = self.timers("optimizer")
+        opt_timer.start()
         hooked = self.callbacks.on_grads(step, grads)
         sumsq, grads = (sumsq if hooked is grads else None), hooked
         comm.all_reduce(total_loss, group=self.dp_cp_group)
@@ -243,12 +264,16 @@ class Trainer:
         skip = self.guard.check(step, total_loss, norm, self._opt_names, grads)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step = step
-        lr = lr_for_step(self.cfg, step)
-        if not skip:   # training.nan_policy skip: no update
+        lr = self.scheduler.get_lr()   # applied: the lr of the samples consumed before this step
+        if not skip:   # training.nan_policy skip: no update, and the schedule does not advance
             self.optimizer.step(grads, lr)
+            self.scheduler.step(t.global_batch_size)
         self.callbacks.on_update(step, skip)
+        opt_timer.stop()
         tokens = sum(int(v.size) for b in batches for k, v in b.items() if k.endswith("tokens"))
-        out = {"loss": total_loss, "grad_norm": norm, "lr": lr, "skipped": skip,
+        # logged: the lr after the scheduler's advance, as Megatron's log line prints it
+        out = {"loss": total_loss, "grad_norm": norm, "lr": self.scheduler.get_lr(),
+               "skipped": skip,
                "tokens": tokens * self.dp_group.size, "metrics": self.objective.step_metrics()}
         self.callbacks.on_step_end(step, out)
         return out
@@ -330,5 +355,6 @@ def run(cfg: RunConfig) -> list:
     configure(cfg.explicit_settings())   # before the device and the kernels are set up
     # The device must be chosen before mindspore.communication.init().
     setup_device(None if cfg.training.device == "auto" else cfg.training.device)
+    apply_deterministic(cfg.training.deterministic)   # before communication.init (MindSpore)
     dist = init_distributed()
     return Trainer(cfg, dist).fit()

@@ -16,6 +16,8 @@ all_to_all_single          one ``scatter`` rooted at each rank, rows   same (+ r
                            padded to that root's largest split         the root's largest split)
 send / recv                ``broadcast`` in a two-rank group           same
 barrier                    ``all_reduce`` of one element               -
+all_reduce sum/avg under   list ``all_gather`` + sum in rank order     W x N received (a ring:
+``set_deterministic``      (the same bits on every rank)               2(W-1)/W x N)
 =========================  ==========================================  ==========================
 
 ``all_to_all_v`` is ``all_to_all_single`` for callers that already hold every rank's split sizes.
@@ -35,7 +37,7 @@ Modules, lowest first: ``groups`` (ranks and groups), ``watchdog`` (hung-collect
 """
 from .collectives import (all_gather, all_gather_into_tensor, all_gather_object, all_reduce, all_to_all_single,
                           all_to_all_v, barrier, broadcast, exchange_split_sizes,
-                          reduce_scatter_tensor)
+                          is_deterministic, reduce_scatter_tensor, set_deterministic)
 from .groups import (ProcessGroup, get_rank, get_world_size, mark_initialized, new_group,
                      world_group)
 from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
@@ -48,5 +50,5 @@ __all__ = [
     "all_gather_object",
     "all_gather_into_tensor", "reduce_scatter_tensor", "exchange_split_sizes",
     "all_to_all_single", "all_to_all_v", "broadcast", "barrier", "send", "recv", "isend",
-    "irecv", "batch_isend_irecv",
+    "irecv", "batch_isend_irecv", "set_deterministic", "is_deterministic",
 ]

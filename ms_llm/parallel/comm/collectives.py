@@ -18,6 +18,7 @@ from ms_llm.compat import F, is_cpu
 from . import cpu_compose
 from .backend import dist, log_once
 from .groups import ProcessGroup, get_rank, member_group
+from .cpu_compose import is_deterministic, set_deterministic  # noqa: F401 (re-exported)
 from .work import Work, finish
 
 _OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "prod"}
@@ -43,6 +44,8 @@ def all_reduce(tensor: Tensor, op: str = "sum", group: Optional[ProcessGroup] = 
     if g.size == 1:
         return finish(Work(), async_op)
     op = _op(op)
+    if is_deterministic() and op in ("sum", "avg") and is_cpu():
+        return cpu_compose.all_reduce_in_rank_order(tensor, op, g, async_op)
     if op == "avg":
         h = dist().all_reduce(tensor, op="sum", group=g.name, async_op=async_op)
         return finish(Work([h] if async_op else [], lambda: tensor.copy_(tensor / g.size)),

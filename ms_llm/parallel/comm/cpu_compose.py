@@ -24,6 +24,21 @@ from .work import Work, finish
 # benchmarks/collectives.py measures both.
 CPU_REDUCE_SCATTER = "scatter"
 
+# Deterministic mode (``set_deterministic``): sum/avg all-reduces add the ranks' tensors in rank
+# order (``all_reduce_in_rank_order``) instead of mccl's own order.
+_DETERMINISTIC = [False]
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Fixed, rank-ordered reductions in every CPU collective composition (on Ascend HCCL's
+    ``HCCL_DETERMINISTIC`` does this; ``mindspore.set_deterministic`` sets it)."""
+    _DETERMINISTIC[0] = bool(enabled)
+
+
+def is_deterministic() -> bool:
+    return _DETERMINISTIC[0]
+
+
 _COMBINE = {"sum": lambda a, b: a + b, "avg": lambda a, b: a + b, "prod": lambda a, b: a * b,
             "max": lambda a, b: mint.maximum(a, b), "min": lambda a, b: mint.minimum(a, b)}
 
@@ -48,12 +63,33 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: str, g: ProcessGrou
     return reduce_scatter_by_all_reduce(output, input, op, g, async_op)
 
 
+def all_reduce_in_rank_order(tensor: Tensor, op: str, g: ProcessGroup,
+                             async_op: bool) -> Optional[Work]:
+    """Deterministic-mode sum/avg: list ``all_gather``, then ``((r0 + r1) + r2) + ...`` in rank
+    order on every rank, so every rank holds the same bits whatever mccl's algorithm does
+    (W x N bytes received instead of a ring's 2(W-1)/W x N)."""
+    log_once("all_reduce(deterministic)", "CPU: list all_gather + sum in rank order")
+    parts = [mint.zeros(tensor.shape, dtype=tensor.dtype) for _ in range(g.size)]
+    h = dist().all_gather(parts, tensor, group=g.name, async_op=async_op)
+
+    def then():
+        acc = parts[0]
+        for p in parts[1:]:
+            acc = acc + p
+        F.copy_(tensor, acc / g.size if op == "avg" else acc)
+    return finish(Work([h] if async_op else [], then), async_op)
+
+
 def reduce_scatter_by_all_reduce(output: Tensor, input: Tensor, op: str, g: ProcessGroup,
                                  async_op: bool) -> Optional[Work]:
     """All-reduce a copy of the whole input, keep this rank's slice (2(W-1)/W x N bytes sent)."""
     buf = F.clone(input)
     n = output.shape[0]
-    h = dist().all_reduce(buf, op="sum" if op == "avg" else op, group=g.name, async_op=async_op)
+    if is_deterministic() and op in ("sum", "avg"):   # the rank-order sum, then the slice
+        h = all_reduce_in_rank_order(buf, "sum", g, async_op)   # a Work when async: waitable
+    else:
+        h = dist().all_reduce(buf, op="sum" if op == "avg" else op, group=g.name,
+                              async_op=async_op)
 
     def then():
         piece = mint.narrow(buf, 0, g.rank * n, n)
