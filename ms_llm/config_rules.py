@@ -131,6 +131,11 @@ RULES: Dict[str, Rule] = {
         "linear_qkv, linear_proj, linear_fc1, linear_fc2 or a glob ending in one of them",
         lambda v: v.rsplit(".", 1)[-1] in ("linear_qkv", "linear_proj", "linear_fc1",
                                            "linear_fc2", "*")),
+    "quant.mx_path": _one_of("auto", "native", "emulated"),
+    "runtime.log_level": _one_of("debug", "info", "warning", "error", "critical", case=False),
+    "runtime.cpu_threads": _ge(1),
+    "runtime.blas_threads": _ge(1),
+    "runtime.bf16_gemm": _one_of("auto", "mkl", "openblas"),
     "moe.dispatcher": _one_of("alltoall", "megamoe"),
     "moe.expert_groups": _ge(1),
     "moe.token_chunks": _ge(1),
@@ -301,6 +306,10 @@ def _mtp_problem(cfg) -> Problem:
         return ("training.stage", "model.mtp_num_layers"), (
             "training.stage dpo with model.mtp_num_layers is not built yet (the DPO loss has no "
             "MTP term); set model.mtp_num_layers 0")
+    if cfg.parallel.context_parallel_size > 1 and cfg.model.mtp_num_layers:
+        return ("model.mtp_num_layers", "parallel.context_parallel_size"), (
+            "model.mtp_num_layers with parallel.context_parallel_size > 1 is not built yet "
+            "(rolling the tokens would cross the ranks' chunks)")
     return None
 
 
@@ -426,7 +435,7 @@ CROSS_KEY_RULES = (stage_problem, _mtp_problem, _eval_split_problem, bf16_proble
 def check_launch(cfg, world_size: int) -> None:
     """The rules that need the worker count: the mesh (tensor x context x pipeline must divide
     it, expert parallel the data-parallel size), the global batch (a multiple of micro batch x
-    data-parallel size) and the pipeline schedule (its micro-batch count). ``scripts/pretrain.sh``
+    data-parallel size), FSDP's group size and the pipeline schedule (its micro-batch count). ``scripts/pretrain.sh``
     runs them before msrun starts, the trainer again in every worker (the same function)."""
     from ms_llm.parallel.pipeline.schedules import build_schedule
     from ms_llm.parallel.state import ParallelSizes
@@ -445,6 +454,11 @@ def check_launch(cfg, world_size: int) -> None:
         _fail(cfg, ("training.global_batch_size", "training.micro_batch_size"),
               f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
               f"micro_batch_size x data-parallel size ({mb_total})")
+    if p.fsdp_size > 1 and p.fsdp_size != sizes.dp * sizes.cp:
+        _fail(cfg, ("parallel.fsdp_size",),
+              f"parallel.fsdp_size ({p.fsdp_size}) must equal data parallel x context parallel "
+              f"({sizes.dp * sizes.cp} = {sizes.dp} x {sizes.cp}; workers / (tensor x pipeline "
+              f"parallel)): FSDP shards over that group; hybrid sharding is not supported")
     if sizes.pp > 1:
         try:
             build_schedule(sizes.pp, t.global_batch_size // mb_total,

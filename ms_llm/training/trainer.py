@@ -16,6 +16,7 @@ from mindspore import Tensor
 from ms_llm.checkpoint import dcp
 from ms_llm.checkpoint.verify import guard_save_dir
 from ms_llm.compat import manual_seed, setup_device
+from ms_llm.compat.environment import configure
 from ms_llm.config import ConfigError, RunConfig, check_launch
 from ms_llm.models import GPTModel
 from ms_llm.checkpoint import from_pretrained
@@ -68,14 +69,15 @@ class Trainer:
     def __init__(self, cfg: RunConfig, dist: Optional[DistInfo] = None,
                  callbacks: Sequence[TrainerCallback] = ()):
         self.cfg = cfg
+        configure(cfg.explicit_settings())   # runtime.* keys for the packages below the config
         self.dist = dist or DistInfo()
+        check_launch(cfg, self.dist.world_size)   # the mesh, global batch, pipeline schedule
         t = cfg.training
         p = cfg.parallel
         self.callbacks = CallbackList()
         if self.dist.world_size > 1:
             comm.set_collective_timeout(p.collective_timeout_s)
             self.callbacks.append(RankStatus(t.output_dir))   # the watchdog's time-out report
-        check_launch(cfg, self.dist.world_size)   # the mesh, global batch, pipeline schedule
         self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
                                                 pp=p.pipeline_model_parallel_size,
                                                 cp=p.context_parallel_size,
@@ -353,6 +355,7 @@ class Trainer:
 
 
 def run(cfg: RunConfig) -> list:
+    configure(cfg.explicit_settings())   # before the device and the kernels are set up
     # The device must be chosen before mindspore.communication.init().
     setup_device(None if cfg.training.device == "auto" else cfg.training.device)
     apply_deterministic(cfg.training.deterministic)   # before communication.init (MindSpore)
