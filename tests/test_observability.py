@@ -185,6 +185,8 @@ def test_timers_on_dp2_sum_to_the_step_time(observe_job):
         # fair: the step line and the max both come from the slowest part of the step).
         top = sum(timers[n]["max"] for n in ("batch-generator", "forward-backward",
                                              "optimizer")) / 1000.0
+        print(f"timers {top * 1000:.1f} ms vs step {step_time * 1000:.1f} ms "
+              f"({top / step_time:.3f})")
         assert abs(top - step_time) <= 0.10 * step_time, (top, step_time, timers)
         for mm in timers.values():
             assert 0 <= mm["min"] <= mm["max"]
@@ -209,3 +211,10 @@ def test_tensorboard_moe_load_balancing_and_mtp_tags(tmp_path):
     assert all(v > 0 for _, v in lb)
     _, mtp = _scalars(str(tb), "mtp_1 loss")
     assert mtp == [(r["step"], float(np.float32(r["mtp_1_loss"]))) for r in steps]
+
+
+@pytest.mark.msrun
+def test_deterministic_collectives_sum_in_rank_order(observe_job):
+    """Deterministic mode's CPU all-reduce (sum, async avg) and the all-reduce form of
+    reduce-scatter equal a NumPy float32 sum in rank order, bit for bit."""
+    assert observe_job["rank_order"] == {"sum": True, "avg": True, "reduce_scatter": True}

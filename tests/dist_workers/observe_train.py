@@ -18,7 +18,36 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from parallel_common import BASE, CONFIG  # noqa: E402
 
 info = init_distributed()
-results = {}
+
+
+def rank_order_check() -> dict:
+    """The deterministic all-reduce (sum, async avg) and reduce-scatter-by-all-reduce against
+    a NumPy float32 sum in rank order of every rank's (seeded) tensor."""
+    import numpy as np
+    from mindspore import Tensor
+    from ms_llm.parallel import comm
+    from ms_llm.parallel.comm import cpu_compose
+    w, r = info.world_size, info.rank
+    xs = [np.random.default_rng(100 + k).standard_normal((4 * w, 5)).astype(np.float32)
+          for k in range(w)]
+    ref = xs[0].copy()
+    for x in xs[1:]:
+        ref = ref + x
+    comm.set_deterministic(True)
+    total = Tensor(xs[r])
+    comm.all_reduce(total)
+    avg = Tensor(xs[r])
+    comm.all_reduce(avg, op="avg", async_op=True).wait()
+    piece = Tensor(np.zeros((4, 5), np.float32))
+    cpu_compose.reduce_scatter_by_all_reduce(piece, Tensor(xs[r]), "sum", comm.world_group(),
+                                             False)
+    comm.set_deterministic(False)
+    return {"sum": bool((total.asnumpy() == ref).all()),
+            "avg": bool((avg.asnumpy() == ref / np.float32(w)).all()),
+            "reduce_scatter": bool((piece.asnumpy() == ref[4 * r:4 * r + 4]).all())}
+
+
+results = {"rank_order": rank_order_check()}
 for spec in sys.argv[2:]:
     name, _, extra = spec.partition(":")
     args = [a.replace("|", ",") for a in extra.split(",") if a]

@@ -27,9 +27,11 @@ __all__ = ["Observability", "apply_deterministic", "Timers", "TensorBoardWriter"
 
 
 class Observability(TrainerCallback):
-    """The run's observers, one trainer callback. ``on_step_end`` of a step that will be logged
-    adds ``timers_ms`` (and ``moe_aux_loss``) to the step's metrics; with timers on it is
-    collective (every rank logs the same steps). ``timers`` is used inside the step itself."""
+    """The run's observers, one trainer callback, plus two things the trainer calls itself:
+    ``timers`` inside the step, and ``log_extras`` on a logged step after its iteration time
+    was taken (as Megatron gathers its timers in ``training_log``, outside the iteration), which
+    adds ``timers_ms`` (and ``moe_aux_loss``) to the step's metrics; collective with timers on
+    (every rank logs the same steps)."""
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1,
                  say: Callable[[str], None] = print):
@@ -87,7 +89,6 @@ class Observability(TrainerCallback):
             self.profiler.on_step_begin(step)
 
     def on_step_end(self, step: int, out: Dict[str, Any]) -> None:
-        t = self.cfg.training
         self._steps_since_log += 1
         if self.tb is not None and self._moe_layers:   # the step's loss already synchronised
             losses = [float(l.router.aux_loss.asnumpy()) for l in self._moe_layers
@@ -102,8 +103,6 @@ class Observability(TrainerCallback):
                     self.timers(spans[kind]).add(t1 - t0)
         if self.profiler is not None:
             self.profiler.on_step_end(step)
-        if step % t.log_interval == 0 or step == t.max_steps:   # the trainer logs this step
-            out["metrics"] = {**out.get("metrics", {}), **self.log_extras()}
 
     def log_extras(self) -> Dict[str, Any]:
         """Extra metrics.jsonl keys of a logged step: ``timers_ms`` = ``{name: {min, max}}``
