@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -97,21 +96,17 @@ def main() -> None:
     if args.as_worker:
         worker(sizes, args.repeat)
         return
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from msrun_util import free_port
-    env = dict(os.environ, GLOG_v="3", PYTHONPATH=ROOT)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    cmd = ["msrun", "--worker_num", str(args.nproc), "--local_worker_num", str(args.nproc),
-           "--master_port", str(free_port()), "--log_dir", "/tmp/ms_llm_bench_collectives",
-           "--join", "True", "--cluster_time_out", "60", os.path.abspath(__file__), "--as-worker",
-           "--sizes", args.sizes, "--repeat", str(args.repeat)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if not os.path.isfile("/tmp/ms_llm_bench_collectives/worker_0.log"):
+    from bench_util import launch, machine
+    r = launch(os.path.abspath(__file__), args.nproc, "/tmp/ms_llm_bench_collectives",
+               ["--as-worker", "--sizes", args.sizes, "--repeat", str(args.repeat)],
+               cluster_time_out=60)
+    if not r.logs[0]:
         sys.exit(f"msrun failed to start:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
-    log = open("/tmp/ms_llm_bench_collectives/worker_0.log", errors="replace").read()
+    print(f"# {machine()} (figures are noisy on a shared machine)")
+    log = r.logs[0]
     table = log[log.find("\n" + str(args.nproc) + " ranks"):] if "ranks, fp32" in log else log[-3000:]
     print("\n".join(line for line in table.splitlines() if not line.startswith("[")))
-    sys.exit(r.returncode)
+    sys.exit(0 if r.ok else 1)
 
 
 if __name__ == "__main__":

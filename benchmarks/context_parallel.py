@@ -19,7 +19,6 @@ import glob
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -68,22 +67,14 @@ def launch(seq: int, cp: int, algo: str, steps: int) -> dict:
         os.remove(old)
     overrides = ["--data.seq_length", str(seq), "--parallel.context_parallel_size", str(cp),
                  "--parallel.context_parallel_algo", ALGOS[algo]]
-    if cp == 1:
-        cmd = [sys.executable, __file__, "--as-worker", out, "--steps", str(steps), "--",
-               *overrides]
-        env = dict(os.environ, GLOG_v="3")
-    else:
-        sys.path.insert(0, os.path.join(ROOT, "tests"))
-        from msrun_util import msrun_command
-        cmd, env = msrun_command("../../benchmarks/context_parallel.py", cp,
-                                 f"/tmp/ms_llm_bench_cp_logs_{cp}",
-                                 ["--as-worker", out, "--steps", str(steps), "--", *overrides],
-                                 cluster_time_out=300)
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    from bench_util import check, launch as launch_worker
+    r = check(launch_worker(os.path.abspath(__file__), cp, f"/tmp/ms_llm_bench_cp_logs_{cp}",
+                            ["--as-worker", out, "--steps", str(steps), "--", *overrides],
+                            cluster_time_out=300), f"job seq={seq} cp={cp} {algo}")
     ranks = sorted(glob.glob(out + ".*"))
-    if r.returncode != 0 or len(ranks) != cp:
-        raise SystemExit(f"job seq={seq} cp={cp} {algo} failed:\n{r.stdout[-2000:]}"
-                         f"{r.stderr[-2000:]}")
+    if len(ranks) != cp:
+        raise SystemExit(f"job seq={seq} cp={cp} {algo}: {len(ranks)} of {cp} ranks wrote "
+                         f"results:\n{r.failure_report(3000)}")
     per_rank = [json.load(open(p)) for p in ranks]
     return {"step_s": max(x["step_s"] for x in per_rank),
             "peak_rss_gb": max(x["peak_rss_gb"] for x in per_rank),

@@ -18,9 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from bench_util import TINY_MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--model.family", "llama", "--model.num_layers", "8", "--model.hidden_size", "512",
@@ -30,10 +31,8 @@ MODEL = ["--model.family", "llama", "--model.num_layers", "8", "--model.hidden_s
          "--model.untie_embeddings_and_output_weights", "true", "--training.jit", "false",
          "--training.progress_bar", "false", "--training.output_dir", "/tmp/ms_llm_bench_distopt"]
 # --small: a 2-layer model for a quick check of the script itself
-SMALL = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size",
-         "128", "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
-         "--model.kv_channels", "16", "--training.jit", "false", "--training.progress_bar",
-         "false", "--training.output_dir", "/tmp/ms_llm_bench_distopt"]
+SMALL = TINY_MODEL + ["--training.jit", "false", "--training.progress_bar", "false",
+                      "--training.output_dir", "/tmp/ms_llm_bench_distopt"]   # seq: run_layout's
 
 LAYOUTS = {"dp=2": [], "dp=2:distopt": ["--parallel.use_distributed_optimizer", "true"]}
 
@@ -71,20 +70,16 @@ def worker(out: str, steps: int, overrides) -> None:
 def run_layout(label: str, steps: int = 4, seq: int = 256, mbs: int = 1,
                small: bool = False) -> dict:
     """One msrun job of ``label`` (a key of ``LAYOUTS``) on 2 workers; rank 0's figures."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from msrun_util import msrun_command
+    from bench_util import check, launch
     overrides = (SMALL if small else MODEL) + [
         "--data.seq_length", str(seq), "--training.micro_batch_size", str(mbs),
         "--training.global_batch_size", str(2 * mbs)] + LAYOUTS[label]
     out = f"/tmp/ms_llm_bench_distopt_{label.replace(':', '_').replace('=', '')}.json"
     if os.path.exists(out):
         os.remove(out)
-    cmd, env = msrun_command("../../benchmarks/distributed_optimizer.py", 2,
-                             "/tmp/ms_llm_bench_distopt_logs",
-                             ["--as-worker", out, "--steps", str(steps), "--", *overrides])
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0 or not os.path.isfile(out):
-        raise SystemExit(f"job {label} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    check(launch(os.path.abspath(__file__), 2, "/tmp/ms_llm_bench_distopt_logs",
+                 ["--as-worker", out, "--steps", str(steps), "--", *overrides],
+                 cluster_time_out=60), f"job {label}")
     with open(out) as f:
         return json.load(f)
 

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -70,20 +69,10 @@ def worker(out: str, steps: int, overrides) -> None:
 
 def launch(nproc: int, overrides, steps: int) -> dict:
     out = f"/tmp/ms_llm_bench_fsdp_{nproc}_{abs(hash(tuple(overrides)))}.json"
-    if nproc == 1:
-        cmd = [sys.executable, __file__, "--as-worker", out, "--steps", str(steps), "--",
-               *overrides]
-        env = dict(os.environ, GLOG_v="3")
-    else:
-        sys.path.insert(0, os.path.join(ROOT, "tests"))
-        from msrun_util import msrun_command
-        cmd, env = msrun_command("../../benchmarks/fsdp_memory.py", nproc,
-                                 f"/tmp/ms_llm_bench_fsdp_logs_{nproc}",
-                                 ["--as-worker", out, "--steps", str(steps), "--", *overrides])
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0 or not os.path.isfile(out):
-        raise SystemExit(f"job nproc={nproc} {overrides} failed:\n{r.stdout[-2000:]}"
-                         f"{r.stderr[-2000:]}")
+    from bench_util import check, launch as launch_worker
+    check(launch_worker(os.path.abspath(__file__), nproc, f"/tmp/ms_llm_bench_fsdp_logs_{nproc}",
+                        ["--as-worker", out, "--steps", str(steps), "--", *overrides]),
+          f"job nproc={nproc} {overrides}")
     with open(out) as f:
         return json.load(f)
 

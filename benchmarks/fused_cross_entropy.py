@@ -41,7 +41,7 @@ def child(variant: str, tokens: int, reps: int, clock: str) -> None:
     import mindspore as ms
     from mindspore import Parameter, Tensor
     from ms_llm.ops import cross_entropy, fused_linear_cross_entropy, linear
-    from ms_llm.ops._dispatch import resolve_paths
+    from ms_llm.ops import resolve_paths
     resolve_paths()
     rng = np.random.default_rng(0)
     h = Tensor(rng.standard_normal((tokens, H)).astype(np.float32))

@@ -27,6 +27,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from ms_llm.launch import free_port, launch_env, msrun_command  # noqa: E402
 
 MODEL = ["--model.num_layers", "8", "--model.hidden_size", "512", "--model.ffn_hidden_size",
          "1408", "--model.num_attention_heads", "8", "--model.num_query_groups", "2",
@@ -54,12 +55,9 @@ def measure(name: str, overrides, steps: int, out_root: str, nproc: int = 1) -> 
              "--training.progress_bar", "false", "--training.output_dir", out]
     cmd = [sys.executable, "-m", "ms_llm.cli", "train", *train]
     if nproc > 1:   # msrun runs a script: ms_llm/train.py, as scripts/pretrain.sh does
-        cmd = ["msrun", f"--worker_num={nproc}", f"--local_worker_num={nproc}",
-               f"--master_port={_free_port()}", f"--log_dir={out}_logs", "--join=True",
-               os.path.join(ROOT, "ms_llm", "train.py"), *train]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+        cmd = msrun_command(os.path.join(ROOT, "ms_llm", "train.py"), train, worker_num=nproc,
+                            master_port=free_port(), log_dir=f"{out}_logs")
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=launch_env())
     if r.returncode:
         raise SystemExit(f"{name}: ms-llm train failed:\n{r.stderr[-2000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -68,13 +66,6 @@ def measure(name: str, overrides, steps: int, out_root: str, nproc: int = 1) -> 
             "step_range": (min(times), max(times)),
             "peak_gb": max(row["peak_rss_gb"] for row in rows) - rows[0]["rss_before_model_gb"],
             "loss": rows[-1]["loss"]}
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def predict(overrides, nproc: int = 1, distopt=None) -> float:

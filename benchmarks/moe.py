@@ -13,7 +13,7 @@ fraction hidden = 1 - blocked / all-to-all.
 
 Variants: ``alltoall`` (Megatron's dispatcher, autograd through the all-to-alls), ``megamoe G=g``
 (experts in g pipelined groups), and ``megamoe G=2 serial`` (the same pipeline with the CPU
-communication thread disabled, ``MS_LLM_COMM_THREAD=0``: what the overlap itself is worth).
+communication thread disabled, ``runtime.comm_thread: false``: what the overlap itself is worth).
 Every variant's output and input gradient are checked against ``alltoall``'s (max |diff|).
 
 Afterwards, the local expert FFN forms (grouped matmul vs a loop of per-expert modules) are
@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -41,9 +40,10 @@ def worker(args) -> None:
     import mindspore as ms
     from mindspore import Tensor
     from ms_llm.compat import manual_seed
+    from ms_llm.compat.environment import configure
     from ms_llm.models import TransformerConfig
     from ms_llm.models.moe import MoELayer
-    from ms_llm.ops._dispatch import resolve_paths
+    from ms_llm.ops import resolve_paths
     from ms_llm.parallel import comm
     from ms_llm.parallel.expert_parallel import apply_expert_parallel
     from ms_llm.parallel.megamoe import Timeline
@@ -80,7 +80,7 @@ def worker(args) -> None:
     outs = []
     for i in range(args.warmup + args.repeat):
         for run in runs:
-            os.environ["MS_LLM_COMM_THREAD"] = "1" if run["thread"] else "0"
+            configure({"runtime.comm_thread": bool(run["thread"])})
             run["timeline"].clear()
             comm.barrier()
             t0 = time.perf_counter()
@@ -171,22 +171,13 @@ def main() -> None:
     if args.as_worker:
         return worker(args)
     import tempfile
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from msrun_util import free_port
+    from bench_util import check, launch, machine
     tmp = tempfile.mkdtemp(prefix="ms_llm_moe_bench_")
     out = os.path.join(tmp, "result.json")
-    env = dict(os.environ, GLOG_v="3", PYTHONPATH=ROOT)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    passthrough = [a for a in sys.argv[1:]]
-    cmd = ["msrun", "--worker_num", str(args.nproc), "--local_worker_num", str(args.nproc),
-           "--master_port", str(free_port()), "--log_dir", os.path.join(tmp, "logs"),
-           "--join", "True", "--cluster_time_out", "120", os.path.abspath(__file__),
-           *passthrough, "--as-worker", "--out", out]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0 or not os.path.isfile(out):
-        logs = os.path.join(tmp, "logs", "worker_0.log")
-        tail = open(logs, errors="replace").read()[-3000:] if os.path.isfile(logs) else ""
-        sys.exit(f"msrun failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}\n{tail}")
+    r = launch(os.path.abspath(__file__), args.nproc, os.path.join(tmp, "logs"),
+               [*sys.argv[1:], "--as-worker", "--out", out])
+    check(r, "msrun")
+    print(f"# {machine()} (figures are noisy on a shared machine)")
     res = json.load(open(out))
     w = res["world"]
     print(f"# MoE layer fwd+bwd, ep={w} on {w} msrun workers: tokens/rank={args.tokens} "

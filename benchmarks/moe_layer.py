@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     from ms_llm.compat import F
     from ms_llm.models import TransformerConfig
     from ms_llm.models.moe import GroupedMLP, SequentialMLP
-    from ms_llm.ops._dispatch import resolve_paths
+    from ms_llm.ops import resolve_paths
     paths = resolve_paths()
 
     print(f"# tokens={args.tokens} hidden={args.hidden} moe_ffn={args.ffn} topk={args.topk} "

@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -171,24 +170,14 @@ def launch(args, specs: list[str], nproc: int, tmp: str, tag: str,
     """This script as worker: a plain process for nproc=1, ``msrun`` otherwise. Returns every
     rank's JSON."""
     out = os.path.join(tmp, tag)
-    env = dict(os.environ, GLOG_v="3", PYTHONPATH=ROOT)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    worker_argv = [os.path.abspath(__file__), *forwarded(args), *extra, "--as-worker",
-                   "--out", out, "--runs", *specs]
-    if nproc == 1:
-        cmd = [sys.executable, *worker_argv]
-    else:
-        sys.path.insert(0, os.path.join(ROOT, "tests"))
-        from msrun_util import free_port
-        cmd = ["msrun", "--worker_num", str(nproc), "--local_worker_num", str(nproc),
-               "--master_port", str(free_port()), "--log_dir", os.path.join(tmp, f"logs_{tag}"),
-               "--join", "True", "--cluster_time_out", "300", *worker_argv]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    from bench_util import check, launch as launch_worker
+    worker_argv = [*forwarded(args), *extra, "--as-worker", "--out", out, "--runs", *specs]
+    r = launch_worker(os.path.abspath(__file__), nproc, os.path.join(tmp, f"logs_{tag}"),
+                      worker_argv, cluster_time_out=300)
+    check(r, tag)
     paths = [f"{out}.{rank}.json" for rank in range(nproc)]
-    if r.returncode != 0 or not all(os.path.isfile(p) for p in paths):
-        log = os.path.join(tmp, f"logs_{tag}", "worker_0.log")
-        tail = open(log, errors="replace").read()[-3000:] if os.path.isfile(log) else ""
-        sys.exit(f"{tag} failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}\n{tail}")
+    if not all(os.path.isfile(p) for p in paths):
+        sys.exit(f"{tag}: a rank wrote no results:\n{r.failure_report(3000)}")
     return [json.load(open(p)) for p in paths]
 
 
@@ -438,8 +427,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.as_worker:
         return worker(args)
-    if os.environ.get("MS_LLM_SYNC", "1") == "0":
-        print("note: MS_LLM_SYNC=0: the executor's timed mode synchronises only the tensors it "
+    from ms_llm.compat.environment import setting
+    if not setting("runtime.sync_ops"):
+        print("note: runtime.sync_ops false: the executor's timed mode synchronises only the tensors it "
               "sends, so p2p waits land in the next F/B span and the bubbles below read low")
     sys.path.insert(0, ROOT)
     ms_all = sorted(set(args.m) | set(args.m_interleaved))

@@ -12,31 +12,22 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
-         "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
-         "--model.kv_channels", "16", "--data.seq_length", "32",
-         "--training.micro_batch_size", "4", "--training.global_batch_size", "8",
-         "--training.log_interval", "1", "--training.jit", "false",
-         "--training.progress_bar", "false", "--training.lr_warmup_steps", "2",
-         "--checkpoint.save_interval", "2"]
+from bench_util import ROOT, TINY_MODEL, free_port, machine
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SMALL = TINY_MODEL + ["--training.micro_batch_size", "4", "--training.global_batch_size", "8",
+                      "--training.log_interval", "1", "--training.jit", "false",
+                      "--training.progress_bar", "false", "--training.lr_warmup_steps", "2",
+                      "--checkpoint.save_interval", "2"]
 
 
 def run(tmp: str, name: str, nproc: int, steps: int, fault: bool, node_timeout: str) -> dict:
     d = os.path.join(tmp, name)
-    env = dict(os.environ, MASTER_PORT=str(_port()), LOG_DIR=os.path.join(d, "logs"),
+    env = dict(os.environ, MASTER_PORT=str(free_port()), LOG_DIR=os.path.join(d, "logs"),
                NPROC=str(nproc), CLUSTER_TIME_OUT="120")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     for k in ("MS_LLM_FAULT_INJECT", "MAX_RESTARTS", "MS_NODE_TIMEOUT", "MS_LLM_NAN_INJECT"):
@@ -76,8 +67,7 @@ def main() -> None:
         for nt in a.node_timeouts.split(","):
             rows.append(("kill rank 1 in step 4", nt or "default",
                          run(tmp, f"fault{nt}", a.nproc, a.steps, True, nt)))
-    print(f"\n{a.nproc} workers, {a.steps} steps, checkpoint every 2 (load: "
-          f"{os.getloadavg()[0]:.1f})")
+    print(f"\n{a.nproc} workers, {a.steps} steps, checkpoint every 2 ({machine()})")
     print("| run | MS_NODE_TIMEOUT | exit | wall (s) | kill -> exit (s) | relaunch (s) | "
           "overhead (s) |")
     print("|---|---|---|---|---|---|---|")

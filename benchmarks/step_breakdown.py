@@ -55,7 +55,7 @@ def main() -> None:
     setup_device("CPU")
     import mindspore as ms
     from mindspore import Parameter, Tensor
-    from ms_llm.ops._dispatch import resolve_paths
+    from ms_llm.ops import resolve_paths
     from ms_llm.ops.attention import causal_attention
     from ms_llm.ops.cross_entropy import cross_entropy
     from ms_llm.ops.linear import linear
@@ -63,7 +63,7 @@ def main() -> None:
     from ms_llm.ops.rope import apply_rope, rope_cos_sin
     from ms_llm.ops.swiglu import swiglu
     from ms_llm.training import grad as gradlib
-    from ms_llm.training.optimizer import AdamW
+    from ms_llm.optim import AdamW
     resolve_paths()
     rng = np.random.default_rng(0)
 

@@ -1,5 +1,5 @@
-"""``ms-llm`` console entry: ``train``, ``plot``, ``convert``, ``export``, ``preprocess``,
-``generate``, ``chat``, ``evaluate``, ``lm-eval``..."""
+"""``ms-llm`` console entry: ``train``, ``plot``, ``convert``, ``export``, ``checkpoint``,
+``preprocess``, ``generate``, ``chat``, ``evaluate``, ``lm-eval``..."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,7 @@ COMMANDS = {
     "plot": "draw loss.png from a run's metrics.jsonl",
     "convert": "convert weights between Hugging Face and Megatron layouts",
     "export": "export a training checkpoint to Hugging Face or Megatron",
+    "checkpoint": "verify training checkpoints (ms-llm checkpoint verify DIR: sizes and crc32)",
     "preprocess": "tokenize text into Megatron indexed datasets",
     "generate": "generate text from a prompt (HF, Megatron or training checkpoint)",
     "chat": "chat on stdin with the tokenizer's chat template",
@@ -65,8 +66,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return convert_main(rest)
     if command == "export":
         return export_main(rest)
+    if command == "checkpoint":
+        from ms_llm.checkpoint.verify import main as checkpoint_main
+        return checkpoint_main(rest)
     if command == "schedule":
-        from ms_llm.parallel.pipeline.show import main as schedule_main
+        from ms_llm.training.schedule_cli import main as schedule_main
         return schedule_main(rest)
     if command == "plan":
         from ms_llm.training.memory_plan_cli import main as plan_main
@@ -78,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ms_llm.evaluation.cli import main as evaluate_main
         return evaluate_main(rest)
     if command == "lm-eval":
-        from ms_llm.evaluation.lm_eval_backend import lm_eval_main
+        from ms_llm.evaluation.lm_eval_cli import lm_eval_main
         return lm_eval_main(rest)
     if command in ("generate", "chat"):
         from ms_llm import inference_cli   # outside the package: its __init__ imports MindSpore
@@ -123,7 +127,7 @@ def export_main(argv: List[str]) -> int:
             if latest is None:
                 raise dcp.DCPError(f"{path}: no complete checkpoint found")
             path = latest
-        from ms_llm.lora import export as lora_export
+        from ms_llm.checkpoint import lora_export
         if lora_export.is_lora_checkpoint(path):
             out = lora_export.export_peft(path, args.out_dir) if args.lora_only else \
                 lora_export.export_merged(path, args.out_dir, fmt=args.format, dtype=args.dtype,

@@ -14,6 +14,7 @@ import yaml
 from ms_llm.config_rules import ConfigError, check_value
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models.families import family_defaults
+from ms_llm.validation import size_bound_problem, yaml_load_unique
 
 COMMAND_LINE = "command line"
 MODEL_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -59,6 +60,9 @@ def _checked(value: Any, tp: Any, key: str, source: str) -> Any:
     """Type, then value: the one gate every explicitly set key passes through."""
     value = _coerce(value, tp, key, source)
     check_value(key, value, source)
+    too_big = size_bound_problem(key, value)   # before anything is sized by it
+    if too_big:
+        raise ConfigError(f"{source}: {too_big}")
     return value
 
 
@@ -71,7 +75,7 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError(f"{path}: config file not found")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml_load_unique(f) or {}   # a key or section given twice is refused
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):

@@ -31,7 +31,11 @@ def _common(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
 
 
 def sampling_args(args: argparse.Namespace) -> dict:
-    """generate()'s sampling keywords from the flags (see the module docstring)."""
+    """generate()'s sampling keywords from the flags (see the module docstring), after the
+    flags' ranges are checked (``ms_llm.validation.check_generation_flags``)."""
+    from ms_llm.validation import check_generation_flags
+    check_generation_flags(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                           args.max_context, args.seed)
     sample = ((args.temperature is not None and args.temperature > 0)
               or (args.top_k or 0) > 0 or (args.top_p is not None and args.top_p < 1.0))
     if args.temperature == 0:
@@ -69,6 +73,12 @@ def generate_main(argv: List[str], out: Optional[TextIO] = None) -> int:
             raise ValueError(f"the prompt is {len(ids)} tokens, longer than the model's "
                              f"context of {context} tokens")
         budget = min(args.max_new_tokens, context - len(ids))
+        if budget < args.max_new_tokens:   # said, not silently shortened
+            if budget < 1:
+                raise ValueError(f"the prompt is {len(ids)} tokens and fills the model's "
+                                 f"context of {context} tokens: no room to generate")
+            print(f"ms-llm generate: --max-new-tokens {args.max_new_tokens} capped at {budget} "
+                  f"(prompt {len(ids)} tokens, context {context})", file=sys.stderr)
         streamer = TextStreamer(tokenizer, skip_token_ids=eos, out=out) if args.stream else None
         result = generate(model, [ids], budget, eos_token_id=eos, seed=args.seed,
                           streamer=streamer, vocab_size=tokenizer.vocab_size, **sampling)
@@ -102,7 +112,8 @@ def chat_main(argv: List[str], stdin: Optional[TextIO] = None,
         session = ChatSession(model, tokenizer, eos, context, system=args.system,
                               max_new_tokens=args.max_new_tokens,
                               sampling=dict(sampling, vocab_size=tokenizer.vocab_size),
-                              seed=args.seed)
+                              seed=args.seed,
+                              say=lambda m: print(f"ms-llm chat: {m}", file=sys.stderr))
     except (ValueError, FileNotFoundError) as e:
         print(f"ms-llm chat: {e}", file=sys.stderr)
         return 2

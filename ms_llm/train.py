@@ -43,23 +43,30 @@ def split_args(argv: List[str]):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from ms_llm.checkpoint.dcp_format import DCPError
     from ms_llm.config import ConfigError, load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if wants_help(argv):
         print_help()
         return 0
-    logging.basicConfig(level=os.environ.get("MS_LLM_LOG_LEVEL", "WARNING"),
+    from ms_llm.compat.environment import setting, variable
+    logging.basicConfig(level=str(setting("runtime.log_level")).upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     path, overrides = split_args(argv)
     if path is None:
-        path = os.environ.get("MS_LLM_CONFIG", DEFAULT_CONFIG)
+        path = variable("MS_LLM_CONFIG") or DEFAULT_CONFIG
     try:
         cfg = load_config(path, overrides)
+        if "runtime.log_level" in cfg.sources:
+            logging.getLogger().setLevel(cfg.runtime.log_level.upper())
         from ms_llm.training.trainer import run
         run(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except DCPError as e:   # a checkpoint that cannot be resumed from or written beside
+        print(f"checkpoint error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 2
     except FloatingPointError as e:   # training.nan_policy (ms_llm.training.nonfinite)
         print(f"training stopped: {e}", file=sys.stderr, flush=True)

@@ -90,21 +90,13 @@ export GLOG_v="${GLOG_v:-3}"             # MindSpore C++ logs: errors only
 export PYTHONUNBUFFERED=1
 mkdir -p "$LOG_DIR"
 
-msrun_args() {   # PORT LOG_DIR -> the msrun command in MSRUN
-  MSRUN=(msrun --worker_num "$WORLD_SIZE" --local_worker_num "$NPUS_PER_NODE"
-         --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$1"
-         --log_dir "$2" --join True --cluster_time_out "$CLUSTER_TIME_OUT" "$ENTRY" "$CONFIG")
-}
+# The msrun command is built by ms_llm.launch; the supervisor (ms_llm/training/restart.py) runs
+# it once, and with MAX_RESTARTS > 0 relaunches it on a new port and log folder after a failure.
 set +e
-if (( MAX_RESTARTS > 0 )); then
-  # the relaunch loop (ms_llm/training/restart.py) fills in each attempt's port and log folder
-  msrun_args @PORT@ @LOG_DIR@
-  "$PY" -m ms_llm.training.restart --max-restarts "$MAX_RESTARTS" --save-dir "$SAVE_DIR" \
-        --master-port "$MASTER_PORT" --log-dir "$LOG_DIR" -- "${MSRUN[@]}" "$@"
-else
-  msrun_args "$MASTER_PORT" "$LOG_DIR"
-  "${MSRUN[@]}" "$@"
-fi
+"$PY" -m ms_llm.training.restart --max-restarts "$MAX_RESTARTS" --save-dir "$SAVE_DIR" \
+      --master-port "$MASTER_PORT" --log-dir "$LOG_DIR" --worker-num "$WORLD_SIZE" \
+      --local-worker-num "$NPUS_PER_NODE" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" \
+      --cluster-time-out "$CLUSTER_TIME_OUT" -- "$ENTRY" "$CONFIG" "$@"
 rc=$?
 set -e
 if [[ $rc -ne 0 ]]; then

@@ -1,11 +1,10 @@
 """``--help`` through the installed ``ms-llm`` entry point: every command prints its usage and exits
 0, and ``train --help`` lists every config key of the schema with its default."""
 import dataclasses
-import os
 import subprocess
-import sys
 
 import pytest
+from cli_util import run_ms_llm
 
 from ms_llm.cli import COMMANDS
 from ms_llm.config import _SECTIONS
@@ -13,9 +12,7 @@ from ms_llm.models import TransformerConfig
 
 
 def ms_llm(*args: str) -> subprocess.CompletedProcess:
-    exe = os.path.join(os.path.dirname(sys.executable), "ms-llm")
-    assert os.path.isfile(exe), "the ms-llm entry point is missing: pip install -e ."
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+    return run_ms_llm(*args, timeout=120)
 
 
 def test_top_level_help_lists_the_commands():
@@ -62,7 +59,7 @@ def test_train_help_lists_every_section_key_and_default():
             assert f.name in rows, f"{section}.{f.name} missing from train --help"
             assert _default(f) in rows[f.name], (section, f.name, rows[f.name])
         assert set(rows) - {"family"} == {f.name for f in dataclasses.fields(cls)}
-    assert "[> 0]" in r.stdout and "[one of cosine, linear, constant]" in r.stdout
+    assert "[> 0]" in r.stdout and "[one of cosine, linear, constant, inverse-square-root, WSD]" in r.stdout
 
 
 def test_train_help_wins_over_other_arguments():

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_util import ms_llm_exe
 
 from ms_llm.config import ConfigError, load_config, parse_overrides
 from ms_llm.models import GPTModel, TransformerConfig
@@ -247,9 +248,7 @@ def test_model_section_is_the_transformer_config():
 
 
 def ms_llm_command():
-    exe = os.path.join(os.path.dirname(sys.executable), "ms-llm")
-    assert os.path.isfile(exe), "the ms-llm entry point is missing: pip install -e ."
-    return exe
+    return ms_llm_exe()
 
 
 @pytest.mark.parametrize("override,key", [(["--training.lr", "-1"], "training.lr"),

@@ -25,7 +25,7 @@ inputs), and the attention forward really runs again in backward.
 import numpy as np
 import pytest
 
-from msrun_util import run_worker_job
+from msrun_util import run_spec as spec, run_worker_job
 from parallel_common import BASE, CONFIG, PackedLoader, run_record
 
 from ms_llm.config import load_config
@@ -57,14 +57,6 @@ FSDP4 = ["--parallel.fsdp_size", "4"]
 
 def cp(n, algo="megatron_cp_algo"):
     return ["--parallel.context_parallel_size", str(n), "--parallel.context_parallel_algo", algo]
-
-
-def spec(name, *arg_lists, flags=()):
-    args = [a for lst in arg_lists for a in lst]
-    # "|" stands for a value's comma (train_parallel.py), e.g. data.split 90,10,0
-    return name + ":" + ",".join([f"{a}={b.replace(',', '|')}"
-                                  for a, b in zip(args[::2], args[1::2])] +
-                                 list(flags))
 
 
 def single(extra, out, packed=False):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import zipfile
 
 import pytest
 
+from cli_util import run_ms_llm
 from hf_fixtures import make_hf_checkpoint
 from ms_llm.checkpoint.convert import main as convert_main
 
@@ -106,11 +105,8 @@ def test_output_must_be_new_and_cli_exit_code(tmp_path, ckpts):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    proc = subprocess.run(
-        [sys.executable, "-m", "ms_llm.cli", "convert", *TO_HF, "--load-dir",
-         str(ckpts / "q3_mg"), "--save-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": ROOT, "GLOG_v": "3"})
+    proc = run_ms_llm("convert", *TO_HF, "--load-dir", ckpts / "q3_mg", "--save-dir", out,
+                      cwd=ROOT, timeout=300, env={"PYTHONPATH": ROOT})
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == \
         f"ms-llm convert: --save-dir {out}: exists and is not empty"

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from mindspore import Tensor
 
+from cli_util import run_ms_llm
 from hf_fixtures import make_hf_checkpoint
 from ms_llm.checkpoint.convert import main as convert_main
 from ms_llm.checkpoint.hf_io import read_hf_weights
@@ -70,13 +69,11 @@ def test_hf_cfg_dir_keeps_the_hf_config_and_copies_tokenizer_files(folders, tmp_
     """Through the real ``ms-llm convert`` entry point, with the flags MindSpeed's example
     scripts pass."""
     out = tmp_path / "hf_out"
-    exe = os.path.join(os.path.dirname(sys.executable), "ms-llm")
-    r = subprocess.run([exe, "convert", *TO_HF, "--load-dir", str(folders / "mg"), "--save-dir",
-                        str(out), "--hf-cfg-dir", str(folders / "hf"), "--model-type-hf", "qwen3",
-                        "--use-mcore-models", "--model-type", "GPT", "--save-layer-by-layer",
-                        "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size",
-                        "1"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "GLOG_v": "3"})
+    r = run_ms_llm("convert", *TO_HF, "--load-dir", str(folders / "mg"), "--save-dir", str(out),
+                   "--hf-cfg-dir", str(folders / "hf"), "--model-type-hf", "qwen3",
+                   "--use-mcore-models", "--model-type", "GPT", "--save-layer-by-layer",
+                   "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1",
+                   timeout=300)
     assert r.returncode == 0, r.stderr
     src = folders / "hf"
     assert json.loads((out / "config.json").read_text()) == \
@@ -148,3 +145,47 @@ def test_accepted_mindspeed_flags_with_their_default_meaning(folders, tmp_path):
     assert convert_main(TO_HF + ["--load-dir", str(folders / "mg"), "--save-dir",
                                  str(tmp_path / "o"), "--num-layers", "2", "--mtp-num-layers",
                                  "0", "--transformer-impl", "local", "--use-mcore-models"]) == 0
+
+
+@pytest.fixture(scope="module")
+def bare(folders, tmp_path_factory):
+    """The tp=2 Megatron folder saved with ``args`` None (a bare training checkpoint, as
+    Megatron-Core writes one without --ckpt-convert-save args): only tensors describe it."""
+    import shutil
+    import torch
+    out = tmp_path_factory.mktemp("bare") / "mg"
+    shutil.copytree(folders / "mg", out)
+    for root, _, files in os.walk(out):
+        for f in files:
+            if f == "model_optim_rng.pt":
+                p = os.path.join(root, f)
+                obj = torch.load(p, weights_only=False)
+                obj["args"] = None
+                torch.save(obj, p)
+    return out
+
+
+def test_a_folder_without_args_converts_with_hf_cfg_dir(folders, bare, tmp_path, capsys):
+    fails(capsys, tmp_path, TO_HF + ["--load-dir", bare], "no args in it to rebuild one from; "
+          "pass --hf-cfg-dir ORIGINAL_HF")
+    out = tmp_path / "hf_out"
+    assert convert_main(TO_HF + ["--load-dir", str(bare), "--save-dir", str(out),
+                                 "--hf-cfg-dir", str(folders / "hf")]) == 0
+    want, got = read_hf_weights(str(folders / "hf")), read_hf_weights(str(out))
+    assert sorted(want) == sorted(got) and all(np.array_equal(want[k], got[k]) for k in want)
+    assert json.loads((out / "config.json").read_text()) == \
+        json.loads((folders / "hf" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(layers=3), "num_hidden_layers is 3 but the Megatron checkpoint"),
+    (dict(ffn=128), "decoder.layers.0.mlp.linear_fc1.weight would be (128, 64) per tensor-"
+                    "parallel rank"),
+    (dict(kv_heads=4), "decoder.layers.0.self_attention.linear_qkv.weight would be (96, 64)"),
+])
+def test_a_template_of_another_model_is_one_line_without_args(bare, tmp_path, capsys, kw,
+                                                               expected):
+    other = tmp_path / "other"
+    arch = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=100)
+    make_hf_checkpoint(other, "qwen3", **{**arch, **kw})
+    fails(capsys, tmp_path, TO_HF + ["--load-dir", bare, "--hf-cfg-dir", other], expected)

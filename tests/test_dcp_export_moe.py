@@ -13,9 +13,10 @@ Independent references written here, not taken from the code under test:
   parameters (``linear_fc1 = [gate; up]``; grouped ``weight1`` ``[H, E*2F]`` whose memory
   viewed ``[E, H, 2F]`` holds ``fc1_e.T``, ``weight2`` ``[E*F, H]`` viewed ``[E, F, H]`` holds
   ``fc2_e.T``) -- compared bit for bit;
-* a float64 NumPy forward of HF's Qwen3-MoE (``Qwen3MoeSparseMoeBlock``: softmax over all
-  experts, top-k, renormalised iff ``norm_topk_prob``; layer i sparse iff i not in
-  ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``) on the exported files.
+* a float64 NumPy forward of HF's Qwen3-MoE (tests/moe_reference.py:
+  ``Qwen3MoeSparseMoeBlock``: softmax over all experts, top-k, renormalised iff
+  ``norm_topk_prob``; layer i sparse iff i not in ``mlp_only_layers`` and
+  ``(i + 1) % decoder_sparse_step == 0``) on the exported files.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import os
 import numpy as np
 import pytest
 
-import hf_reference as ref
+import moe_reference
+from cli_util import run_ms_llm
 from ms_llm.checkpoint import dcp
 from ms_llm.checkpoint.dcp import DCPError
 from ms_llm.checkpoint.dcp_export import hf_config_from_transformer_config
@@ -74,7 +76,7 @@ def _save(model, cfg, save_dir, step=1):
     from ms_llm.parallel.state import initialize_model_parallel
     describe_layouts(model)
     from ms_llm.training import checkpointing as ckpt
-    from ms_llm.training.optimizer import AdamW
+    from ms_llm.optim import AdamW
     named = list(model.named_parameters())
     opt = AdamW([(n, p) for n, p in named if p.requires_grad])
     return ckpt.save(save_dir, step, named, opt, initialize_model_parallel(),
@@ -133,56 +135,10 @@ def _expert_weights(sd, cfg, i, j):
 
 
 def qwen3_moe_forward(W, cfg, ids):
-    """Float64 HF Qwen3-MoE forward: ``(logits [b, s, V], routes per sparse layer [T, k])``."""
-    W = {k: np.asarray(v, np.float64) for k, v in W.items()}
-    b, s = ids.shape
-    nh, ng, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    eps, k = cfg["rms_norm_eps"], cfg["num_experts_per_tok"]
-    rms = lambda x, w: ref._rms_fwd(x, w, eps)[0]  # noqa: E731
-    cos, sin = ref._rope_tables(s, d, cfg["rope_theta"])
-    future = np.triu(np.ones((s, s), bool), 1)
-    x = W["model.embed_tokens.weight"][ids]
-    routes = []
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        h = rms(x, W[p + "input_layernorm.weight"])
-        q = rms((h @ W[p + "self_attn.q_proj.weight"].T).reshape(b, s, nh, d),
-                W[p + "self_attn.q_norm.weight"])
-        kk = rms((h @ W[p + "self_attn.k_proj.weight"].T).reshape(b, s, ng, d),
-                 W[p + "self_attn.k_norm.weight"])
-        v = (h @ W[p + "self_attn.v_proj.weight"].T).reshape(b, s, ng, d)
-        q, kk = ref._rope_fwd(q, cos, sin), ref._rope_fwd(kk, cos, sin)
-        qh = q.transpose(0, 2, 1, 3)
-        kh = np.repeat(kk.transpose(0, 2, 1, 3), nh // ng, axis=1)
-        vh = np.repeat(v.transpose(0, 2, 1, 3), nh // ng, axis=1)
-        sc = np.where(future, -np.inf, qh @ kh.transpose(0, 1, 3, 2) / np.sqrt(d))
-        pr = np.exp(sc - sc.max(-1, keepdims=True))
-        pr /= pr.sum(-1, keepdims=True)
-        x = x + (pr @ vh).transpose(0, 2, 1, 3).reshape(b, s, nh * d) @ \
-            W[p + "self_attn.o_proj.weight"].T
-        h2 = rms(x, W[p + "post_attention_layernorm.weight"]).reshape(b * s, -1)
-        mlp = lambda t, pre: (ref._silu(t @ W[pre + "gate_proj.weight"].T)  # noqa: E731
-                              * (t @ W[pre + "up_proj.weight"].T)) @ W[pre + "down_proj.weight"].T
-        sparse = i not in (cfg.get("mlp_only_layers") or []) and \
-            (i + 1) % cfg.get("decoder_sparse_step", 1) == 0
-        if sparse:
-            logit = h2 @ W[p + "mlp.gate.weight"].T
-            prob = np.exp(logit - logit.max(-1, keepdims=True))
-            prob /= prob.sum(-1, keepdims=True)
-            top = np.argsort(-prob, axis=-1, kind="stable")[:, :k]
-            wts = np.take_along_axis(prob, top, -1)
-            if cfg["norm_topk_prob"]:
-                wts = wts / wts.sum(-1, keepdims=True)
-            y = np.zeros_like(h2)
-            for t in range(b * s):
-                for slot in range(k):
-                    y[t] += wts[t, slot] * mlp(h2[t:t + 1], f"{p}mlp.experts.{top[t, slot]}.")[0]
-            routes.append(top)
-        else:
-            y = mlp(h2, p + "mlp.")
-        x = x + y.reshape(b, s, -1)
-    lm = W["model.embed_tokens.weight" if cfg["tie_word_embeddings"] else "lm_head.weight"]
-    return rms(x, W["model.norm.weight"]) @ lm.T, routes
+    """Float64 HF Qwen3-MoE forward (tests/moe_reference.py): ``(logits [b, s, V], routes per
+    sparse layer [T, k])``."""
+    logits, routing = moe_reference.qwen3_moe_forward(W, cfg, ids)
+    return logits, [routing[i][1] for i in sorted(routing)]
 
 
 def _same_routes(got, want, what):
@@ -310,8 +266,6 @@ def test_cli_export_newest_checkpoint(tmp_path):
     """``ms-llm export SAVE_DIR OUT`` picks the newest complete checkpoint and writes a folder
     ``from_pretrained`` reproduces the model from (same logits: both fp32, same kernels);
     bad input is one line on stderr and exit code 2."""
-    import subprocess
-    import sys
     from ms_llm.cli import main as cli_main
     from ms_llm.checkpoint import from_pretrained
     cfg, model, _ = _build(CASES["grouped"], seed=7)
@@ -331,7 +285,6 @@ def test_cli_export_newest_checkpoint(tmp_path):
         _same_routes(got_routes, routes, fmt)
     assert os.path.isfile(tmp_path / "megatron" / "iter_0000001" / "mp_rank_01_001" /
                           "model_optim_rng.pt")
-    r = subprocess.run([sys.executable, "-m", "ms_llm.cli", "export", str(tmp_path / "none"),
-                        str(tmp_path / "x")], capture_output=True, text=True)
+    r = run_ms_llm("export", tmp_path / "none", tmp_path / "x")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
     assert "no complete checkpoint" in r.stderr

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from deepseek_parallel_common import DENSE_MLA, DS_BASE, DS_CONFIG
-from msrun_util import run_worker_job
+from msrun_util import run_spec, run_worker_job
 from parallel_common import run_record
 
 from ms_llm.config import load_config
@@ -29,9 +29,7 @@ MTP = ["--model.mtp_num_layers", "1"]
 
 
 def spec(name, *args):
-    flat = [a for lst in args for a in lst]
-    return name + ":" + ",".join([f"{a}={b}" for a, b in zip(flat[::2], flat[1::2])]
-                                 + ["@deepseek"])
+    return run_spec(name, *args, flags=["@deepseek"])
 
 
 @pytest.mark.msrun
@@ -50,7 +48,7 @@ def test_proxy_ep2_megamoe_fsdp2_tp2_match_one_process(tmp_path):
         spec("tp2_sp", DENSE_MLA, MTP, ["--parallel.tensor_model_parallel_size", "2",
                                         "--parallel.sequence_parallel", "true"]),
         spec("pp2_mtp", MTP, ["--parallel.pipeline_model_parallel_size", "2",
-                              "--parallel.num_layer_list", "1|2"]),   # "|": the list's comma
+                              "--parallel.num_layer_list", "1,2"]),
     ], timeout=900)
     for name, ref in (("ep2", ref_moe), ("ep2_megamoe", ref_moe), ("fsdp2_mtp", ref_mtp),
                       ("tp2", ref_dense), ("pp2_mtp", ref_mtp), ("dp2_mtp", ref_mtp),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mindspore import Parameter, Tensor
 
-from msrun_util import run_worker_job
+from msrun_util import run_spec as spec, run_worker_job
 from parallel_common import BASE, CONFIG, MOE, run_record
 
 from ms_llm.config import ConfigError, load_config
@@ -183,11 +183,6 @@ def reference():
     return {"moments": dense.optimizer.state_bytes()["exp_avg+exp_avg_sq"],
             "dense": run_record(dense),
             "moe": run_record(Trainer(load_config(CONFIG, BASE + MOE + GROUPED + STEPS)))}
-
-
-def spec(name, *arg_lists):
-    args = [a for lst in arg_lists for a in lst]
-    return name + ":" + ",".join(f"{a}={b}" for a, b in zip(args[::2], args[1::2]))
 
 
 def _match(run, ref, name, steps=slice(None)):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from finetune_fixtures import make_hf_folder, pairwise_rows, preprocess, write_jsonl
-from msrun_util import run_worker_job
+from msrun_util import run_spec as spec, run_worker_job
 from parallel_common import BASE, CONFIG, run_record
 
 from ms_llm.config import load_config
@@ -29,11 +29,6 @@ def dpo_args(root) -> list:
             "--training.stage", "dpo", "--data.split", "80,20,0", "--training.eval_interval",
             "2", "--training.eval_iters", "1", "--training.max_steps", "5",
             "--training.output_dir", str(root / "out")]
-
-
-def spec(name, args):
-    # "|" stands for a value's comma in a run spec (train_parallel.py)
-    return name + ":" + ",".join(f"{a}={b.replace(',', '|')}" for a, b in zip(args[::2], args[1::2]))
 
 
 @pytest.mark.msrun

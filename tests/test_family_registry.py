@@ -10,6 +10,8 @@ is compared bit for bit.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -109,6 +111,10 @@ def test_names_translations_and_export_guess_agree(name):
     spec_l = L.spec_from_hf_config(_tiny(spec), spec.convert_name, "tiny")
     assert spec_l.layer_kinds == spec.kinds(cfg) and all(k in L.LAYER_KINDS
                                                           for k in spec_l.layer_kinds)
+    if spec.qualify is not None:                                  # ms-llm qualify's row
+        from ms_llm.qualify.matrix import CONFIGS, FAMILIES as ROWS
+        assert ROWS[spec.qualify.name].hf_type == spec.convert_name
+        assert os.path.isfile(os.path.join(CONFIGS, spec.qualify.config))
     # the family's defaults are a valid architecture switch set
     sizes = dict(num_moe_experts=4) if spec.is_moe else {}
     TransformerConfig(**dict(spec.defaults, **sizes))

@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from msrun_util import run_worker_job
+from msrun_util import run_spec, run_worker_job
 from parallel_common import AWKWARD, CONFIG, SyntheticLoader, small_data_overrides
 
 import ml_dtypes
@@ -65,28 +65,29 @@ def run_job(tmp_path, nproc, specs):
 
 
 def job_specs(nproc: int, ckpt_dir: str) -> list:
-    """The runs of the ``nproc``-worker msrun job (``name:override,override...``)."""
+    """The runs of the ``nproc``-worker msrun job (``msrun_util.run_spec`` strings)."""
     mbs = 12 // nproc   # global batch 12 = micro-batch x ranks (same samples as the reference)
-    common = f"--parallel.fsdp_size={nproc},--training.micro_batch_size={mbs}"
-    specs = [f"fsdp{nproc}:{common}"]
-    sched = "--training.lr_decay_steps=6"
+    common = ["--parallel.fsdp_size", str(nproc), "--training.micro_batch_size", str(mbs)]
+    specs = [run_spec(f"fsdp{nproc}", common)]
+    sched = ["--training.lr_decay_steps", "6"]
+    save = ["--checkpoint.save_dir", ckpt_dir]
     if nproc == 3:
-        specs.append(f"fsdp{nproc}_keep:{common},--parallel.reshard_after_forward=false,"
-                     f"--training.micro_batch_size=2")
-        specs.append(f"save3:{common},--training.max_steps=3,{sched},"
-                     f"--checkpoint.save_dir={ckpt_dir}")
+        specs.append(run_spec(f"fsdp{nproc}_keep", common, [
+            "--parallel.reshard_after_forward", "false", "--training.micro_batch_size", "2"]))
+        specs.append(run_spec("save3", common, ["--training.max_steps", "3"], sched, save))
     if nproc == 2:
-        specs.append(f"resume2:{common},--training.max_steps=6,{sched},"
-                     f"--checkpoint.save_dir={ckpt_dir},--training.resume=auto")
+        specs.append(run_spec("resume2", common, ["--training.max_steps", "6"], sched, save,
+                              ["--training.resume", "auto"]))
         specs.append("unit_reduce:")
-        specs.append(f"bf16_reduce:{common},--parallel.fsdp_reduce_dtype=bf16")
-        specs.append(f"bf16_param:{common},--parallel.fsdp_param_dtype=bf16")
-        specs.append(f"mxfp8:{common}," + ",".join(f"{a}={b}" for a, b in zip(MX[::2], MX[1::2])))
-        specs.append(f"recompute2:{common},--training.recompute_granularity=full,"
-                     f"--training.recompute_method=uniform")
+        specs.append(run_spec("bf16_reduce", common, ["--parallel.fsdp_reduce_dtype", "bf16"]))
+        specs.append(run_spec("bf16_param", common, ["--parallel.fsdp_param_dtype", "bf16"]))
+        specs.append(run_spec("mxfp8", common, MX))
+        specs.append(run_spec("recompute2", common, ["--training.recompute_granularity", "full",
+                                                      "--training.recompute_method", "uniform"]))
     if nproc == 4:   # tensor parallel 2 x FSDP 2: global batch 12 = 6 x 2 data-parallel ranks
-        specs.append("tp2_fsdp2:--parallel.tensor_model_parallel_size=2,--parallel.fsdp_size=2,"
-                     "--training.micro_batch_size=6," + "=".join(V258))
+        specs.append(run_spec("tp2_fsdp2", ["--parallel.tensor_model_parallel_size", "2",
+                                            "--parallel.fsdp_size", "2",
+                                            "--training.micro_batch_size", "6"], V258))
     return specs
 
 
@@ -250,7 +251,7 @@ def test_reshard_frees_storage_and_gradients_match_unsharded():
     import mindspore as ms
     from mindspore import Tensor
     from ms_llm.compat import manual_seed
-    from ms_llm.compat._private import storage_nbytes
+    from ms_llm.compat.private_api import storage_nbytes
     from ms_llm.models import GPTModel, TransformerConfig
     from ms_llm.parallel import comm
     from ms_llm.parallel.fsdp import fully_shard

@@ -15,11 +15,11 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 import hf_fixtures
+from cli_util import run_ms_llm
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -30,9 +30,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Streams of tokens become t
 
 
 def ms_llm(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    exe = os.path.join(os.path.dirname(sys.executable), "ms-llm")
-    return subprocess.run([exe, *args], input=stdin, capture_output=True, text=True,
-                          timeout=300)
+    return run_ms_llm(*args, stdin=stdin, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +125,7 @@ def test_training_checkpoint_loads_directly(folder, tmp_path):
     from ms_llm.parallel.parallelize import describe_layouts
     from ms_llm.parallel.state import initialize_model_parallel
     from ms_llm.training import checkpointing as ckpt
-    from ms_llm.training.optimizer import AdamW
+    from ms_llm.optim import AdamW
     model = from_pretrained(folder)
     describe_layouts(model)
     named = list(model.named_parameters())

@@ -7,22 +7,19 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
+from cli_util import run_ms_llm
+from parallel_common import TINY_MODEL
+
+from ms_llm import launch as ms_launch
+from ms_llm.launch import free_port, msrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
-         "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
-         "--model.kv_channels", "16", "--data.seq_length", "32",
-         "--training.micro_batch_size", "4", "--training.global_batch_size", "8",
-         "--training.log_interval", "1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SMALL = TINY_MODEL + ["--training.micro_batch_size", "4", "--training.global_batch_size", "8",
+                      "--training.log_interval", "1"]
 
 
 def launch_env(tmp_path, **extra) -> dict:
@@ -53,8 +50,7 @@ def test_pretrain_sh_trains_and_plots(tmp_path):
     # MFU columns (ms_llm.training.flops; the peak from training.peak_tflops or the CPU probe)
     assert "| MFU: " in r.stdout and all(row["mfu"] > 0 and row["tflops_per_device"] > 0
                                          and row["peak_tflops"] > 0 for row in rows)
-    p = subprocess.run([sys.executable, "-m", "ms_llm.cli", "plot", str(out)],
-                       capture_output=True, text=True, timeout=120)
+    p = run_ms_llm("plot", out, timeout=120)
     assert p.returncode == 0 and os.path.isfile(out / "loss.png")
 
 
@@ -165,3 +161,70 @@ def test_two_nodes_train_like_one_two_worker_launch(tmp_path):
     single, nodes = losses(tmp_path / "out_single"), losses(tmp_path / "out_node0")
     assert len(single) == 3
     np.testing.assert_allclose(nodes, single, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ ms_llm.launch itself
+def test_msrun_command_single_and_multi_node():
+    one = msrun_command("w.py", ["a", 3], worker_num=2, master_port=9000, log_dir="L")
+    assert one == ["msrun", "--worker_num", "2", "--local_worker_num", "2", "--master_port",
+                   "9000", "--log_dir", "L", "--join", "True", "--cluster_time_out", "120",
+                   "w.py", "a", "3"]
+    two = msrun_command("w.py", worker_num=4, local_worker_num=2, node_rank=1,
+                        master_addr="10.0.0.1", master_port="@PORT@", log_dir="@LOG_DIR@",
+                        cluster_time_out=30)
+    assert two[:10] == ["msrun", "--worker_num", "4", "--local_worker_num", "2", "--node_rank",
+                        "1", "--master_addr", "10.0.0.1", "--master_port"]
+    env = ms_launch.launch_env({"PYTHONPATH": f"/x{os.pathsep}{ms_launch.ROOT}", "PATH": "/bin"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [ms_launch.ROOT, "/x"]
+    assert env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+    assert env["GLOG_v"] == "3" and env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_pretrain_sh_supervisor_builds_the_msrun_command(monkeypatch):
+    """scripts/pretrain.sh hands its node settings to ms_llm.training.restart, which builds the
+    command with ms_llm.launch (placeholders filled per attempt)."""
+    from ms_llm.training import restart
+    seen = {}
+    monkeypatch.setattr(restart, "run_with_restarts",
+                        lambda t, n, s, p, d: seen.update(t=t, n=n, p=p, d=d) or 0)
+    assert restart.main(["--max-restarts", "0", "--save-dir", "", "--master-port", "8118",
+                         "--log-dir", "D", "--worker-num", "4", "--local-worker-num", "2",
+                         "--node-rank", "1", "--master-addr", "10.0.0.1",
+                         "--cluster-time-out", "60", "--", "train.py", "c.yaml", "--x.y", "1"]) == 0
+    assert seen["t"] == msrun_command("train.py", ["c.yaml", "--x.y", "1"], worker_num=4,
+                                      local_worker_num=2, node_rank=1, master_addr="10.0.0.1",
+                                      master_port=restart.PORT, log_dir=restart.LOG_DIR,
+                                      cluster_time_out=60)
+    assert (seen["n"], seen["p"], seen["d"]) == (0, 8118, "D")
+    assert restart.launch_command(seen["t"], 1, 8118, "D")[9:12] == ["--master_port", "8119",
+                                                                     "--log_dir"]
+
+
+def test_a_timed_out_launch_is_killed_with_its_children(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    # the grandchild runs in a session of its own, as msrun's workers do
+    job = ms_launch.MsrunJob(["bash", "-c", f"setsid sleep 60 & echo $! > {pid_file}; echo hi; "
+                              "wait"], str(tmp_path), 1, output=str(tmp_path / "worker_0.log"))
+    res = job.wait(timeout=2)
+    assert res.returncode == ms_launch.TIMEOUT and not res.ok and res.logs == ["hi\n"]
+    child = int(pid_file.read_text())
+    for _ in range(50):   # the SIGKILLed grandchild disappears (or is a zombie being reaped)
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"pid {child} survived the time-out")
+    assert "worker_0.log" in res.failure_report() and "msrun exit timeout" in res.failure_report()
+
+
+def test_run_spec_round_trip():
+    from msrun_util import parse_run_spec, run_spec
+    s = run_spec("a", ["--data.split", "90,10,0"], ["--x.y", "1"], flags=["@dead", "packed"])
+    assert s == "a:--data.split=90|10|0,--x.y=1,@dead,@packed"
+    assert parse_run_spec(s) == ("a", ["--data.split=90,10,0", "--x.y=1"], ["@dead", "@packed"])
+    with pytest.raises(ValueError, match="run spec b"):
+        run_spec("b", ["--x.y"])

@@ -7,12 +7,11 @@ fp32), checked with ms-llm and with transformers' own Qwen3 model.
 """
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 from mindspore import Tensor
 
+from cli_util import run_ms_llm
 from hf_fixtures import make_hf_checkpoint
 from test_pretrained_run import write_tokenizer
 
@@ -22,7 +21,6 @@ from ms_llm.training.trainer import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")   # what `ms-llm train` uses with no file
-EXE = os.path.join(os.path.dirname(sys.executable), "ms-llm")
 SIZE = ["--data.seq_length", "16", "--training.micro_batch_size", "2",
         "--training.global_batch_size", "2", "--training.max_steps", "3",
         "--training.lr_warmup_steps", "1", "--training.lr", "0.01",
@@ -30,8 +28,7 @@ SIZE = ["--data.seq_length", "16", "--training.micro_batch_size", "2",
 
 
 def ms_llm(cwd, *args, timeout=600):
-    r = subprocess.run([EXE, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout,
-                       env={**os.environ, "GLOG_v": "3"})
+    r = run_ms_llm(*args, cwd=cwd, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
 

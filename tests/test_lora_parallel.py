@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hf_fixtures import make_hf_checkpoint
-from msrun_util import run_worker_job
+from msrun_util import run_spec as spec, run_worker_job
 from parallel_common import BASE, CONFIG, small_data_overrides
 
 from ms_llm.config import load_config
@@ -25,10 +25,6 @@ def lora_args(base_dir):
     # [gate_r; up_r]) and row-parallel proj / fc2 (A split like W's columns)
     return ["--checkpoint.load", str(base_dir), "--lora.r", "4", "--lora.alpha", "8",
             "--training.lr", "0.01"] + STEPS
-
-
-def spec(name, args):
-    return name + ":" + ",".join(f"{a}={b}" for a, b in zip(args[::2], args[1::2]))
 
 
 @pytest.mark.msrun

@@ -3,7 +3,8 @@
 * A tiny HF Qwen3-MoE checkpoint (8 experts, top-2, 3 layers with layer 1 dense through
   ``mlp_only_layers``) is written here with HF's key names and ``config.json`` fields. Its logits
   and per-layer router choices are compared with a float64 NumPy forward of HF's
-  ``Qwen3MoeForCausalLM`` written below from the HF modeling semantics (``Qwen3MoeSparseMoeBlock``:
+  ``Qwen3MoeForCausalLM`` (tests/moe_reference.py, from the HF modeling semantics:
+  ``Qwen3MoeSparseMoeBlock``:
   ``softmax(gate(x))`` -> top-k -> divide by their sum if ``norm_topk_prob`` -> weighted sum of
   ``down(silu(gate_proj x) * up_proj x)``). Tolerance 1e-4 (fp32 vs float64 over 3 layers; the
   measured error is ~1e-6). Router choices must be identical; the reference's gap between the
@@ -26,6 +27,9 @@ import mindspore as ms
 from mindspore import Tensor
 from safetensors.numpy import save_file
 
+import moe_reference
+from moe_reference import softmax
+
 from ms_llm.checkpoint.pretrained import experts_to_grouped
 from ms_llm.compat import load_state_dict, manual_seed
 from ms_llm.models import GPTModel, TransformerConfig, config_from_hf
@@ -40,6 +44,20 @@ EPS, THETA, AUX_COEF = 1e-6, 1000000.0, 0.02
 
 
 # ----------------------------------------------------------------------------- HF checkpoint
+def hf_config(norm_topk_prob: bool, dense_layers=(1,)) -> dict:
+    """The tiny checkpoint's HF ``config.json``."""
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+           "attention_bias": False, "attention_dropout": 0.0, "decoder_sparse_step": 1,
+           "head_dim": D, "hidden_act": "silu", "hidden_size": H, "intermediate_size": FFN,
+           "max_position_embeddings": 512, "mlp_only_layers": list(dense_layers),
+           "moe_intermediate_size": FM, "norm_topk_prob": norm_topk_prob,
+           "num_attention_heads": NH, "num_experts": E, "num_experts_per_tok": K,
+           "num_hidden_layers": LAYERS, "num_key_value_heads": NG, "output_router_logits": True,
+           "rms_norm_eps": EPS, "rope_scaling": None, "rope_theta": THETA,
+           "router_aux_loss_coef": AUX_COEF, "tie_word_embeddings": False,
+           "torch_dtype": "float32", "vocab_size": V}
+
+
 def write_qwen3_moe(path, norm_topk_prob: bool, seed: int = 0, dense_layers=(1,)) -> dict:
     """A tiny random HF Qwen3-MoE folder; returns the stored tensors as float64."""
     rng = np.random.default_rng(seed)
@@ -72,16 +90,7 @@ def write_qwen3_moe(path, norm_topk_prob: bool, seed: int = 0, dense_layers=(1,)
                 w.update({q + "gate_proj.weight": lin(FM, H), q + "up_proj.weight": lin(FM, H),
                           q + "down_proj.weight": lin(H, FM)})
     stored = {k: np.ascontiguousarray(v.astype(np.float32)) for k, v in w.items()}
-    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-           "attention_bias": False, "attention_dropout": 0.0, "decoder_sparse_step": 1,
-           "head_dim": D, "hidden_act": "silu", "hidden_size": H, "intermediate_size": FFN,
-           "max_position_embeddings": 512, "mlp_only_layers": list(dense_layers),
-           "moe_intermediate_size": FM, "norm_topk_prob": norm_topk_prob,
-           "num_attention_heads": NH, "num_experts": E, "num_experts_per_tok": K,
-           "num_hidden_layers": LAYERS, "num_key_value_heads": NG, "output_router_logits": True,
-           "rms_norm_eps": EPS, "rope_scaling": None, "rope_theta": THETA,
-           "router_aux_loss_coef": AUX_COEF, "tie_word_embeddings": False,
-           "torch_dtype": "float32", "vocab_size": V}
+    cfg = hf_config(norm_topk_prob, dense_layers)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
@@ -90,84 +99,16 @@ def write_qwen3_moe(path, norm_topk_prob: bool, seed: int = 0, dense_layers=(1,)
 
 
 # ----------------------------------------------------------------------------- NumPy reference
-def _rms(x, w):
-    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + EPS) * w
-
-
-def _silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-def _softmax(x):
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
-
-
-def _rope(x):  # x [b, s, n, d]; HF rotate_half with emb = cat(freqs, freqs)
-    s = x.shape[1]
-    inv = 1.0 / THETA ** (np.arange(0, D, 2) / D)
-    emb = np.concatenate([np.outer(np.arange(s), inv)] * 2, -1)
-    cos, sin = np.cos(emb)[None, :, None], np.sin(emb)[None, :, None]
-    rot = np.concatenate([-x[..., D // 2:], x[..., :D // 2]], -1)
-    return x * cos + rot * sin
-
-
-def sparse_moe_block(h, w, p, norm_topk_prob):
-    """HF Qwen3MoeSparseMoeBlock on flattened tokens ``h`` [T, H]."""
-    logits = h @ w[p + "mlp.gate.weight"].T
-    probs = _softmax(logits)
-    top = np.argsort(-probs, axis=-1, kind="stable")[:, :K]
-    wts = np.take_along_axis(probs, top, -1)
-    if norm_topk_prob:
-        wts = wts / wts.sum(-1, keepdims=True)
-    out = np.zeros_like(h)
-    for e in range(E):  # expert-major, as HF loops over experts
-        q = f"{p}mlp.experts.{e}."
-        rows, slot = np.nonzero(top == e)
-        if rows.size:
-            x = h[rows]
-            y = (_silu(x @ w[q + "gate_proj.weight"].T) * (x @ w[q + "up_proj.weight"].T)) \
-                @ w[q + "down_proj.weight"].T
-            out[rows] += y * wts[rows, slot][:, None]
-    return out, logits, top, probs
-
-
 def reference_forward(w, ids, norm_topk_prob, dense_layers=(1,)):
-    """Float64 HF Qwen3-MoE forward: (logits, {layer: (router_logits, top_idx, probs)})."""
-    b, s = ids.shape
-    g = NH // NG
-    causal = np.triu(np.ones((s, s), bool), 1)
-    x = w["model.embed_tokens.weight"][ids]
-    routing = {}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        h = _rms(x, w[p + "input_layernorm.weight"])
-        q = _rms((h @ w[p + "self_attn.q_proj.weight"].T).reshape(b, s, NH, D),
-                 w[p + "self_attn.q_norm.weight"])
-        k = _rms((h @ w[p + "self_attn.k_proj.weight"].T).reshape(b, s, NG, D),
-                 w[p + "self_attn.k_norm.weight"])
-        v = (h @ w[p + "self_attn.v_proj.weight"].T).reshape(b, s, NG, D)
-        q, k = _rope(q).transpose(0, 2, 1, 3), _rope(k).transpose(0, 2, 1, 3)
-        k, v = np.repeat(k, g, 1), np.repeat(v.transpose(0, 2, 1, 3), g, 1)
-        sc = np.where(causal, -np.inf, q @ k.transpose(0, 1, 3, 2) / np.sqrt(D))
-        o = (_softmax(sc) @ v).transpose(0, 2, 1, 3).reshape(b, s, NH * D)
-        x = x + o @ w[p + "self_attn.o_proj.weight"].T
-        h2 = _rms(x, w[p + "post_attention_layernorm.weight"])
-        if i in dense_layers:
-            a = _silu(h2 @ w[p + "mlp.gate_proj.weight"].T) * (h2 @ w[p + "mlp.up_proj.weight"].T)
-            mlp = a @ w[p + "mlp.down_proj.weight"].T
-        else:
-            out, logits, top, probs = sparse_moe_block(h2.reshape(b * s, H), w, p, norm_topk_prob)
-            mlp = out.reshape(b, s, H)
-            routing[i] = (logits, top, probs)
-        x = x + mlp
-    return _rms(x, w["model.norm.weight"]) @ w["lm_head.weight"].T, routing
+    """Float64 HF Qwen3-MoE forward (tests/moe_reference.py):
+    (logits, {layer: (router_logits, top_idx, probs)})."""
+    return moe_reference.qwen3_moe_forward(w, hf_config(norm_topk_prob, dense_layers), ids)
 
 
 def hf_load_balancing_loss(routing) -> float:
     """HF ``load_balancing_loss_func`` (no attention mask): layers' router logits concatenated."""
     logits = np.concatenate([routing[i][0] for i in sorted(routing)])
-    probs = _softmax(logits)
+    probs = softmax(logits)
     top = np.argsort(-probs, -1, kind="stable")[:, :K]
     mask = np.eye(E)[top]                                   # [N, k, E]
     tokens_per_expert = mask.mean(0)                        # [k, E]

@@ -8,7 +8,7 @@ run by fp32 rounding (~1e-7 relative per step) that Adam's normalised update can
 import numpy as np
 import pytest
 
-from msrun_util import run_worker_job
+from msrun_util import run_spec as spec, run_worker_job
 from parallel_common import (BASE, CONFIG, DEAD_EXPERTS, MOE, MOE_DEAD, kill_experts,
                              run_record)
 
@@ -65,12 +65,6 @@ def reference_moe():
             kill_experts(trainer)
         out[key] = run_record(trainer)
     return out
-
-
-def spec(name, *arg_lists, flags=()):
-    args = [a for lst in arg_lists for a in lst]
-    return name + ":" + ",".join([f"{a}={b}" for a, b in zip(args[::2], args[1::2])] +
-                                 list(flags))
 
 
 def ep(n):

@@ -8,7 +8,7 @@ the tied embedding's two gradient halves summed over the embedding group).
 import numpy as np
 import pytest
 
-from msrun_util import run_worker_job
+from msrun_util import run_spec as spec, run_worker_job
 from parallel_common import BASE, CONFIG, MOE, MOE_DEAD
 
 from ms_llm.config import load_config
@@ -29,11 +29,6 @@ def _record(extra):
 def refs():
     return {"tied": _record([]), "untied": _record(UNTIED), "noop": _record(NOOP),
             "moe": _record(MOE), "moe_bias": _record(MOE + MOE_DEAD)}
-
-
-def spec(name, *pairs):
-    args = [a for p in pairs for a in p]
-    return name + ":" + ",".join(f"{a}={b}" for a, b in zip(args[::2], args[1::2]))
 
 
 def pp(n, vpp=1):
@@ -71,7 +66,7 @@ def test_two_stages(tmp_path, refs):
         spec("pp2_load_megatron_pp2_vpp2", LAYERS, load, pp(2)),
         spec("pp2", LAYERS, pp(2)),
         spec("pp2_untied", LAYERS, UNTIED, pp(2)),
-        spec("pp2_uneven", LAYERS, pp(2), ["--parallel.num_layer_list", "1|3"]),
+        spec("pp2_uneven", LAYERS, pp(2), ["--parallel.num_layer_list", "1,3"]),
         spec("pp2_noop", LAYERS, NOOP, pp(2)),
         spec("pp2_vpp2", LAYERS, pp(2, 2)),
         spec("pp2_vpp2_save", LAYERS, UNTIED, pp(2, 2), save),

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from mindspore import Tensor
 
+from cli_util import run_ms_llm
 from hf_fixtures import make_hf_checkpoint
-from ms_llm.checkpoint.pretrained import DEFAULT_CONFIG, pretrained_architecture
+from ms_llm.checkpoint.pretrained import pretrained_architecture
+from ms_llm.config_pretrained import DEFAULT_CONFIG
 from ms_llm.config import ConfigError, load_config
 from ms_llm.checkpoint import from_pretrained
 from ms_llm.training.data_setup import build_data
@@ -135,12 +135,10 @@ def test_cross_key_checks_run_on_the_loaded_architecture(hf, tmp_path):
 
 
 def test_cli_train_disagreement_is_one_stderr_line(hf, tmp_path):
-    exe = os.path.join(os.path.dirname(sys.executable), "ms-llm")
-    r = subprocess.run([exe, "train", "--checkpoint.load", str(hf / "hf"), *data_args(hf),
-                        "--model.num_query_groups", "4", "--training.max_steps", "1",
-                        "--training.output_dir", str(tmp_path / "out")],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                       env={**os.environ, "GLOG_v": "3"})   # MindSpore's own deprecation notes
+    r = run_ms_llm("train", "--checkpoint.load", str(hf / "hf"), *data_args(hf),
+                   "--model.num_query_groups", "4", "--training.max_steps", "1",
+                   "--training.output_dir", str(tmp_path / "out"),
+                   cwd=tmp_path, timeout=300)   # GLOG_v=3: not MindSpore's deprecation notes
     assert r.returncode != 0
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(err) == 1, r.stderr
@@ -205,7 +203,7 @@ def test_moe_settings_follow_the_loaded_model(hf, tmp_path):
 def test_shipped_architecture_config_agrees_with_the_published_folder(tmp_path):
     """configs/qwen3_0p6b.yaml names Qwen3-0.6B's architecture: with checkpoint.load of that
     folder (only its config.json is read here) every key it sets agrees."""
-    from ms_llm.checkpoint.pretrained import adopt_pretrained_architecture
+    from ms_llm.config_pretrained import adopt_pretrained_architecture
     folder = tmp_path / "Qwen3-0.6B"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({

@@ -1,11 +1,11 @@
-"""Every private MindSpore API ms_llm relies on (``ms_llm.compat._private``) still exists and still
+"""Every private MindSpore API ms_llm relies on (``ms_llm.compat.private_api``) still exists and still
 does what ms_llm needs. A MindSpore upgrade that removes or changes one fails here, by name."""
 import numpy as np
 import mindspore as ms
 import pytest
 from mindspore import Parameter, Tensor, nn
 
-from ms_llm.compat import _private as P
+from ms_llm.compat import private_api as P
 
 
 def test_version_check():

@@ -5,12 +5,11 @@ one msrun launch (dp) and two one-process jobs. A deliberately broken cell (test
 Criterion (d) needs automatic restart: reported "not built" until it exists (then skipped here
 with the test-only ``--no-fault``, to keep this test's cost, and reported "not run")."""
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
+from cli_util import run_ms_llm
 from msrun_util import ROOT
 
 from ms_llm.qualify import criteria as C
@@ -37,13 +36,10 @@ def test_compare_and_trains_criteria():
 @pytest.mark.msrun
 def test_qualify_ci_matrix(tmp_path):
     out = tmp_path / "support"
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    r = subprocess.run([sys.executable, "-m", "ms_llm.cli", "qualify", "--cells",
-                        "qwen3:single,qwen3:dp,qwen3:ep", "--break-cell", "qwen3:single",
-                        "--steps", "4", "--no-fault", "--out", str(out),
-                        "--work", str(tmp_path / "work"), "--timeout", "900"],
-                       capture_output=True, text=True, timeout=1800, env=env, cwd=tmp_path)
+    r = run_ms_llm("qualify", "--cells", "qwen3:single,qwen3:dp,qwen3:ep", "--break-cell",
+                   "qwen3:single", "--steps", "4", "--no-fault", "--out", out,
+                   "--work", tmp_path / "work", "--timeout", "900", timeout=1800,
+                   env={"PYTHONPATH": ROOT}, cwd=tmp_path)
     assert r.returncode == 1, r.stdout[-4000:] + r.stderr[-4000:]     # 1: a cell failed
     info = json.loads((out / "support.json").read_text())
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,

@@ -6,17 +6,16 @@ import os
 import numpy as np
 import pytest
 from mindspore import Parameter, Tensor
+from parallel_common import TINY_MODEL
 
 from ms_llm.config import load_config
-from ms_llm.training.lr_schedule import lr_at
-from ms_llm.training.optimizer import AdamW
+from ms_llm.training.lr_schedule import OptimizerParamScheduler
+from ms_llm.optim import AdamW
 from ms_llm.training.trainer import Trainer
 
-TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
-        "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
-        "--model.kv_channels", "16", "--data.seq_length", "32", "--training.micro_batch_size", "4",
-        "--training.global_batch_size", "4", "--training.progress_bar", "false",
-        "--training.lr_warmup_steps", "2", "--training.lr", "3e-3", "--training.log_interval", "1"]
+TINY = TINY_MODEL + ["--training.micro_batch_size", "4", "--training.global_batch_size", "4",
+                     "--training.progress_bar", "false", "--training.lr_warmup_steps", "2",
+                     "--training.lr", "3e-3", "--training.log_interval", "1"]
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "tiny.yaml")
 
@@ -76,14 +75,20 @@ def test_adamw_state_round_trip():
 
 
 def test_lr_schedule_values():
-    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=110)
-    assert lr_at(5, **kw) == pytest.approx(0.5)
-    assert lr_at(10, **kw) == pytest.approx(1.0)
-    assert lr_at(60, **kw) == pytest.approx(0.55)          # cosine midpoint: (lr + min_lr) / 2
-    assert lr_at(110, **kw) == pytest.approx(0.1)
-    assert lr_at(500, **kw) == pytest.approx(0.1)
-    assert lr_at(35, style="linear", **kw) == pytest.approx(1.0 - 0.9 * 0.25)
-    assert lr_at(80, style="constant", **kw) == 1.0
+    """Iteration i applies the lr of i - 1 iterations' samples (Megatron): warmup from 0."""
+    def lr_of(iteration, style="cosine"):
+        s = OptimizerParamScheduler(max_lr=1.0, min_lr=0.1, lr_warmup_steps=10 * 4,
+                                    lr_decay_steps=110 * 4, lr_decay_style=style)
+        s.step((iteration - 1) * 4)   # global batch 4
+        return s.get_lr()
+    assert lr_of(1) == 0.0
+    assert lr_of(6) == pytest.approx(0.5)
+    assert lr_of(11) == pytest.approx(1.0)
+    assert lr_of(61) == pytest.approx(0.55)          # cosine midpoint: (lr + min_lr) / 2
+    assert lr_of(111) == pytest.approx(0.1)
+    assert lr_of(501) == pytest.approx(0.1)
+    assert lr_of(36, style="linear") == pytest.approx(1.0 - 0.9 * 0.25)
+    assert lr_of(81, style="constant") == 1.0
 
 
 # ------------------------------------------------------------------ the loop

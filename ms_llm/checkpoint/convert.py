@@ -38,6 +38,7 @@ from . import layouts as L
 from . import layouts_mtp as MTP
 from .convert_args import (DTYPES, ConvertError, _check_num_layers,  # noqa: F401 (re-exported)
                            _int_list, _refuse_unsupported, build_parser)
+from .convert_stream import stream_to_sink  # noqa: F401 (re-exported: dcp_export, lora)
 from .hf_io import HFReader, HFWriter, copy_hf_side_files, read_hf_config
 from .megatron import (MegatronReader, MegatronWriter, check_hf_template, hf_config_from_args,
                        make_args, write_hf_config)
@@ -123,7 +124,9 @@ class MegatronSource:
                                                              hf_cfg_dir)
             self.spec = L.spec_from_hf_config(self.config, self.model_type, cfg_path)
             self.lay = self.reader.layout(self.spec)
-            if template is not None:
+            if template is not None and not isinstance(self.reader.args, argparse.Namespace):
+                self._check_template_shapes(path, hf_cfg_dir)
+            elif template is not None:
                 spec = L.spec_from_hf_config(template, self.model_type,
                                              os.path.join(hf_cfg_dir, "config.json"))
                 check_hf_template(self.spec, spec, self.lay.padded_vocab, hf_cfg_dir, path)
@@ -137,6 +140,19 @@ class MegatronSource:
             self.reader.close()
             raise
 
+    def _check_template_shapes(self, path: str, template_dir: str) -> None:
+        """No ``args``: the tensors are all that confirms the template (megatron_template)."""
+        from .megatron_template import check_template
+        r = self.reader
+        layers = sum(1 + max((int(k.split(".")[2]) for k in sd if k.startswith("decoder.layers.")),
+                             default=-1)
+                     for p in range(r.pp) for sd in r.models[(0, p, 0)])
+        try:
+            check_template(self.spec, self.lay, lambda key: r.models[(0, 0, 0)][0][key].shape,
+                           layers, os.path.join(template_dir, "config.json"), path)
+        except ValueError as e:
+            raise ConvertError(str(e)) from None
+
     def _own_config(self, path: str, model_type_hf: Optional[str], template: Optional[dict],
                     template_dir: Optional[str]):
         """The checkpoint's HF config (``config.json`` beside it, else rebuilt from ``args``)
@@ -145,9 +161,11 @@ class MegatronSource:
             config = read_hf_config(path)
             return config, model_type_hf or _infer_type(config, path)
         a = self.reader.args
+        if not isinstance(a, argparse.Namespace) and template is not None:
+            return dict(template), model_type_hf or _infer_type(template, template_dir)
         if not isinstance(a, argparse.Namespace):
             raise ConvertError(f"{path}: no config.json beside the checkpoint and no args "
-                               f"in it to rebuild one from")
+                               f"in it to rebuild one from; pass --hf-cfg-dir ORIGINAL_HF")
         model_type = model_type_hf or getattr(a, "model_type_hf", None) or \
             (_infer_type(template, template_dir) if template is not None else None)
         if not model_type:
@@ -207,6 +225,18 @@ class MegatronSource:
                 name = inner[1] + name[len(inner[0]):]
             return self.reader.tensor(t, p, e, c, name)
         return MTP.mtp_merge(self.spec, self.lay, read, j, L.merge_layer)
+
+    def check(self) -> None:
+        """After streaming: every stored tensor was read (a ``config.json`` listing fewer
+        layers or no MTP depth than the checkpoint holds must not drop them silently). The last
+        stage's copy of a tied embedding is Megatron's duplicate, not a weight of its own."""
+        dup = {"embedding.word_embeddings.weight"} | ({"output_layer.weight"}
+                                                      if self.spec.tied else set())
+        left = [u for u in self.reader.unread() if u.rsplit(": ", 1)[1] not in dup]
+        if left:
+            raise ConvertError(f"{self.reader.path}: {len(left)} stored tensor(s) were not "
+                               f"converted, e.g. {left[0]} (config.json num_hidden_layers "
+                               f"{self.spec.num_layers}: does it describe this checkpoint?)")
 
     def close(self) -> None:
         self.reader.close()
@@ -353,8 +383,8 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
     tmp = f"{save.rstrip(os.sep)}.tmp-{os.getpid()}"
     sink = None
     try:
-        if opts.lora_load:     # W + alpha/r B A, one layer at a time (ms_llm.lora.merge)
-            from ms_llm.lora.merge import merged_source
+        if opts.lora_load:     # W + alpha/r B A, one layer at a time (lora_merge)
+            from .lora_merge import merged_source
             src = merged_source(src, opts, opts.load_dir)
         spec = src.spec
         _check_num_layers(opts, spec)
@@ -384,7 +414,8 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
                 copy_hf_side_files(opts.load_dir, tmp)
             sink = HFSink(tmp, spec, src.config, out_dtype, opts.max_shard_size)
         return stream_to_sink(src, sink, tmp, save, progress=progress,
-                              check=getattr(src, "check", None))
+                              check=getattr(src, "check", None),
+                              allow_nonfinite=opts.allow_non_finite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -404,35 +435,6 @@ def _select_mtp(opts: argparse.Namespace, src) -> None:
     log.warning("--mtp-num-layers 0: dropping the checkpoint's %d MTP layer(s)", have)
     src.spec.mtp_layers = 0
     src.config = dict(src.config, num_nextn_predict_layers=0)
-
-
-def stream_to_sink(src, sink, tmp: str, out: str, *, progress=None, check=None) -> str:
-    """Copy ``src`` into ``sink`` one layer at a time (memory stays near one layer), then
-    publish the folder ``tmp`` as ``out`` by renaming it. On any failure the sink is aborted and
-    ``tmp`` removed, so ``out`` is either complete or absent. ``check()`` runs before the sink
-    is closed (e.g. to reject source tensors that nothing consumed)."""
-    try:
-        sink.embedding(src.embedding())
-        n = src.spec.num_layers
-        for i in range(n):
-            sink.layer(i, src.layer(i))
-            if progress:
-                progress(i + 1, n)
-        output = src.output()
-        for j in range(src.spec.mtp_layers):
-            sink.mtp_layer(j, src.mtp_layer(j), output)
-        sink.final(src.final_norm(), output)
-        if check is not None:
-            check()
-        sink.close()
-    except BaseException:
-        sink.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.isdir(out):
-        os.rmdir(out)
-    os.rename(tmp, out)
-    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:

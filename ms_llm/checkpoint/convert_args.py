@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-r", type=int, default=None)
     p.add_argument("--lora-alpha", type=int, default=None)
     p.add_argument("--lora-target-modules", nargs="*", default=None)
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="convert tensors holding NaN/inf (refused by default)")
     p.add_argument("--mtp-num-layers", type=int, default=None,
                    help="multi-token prediction depths to convert: the checkpoint's "
                         "(num_nextn_predict_layers, the default) or 0 to drop them")

@@ -10,8 +10,8 @@ import logging
 import os
 from typing import Callable, Optional
 
-from .dcp_format import (FORMAT, METADATA, TRACKER, DCPError, file_crc32, list_iters,
-                         read_json)
+from .dcp_format import METADATA, TRACKER, DCPError, list_iters, read_json
+from .verify import verify_checkpoint
 
 log = logging.getLogger("ms_llm.checkpoint")
 
@@ -19,29 +19,11 @@ log = logging.getLogger("ms_llm.checkpoint")
 def check_complete(path: str, verify: str = "size") -> Optional[str]:
     """``None`` if ``path`` is a complete checkpoint, else the reason it is not.
 
-    ``verify``: ``"size"`` (metadata present, every file with its recorded size and a readable
-    header) or ``"crc"`` (also re-reads every file and compares its crc32)."""
+    ``verify``: ``"size"`` (metadata present and well-formed, every file with its recorded size)
+    or ``"crc"`` (also re-reads every file and compares its crc32); ``checkpoint.verify``."""
     if verify not in ("size", "crc"):
         raise DCPError(f"verify: expected 'size' or 'crc', got {verify!r}")
-    mpath = os.path.join(path, METADATA)
-    if not os.path.isfile(mpath):
-        return f"{mpath} is missing (save did not finish)"
-    try:
-        meta = read_json(mpath)
-    except DCPError as e:
-        return str(e)
-    if meta.get("format") != FORMAT:
-        return f"{mpath}: not an {FORMAT} checkpoint"
-    for name, f in meta.get("files", {}).items():
-        fpath = os.path.join(path, name)
-        if not os.path.isfile(fpath):
-            return f"{fpath} is missing"
-        have = os.path.getsize(fpath)
-        if have != f["size"]:
-            return f"{fpath} has {have} bytes, metadata records {f['size']} (truncated?)"
-        if verify == "crc" and file_crc32(fpath) != f["crc32"]:
-            return f"{fpath}: crc32 differs from the metadata (corrupt)"
-    return None
+    return verify_checkpoint(path, crc=verify == "crc")
 
 
 def read_state(path: str) -> dict:
@@ -52,20 +34,22 @@ def read_state(path: str) -> dict:
     return read_json(os.path.join(path, METADATA))["state"]
 
 
-def find_latest_complete(save_dir: Optional[str], verify: str = "size",
+def find_latest_complete(save_dir: Optional[str], verify: str = "crc",
                          report: Optional[Callable[[str], None]] = None) -> Optional[str]:
     """The newest complete ``iter_*`` in ``save_dir`` (None if there is none).
 
     Newer incomplete checkpoints (metadata missing, a shard truncated) are skipped and reported
-    through ``report`` (default: a log warning), including when the tracker names one of them."""
+    through ``report`` (default: a log warning), including when the tracker names one of them.
+    ``verify="crc"`` (default) re-reads every file: a flipped byte is found here, not after
+    training on it."""
     say = report or log.warning
     if not save_dir or not os.path.isdir(save_dir):
         return None
     tracker, tracked = os.path.join(save_dir, TRACKER), None
     if os.path.isfile(tracker):
-        with open(tracker, encoding="utf-8") as f:
-            text = f.read().strip()
-        tracked = int(text) if text.isdigit() else None
+        with open(tracker, "rb") as f:
+            text = f.read(64).decode("ascii", "replace").strip()
+        tracked = int(text) if text.isascii() and text.isdigit() else None
         if tracked is None:
             say(f"{tracker}: ignoring unreadable content {text!r}")
     skipped = []
@@ -73,7 +57,7 @@ def find_latest_complete(save_dir: Optional[str], verify: str = "size",
         reason = check_complete(path, verify)
         if reason is None:
             if skipped:
-                say(f"resume: skipping incomplete checkpoint(s) "
+                say(f"resume: skipping incomplete or corrupt checkpoint(s) "
                     f"{'; '.join(skipped)}; falling back to {path}")
             elif tracked is not None and tracked != step:
                 say(f"resume: {tracker} names iteration {tracked}, using newest complete {path}")
@@ -92,15 +76,15 @@ def resolve_resume(resume, save_dir: Optional[str],
     if resume in (None, False, "none", "None", "", "false"):
         return None
     if resume == "auto":
-        return find_latest_complete(save_dir, report=report)
+        return find_latest_complete(save_dir, "crc", report=report)
     path = str(resume)
     if os.path.isfile(os.path.join(path, TRACKER)) and not os.path.isfile(
             os.path.join(path, METADATA)):
-        found = find_latest_complete(path, report=report)
+        found = find_latest_complete(path, "crc", report=report)
         if found is None:
             raise DCPError(f"training.resume: {path} holds no complete checkpoint")
         return found
-    reason = check_complete(path)
+    reason = check_complete(path, "crc")
     if reason:
         raise DCPError(f"training.resume: {path} is not a complete checkpoint ({reason})")
     return path

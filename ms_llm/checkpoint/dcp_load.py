@@ -14,13 +14,17 @@ import numpy as np
 
 from .dcp_discovery import check_complete
 from .dcp_format import METADATA, DCPError, WantedChunk, read_json, stored_dtype, volume
+from .verify import verify_file
 
 
 class DCPReader:
-    """A complete checkpoint opened for region reads (files are opened on first use)."""
+    """A complete checkpoint opened for region reads (files are opened on first use).
 
-    def __init__(self, path: str, verify: str = "size"):
-        reason = check_complete(path, verify)
+    ``verify="crc"`` (default): structure and sizes are checked up front, and each file's crc32
+    when it is first opened, so a rank pays one extra read of only the files it reads."""
+
+    def __init__(self, path: str, verify: str = "crc"):
+        reason = check_complete(path, "size" if verify == "crc" else verify)
         if reason:
             raise DCPError(f"{path}: refusing to load an incomplete checkpoint ({reason})")
         self.path = path
@@ -29,6 +33,7 @@ class DCPReader:
         self.state: dict = self.meta.get("state", {})
         self.step: int = self.meta.get("step")
         self._open: Dict[str, object] = {}
+        self._verify = verify
 
     def names(self) -> List[str]:
         return list(self.tensors)
@@ -50,6 +55,10 @@ class DCPReader:
     def _file(self, fname: str):
         if fname not in self._open:
             from safetensors import safe_open
+            if self._verify == "crc":
+                why = verify_file(os.path.join(self.path, fname), self.meta["files"][fname])
+                if why:
+                    raise DCPError(f"{self.path}: refusing to load a corrupt checkpoint ({why})")
             try:
                 self._open[fname] = safe_open(os.path.join(self.path, fname), framework="numpy")
             except Exception as e:  # safetensors raises its own error types
@@ -103,7 +112,7 @@ class DCPReader:
 
 
 def load_checkpoint(path: str, wanted: Mapping[str, WantedChunk], *, strict: bool = True,
-                    verify: str = "size", requested_anywhere: Optional[Set[str]] = None
+                    verify: str = "crc", requested_anywhere: Optional[Set[str]] = None
                     ) -> Tuple[Dict[str, np.ndarray], dict]:
     """Read each wanted region from a complete checkpoint: ``(arrays, state)``.
 

@@ -19,11 +19,8 @@ def read_hf_config(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{cfg_path}: missing (a Hugging Face folder needs config.json)")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+    from ms_llm.validation import read_json_object, validate_hf_config
+    return validate_hf_config(read_json_object(cfg_path), cfg_path)
 
 
 # The files MindSpeed-LLM's mg -> hf copies from ``--hf-cfg-dir``: JSON configs (tokenizer,
@@ -54,11 +51,14 @@ def safetensors_files(path: str) -> list:
     ``model.safetensors``."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map")
+        from ms_llm.validation import read_json_object
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: no 'weight_map' object")
         files = sorted(set(weight_map.values()))
+        bad = [n for n in files if not isinstance(n, str) or os.path.basename(n) != n]
+        if bad:
+            raise ValueError(f"{index}: weight_map names {bad[0]!r}, not a file of this folder")
         for name in files:
             if not os.path.isfile(os.path.join(path, name)):
                 raise FileNotFoundError(f"{os.path.join(path, name)}: listed in {index} but missing")
@@ -66,6 +66,10 @@ def safetensors_files(path: str) -> list:
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return [single]
+    if any(os.path.isfile(os.path.join(path, n)) for n in ("pytorch_model.bin",
+                                                           "pytorch_model.bin.index.json")):
+        raise FileNotFoundError(f"{path}: only pytorch_model.bin weights; ms-llm reads "
+                                f"safetensors (re-save the model with safe_serialization)")
     raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
@@ -103,6 +107,40 @@ _ST_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
+def _header_entry(path: str, name: str, t) -> Tuple[np.dtype, tuple, int, int]:
+    """``(dtype, shape, begin, end)`` of one header entry, refusing malformed fields."""
+    if not isinstance(t, dict) or t.get("dtype") not in _ST_DTYPES:
+        raise ValueError(f"{path}: tensor {name!r} has unsupported dtype "
+                         f"{t.get('dtype') if isinstance(t, dict) else t!r}")
+    shape, offs = t.get("shape"), t.get("data_offsets")
+    ints = (lambda xs: isinstance(xs, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs))
+    if not ints(shape) or not ints(offs) or len(offs) != 2:
+        raise ValueError(f"{path}: tensor {name!r}: shape {shape!r} / data_offsets {offs!r} "
+                         f"are not lists of non-negative integers")
+    dt = _ST_DTYPES[t["dtype"]]
+    b, e = offs
+    if e < b or e - b != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
+        raise ValueError(f"{path}: tensor {name!r} byte range does not match its shape")
+    return dt, tuple(shape), b, e
+
+
+def check_byte_ranges(path: str, ranges: Dict[str, Tuple[int, int]], data_size: int) -> None:
+    """Every tensor's ``[begin, end)`` lies inside the data section and no two overlap (one
+    tensor aliasing another's bytes is how a crafted file changes two weights at once; the
+    ``safetensors`` library refuses it too)."""
+    last_end, last = 0, None
+    for name, (b, e) in sorted(ranges.items(), key=lambda kv: (kv[1][0], kv[1][1])):
+        if e > data_size:
+            raise ValueError(f"{path}: truncated (tensor {name!r} needs bytes up to "
+                             f"{e}, the data section has {data_size})")
+        if b < last_end and e > b:
+            raise ValueError(f"{path}: tensor {name!r} bytes [{b}, {e}) overlap tensor "
+                             f"{last!r} (ends at {last_end})")
+        if e > last_end:
+            last_end, last = e, name
+
+
 class SafetensorsFile:
     """Header of one ``.safetensors`` file plus positional reads of single tensors."""
 
@@ -121,23 +159,15 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{path}: corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
         self.metadata = header.pop("__metadata__", None) or {}
         self.data_start = 8 + n
         self.tensors: Dict[str, Tuple[np.dtype, tuple, int, int]] = {}
-        end = 0
         for name, t in header.items():
-            if t.get("dtype") not in _ST_DTYPES:
-                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype "
-                                 f"{t.get('dtype')!r}")
-            dt, shape = _ST_DTYPES[t["dtype"]], tuple(int(s) for s in t["shape"])
-            b, e = (int(x) for x in t["data_offsets"])
-            if e - b != int(np.prod(shape, dtype=np.int64)) * dt.itemsize:
-                raise ValueError(f"{path}: tensor {name!r} byte range does not match its shape")
-            self.tensors[name] = (dt, shape, b, e)
-            end = max(end, e)
-        if self.data_start + end > size:
-            raise ValueError(f"{path}: truncated (tensors need {self.data_start + end} bytes, the "
-                             f"file has {size})")
+            self.tensors[name] = _header_entry(path, name, t)
+        check_byte_ranges(path, {k: v[2:] for k, v in self.tensors.items()},
+                          size - self.data_start)
 
     def get(self, name: str) -> np.ndarray:
         dt, shape, b, e = self.tensors[name]

@@ -34,30 +34,6 @@ import numpy as np
 A = "self_attention."
 
 
-def spec_fields(cfg: dict, family: str) -> dict:
-    """Extra ``ModelSpec`` fields of a ``deepseek_v3`` / ``glm4_moe`` config.json."""
-    first_dense = int(cfg.get("first_k_dense_replace") or 0)
-    layers = int(cfg["num_hidden_layers"])
-    moe_ffn = int(cfg["moe_intermediate_size"])
-    out = dict(num_experts=int(cfg["n_routed_experts"]), moe_ffn=moe_ffn,
-               moe_topk=int(cfg.get("num_experts_per_tok", 0)),
-               moe_layers=tuple(i >= first_dense for i in range(layers)),
-               shared_ffn=moe_ffn * int(cfg.get("n_shared_experts") or 0), expert_bias=True,
-               mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
-    if family == "deepseek-v3":
-        q_lora = cfg.get("q_lora_rank")
-        out.update(mla=True, q_lora_rank=int(q_lora) if q_lora else 0,
-                   kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope=int(cfg["qk_nope_head_dim"]),
-                   qk_rope=int(cfg["qk_rope_head_dim"]), v_head=int(cfg["v_head_dim"]),
-                   attn_bias=bool(cfg.get("attention_bias", False)),
-                   groups=int(cfg["num_attention_heads"]),
-                   head_dim=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]))
-    else:
-        out.update(qkv_bias=bool(cfg.get("attention_bias", False)),
-                   qk_norm=bool(cfg.get("use_qk_norm", False)))
-    return out
-
-
 # ------------------------------------------------------------------------------------ MLA
 def _mla_pairs(spec) -> List[Tuple[str, str, tuple]]:
     """(Megatron key, HF name under ``self_attn.``, HF shape) in HF module order."""

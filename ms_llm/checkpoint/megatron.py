@@ -212,6 +212,7 @@ class MegatronReader:
             self.close()
             raise
         self.models = {k: self._models(k, c) for k, c in self.files.items()}
+        self.read_keys: set = set()   # (pp stage, chunk, key) read at least once (any tp/ep copy)
 
     def _infer_pp_ep(self, names, parsed) -> Tuple[int, int]:
         three = [x for x in parsed if x[2] is not None]
@@ -283,7 +284,20 @@ class MegatronReader:
             raise KeyError(f"{self.files[(t, p, e)].archive.path}: missing tensor {key!r}"
                            + (f" in model{chunk}" if len(self.models[(t, p, e)]) > 1 else ""))
         v = sd[key]
+        self.read_keys.add((p, chunk, key))
         return v.numpy() if isinstance(v, LazyTensor) else np.asarray(v)
+
+    def unread(self) -> List[str]:
+        """Stored tensors no ``tensor()`` call has read (``_extra_state`` placeholders aside),
+        as ``mp_rank_*/model_optim_rng.pt: key``: what a conversion would silently drop."""
+        out = []
+        for (t, p, e), chunks in self.models.items():
+            for c, sd in enumerate(chunks):
+                for key, v in sd.items():
+                    if v is None or key.endswith("_extra_state") or (p, c, key) in self.read_keys:
+                        continue
+                    out.append(f"{self.files[(t, p, e)].archive.path}: {key}")
+        return sorted(set(out))
 
     def dtype(self) -> np.dtype:
         return self.models[(0, 0, 0)][0]["embedding.word_embeddings.weight"].dtype

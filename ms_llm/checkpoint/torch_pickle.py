@@ -201,3 +201,9 @@ def save(obj, path: str, protocol: int = 2) -> None:
     except BaseException:
         writer.abort()
         raise
+
+
+def dump_records(obj, file, protocol: int = 2) -> None:
+    """Pickle plain data and ``GlobalRef`` / ``GlobalCall`` records (no tensors) to ``file``,
+    e.g. a torch DCP ``.metadata`` (``torch_dist``), which torch reads with ``pickle.load``."""
+    _TorchPickler(file, protocol=protocol).dump(obj)

@@ -29,13 +29,13 @@ torch name             CPU (MindSpore 2.10)                why (CPU failure of t
 ``one_hot``            ``ops.one_hot``                     OneHotExt unregistered
 ``matmul``/``linear``  ``mint`` in fp32, cast back         no bf16 matmul kernel
 ``softmax``/``exp``/…  ``mint`` in fp32, cast back         no bf16 compute kernels at all
-``no_grad``            ``mindspore._no_grad``              no public equivalent (``_private``)
+``no_grad``            ``mindspore._no_grad``              no public equivalent (``private_api``)
 random init            NumPy, then ``Tensor``              normal_/uniform_ kernels unregistered
 =====================  ==================================  =====================================
 
 On Ascend every row takes the ``mint`` route. Fused hot kernels (RMSNorm, SwiGLU, RoPE, attention,
 cross entropy) live in ``ms_llm.ops``, which builds on this module. Every private MindSpore API
-used anywhere in ms_llm is reached through ``_private`` (one function each, tested in
+used anywhere in ms_llm is reached through ``private_api`` (one function each, tested in
 ``tests/test_private_api.py``).
 """
 from mindspore import Parameter, Tensor

@@ -12,7 +12,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, mint, ops
 
-from . import _private
+from . import private_api
 from .device import is_cpu
 from .dtypes import bfloat16, float32, to_ms_dtype
 
@@ -299,7 +299,7 @@ def stop_gradient(x: Tensor) -> Tensor:
 @contextlib.contextmanager
 def no_grad():
     """torch.no_grad: nothing computed inside contributes gradients."""
-    with _private.no_grad():   # MindSpore has no public equivalent
+    with private_api.no_grad():   # MindSpore has no public equivalent
         yield
 
 

@@ -14,7 +14,7 @@ from mindspore import Parameter, Tensor, nn
 from mindspore.common.initializer import Zero
 
 from . import functional as F
-from ._private import shadow_attribute, unshadow_attribute
+from .private_api import child_cell, shadow_attribute, unshadow_attribute
 from .dtypes import float32, to_ms_dtype
 
 _RNG = {"gen": np.random.default_rng(0)}
@@ -157,7 +157,7 @@ def shadow_parameter(module: nn.Cell, name: str, value) -> None:
 
     torch's FSDP2 swaps a module's parameter for its unsharded tensor with ``setattr``; MindSpore's
     ``Cell.__setattr__`` refuses a plain Tensor under a registered Parameter name, so the value
-    shadows the Parameter instead (``_private.shadow_attribute``: it relies on how Cell stores
+    shadows the Parameter instead (``private_api.shadow_attribute``: it relies on how Cell stores
     Parameters) until ``unshadow_parameter`` removes it."""
     shadow_attribute(module, name, value)
 
@@ -165,3 +165,14 @@ def shadow_parameter(module: nn.Cell, name: str, value) -> None:
 def unshadow_parameter(module: nn.Cell, name: str) -> None:
     """Undo ``shadow_parameter``: ``module.<name>`` reads as the registered Parameter again."""
     unshadow_attribute(module, name)
+
+
+def set_submodule(root: nn.Cell, target: str, module: nn.Cell) -> None:
+    """torch's ``Module.set_submodule``: put ``module`` at the dotted path ``target`` under
+    ``root`` (``ModuleList`` entries ``"0"``, ``"1"``, ... included). The module conversions
+    (MXFP8 in ``quant``, adapters in ``lora``) swap the modules they select this way."""
+    parent_name, _, child = target.rpartition(".")
+    parent = root
+    for part in parent_name.split(".") if parent_name else []:
+        parent = child_cell(parent, part)
+    parent.insert_child_to_cell(child, module)

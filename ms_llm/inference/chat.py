@@ -7,7 +7,7 @@ earlier turns differently, e.g. Qwen3 drops past reasoning) and prefills only th
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -22,8 +22,10 @@ class ContextTooLong(ValueError):
 class ChatSession:
     def __init__(self, model, tokenizer, eos_token_id: List[int], max_context: int,
                  system: Optional[str] = None, max_new_tokens: int = 512,
-                 sampling: Optional[dict] = None, seed: Optional[int] = None):
+                 sampling: Optional[dict] = None, seed: Optional[int] = None,
+                 say: Optional[Callable[[str], None]] = None):
         self.model, self.tokenizer = model, tokenizer
+        self.say = say   # told when a reply is shortened to fit the context
         self.eos = list(eos_token_id)
         self.max_context = max_context
         self.max_new_tokens = max_new_tokens
@@ -48,6 +50,9 @@ class ChatSession:
             raise ContextTooLong(f"the conversation is {len(ids)} tokens, the model's context is "
                                  f"{self.max_context}")
         budget = min(self.max_new_tokens, self.max_context - len(ids))
+        if budget < self.max_new_tokens and self.say is not None:
+            self.say(f"reply limited to {budget} tokens (max_new_tokens {self.max_new_tokens}): "
+                     f"the conversation is {len(ids)} of {self.max_context} context tokens")
         if self.cache is None:
             self.cache = KVCache.for_model(self.model, 1, len(ids) + budget,
                                            max_capacity=self.max_context)

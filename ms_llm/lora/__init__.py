@@ -2,14 +2,14 @@
 
 ``apply_lora`` (the ``lora:`` section; a module conversion run by ``parallelize_model`` before
 tensor parallel and FSDP; ``apply``), the adapter modules and ``adapters_disabled``
-(``modules``), the base fingerprint checkpoints record (``base``), merging adapters into base
-weights (``merge``) and ``ms-llm export`` of LoRA checkpoints, merged or in PEFT's layout
-(``export``). Names are imported lazily: ``export`` / ``merge`` run without MindSpore.
+(``modules``) and the base fingerprint checkpoints record (``base``). Merging adapters into base
+weights and ``ms-llm export`` of LoRA checkpoints (merged or in PEFT's layout) are checkpoint
+conversions: ``ms_llm.checkpoint.lora_merge`` / ``lora_export``. Names are imported lazily:
+``base`` runs without MindSpore.
 """
 import importlib
 
-_WHERE = {"LoRALinear": "modules", "LoRAColumnParallelLinear": "modules",
-          "LoRARowParallelLinear": "modules", "adapters_disabled": "modules",
+_WHERE = {"LoRALinear": "modules", "adapters_disabled": "modules",
           "is_frozen_base": "modules", "lora_modules": "modules",
           "lora_module_names": "modules", "apply_lora": "apply",
           "count_parameters": "apply", "select_targets": "apply", "trainable_report": "apply"}

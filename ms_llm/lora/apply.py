@@ -24,8 +24,8 @@ from typing import List, Sequence, Tuple
 import numpy as np
 from mindspore import nn as ms_nn
 
-from ms_llm.quant.apply import _set_child
-from .merge import TARGETS
+from ms_llm.compat import nn
+from .base import TARGETS
 from .modules import LoRALinear, is_frozen_base, mark_frozen_base
 
 log = logging.getLogger("ms_llm.lora")
@@ -102,7 +102,7 @@ def apply_lora(model: ms_nn.Cell, lora_cfg, seed: int = 0) -> List[str]:
         if p.requires_grad and id(p) not in adapters:
             mark_frozen_base(p)
     for name, new in built:
-        _set_child(model, name, new)
+        nn.set_submodule(model, name, new)
         # unique Parameter names (a compiled graph refuses two 'lora_A.weight')
         new.lora_A.weight.name = f"{name}.lora_A.weight"
         new.lora_B.weight.name = f"{name}.lora_B.weight"

@@ -14,6 +14,7 @@ import os
 from typing import Dict, List, Optional
 
 STATE_KEY = "lora"
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")   # lora.target_modules
 _BLOCK = 1 << 20
 
 

@@ -16,6 +16,7 @@ they disagreed (an alias known to one and not another, a sparse-layer rule compu
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -26,7 +27,8 @@ __all__ = ["FamilySpec", "Qualify", "register_family", "unregister_family", "get
            "family_for_hf", "family_for_config", "families", "names", "parse_hf_config",
            "BUILTIN_FAMILY_MODULES"]
 
-# The families ms-llm ships; ``families()`` imports them on first use (each registers itself).
+# The first families ms-llm shipped, listed first; ``families()`` imports every module of
+# ``ms_llm.models.families`` on first use (each family module registers itself).
 BUILTIN_FAMILY_MODULES = ("llama", "qwen25", "qwen3", "qwen3_moe", "deepseek_v3", "glm45")
 
 
@@ -52,7 +54,7 @@ class Qualify:
     args: Tuple[str, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)   # identity: one record per family
 class FamilySpec:
     """One model family.
 
@@ -152,18 +154,28 @@ def unregister_family(name: str) -> FamilySpec:
     return spec
 
 
+def _family_modules() -> List[str]:
+    """Every module of ``ms_llm.models.families`` (a module there is a family once it calls
+    ``register_family``), the original six first so listings keep their order."""
+    pkg = importlib.import_module("ms_llm.models.families")
+    found = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__))
+    return [m for m in BUILTIN_FAMILY_MODULES if m in found] + \
+        [m for m in found if m not in BUILTIN_FAMILY_MODULES]
+
+
 def _ensure_builtin() -> None:
     global _loaded
     if not _loaded:
         _loaded = True
-        for mod in BUILTIN_FAMILY_MODULES:
+        for mod in _family_modules():
             importlib.import_module(f"ms_llm.models.families.{mod}")
 
 
 def families() -> List[FamilySpec]:
-    """All registered families, built-in ones first, in registration order."""
+    """All registered families: those of ``ms_llm.models.families`` in ``_family_modules``
+    order, then any registered from elsewhere, in registration order."""
     _ensure_builtin()
-    order = {f"ms_llm.models.families.{m}": i for i, m in enumerate(BUILTIN_FAMILY_MODULES)}
+    order = {f"ms_llm.models.families.{m}": i for i, m in enumerate(_family_modules())}
     return sorted(_FAMILIES.values(),
                   key=lambda s: order.get(getattr(s.from_hf, "__module__", ""), len(order)))
 

@@ -1,5 +1,6 @@
 """Hot ops with one fast path per device: Ascend fused kernels, C++ AOT kernels on CPU, and a
 composed fallback that always works (``MS_LLM_DISABLE_AOT=1`` forces it)."""
+from ._dispatch import resolve_paths
 from .attention import cache_attention, causal_attention
 from .cross_entropy import IGNORE_INDEX, cross_entropy
 from .fused_cross_entropy import fused_linear_cross_entropy
@@ -10,4 +11,4 @@ from .swiglu import swiglu
 
 __all__ = ["causal_attention", "cache_attention", "cross_entropy", "fused_linear_cross_entropy",
            "IGNORE_INDEX", "rms_norm",
-           "apply_rope", "rope_cos_sin", "swiglu", "linear", "bmm", "Linear"]
+           "apply_rope", "rope_cos_sin", "swiglu", "linear", "bmm", "Linear", "resolve_paths"]

@@ -27,7 +27,7 @@ import numpy as np
 from mindspore import Tensor, mint, ops
 
 from ms_llm.compat import F, bfloat16, float32, int32, is_ascend, is_cpu
-from ms_llm.compat._private import grouped_matmul_kernel
+from ms_llm.compat.private_api import grouped_matmul_kernel
 from .linear import bmm, linear
 
 Weights = Union[Tensor, Sequence[Tensor]]

@@ -15,8 +15,15 @@ from typing import List, Optional, Sequence
 import numpy as np
 from mindspore import Parameter, Tensor, mint
 
-from ms_llm.compat import float32
+from ms_llm.compat import bfloat16, float32
 from . import comm
+
+
+def grad_reduce_dtype(cfg):
+    """The dtype gradients are accumulated and reduced in: bf16 under ``training.bf16`` with
+    ``parallel.grad_reduce_in_fp32: false``, fp32 otherwise (Megatron's ``grad_reduce_in_fp32``).
+    The rule of the gradient reduction, so ``parallel`` owns it (it imports no ``training``)."""
+    return bfloat16 if cfg.training.bf16 and not cfg.parallel.grad_reduce_in_fp32 else float32
 
 
 class GradBuckets:

@@ -26,10 +26,10 @@ from ms_llm.models.gpt import GPTModel
 from ms_llm.models.layers import MLP
 from ms_llm.models.moe import SharedExpertMLP, moe_layers
 from ms_llm.lora.apply import apply_lora, buffer_names, mark_frozen_shards, trainable_report
+from ms_llm.lora.modules import LoRALinear
 from ms_llm.quant import apply_quantization
-from ms_llm.training import mixed_precision
 from . import comm
-from .data_parallel import PartitionedGradSync
+from .data_parallel import PartitionedGradSync, grad_reduce_dtype
 from .expert_parallel import apply_expert_parallel
 from .fsdp import MixedPrecisionPolicy, apply_fsdp, fsdp_group
 from .fsdp.recompute import check_recompute_under_fsdp, recompute_under_fsdp
@@ -58,13 +58,16 @@ class ParallelizedModel:
 
 
 def describe_layouts(model: GPTModel) -> None:
-    """Record the non-plain storage layouts of a model's tensors (idempotent)."""
+    """Record the non-plain storage layouts of a model's tensors (idempotent; run again after
+    LoRA, whose B of a fused ``[gate; up]`` base has ``[gate; up]`` rows too)."""
     for _, cell in model.cells_and_names():
         if isinstance(cell, MLP) and not isinstance(cell, SharedExpertMLP) \
                 and cell.config.gated_linear_unit:
             for p in (cell.linear_fc1.weight, cell.linear_fc1.bias):
                 if p is not None:
                     update_placement(p, layout="glu_halves")
+        if isinstance(cell, LoRALinear) and placement_of(cell.weight).layout == "glu_halves":
+            update_placement(cell.lora_B.weight, layout="glu_halves")
     for layer in moe_layers(model):
         experts = layer.experts
         if hasattr(experts, "weight1"):      # grouped: weight1 [H, E*2F] stored as rows of 2F
@@ -72,7 +75,7 @@ def describe_layouts(model: GPTModel) -> None:
                              row_width=2 * layer.config.moe_ffn_hidden_size)
 
 
-def _jit_blockers(cfg, pstate: ParallelState) -> List[str]:
+def jit_blockers(cfg, pstate: ParallelState) -> List[str]:
     """Layouts whose collectives or routing run only in PyNative (custom backward functions,
     host-side token counts)."""
     p = cfg.parallel
@@ -140,7 +143,7 @@ def build_grad_sync(params: list, pstate: ParallelState, cfg, overlap: bool
         group = pstate.group("_".join(dims)) if dims else comm.ProcessGroup((pstate.rank,))
         parts.append((idx, [params[i] for i in idx], group, group.size > 1))
     return PartitionedGradSync(parts, bucket_mb=cfg.parallel.ddp_bucket_mb, overlap=overlap,
-                               grad_dtype=mixed_precision.grad_dtype(cfg))
+                               grad_dtype=grad_reduce_dtype(cfg))
 
 
 def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> ParallelizedModel:
@@ -155,6 +158,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
     lora = cfg.lora if cfg.lora.r else None
     if lora is not None:
         names = apply_lora(model, lora, seed=cfg.training.seed)
+        describe_layouts(model)
         notes.append(f"lora r={lora.r} alpha={lora.alpha} on {len(names)} modules; "
                      f"{trainable_report(model)}")
         buffers = buffer_names(model)
@@ -191,7 +195,7 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
                        mesh_dim=dp_dim)
         check_recompute_under_fsdp(chunks or [model])
     jit = cfg.training.jit
-    blockers = _jit_blockers(cfg, pstate)
+    blockers = jit_blockers(cfg, pstate)
     if jit and blockers:
         jit = False
         notes.append(f"training.jit ignored: {', '.join(blockers)} run(s) only in PyNative "

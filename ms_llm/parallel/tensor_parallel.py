@@ -8,7 +8,19 @@ tp, the row-parallel bias under sp) are marked partial over ``tp``. Gradient red
 and checkpoints read nothing else.
 
 ``apply_tensor_parallel`` swaps a ``GPTModel``'s linears and embedding for these layers from
-outside; the model reads its head counts from the sharded weights' shapes.
+outside; the model reads its head counts from the sharded weights' shapes. A LoRA adapter
+(``ms_llm.lora``) on a sharded linear is split like its base weight:
+
+* column-parallel base (``linear_qkv``, ``linear_fc1``): B's rows are split like W's rows (the
+  ``[gate_r; up_r]`` rows for a fused fc1), A is replicated. Each rank's A gradient only covers
+  its B rows, so A is marked partial over ``tp`` (summed like the QK-norm weights).
+* row-parallel base (``linear_proj``, ``linear_fc2``): A's columns are split like W's columns,
+  B is replicated. The adapter's partial output is added to the base's partial output *before*
+  the all-reduce (reduce-scatter under sequence parallel), so one collective sums both; B's
+  gradient is then partial over ``tp``.
+
+Dropout under column parallel draws a mask per rank (the ranks' output slices see different
+masks); with ``lora.dropout`` 0 (the default) tp and one process compute the same thing.
 """
 from __future__ import annotations
 
@@ -21,6 +33,7 @@ from mindspore import Parameter, Tensor
 from ms_llm.compat import F, float32, int32, nn
 from ms_llm import ops as hot
 from ms_llm.ops import IGNORE_INDEX
+from ms_llm.lora.modules import LoRABranch, LoRALinear, LoRAWeight
 from . import autograd as pa
 from .placement import add_partial, add_shard, placement_of, set_placement
 
@@ -107,6 +120,45 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.matmul(x, self.weight)
+        if self.sequence_parallel:
+            y = pa.reduce_scatter_to_sequence_parallel(y, self.group, 1)
+        else:
+            y = pa.reduce_from_group(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class LoRAColumnParallelLinear(LoRABranch, ColumnParallelLinear):
+    """Column-parallel base; B split on its rows like W, A replicated (gradient partial)."""
+
+    def __init__(self, full: LoRALinear, group, *, sequence_parallel: bool = False,
+                 gather_output: bool = False, rows: Optional[np.ndarray] = None):
+        super().__init__(full, group, sequence_parallel=sequence_parallel,
+                         gather_output=gather_output, rows=rows)
+        b = _shard_param(full.lora_B.weight, 0, group.rank, group.size, rows)
+        add_partial(full.lora_A.weight, "tp")
+        self.init_branch(full.lora_A, LoRAWeight(b), full.scaling, full.lora_dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.sequence_parallel:
+            x = pa.gather_from_sequence_parallel(x, self.group, 1)
+        else:
+            x = pa.copy_to_group(x, self.group)
+        y = self.add_delta(self.matmul(x, self.weight, self.bias), x)
+        return pa.gather_from_group(y, self.group, -1) if self.gather_output else y
+
+
+class LoRARowParallelLinear(LoRABranch, RowParallelLinear):
+    """Row-parallel base; A split on its columns like W, B replicated (gradient partial); the
+    adapter's partial output joins the base's before the one reduction."""
+
+    def __init__(self, full: LoRALinear, group, *, sequence_parallel: bool = False):
+        super().__init__(full, group, sequence_parallel=sequence_parallel)
+        a = _shard_param(full.lora_A.weight, 1, group.rank, group.size)
+        add_partial(full.lora_B.weight, "tp")
+        self.init_branch(LoRAWeight(a), full.lora_B, full.scaling, full.lora_dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.add_delta(self.matmul(x, self.weight), x)
         if self.sequence_parallel:
             y = pa.reduce_scatter_to_sequence_parallel(y, self.group, 1)
         else:
@@ -222,15 +274,17 @@ def _mark_partial(module) -> None:
 
 
 def _column(full: nn.Module, group, **kwargs) -> nn.Module:
-    """A module may shard itself (LoRA adapters follow their base weight's split)."""
-    make = getattr(full, "column_parallel", None)
-    return make(group, **kwargs) if make is not None else ColumnParallelLinear(full, group,
-                                                                                **kwargs)
+    """The column-parallel version of ``full`` (a LoRA adapter follows its base weight's
+    split)."""
+    if isinstance(full, LoRALinear):
+        return LoRAColumnParallelLinear(full, group, **kwargs)
+    return ColumnParallelLinear(full, group, **kwargs)
 
 
 def _row(full: nn.Module, group, **kwargs) -> nn.Module:
-    make = getattr(full, "row_parallel", None)
-    return make(group, **kwargs) if make is not None else RowParallelLinear(full, group, **kwargs)
+    if isinstance(full, LoRALinear):
+        return LoRARowParallelLinear(full, group, **kwargs)
+    return RowParallelLinear(full, group, **kwargs)
 
 
 def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None:

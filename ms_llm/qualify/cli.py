@@ -13,9 +13,9 @@ import time
 from typing import Dict, List, Optional
 
 from . import criteria as C
-from .fault import check_fault
+from .fault import check_cell, fault_run, restart_logs, run_fault_launch
 from .matrix import STEPS, SUITES, select
-from .plan import Planner
+from .plan import Job, Planner
 from .runner import run_job, segment
 
 LETTERS = ("a", "b", "c", "d")
@@ -87,6 +87,33 @@ def _cell_log(path: str, cell, status: str, unmet, test, checks, runs: List[str]
     os.replace(path + ".tmp", path)
 
 
+def _fault_launches(planner: Planner, cells, recs, work: str, args) -> tuple:
+    """Criterion (d) for every cell that trains: one fault launch per family and worker count
+    (``qualify.fault``). Returns ``({cell key: Check}, {cell key: log lines})``."""
+    if C.restart_built():
+        return {}, {}
+    groups: Dict[tuple, list] = {}
+    for cell in cells:
+        if not cell.applicable:
+            continue
+        names = planner.cells[cell.key]
+        if C.trains(recs[names.run], args.steps).state != "ok":
+            continue
+        layout = planner.single_args(cell) + list(cell.layout)
+        run = fault_run(cell, planner.config(cell.family), layout, work, args.steps)
+        groups.setdefault((cell.family.name, cell.feature.nproc), []).append((cell, run))
+    checks, logs = {}, {}
+    for (family, nproc), members in groups.items():
+        job = Job(f"fault_{family}_n{nproc}", nproc, [r for _, r in members])
+        launch = run_fault_launch(job, work, args.timeout * len(members))
+        for i, (cell, run) in enumerate(members):
+            names = planner.cells[cell.key]
+            checks[cell.key] = check_cell(cell, run, i, launch, recs[names.run], args.steps,
+                                          args.timeout)
+            logs[cell.key] = restart_logs(launch)
+    return checks, logs
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
@@ -126,6 +153,8 @@ def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
         logs[job.name] = res["logs"]
         owner.update({r["name"]: job.name for r in job.runs})
         device = device or res["device"]
+    faults, fault_logs = ({}, {}) if args.no_fault else \
+        _fault_launches(planner, cells, recs, work, args)
     results = []
     for cell in cells:
         entry = {"family": cell.family.name, "feature": cell.feature.name, "log": None,
@@ -142,11 +171,9 @@ def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
             checks["a"] = C.parity(cell, recs, names)
             checks["b"] = C.round_trip(cell, recs, names, work)
             checks["c"] = C.resume(cell, recs, names, planner.resume_at, args.steps)
-            layout = planner.single_args(cell) + list(cell.layout)
-            checks["d"] = C.Check("unmet", "not run (--no-fault)") if args.no_fault and \
-                C.restart_built() is None else check_fault(cell, planner.config(cell.family), layout,
-                                      recs[names.run], os.path.join(work, "fault", cell.slug),
-                                      args.timeout, extra, args.steps)
+            checks["d"] = faults.get(cell.key) or C.Check(
+                "unmet", C.restart_built() or "not run (--no-fault)")
+            extra += fault_logs.get(cell.key, [])
         for chk in [test, *checks.values()]:   # the scratch folder's name says nothing
             chk.detail = chk.detail.replace(work.rstrip("/") + "/", "")
         status, unmet = _status(test, checks)

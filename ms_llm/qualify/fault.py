@@ -1,81 +1,151 @@
 """Criterion (d): a worker killed mid-step makes the job exit non-zero within the time-out, and
 the automatic restart continues the uninterrupted curve from the last checkpoint.
 
-Runs the user's path, ``scripts/pretrain.sh``, twice at the cell's layout with
-``MS_LLM_FAULT_INJECT=STEP:RANK`` (the last rank SIGKILLs itself in the middle of the last-but-one step,
-first launch only; checkpoints every 2 steps): with ``MAX_RESTARTS=0`` the job must exit
-non-zero, with ``MAX_RESTARTS=1`` it must exit 0 and ``metrics.jsonl`` (restarted steps are
-appended) must give the uninterrupted run's curve. Needs automatic restart
-(``criteria.restart_built``); until then the criterion reports "not built"."""
+Why one launch per family and worker count (instead of two ``pretrain.sh`` launches per cell):
+a launch costs ~15-20 s of start-up here, and (d) ran three of them per cell (a launch without
+restart, then a launch and its relaunch), so the full table skipped it. Now every cell of a
+family with the same worker count is one run of one qualify job (``worker.py``), and that job
+runs under the restart supervisor ``scripts/pretrain.sh`` uses (``ms_llm.training.restart``)
+with ``--max-restarts`` = the number of cells:
+
+* each run checkpoints every 2 steps and has ``MS_LLM_FAULT_INJECT=STEP:LAST_RANK`` armed on its
+  first attempt only (``worker.arm_fault``: a per-rank marker in its output folder), so the
+  last rank SIGKILLs itself in step STEP (the last-but-one) of every cell once;
+* the kill ends the launch with a non-zero exit (the supervisor logs each failed attempt's exit
+  code and duration: the time-out half of (d)), and the relaunch skips the runs already
+  recorded and resumes the killed one with ``training.resume auto``;
+* per cell, (d) holds when the run's relaunch trained only the steps after its last checkpoint
+  and ``metrics.jsonl`` (restarted steps appended) gives the uninterrupted curve.
+
+A family's fault launch thus costs one launch per cell plus one, each restart a real one.
+"""
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import time
 from typing import Dict, List
 
+from ms_llm.launch import free_port, msrun_command
+
 from .criteria import Check, compare, restart_built
 from .matrix import ROOT, Cell
-from .runner import free_port, job_env
+from .plan import Job
+from .runner import WORKER, job_env
 
 SAVE_INTERVAL = 2
+_FAILED = re.compile(r"attempt (\d+) failed with exit code (-?\d+) after ([\d.]+) s")
 
 
-def _launch(cell: Cell, config: str, args: List[str], work: str, restarts: int,
-            timeout: float, fault_step: int) -> tuple:
-    out = os.path.join(work, f"restarts{restarts}")
+def fault_run(cell: Cell, config: str, layout_args: List[str], work: str, steps: int) -> dict:
+    """The worker run of ``cell`` in its family's fault launch."""
+    out = os.path.join(work, "fault", cell.slug)
     shutil.rmtree(out, ignore_errors=True)
-    env = job_env()
-    env.update(MS_LLM_FAULT_INJECT=f"{fault_step}:{cell.feature.nproc - 1}",
-               MAX_RESTARTS=str(restarts), NPROC=str(cell.feature.nproc),
-               MASTER_PORT=str(free_port()), LOG_DIR=os.path.join(out, "msrun"),
-               CLUSTER_TIME_OUT="60")
-    cmd = ["bash", os.path.join(ROOT, "scripts", "pretrain.sh"), config, *args,
-           "--training.output_dir", out, "--checkpoint.save_dir", os.path.join(out, "ckpt"),
-           "--checkpoint.save_interval", str(SAVE_INTERVAL)]
+    return dict(name=f"{cell.slug}.fault", config=config, out=out,
+                fault=[steps - 1, cell.feature.nproc - 1],
+                args=[*layout_args, "--training.output_dir", out, "--checkpoint.save_dir",
+                      os.path.join(out, "ckpt"), "--checkpoint.save_interval",
+                      str(SAVE_INTERVAL), "--training.resume", "auto"])
+
+
+def run_fault_launch(job: Job, work: str, timeout: float, say=print) -> Dict:
+    """Run ``job`` (fault runs, one per cell) under the restart supervisor. Returns the
+    records, the failed attempts ``[(exit code, seconds)]`` in order, the supervisor's exit
+    code and its log."""
+    jdir = os.path.join(work, "fault_jobs", job.name)
+    shutil.rmtree(jdir, ignore_errors=True)
+    os.makedirs(jdir)
+    results, spec = os.path.join(jdir, "results.json"), os.path.join(jdir, "job.json")
+    with open(spec, "w", encoding="utf-8") as f:
+        json.dump({"results": results, "runs": job.runs, "resumable": True}, f, indent=1)
+    if job.nproc == 1:
+        cmd = [sys.executable, WORKER, spec]
+    else:
+        cmd = msrun_command(WORKER, [spec], worker_num=job.nproc, master_port="@PORT@",
+                            log_dir="@LOG_DIR@", cluster_time_out=60)
+    sup = [sys.executable, "-m", "ms_llm.training.restart", "--max-restarts",
+           str(len(job.runs)), "--save-dir", jdir, "--master-port", str(free_port()),
+           "--log-dir", os.path.join(jdir, "msrun"), "--", *cmd]
+    say(f"ms-llm qualify: fault launch {job.name}: {len(job.runs)} cell(s) on {job.nproc} "
+        f"worker(s), one kill and restart each")
     t0 = time.time()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                           cwd=ROOT)
+        p = subprocess.run(sup, capture_output=True, text=True, env=job_env(), timeout=timeout,
+                           cwd=ROOT, stdin=subprocess.DEVNULL)
         rc, text = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
-        rc, text = "timeout", str(e.stdout or "") + str(e.stderr or "")
-    return rc, text, time.time() - t0, out
+        rc = "timeout"
+        text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                       for x in (e.stdout, e.stderr))
+    with open(os.path.join(jdir, "supervisor.log"), "w", encoding="utf-8") as f:
+        f.write(text)
+    runs = {}
+    if os.path.exists(results):
+        with open(results, encoding="utf-8") as f:
+            runs = json.load(f)["runs"]
+    failed = [(int(m[2]), float(m[3])) for m in _FAILED.finditer(text)]
+    say(f"ms-llm qualify: fault launch {job.name}: exit {rc} after {len(failed)} kill(s) in "
+        f"{time.time() - t0:.0f} s")
+    return {"runs": runs, "failed": failed, "rc": rc, "log": text,
+            "seconds": round(time.time() - t0, 1)}
 
 
-def check_fault(cell: Cell, config: str, layout_args: List[str], uninterrupted: Dict,
-                work: str, timeout: float, log: list, steps: int) -> Check:
-    fault_step = steps - 1
+def _metrics_curve(out: str) -> Dict[int, dict]:
+    last: Dict[int, dict] = {}
+    path = os.path.join(out, "metrics.jsonl")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                r = json.loads(line)
+                if "loss" in r and "step" in r:
+                    last[int(r["step"])] = r          # a restarted step's record comes later
+    return last
+
+
+def check_cell(cell: Cell, run: dict, index: int, launch: Dict, uninterrupted: Dict,
+               steps: int, timeout: float) -> Check:
+    """(d) of ``cell``, whose fault run is the ``index``-th of its launch."""
     missing = restart_built()
     if missing:
         return Check("unmet", missing)
     if uninterrupted["error"]:
         return Check("unmet", "no uninterrupted run to compare with")
-    rc0, text, sec, _ = _launch(cell, config, layout_args, work, 0, timeout, fault_step)
-    log += [f"--- fault injected, MAX_RESTARTS=0: exit {rc0} after {sec:.0f} s", text[-3000:]]
-    if rc0 == 0 or rc0 == "timeout":
-        return Check("fail", f"killed worker: job {'timed out' if rc0 else 'exited 0'} "
-                             f"(want a non-zero exit within {timeout:.0f} s)")
-    rc, text, sec1, out = _launch(cell, config, layout_args, work, 1, timeout, fault_step)
-    log += [f"--- fault injected, MAX_RESTARTS=1: exit {rc} after {sec1:.0f} s", text[-3000:]]
-    if rc != 0:
-        return Check("fail", f"automatic restart: exit {rc}")
-    last = {}
-    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            if "loss" in r and "step" in r:
-                last[int(r["step"])] = r          # a restarted step's record comes later
-    logged = sorted(last)
-    if logged != list(range(1, steps + 1)):
-        return Check("fail", f"metrics.jsonl steps after restart: {logged}")
-    got = {"loss": [last[s]["loss"] for s in logged],
-           "grad_norm": [last[s]["grad_norm"] for s in logged]}
+    if index >= len(launch["failed"]):
+        return Check("fail", f"killed worker did not end the launch (launch exit "
+                             f"{launch['rc']}, {len(launch['failed'])} failed attempt(s))")
+    code, sec = launch["failed"][index]
+    if code == 0 or sec > timeout:
+        return Check("fail", f"killed worker: attempt exited {code} after {sec:.0f} s")
+    rec = launch["runs"].get(run["name"])
+    if rec is None or rec.get("error"):
+        return Check("fail", f"automatic restart: {rec['error'] if rec else 'no record'} "
+                             f"(launch exit {launch['rc']})")
+    fault_step = run["fault"][0]
+    resumed_at = (fault_step - 1) // SAVE_INTERVAL * SAVE_INTERVAL
+    if rec.get("steps") != list(range(resumed_at + 1, steps + 1)):
+        return Check("fail", f"relaunch trained steps {rec.get('steps')}, expected "
+                             f"{resumed_at + 1}-{steps} (resume from step {resumed_at})")
+    last = _metrics_curve(run["out"])
+    if sorted(last) != list(range(1, steps + 1)):
+        return Check("fail", f"metrics.jsonl steps after restart: {sorted(last)}")
+    got = {"loss": [last[s]["loss"] for s in sorted(last)],
+           "grad_norm": [last[s]["grad_norm"] for s in sorted(last)]}
     why = compare(got, uninterrupted, cell.feature.tol(cell.family))
     if why:
         return Check("fail", f"restarted curve: {why}")
-    return Check("ok", f"rank {cell.feature.nproc - 1} killed in step {fault_step}: exit {rc0} "
-                       f"after {sec:.0f} s without restart; with MAX_RESTARTS=1 exit 0, resumed "
-                       f"from its last checkpoint and matched the uninterrupted curve")
+    return Check("ok", f"rank {run['fault'][1]} killed in step {fault_step}: launch exit {code} "
+                       f"after {sec:.0f} s; automatic restart resumed from step {resumed_at} "
+                       f"and matched the uninterrupted curve")
+
+
+def restart_logs(launch: Dict, tail: int = 40) -> List[str]:
+    """The supervisor's lines (restarts, exit codes) for a cell log."""
+    # the supervisor's "resuming from" names its --save-dir; each run resumes from its own
+    lines = [re.sub(r"resuming from .*?; worker logs", "each killed run resumes from its own "
+                    "save_dir; worker logs", ln)
+             for ln in launch["log"].splitlines() if ln.startswith("ms-llm restart:")]
+    return ["--- fault launch (restart supervisor)", *lines[-tail:]]

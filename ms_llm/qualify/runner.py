@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from typing import Dict, List
+
+from ms_llm.launch import MsrunJob, free_port, launch_env, msrun_command
 
 from .matrix import ROOT
 from .plan import Job
@@ -16,17 +16,9 @@ from .plan import Job
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def job_env() -> dict:
-    env = dict(os.environ, GLOG_v=os.environ.get("GLOG_v", "3"), PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    return env
+    """The launch environment (:func:`ms_llm.launch.launch_env`)."""
+    return launch_env()
 
 
 def run_job(job: Job, work: str, timeout: float, say=print) -> Dict:
@@ -43,31 +35,19 @@ def run_job(job: Job, work: str, timeout: float, say=print) -> Dict:
         json.dump({"results": results, "runs": job.runs}, f, indent=1)
     t0 = time.time()
     say(f"ms-llm qualify: job {job.name}: {len(job.runs)} run(s) on {job.nproc} worker(s)")
-    if job.nproc == 1:
-        cmd = [sys.executable, WORKER, spec]
-        log_files = [os.path.join(jdir, "worker_0.log")]
+    if job.nproc == 1:   # one plain process: its output is rank 0's log
+        cmd, log_dir = [sys.executable, WORKER, spec], None   # MsrunJob reads jdir/worker_0.log
+        output = os.path.join(jdir, "worker_0.log")
     else:
-        cmd = ["msrun", "--worker_num", str(job.nproc), "--local_worker_num", str(job.nproc),
-               "--master_port", str(free_port()), "--log_dir", os.path.join(jdir, "msrun"),
-               "--join", "True", "--cluster_time_out", "120", WORKER, spec]
-        log_files = [os.path.join(jdir, "msrun", f"worker_{i}.log") for i in range(job.nproc)]
-    with open(os.path.join(jdir, "launcher.log"), "w") as out:
-        try:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=job_env(),
-                                timeout=timeout, cwd=ROOT,
-                                stdin=subprocess.DEVNULL).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    if job.nproc == 1:   # the single process's output is the launcher log
-        os.replace(os.path.join(jdir, "launcher.log"), log_files[0])
-    logs = []
-    for p in log_files:
-        try:
-            with open(p, errors="replace") as f:
-                logs.append(f.read())
-        except OSError:
-            logs.append("")
-    out = {"runs": {}, "logs": logs, "rc": rc, "seconds": round(time.time() - t0, 1),
+        log_dir = os.path.join(jdir, "msrun")
+        cmd = msrun_command(WORKER, [spec], worker_num=job.nproc, master_port=free_port(),
+                            log_dir=log_dir, cluster_time_out=120)
+        output = os.path.join(jdir, "launcher.log")
+    # a time-out kills the whole launch (its workers too)
+    launch = MsrunJob(cmd, log_dir or jdir, job.nproc, env=job_env(), cwd=ROOT,
+                      output=output).wait(timeout)
+    rc = launch.returncode
+    out = {"runs": {}, "logs": launch.logs, "rc": rc, "seconds": round(time.time() - t0, 1),
            "device": None}
     if os.path.exists(results):
         with open(results, encoding="utf-8") as f:

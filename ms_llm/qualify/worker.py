@@ -7,7 +7,9 @@ argv: JOB.json, holding ``{"results": PATH, "runs": [RUN, ...]}`` with RUN =
 "copy_ckpt": [SRC, DST] or null, "no_fit": bool}``: ``probe`` saves the trained model's logits on a fixed batch
 (one process only), ``export_hf`` exports the run's newest checkpoint as a Hugging Face folder,
 ``copy_ckpt`` copies a checkpoint folder after the run (to resume it later at another layout), ``no_fit``
-only builds the trainer (a reloaded model's logits).
+only builds the trainer (a reloaded model's logits), ``fault: [STEP, RANK]`` with ``out`` (its
+output folder) kills RANK in step STEP on the run's first attempt (``arm_fault``). A job with
+``"resumable": true`` records each run as it ends and, relaunched, skips the recorded ones.
 A run that fails records its error and the job goes on with the next run.
 """
 from __future__ import annotations
@@ -38,7 +40,7 @@ def probe_logits(model, vocab: int) -> np.ndarray:
 def export_hf(save_dir: str, out_dir: str) -> str:
     """The newest complete checkpoint of ``save_dir`` as an HF folder (LoRA: merged)."""
     from ms_llm.checkpoint import dcp, dcp_export
-    from ms_llm.lora import export as lora_export
+    from ms_llm.checkpoint import lora_export
     path = dcp.find_latest_complete(save_dir)
     if path is None:
         raise FileNotFoundError(f"{save_dir}: no complete checkpoint")
@@ -81,6 +83,31 @@ def run_one(run: dict, info) -> dict:
     return rec
 
 
+def arm_fault(run: dict, rank: int) -> None:
+    """A run with ``fault: [STEP, RANK]`` (criterion (d), ``qualify.fault``) sets
+    ``MS_LLM_FAULT_INJECT`` armed on the run's first attempt only: each rank leaves a marker in
+    the run's output folder, so the relaunch after the kill resumes the run instead of dying
+    again, while the next run of the job is killed once in its turn."""
+    from ms_llm.training.faults import ATTEMPT_ENV, FAULT_ENV
+    os.environ.pop(FAULT_ENV, None)
+    if not run.get("fault"):
+        return
+    marker = os.path.join(run["out"], f".fault_armed_rank{rank}")
+    first = not os.path.exists(marker)
+    if first:
+        os.makedirs(run["out"], exist_ok=True)
+        open(marker, "w").close()
+    os.environ[FAULT_ENV] = f"{run['fault'][0]}:{run['fault'][1]}"
+    os.environ[ATTEMPT_ENV] = "0" if first else "1"
+
+
+def _write(results: dict, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(results, f)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0], encoding="utf-8") as f:
@@ -90,17 +117,24 @@ def main(argv=None) -> int:
     from ms_llm.parallel.runtime import init_distributed
     info = init_distributed()
     results = {"device": device, "world_size": info.world_size, "runs": {}}
+    # a relaunched job (``resumable``: under the restart supervisor) skips the runs it recorded
+    resumable = bool(job.get("resumable"))
+    if resumable and os.path.exists(job["results"]):
+        with open(job["results"], encoding="utf-8") as f:
+            results["runs"] = json.load(f)["runs"]
     for run in job["runs"]:
+        if run["name"] in results["runs"]:
+            continue
+        arm_fault(run, info.rank)
         print(f"=== qualify run {run['name']} begin ===", flush=True)
         rec = run_one(run, info)
         results["runs"][run["name"]] = rec
         status = "ok" if rec["error"] is None else f"error: {rec['error']}"
         print(f"=== qualify run {run['name']} end ({status}, {rec['seconds']} s) ===", flush=True)
+        if resumable and info.rank == 0:
+            _write(results, job["results"])
     if info.rank == 0:
-        tmp = job["results"] + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(results, f)
-        os.replace(tmp, job["results"])
+        _write(results, job["results"])
     return 0
 
 

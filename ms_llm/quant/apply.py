@@ -20,7 +20,6 @@ from typing import Callable, Dict, List, Sequence
 from mindspore import nn as ms_nn
 
 from ms_llm.compat import nn
-from ms_llm.compat._private import child_cell
 from ms_llm.models.moe import GroupedMLP
 from ms_llm.ops.linear import Linear as OpsLinear
 from .modules import MXFP8GroupedMLP, MXFP8Linear
@@ -45,14 +44,6 @@ def register_replacement(cls: type, factory: Callable) -> None:
 
 def _match(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def _set_child(root: ms_nn.Cell, name: str, new: ms_nn.Cell) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root
-    for part in parent_name.split(".") if parent_name else []:
-        parent = child_cell(parent, part)  # CellList entries ("0", "1", ...) included
-    parent.insert_child_to_cell(child, new)
 
 
 def apply_quantization(model: ms_nn.Cell, quant_cfg) -> List[str]:
@@ -91,7 +82,7 @@ def apply_quantization(model: ms_nn.Cell, quant_cfg) -> List[str]:
     built = [(n, _REPLACEMENTS[type(c)](c, scale_mode=scale_mode, elem_dtype=elem, name=n))
              for n, c in selected]
     for n, new in built:
-        _set_child(model, n, new)
+        nn.set_submodule(model, n, new)
     log.info("quant: %s (%s, scale_mode=%s, %s path) replaced %d modules: %s", recipe, elem,
              scale_mode, path, len(built), ", ".join(n for n, _ in built))
     return [n for n, _ in built]

@@ -22,16 +22,18 @@ from typing import Optional
 
 import numpy as np
 
+from ms_llm.compat.environment import variable
+
 PROBE_SHAPE = (2048, 1024, 1024)   # M, K, N: large enough to reach the BLAS plateau, ~20 ms
 PROBE_REPS = 12
 
 
 def cache_path() -> Path:
     """``$MS_LLM_PEAK_FILE``, else ``peak_tflops.json`` in the kernels' cache root."""
-    file = os.environ.get("MS_LLM_PEAK_FILE")
+    file = variable("MS_LLM_PEAK_FILE")
     if file:
         return Path(file).expanduser()
-    root = os.environ.get("MS_LLM_CACHE")
+    root = variable("MS_LLM_CACHE")
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "ms_llm") / \
         "peak_tflops.json"
 
@@ -84,7 +86,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 def cpu_peak_tflops(say=None) -> float:
     """The cached probe figure for this host / kernel / thread count, measured if missing."""
-    from ms_llm.ops._dispatch import resolve_paths
+    from ms_llm.ops import resolve_paths
     path = resolve_paths()["linear"]
     key = _probe_key(path, _threads(path))
     file = cache_path()

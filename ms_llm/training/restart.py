@@ -1,13 +1,14 @@
 """Automatic restart: run a launch command, and after a failure relaunch it with
 ``--training.resume auto`` until it succeeds or ``max_restarts`` relaunches have failed.
 
-``scripts/pretrain.sh`` runs its msrun command through this module when ``MAX_RESTARTS`` (or
-the config's ``training.max_restarts``) is above 0; the script's config check supplies N and
+``scripts/pretrain.sh`` launches through this module (with ``MAX_RESTARTS``, or the config's
+``training.max_restarts``, of 0 it is one plain launch); the msrun command of each attempt comes
+from :func:`ms_llm.launch.msrun_command`. The script's config check supplies N and
 ``checkpoint.save_dir``, so this loop imports no MindSpore until a relaunch reports its step::
 
     python -m ms_llm.training.restart --max-restarts N --save-dir SAVE_DIR \\
-        --master-port P --log-dir D -- msrun ... --master_port @PORT@ --log_dir @LOG_DIR@ \\
-        ENTRY CONFIG [--section.key VALUE ...]
+        --master-port P --log-dir D --worker-num W [--local-worker-num L --node-rank R \\
+        --master-addr A --cluster-time-out T] -- ENTRY CONFIG [--section.key VALUE ...]
 
 Relaunch k (1, 2, ...) uses master port ``P + k`` (the previous scheduler's port may still be in
 TIME_WAIT, and every node derives the same port) and worker logs in ``D/restart_k`` (the failed
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import time
 from typing import Callable, List, Optional, Sequence
+
+from ms_llm.launch import msrun_command
 
 from .faults import ATTEMPT_ENV
 
@@ -78,8 +81,9 @@ def run_with_restarts(template: Sequence[str], max_restarts: int, save_dir: Opti
                 say(f"attempt {attempt + 1} succeeded after {attempt} restart(s) "
                     f"({time.time() - t0:.1f} s)")
             return 0
-        say(f"attempt {attempt + 1} failed with exit code {rc} after {time.time() - t0:.1f} s "
-            f"(at unix time {time.time():.3f})")
+        if max_restarts:
+            say(f"attempt {attempt + 1} failed with exit code {rc} after "
+                f"{time.time() - t0:.1f} s (at unix time {time.time():.3f})")
     if max_restarts:
         say(f"giving up after {max_restarts} restart(s); last exit code {rc}")
     return rc
@@ -94,9 +98,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="the run's checkpoint.save_dir (where a relaunch resumes from)")
     ap.add_argument("--master-port", type=int, required=True)
     ap.add_argument("--log-dir", required=True)
-    ap.add_argument("command", nargs=argparse.REMAINDER)
+    ap.add_argument("--worker-num", type=int, default=1, help="workers in the whole job")
+    ap.add_argument("--local-worker-num", type=int, default=None,
+                    help="workers on this node (default: all)")
+    ap.add_argument("--node-rank", type=int, default=None)
+    ap.add_argument("--master-addr", default=None)
+    ap.add_argument("--cluster-time-out", type=int, default=120)
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- ENTRY CONFIG [overrides]")
     a = ap.parse_args(argv)
-    template = a.command[1:] if a.command[:1] == ["--"] else a.command
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not command:
+        print("no training entry point after --", file=sys.stderr)
+        return 2
+    template = msrun_command(command[0], command[1:], worker_num=a.worker_num,
+                             local_worker_num=a.local_worker_num, node_rank=a.node_rank,
+                             master_addr=a.master_addr, master_port=PORT, log_dir=LOG_DIR,
+                             cluster_time_out=a.cluster_time_out)
     if not a.max_restarts.isdigit():
         print(f"MAX_RESTARTS must be an integer >= 0, got {a.max_restarts!r}", file=sys.stderr)
         return 2

@@ -13,14 +13,14 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor
 
-from ms_llm.compat import _private
+from ms_llm.compat import private_api
 
 
 def capture() -> dict:
     rng = np.random.get_state()
     return {"numpy": [rng[0], rng[1].tolist(), rng[2], rng[3], rng[4]],
             "mindspore": ms.get_rng_state().asnumpy().tolist(),
-            "mindspore_kernel_seeds": _private.legacy_kernel_seeds()}
+            "mindspore_kernel_seeds": private_api.legacy_kernel_seeds()}
 
 
 def restore(state: dict) -> None:
@@ -29,4 +29,4 @@ def restore(state: dict) -> None:
     if "mindspore" in state:
         ms.set_rng_state(Tensor(np.asarray(state["mindspore"], np.uint8)))
     if "mindspore_kernel_seeds" in state:
-        _private.set_legacy_kernel_seeds(state["mindspore_kernel_seeds"])
+        private_api.set_legacy_kernel_seeds(state["mindspore_kernel_seeds"])

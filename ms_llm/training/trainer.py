@@ -14,15 +14,18 @@ import mindspore as ms
 from mindspore import Tensor
 
 from ms_llm.checkpoint import dcp
+from ms_llm.checkpoint.verify import guard_save_dir
 from ms_llm.compat import manual_seed, setup_device
+from ms_llm.compat.environment import configure
 from ms_llm.config import ConfigError, RunConfig, check_launch
 from ms_llm.models import GPTModel
 from ms_llm.checkpoint import from_pretrained
 from ms_llm.lora import base as lora_base
 from ms_llm.lora.modules import is_frozen_base, lora_module_names
-from ms_llm.ops._dispatch import resolve_paths
+from ms_llm.ops import resolve_paths
+from ms_llm.optim import build_optimizer, param_groups
 from ms_llm.parallel import comm
-from ms_llm.parallel.distributed_optimizer import build_optimizer, bytes_per_rank
+from ms_llm.parallel.distributed_optimizer import bytes_per_rank
 from ms_llm.parallel.parallelize import parallelize_model
 from ms_llm.parallel.placement import Mesh
 from ms_llm.parallel.runtime import DistInfo, init_distributed
@@ -37,7 +40,8 @@ from .dpo import DPOObjective, dpo_pieces, reference_for
 from .evaluate import Evaluator
 from .executors import PipelineStepExecutor, PlainExecutor, StepExecutor, build_pipeline
 from .fault_hooks import FaultInjection, RankStatus, appends_metrics
-from .lr_schedule import check_lr_schedule, lr_for_step, lr_schedule
+from .lr_schedule import check_lr_schedule, lr_schedule, restore_scheduler, \
+    scheduler_from_config
 from .metrics import MetricsLogger, current_rss_gb, reset_peak_rss, step_extras
 from .moe_step import ExpertBiasUpdate
 from .nonfinite import guard_for, names_of
@@ -65,14 +69,15 @@ class Trainer:
     def __init__(self, cfg: RunConfig, dist: Optional[DistInfo] = None,
                  callbacks: Sequence[TrainerCallback] = ()):
         self.cfg = cfg
+        configure(cfg.explicit_settings())   # runtime.* keys for the packages below the config
         self.dist = dist or DistInfo()
+        check_launch(cfg, self.dist.world_size)   # the mesh, global batch, pipeline schedule
         t = cfg.training
         p = cfg.parallel
         self.callbacks = CallbackList()
         if self.dist.world_size > 1:
             comm.set_collective_timeout(p.collective_timeout_s)
             self.callbacks.append(RankStatus(t.output_dir))   # the watchdog's time-out report
-        check_launch(cfg, self.dist.world_size)   # the mesh, global batch, pipeline schedule
         self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
                                                 pp=p.pipeline_model_parallel_size,
                                                 cp=p.context_parallel_size,
@@ -110,7 +115,9 @@ class Trainer:
         named = [(n, q) for n, q in self.named_params if q.requires_grad]
         self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit)
         # The distributed optimizer reduce-scatters instead of all-reducing (its own grad sync).
-        grad_sync = getattr(self.optimizer, "grad_sync", par.grad_sync)
+        grad_sync = self.optimizer.grad_sync or par.grad_sync
+        for line in param_groups.describe(self.optimizer.groups):
+            self._say(line)
         self._sync_timer = self.timers("grads-reduce-scatter" if self.fsdp or
                                        p.use_distributed_optimizer else "grads-all-reduce")
         self.optimizer_bytes = bytes_per_rank(sum(self.optimizer.state_bytes().values()))
@@ -122,6 +129,7 @@ class Trainer:
         resolve_paths()  # pick every op's kernel now, outside any graph capture
         self.executor = self._executor(par, grad_sync)
         self.step = 0
+        self.scheduler = scheduler_from_config(t)   # Megatron's, counted in samples
         self._lora_state = None
         self.guard = guard_for(cfg, self.dist)
         self._opt_names = names_of(self.optimizer.params, self.named_params)
@@ -178,9 +186,12 @@ class Trainer:
 
     def _maybe_resume(self) -> None:
         ck = self.cfg.checkpoint
-        if self.cfg.training.resume != "auto":
+        auto = self.cfg.training.resume == "auto"
+        latest = dcp.resolve_resume("auto", ck.save_dir, report=self._say) if auto else None
+        guard_save_dir(ck.save_dir, latest, dataclasses.asdict(self.cfg.model), self._say,
+                       self.dist.rank)   # never write over checkpoints that do not verify
+        if not auto:
             return
-        latest = dcp.resolve_resume("auto", ck.save_dir, report=self._say)
         if latest is None:
             self._say(f"resume=auto: no complete checkpoint in {ck.save_dir}, starting fresh")
             return
@@ -195,6 +206,7 @@ class Trainer:
         self.data.loader.load_state_dict(state["data"])
         rng_state.restore(state.get("rng") or {"numpy": state["numpy_rng"]})
         check_lr_schedule(state, self.cfg, self._say)
+        restore_scheduler(self.scheduler, state, self.cfg)
         self.guard.skipped = int(state.get("skipped_steps", 0))
         self._say(f"resumed from {latest} at step {self.step}")
 
@@ -209,6 +221,7 @@ class Trainer:
         state = {"step": self.step, "data": self.data.loader.state_dict(),
                  "numpy_rng": rng["numpy"], "rng": rng,
                  "lr_schedule": lr_schedule(self.cfg),
+                 "opt_param_scheduler": self.scheduler.state_dict(),
                  "skipped_steps": self.guard.skipped,
                  "model_config": dataclasses.asdict(self.cfg.model)}
         if self.cfg.lora.r:   # adapters only: record the base they belong to (rank 0 writes)
@@ -254,13 +267,16 @@ class Trainer:
         skip = self.guard.check(step, total_loss, norm, self._opt_names, grads)
         grads = gradlib.clip_(grads, t.clip_grad, norm)
         self.step = step
-        lr = lr_for_step(self.cfg, step)
-        if not skip:   # training.nan_policy skip: no update
+        lr = self.scheduler.get_lr()   # applied: the lr of the samples consumed before this step
+        if not skip:   # training.nan_policy skip: no update, and the schedule does not advance
             self.optimizer.step(grads, lr)
+            self.scheduler.step(t.global_batch_size)
         self.callbacks.on_update(step, skip)
         opt_timer.stop()
         tokens = sum(int(v.size) for b in batches for k, v in b.items() if k.endswith("tokens"))
-        out = {"loss": total_loss, "grad_norm": norm, "lr": lr, "skipped": skip,
+        # logged: the lr after the scheduler's advance, as Megatron's log line prints it
+        out = {"loss": total_loss, "grad_norm": norm, "lr": self.scheduler.get_lr(),
+               "skipped": skip,
                "tokens": tokens * self.dp_group.size, "metrics": self.objective.step_metrics()}
         self.callbacks.on_step_end(step, out)
         return out
@@ -340,6 +356,7 @@ class Trainer:
 
 
 def run(cfg: RunConfig) -> list:
+    configure(cfg.explicit_settings())   # before the device and the kernels are set up
     # The device must be chosen before mindspore.communication.init().
     setup_device(None if cfg.training.device == "auto" else cfg.training.device)
     apply_deterministic(cfg.training.deterministic)   # before communication.init (MindSpore)

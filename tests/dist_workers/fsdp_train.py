@@ -24,6 +24,7 @@ from ms_llm.parallel.runtime import init_distributed  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from msrun_util import parse_run_spec  # noqa: E402
 from parallel_common import AWKWARD, CONFIG, SyntheticLoader, small_data_overrides  # noqa: E402
 
 
@@ -51,11 +52,10 @@ def unit_reduce(out_path: str, rank: int) -> None:
 info = init_distributed()
 results = {}
 for spec in sys.argv[2:]:
-    name, _, extra = spec.partition(":")
+    name, args, _ = parse_run_spec(spec)
     if name == "unit_reduce":
         unit_reduce(sys.argv[1], info.rank)
         continue
-    args = [a for a in extra.split(",") if a]
     cfg = load_config(CONFIG, AWKWARD + small_data_overrides() +
                       args)
     trainer = Trainer(cfg, info)

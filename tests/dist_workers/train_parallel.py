@@ -2,6 +2,7 @@
 (one job start costs ~15 s here) and has rank 0 write each run's losses and grad norms as JSON.
 
 argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], where RUN_SPEC is "name:--key=value,--key=value"
+(``msrun_util.run_spec`` writes it, ``parse_run_spec`` reads it)
 (``@dead`` among them: kill parallel_common.DEAD_EXPERTS before training; ``@packed``: wrap the
 loader in parallel_common.PackedLoader; ``@deepseek``: the DeepSeek-V3 proxy of
 deepseek_parallel_common instead of the tiny config; ``@count_attention``: record in the
@@ -21,6 +22,7 @@ from ms_llm.training.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from deepseek_parallel_common import DS_BASE, DS_CONFIG  # noqa: E402
+from msrun_util import parse_run_spec  # noqa: E402
 from parallel_common import BASE, CONFIG, PackedLoader, kill_experts, run_record  # noqa: E402
 
 info = init_distributed()
@@ -36,10 +38,9 @@ if any("@count_attention" in spec for spec in sys.argv[2:]):
     ring._RingAttention.forward = staticmethod(_counted)
 results = {}
 for spec in sys.argv[2:]:
-    name, _, extra = spec.partition(":")
-    args = [a.replace("|", ",") for a in extra.split(",") if a]   # "|": a list value's comma
+    name, overrides, args = parse_run_spec(spec)   # args: the @flags
     config, base = (DS_CONFIG, DS_BASE) if "@deepseek" in args else (CONFIG, BASE)
-    cfg = load_config(config, base + [a for a in args if not a.startswith("@")])
+    cfg = load_config(config, base + overrides)
     trainer = Trainer(cfg, info)
     if "@dead" in args:
         kill_experts(trainer)

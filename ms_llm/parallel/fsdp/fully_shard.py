@@ -33,7 +33,7 @@ from typing import Iterable, List, Optional, Sequence
 from mindspore import Parameter, Tensor, mint
 
 from ms_llm.compat import F, float32, to_ms_dtype
-from ms_llm.compat._private import free_storage, refill_storage
+from ms_llm.compat.private_api import free_storage, refill_storage
 from ms_llm.compat.autograd import Function
 from ms_llm.compat.nn import shadow_parameter, unshadow_parameter
 from .. import comm

@@ -32,7 +32,7 @@ class PrivateAPIError(RuntimeError):
 def _missing(api: str) -> PrivateAPIError:
     return PrivateAPIError(
         f"MindSpore {ms.__version__} has no {api} (private API ms_llm relies on, verified on "
-        f"MindSpore {', '.join(VERIFIED_ON)}); see ms_llm/compat/_private.py")
+        f"MindSpore {', '.join(VERIFIED_ON)}); see ms_llm/compat/private_api.py")
 
 
 def _require(owner: Any, attr: str, api: str) -> Any:
@@ -49,7 +49,7 @@ def version_verified(version: str = ms.__version__) -> bool:
 
 
 if not version_verified():
-    log.warning("MindSpore %s: ms_llm's private-API uses (ms_llm/compat/_private.py) were verified "
+    log.warning("MindSpore %s: ms_llm's private-API uses (ms_llm/compat/private_api.py) were verified "
                 "on %s only; run tests/test_private_api.py", ms.__version__, ", ".join(VERIFIED_ON))
 
 

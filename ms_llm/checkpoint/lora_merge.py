@@ -10,7 +10,6 @@ turn ``-0.0`` into ``+0.0``.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import OrderedDict
@@ -19,8 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ms_llm.checkpoint import layouts as L
-
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")   # lora.target_modules
+from ms_llm.lora.base import STATE_KEY, check_base
 
 # Megatron module (relative to decoder.layers.{i}.) -> HF module(s) it fuses
 MODULES = OrderedDict([
@@ -51,7 +49,13 @@ class Adapters:
     module, or per HF module (PEFT files need not share A between q, k and v)."""
 
     def __init__(self, r: int, alpha: float, where: str, state: Optional[dict] = None):
-        self.r, self.alpha, self.where = int(r), float(alpha), where
+        from ms_llm.validation import InputError, check_float, check_int
+        try:   # a checkpoint's recorded r / alpha pass the same checks as PEFT's
+            self.r = check_int(where, "lora r", r, 1, 1 << 16)
+            self.alpha = check_float(where, "lora alpha", alpha)
+        except InputError as e:
+            raise AdapterError(str(e)) from None
+        self.where = where
         self.scale = self.alpha / self.r
         self.state = state or {}
         self.fused: Dict[Tuple[int, str], Tuple[np.ndarray, np.ndarray]] = {}
@@ -94,6 +98,20 @@ class Adapters:
                                f"in the base model (a different base?)")
 
 
+def check_pair(ad: "Adapters", what: str, a: np.ndarray, b: np.ndarray) -> Tuple[np.ndarray,
+                                                                               np.ndarray]:
+    """One module's (A, B): 2-D, rank ``ad.r`` (A is ``[r, in]``, B ``[out, r]``: a rank that
+    disagrees with the recorded ``r`` would make ``alpha / r`` the wrong scale) and finite."""
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != ad.r or b.shape[1] != ad.r:
+        raise AdapterError(f"{ad.where}: {what}: lora_A {list(a.shape)} / lora_B "
+                           f"{list(b.shape)} do not have rank r = {ad.r} (adapter_config.json "
+                           f"or the checkpoint's lora.r disagrees with the tensors)")
+    for name, x in (("lora_A", a), ("lora_B", b)):
+        if not np.isfinite(np.asarray(x, np.float32)).all():
+            raise AdapterError(f"{ad.where}: {what} {name} holds a non-finite value (NaN/inf)")
+    return a, b
+
+
 def _hf_shapes(spec: L.ModelSpec, mod: str) -> List[tuple]:
     H, d = spec.hidden, spec.head_dim
     return {"self_attention.linear_qkv": [(spec.heads * d, H), (spec.groups * d, H),
@@ -107,7 +125,6 @@ def _hf_shapes(spec: L.ModelSpec, mod: str) -> List[tuple]:
 def read_checkpoint_adapters(path: str) -> Adapters:
     """The adapters of an ms-llm training checkpoint (an ``iter_*`` folder)."""
     from ms_llm.checkpoint.dcp_load import DCPReader
-    from .base import STATE_KEY
     reader = DCPReader(path)
     try:
         st = reader.state.get(STATE_KEY)
@@ -129,7 +146,7 @@ def read_checkpoint_adapters(path: str) -> Adapters:
             if mod not in MODULES or set(p) != {"A", "B"}:
                 raise AdapterError(f"{path}: decoder.layers.{i}.{mod}: expected lora_A and "
                                    f"lora_B of a {'/'.join(TARGETS)} module")
-            ad.fused[(i, mod)] = (p["A"], p["B"])
+            ad.fused[(i, mod)] = check_pair(ad, f"decoder.layers.{i}.{mod}", p["A"], p["B"])
         if not ad.fused:
             raise AdapterError(f"{path}: the checkpoint holds no adapter tensors")
         return ad
@@ -141,9 +158,12 @@ def read_peft_adapters(folder: str) -> Adapters:
     """PEFT's ``adapter_config.json`` + ``adapter_model.safetensors`` (LoRA, no rsLoRA, no
     per-module rank or alpha patterns, no DoRA)."""
     from ms_llm.checkpoint.hf_io import SafetensorsFile
+    from ms_llm.validation import InputError, read_json_object, validate_adapter_config
     cfg_path = os.path.join(folder, "adapter_config.json")
-    with open(cfg_path, encoding="utf-8") as f:
-        cfg = json.load(f)
+    try:
+        cfg = validate_adapter_config(read_json_object(cfg_path), cfg_path)
+    except InputError as e:
+        raise AdapterError(str(e)) from None
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
     for key in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern"):
@@ -162,7 +182,7 @@ def read_peft_adapters(folder: str) -> Adapters:
     for key, p in pairs.items():
         if set(p) != {"A", "B"}:
             raise AdapterError(f"{folder}: layer {key[0]} {key[1]} lacks lora_A or lora_B")
-        ad.per_hf[key] = (p["A"], p["B"])
+        ad.per_hf[key] = check_pair(ad, f"layer {key[0]} {key[1]}", p["A"], p["B"])
     return ad
 
 
@@ -199,6 +219,9 @@ class MergedSource:
 
     def check(self) -> None:
         self.adapters.check_all_applied()
+        inner = getattr(self.src, "check", None)
+        if inner is not None:
+            inner()
 
     def layer(self, i: int) -> Dict:
         full = self.src.layer(i)
@@ -216,7 +239,6 @@ def merged_source(src, opts, load_dir: str):
     """``ms-llm convert --lora-load DIR``: ``src`` with the adapters of DIR merged in. MindSpeed's
     ``--lora-r`` / ``--lora-alpha`` / ``--lora-target-modules`` are checked against what the
     adapters record; an ms-llm checkpoint's base fingerprint must match ``load_dir``."""
-    from .base import check_base
     ad = read_adapters(opts.lora_load)
     for flag, given, have in (("--lora-r", opts.lora_r, ad.r),
                               ("--lora-alpha", opts.lora_alpha, ad.alpha)):
@@ -231,4 +253,9 @@ def merged_source(src, opts, load_dir: str):
                                f"the adapters in {opts.lora_load} are on {' '.join(have)}")
     if ad.state.get("base_sha256"):
         check_base(ad.state, load_dir, ad.where)
+    elif getattr(ad, "checkpoint_state", None) is not None:
+        # an ms-llm checkpoint always records its base's fingerprint: one without it was
+        # edited, and merging it into an unchecked base could give a different model silently
+        raise AdapterError(f"{ad.where}: its lora state records no base fingerprint "
+                           f"(base_sha256), so {load_dir} cannot be checked as its base")
     return MergedSource(src, ad)

@@ -22,7 +22,8 @@ import numpy as np
 
 from ms_llm.checkpoint import layouts as L
 from ms_llm.checkpoint.hf_io import HFWriter
-from .merge import MODULES, PEFT_PREFIX, AdapterError, read_checkpoint_adapters
+from ms_llm.lora.base import STATE_KEY
+from .lora_merge import MODULES, PEFT_PREFIX, AdapterError, read_checkpoint_adapters
 
 
 def export_merged(ckpt: str, out_dir: str, *, fmt: str = "hf", dtype: Optional[str] = None,
@@ -129,7 +130,6 @@ def export_peft(ckpt: str, out_dir: str) -> str:
 
 def is_lora_checkpoint(ckpt: str) -> bool:
     from ms_llm.checkpoint.dcp_load import DCPReader
-    from .base import STATE_KEY
     r = DCPReader(ckpt)
     try:
         return bool(r.state.get(STATE_KEY))

@@ -1,12 +1,15 @@
 """``ms-llm schedule``: print the pipeline schedule a config would run, before any process
-starts (per rank, the actions of each lockstep round, and the simulated bubble)."""
+starts (per rank, the actions of each lockstep round, and the simulated bubble). It reads a
+training config, so it sits with ``training`` (``parallel`` builds the schedule)."""
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import List
 
-from .schedules import bubble_fraction, build_schedule, format_schedule, plan_rounds
+from ms_llm.config import ConfigError, load_config
+from ms_llm.parallel.pipeline.schedules import (bubble_fraction, build_schedule,
+                                                format_schedule, plan_rounds)
 
 
 def main(argv: List[str]) -> int:
@@ -27,7 +30,6 @@ def main(argv: List[str]) -> int:
     opts.add_argument("--workers", type=int, default=None)
     args, overrides = opts.parse_known_args(rest)
     args.config = config
-    from ms_llm.config import ConfigError, load_config
     try:
         cfg = load_config(args.config, overrides)
         par, t = cfg.parallel, cfg.training

@@ -1,0 +1,52 @@
+"""Shared by the benchmark scripts: launching a worker (one plain process, or msrun through
+``ms_llm.launch``), the tiny model of a quick ``--small`` check, and the machine line every figure
+is printed with (figures on a shared machine are only comparable within one run)."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from ms_llm.launch import (LaunchResult, MsrunJob, free_port, launch_env,  # noqa: E402,F401
+                           msrun_command, run_msrun)
+
+# The tiny model (and sequence) of the tests (tests/parallel_common.py TINY_MODEL).
+TINY_MODEL = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size",
+              "128", "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
+              "--model.kv_channels", "16", "--data.seq_length", "32"]
+
+
+def machine() -> str:
+    """CPU model, usable cores and load average: printed next to every figure."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{model}, {len(os.sched_getaffinity(0))} cores, load average {load}"
+
+
+def launch(script: str, nproc: int, log_dir: str, args: Sequence[str] = (), *,
+           cluster_time_out: int = 120, timeout: Optional[float] = None) -> LaunchResult:
+    """Run ``script args``: a plain process for ``nproc == 1`` (its output is ``worker_0.log``
+    in ``log_dir``), msrun on ``nproc`` local workers otherwise."""
+    os.makedirs(log_dir, exist_ok=True)
+    if nproc == 1:
+        return MsrunJob([sys.executable, script, *args], log_dir, 1,
+                        output=os.path.join(log_dir, "worker_0.log")).wait(timeout)
+    return run_msrun(script, nproc, log_dir, args, timeout=timeout,
+                     cluster_time_out=cluster_time_out)
+
+
+def check(res: LaunchResult, what: str) -> LaunchResult:
+    """Stop the benchmark with the workers' logs when a launch failed."""
+    if not res.ok:
+        raise SystemExit(f"{what} failed:\n{res.failure_report(3000)}")
+    return res

@@ -1,0 +1,258 @@
+"""Is a distributed checkpoint intact, and may a run write into its folder?
+
+Why a module of its own: a checkpoint is trusted only after its ``metadata.json`` has the
+expected structure (a hand-edited or garbage file must give a reason, not a ``KeyError``) and
+every file it lists has its recorded size and crc32 (the crc is computed while the file is
+written, ``dcp_save._write_safetensors``, so verifying costs one sequential read). Discovery
+(``dcp_discovery``) uses this to fall back past broken checkpoints; ``guard_save_dir`` keeps a
+run from writing into a folder whose checkpoints it cannot vouch for; ``ms-llm checkpoint
+verify DIR`` (``main``) reports the verdict of every checkpoint in a folder.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .dcp_format import FORMAT, METADATA, TRACKER, DCPError, file_crc32, list_iters, read_json
+
+__all__ = ["metadata_problem", "verify_checkpoint", "verify_file", "survey", "guard_save_dir",
+           "SHAPE_KEYS", "main"]
+
+# TransformerConfig fields that fix a tensor's shape: a checkpoint recording other values
+# belongs to another model (the state's ``model_config``).
+SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "num_query_groups", "kv_channels", "vocab_size", "padded_vocab_size",
+              "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+              "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+              "mtp_num_layers")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def metadata_problem(meta: dict, mpath: str) -> Optional[str]:
+    """Why ``meta`` (a parsed ``metadata.json``) is not a usable checkpoint description, or None.
+
+    Checks the structure the loader relies on: ``files`` maps names to ``{size, crc32}``
+    (non-negative ints), every tensor has a dtype, an int global shape and chunks inside it that
+    live in a listed file, and ``state`` is an object with an int ``step``."""
+    if meta.get("format") != FORMAT:
+        return f"{mpath}: not an {FORMAT} checkpoint (format {meta.get('format')!r})"
+    files, tensors, state = meta.get("files"), meta.get("tensors"), meta.get("state")
+    if not isinstance(files, dict) or not isinstance(tensors, dict) or not isinstance(state, dict):
+        return f"{mpath}: 'files', 'tensors' and 'state' must be JSON objects"
+    if not _is_int(meta.get("step")) or meta["step"] < 0:
+        return f"{mpath}: 'step' must be a non-negative integer, got {meta.get('step')!r}"
+    for name, f in files.items():
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            return f"{mpath}: file name {name!r} is not a plain file name"
+        if not isinstance(f, dict) or not all(_is_int(f.get(k)) and f[k] >= 0
+                                               for k in ("size", "crc32")):
+            return f"{mpath}: files[{name!r}] needs integer 'size' and 'crc32'"
+    for name, t in tensors.items():
+        if not isinstance(t, dict) or not isinstance(t.get("dtype"), str):
+            return f"{mpath}: tensor {name!r} has no dtype"
+        g = t.get("global_shape")
+        if not isinstance(g, list) or not all(_is_int(s) and s >= 0 for s in g):
+            return f"{mpath}: tensor {name!r}: global_shape {g!r} is not a list of sizes"
+        chunks = t.get("chunks")
+        if not isinstance(chunks, list):
+            return f"{mpath}: tensor {name!r} has no chunk list"
+        for c in chunks:
+            if not isinstance(c, dict) or c.get("file") not in files \
+                    or not isinstance(c.get("key"), str):
+                return f"{mpath}: tensor {name!r}: a chunk names no listed file"
+            off, sz = c.get("offsets"), c.get("sizes")
+            if not (isinstance(off, list) and isinstance(sz, list) and len(off) == len(g)
+                    == len(sz) and all(_is_int(o) and _is_int(s) and 0 <= o and 0 <= s
+                                       and o + s <= n for o, s, n in zip(off, sz, g))):
+                return (f"{mpath}: tensor {name!r}: chunk offsets {off!r} sizes {sz!r} lie "
+                        f"outside its global shape {g}")
+    return None
+
+
+def verify_file(path: str, entry: dict, crc: bool = True) -> Optional[str]:
+    """Why the file at ``path`` is not the one ``entry`` (``{size, crc32}``) records, or None."""
+    if not os.path.isfile(path):
+        return f"{path} is missing"
+    have = os.path.getsize(path)
+    if have != entry["size"]:
+        return f"{path} has {have} bytes, metadata records {entry['size']} (truncated?)"
+    if crc and file_crc32(path) != entry["crc32"]:
+        return f"{path}: crc32 differs from the metadata (corrupt)"
+    return None
+
+
+def verify_checkpoint(path: str, crc: bool = True) -> Optional[str]:
+    """None if ``path`` is an intact checkpoint, else the first reason it is not (metadata
+    missing / unreadable / malformed, a file missing, truncated or, with ``crc``, corrupt)."""
+    mpath = os.path.join(path, METADATA)
+    if not os.path.isfile(mpath):
+        return f"{mpath} is missing (save did not finish)"
+    try:
+        meta = read_json(mpath)
+    except (DCPError, UnicodeDecodeError, OSError) as e:
+        return str(e) if isinstance(e, DCPError) else f"{mpath}: unreadable ({e})"
+    why = metadata_problem(meta, mpath)
+    if why:
+        return why
+    for name, f in meta["files"].items():
+        why = verify_file(os.path.join(path, name), f, crc)
+        if why:
+            return why
+    return None
+
+
+def survey(save_dir: str, crc: bool = True) -> List[Tuple[int, str, Optional[str]]]:
+    """``(step, path, reason or None)`` for every ``iter_*`` folder, oldest first."""
+    return [(s, p, verify_checkpoint(p, crc)) for s, p in list_iters(save_dir)]
+
+
+def _foreign(path: str, model_config: Dict) -> Optional[str]:
+    """The first shape key on which the checkpoint's recorded model differs from the run's."""
+    saved = read_json(os.path.join(path, METADATA))["state"].get("model_config")
+    if not isinstance(saved, dict):
+        return None
+    for k in SHAPE_KEYS:
+        if k in saved and k in model_config and saved[k] != model_config[k]:
+            return f"model.{k} {saved[k]} there, {model_config[k]} in this run"
+    return None
+
+
+def guard_save_dir(save_dir: Optional[str], resume_path: Optional[str],
+                   model_config: Optional[Dict], say: Callable[[str], None],
+                   rank: int = 0) -> None:
+    """Before a run writes checkpoints into ``save_dir``: refuse (``DCPError``, one line) when
+    the folder holds checkpoints none of which verifies and the run is not resuming from one
+    (a fresh start would overwrite shards that may still be recovered), or an intact checkpoint
+    of another model shape. When resuming from an intact checkpoint, newer broken ones are
+    renamed to ``.unverified_iter_*`` (kept for inspection, never loaded, never overwritten) by
+    rank 0 and said once. Without a resume point the newest checkpoints are crc-verified until
+    one passes (usually one read)."""
+    if not save_dir or not os.path.isdir(save_dir):
+        return
+    found = list_iters(save_dir)
+    if resume_path is None:   # newest first, until one verifies (usually one read)
+        first_why = None
+        for _, p in reversed(found):
+            why = verify_checkpoint(p, crc=True)
+            if why is None:
+                diff = _foreign(p, model_config or {})
+                if diff:
+                    raise DCPError(f"checkpoint.save_dir {save_dir}: {p} belongs to another "
+                                   f"model ({diff}); pick another save_dir")
+                return
+            first_why = first_why or why
+        if found:
+            raise DCPError(f"checkpoint.save_dir {save_dir}: holds checkpoint(s) that do not "
+                           f"verify and none to resume from ({first_why}); move them away, "
+                           f"or pick another save_dir")
+        return
+    resume_step = next((s for s, p in found
+                        if os.path.realpath(p) == os.path.realpath(resume_path)), None)
+    if resume_step is None:
+        return   # resuming from a checkpoint outside save_dir: nothing of it is overwritten
+    if rank != 0:
+        return
+    newer = [(s, p) for s, p in found if s > resume_step]
+    newer = [(s, p) for s, p in newer if verify_checkpoint(p, crc=True) is not None]
+    if not newer:
+        return
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    moved = []
+    for s, p in newer:
+        dst = os.path.join(save_dir, f".unverified_iter_{s:07d}_{stamp}")
+        os.rename(p, dst)
+        moved.append(dst)
+    tracker = os.path.join(save_dir, TRACKER)
+    tmp = tracker + f".tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(str(resume_step))
+    os.replace(tmp, tracker)
+    say(f"resume: kept {len(moved)} checkpoint(s) that do not verify as "
+        f"{', '.join(moved)} (never loaded); the run continues from step {resume_step}")
+
+
+# ----------------------------------------------------------------------------- torch_dist
+def torch_dist_problem(reader) -> Optional[str]:
+    """Why a ``TorchDistReader``'s folder (Megatron-Core ``torch_dist``, which records no
+    checksum) cannot be read back whole, or None: every tensor chunk lies inside its tensor and
+    has stored bytes, the chunks cover each tensor, and every stored byte range lies inside its
+    ``.distcp`` file without overlapping another (one chunk aliasing another's bytes)."""
+    from .hf_io import check_byte_ranges
+    ranges: Dict[str, Dict[str, Tuple[int, int]]] = {}
+    for key, e in reader.tensors.items():
+        total = 0
+        for c in e.chunks:
+            if len(c.offsets) != len(e.shape) or len(c.sizes) != len(e.shape) or any(
+                    o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, e.shape)):
+                return f"{reader.path}: tensor {key!r}: chunk {list(c.offsets)} + " \
+                       f"{list(c.sizes)} lies outside its shape {list(e.shape)}"
+            if not c.file:
+                return f"{reader.path}: tensor {key!r}: the chunk at {list(c.offsets)} has no " \
+                       f"stored bytes in .metadata"
+            vol = 1
+            for s in c.sizes:
+                vol *= s
+            total += vol
+            ranges.setdefault(c.file, {})[f"{key}@{list(c.offsets)}"] = \
+                (c.byte_offset, c.byte_offset + c.length)
+        want = 1
+        for s in e.shape:
+            want *= s
+        if total != want:
+            return f"{reader.path}: tensor {key!r}: its chunks hold {total} of {want} elements"
+    for key, c in reader.objects.items():
+        ranges.setdefault(c.file, {})[key] = (c.byte_offset, c.byte_offset + c.length)
+    for name, rs in ranges.items():
+        path = os.path.join(reader.path, name)
+        if os.path.basename(name) != name or not os.path.isfile(path):
+            return f"{path}: listed in .metadata but missing"
+        try:
+            check_byte_ranges(path, rs, os.path.getsize(path))
+        except ValueError as err:
+            return str(err)
+    return None
+
+
+# ----------------------------------------------------------------------------- CLI
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``ms-llm checkpoint verify DIR``: one line per checkpoint (``ok`` or why not); exit 0
+    when every checkpoint verifies, 1 when one does not, 2 when DIR holds none."""
+    p = argparse.ArgumentParser(prog="ms-llm checkpoint",
+                                description="inspect training checkpoints")
+    sub = p.add_subparsers(dest="action", required=True)
+    v = sub.add_parser("verify", help="check every file's size and crc32 against the metadata",
+                       description="DIR: an iter_* checkpoint or a checkpoint.save_dir")
+    v.add_argument("dir")
+    v.add_argument("--size-only", action="store_true",
+                   help="check sizes and structure only (no crc32 read)")
+    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    path = a.dir
+    if not os.path.isdir(path):
+        print(f"ms-llm checkpoint verify: {path}: no such directory", file=sys.stderr)
+        return 2
+    from .torch_dist import TorchDistReader, is_torch_dist_dir
+    if is_torch_dist_dir(path):   # Megatron-Core torch_dist: structure and byte ranges (no crc)
+        try:
+            why = torch_dist_problem(TorchDistReader(path))
+        except ValueError as e:
+            why = str(e)
+        ok = "ok (torch_dist records no checksum: structure and byte ranges checked)"
+        print(f"{path}: {ok if why is None else 'FAILED: ' + why}")
+        return 0 if why is None else 1
+    if os.path.isfile(os.path.join(path, METADATA)) or \
+            os.path.basename(os.path.normpath(path)).startswith("iter_"):
+        found = [(None, path, verify_checkpoint(path, not a.size_only))]
+    else:
+        found = survey(path, not a.size_only)
+    if not found:
+        print(f"ms-llm checkpoint verify: {path}: no iter_* checkpoint here", file=sys.stderr)
+        return 2
+    for _, cp, why in found:
+        print(f"{cp}: {'ok' if why is None else 'FAILED: ' + why}")
+    return 0 if all(why is None for _, _, why in found) else 1

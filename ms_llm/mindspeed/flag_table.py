@@ -1,0 +1,303 @@
+"""Every Megatron / MindSpeed-LLM training flag ms-llm knows, and what it becomes.
+
+Each entry is one of: ``Map`` (sets a run-config key from the flag's value, or to a constant for
+a switch), ``Noop`` (accepted, with the reason it changes nothing here), ``Refuse`` (one line:
+what is not built), or ``Post`` (read by ``flags.finish`` because it depends on other flags).
+A flag not in the table is refused naming it. ``MEGATRON_DEFAULTS`` are Megatron's values for
+keys whose flag a script may leave out, so a script means here what it means to Megatron.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Union
+
+Nargs = Union[int, str]   # 0 (switch), 1, or "+" (values up to the next --flag)
+
+
+@dataclass(frozen=True)
+class Map:
+    key: str
+    nargs: Nargs = 1
+    const: Any = None                       # a switch's value
+    convert: Optional[Callable[[Any], Any]] = None
+
+
+@dataclass(frozen=True)
+class Noop:
+    reason: str
+    nargs: Nargs = 0
+    allowed: Optional[tuple] = None         # values accepted as a no-op (others: refused)
+
+
+@dataclass(frozen=True)
+class Refuse:
+    reason: str
+    nargs: Nargs = 0
+
+
+@dataclass(frozen=True)
+class Post:
+    nargs: Nargs = 1
+
+
+KERNEL = "a fused-kernel switch: ms-llm uses its fused kernel wherever the device has one"
+OVERLAP = "a communication-overlap switch: same numbers, ms-llm schedules its own overlap"
+MEMORY = "a memory/host-side switch that changes no numbers; not built here (nothing is swapped)"
+PREPROCESS = "a preprocessing option: it was applied when the data was made (ms-llm preprocess)"
+LAUNCH = "set by the launcher: msrun chooses the backend and the collective library"
+
+
+def _join(values):
+    return ",".join(values)
+
+
+def _minutes(v):
+    return float(v) * 60.0
+
+
+TABLE: Dict[str, object] = {
+    # ------------------------------------------------------------------ model architecture
+    "--num-layers": Map("model.num_layers"),
+    "--hidden-size": Map("model.hidden_size"),
+    "--ffn-hidden-size": Map("model.ffn_hidden_size"),
+    "--num-attention-heads": Map("model.num_attention_heads"),
+    "--num-query-groups": Post(),
+    "--group-query-attention": Post(0),
+    "--kv-channels": Map("model.kv_channels"),
+    "--max-position-embeddings": Map("model.max_position_embeddings"),
+    "--padded-vocab-size": Map("model.padded_vocab_size"),
+    "--vocab-size": Post(),
+    "--make-vocab-size-divisible-by": Map("data.make_vocab_size_divisible_by"),
+    "--rotary-base": Map("model.rotary_base"),
+    "--rotary-percent": Map("model.rotary_percent"),
+    "--disable-bias-linear": Map("model.add_bias_linear", 0, False),
+    "--add-qkv-bias": Map("model.add_qkv_bias", 0, True),
+    "--swiglu": Post(0),
+    "--normalization": Post(),
+    "--norm-epsilon": Map("model.layernorm_epsilon"),
+    "--position-embedding-type": Post(),
+    "--use-rotary-position-embeddings": Noop("--position-embedding-type rope says the same"),
+    "--qk-layernorm": Map("model.qk_layernorm", 0, True),
+    "--untie-embeddings-and-output-weights": Map("model.untie_embeddings_and_output_weights",
+                                                 0, True),
+    "--init-method-std": Map("model.init_method_std"),
+    "--attention-dropout": Map("model.attention_dropout"),
+    "--hidden-dropout": Map("model.hidden_dropout"),
+    "--spec": Post(2),
+    "--use-mcore-models": Noop("ms-llm's models are the Megatron-Core ones"),
+    "--transformer-impl": Noop("the local spec is the layout ms-llm builds and reads", 1,
+                               ("local",)),
+    "--attention-mask-type": Noop("how the causal mask is handed to the attention kernel", 1,
+                                  ("causal", "general")),
+    "--shape-order": Noop("the attention kernel's memory layout", 1),
+    "--cross-entropy-loss-fusion": Map("model.cross_entropy_loss_fusion", 0, True),
+    # MLA, YaRN, MTP (DeepSeek-V3)
+    "--multi-latent-attention": Map("model.multi_latent_attention", 0, True),
+    "--q-lora-rank": Map("model.q_lora_rank"),
+    "--kv-lora-rank": Map("model.kv_lora_rank"),
+    "--qk-head-dim": Map("model.qk_head_dim"),
+    "--qk-pos-emb-head-dim": Map("model.qk_pos_emb_head_dim"),
+    "--v-head-dim": Map("model.v_head_dim"),
+    "--rope-scaling-type": Post(),
+    "--rope-scaling-factor": Map("model.yarn_rotary_scaling_factor"),
+    "--rope-scaling-original-max-position-embeddings":
+        Map("model.yarn_original_max_position_embeddings"),
+    "--rope-scaling-mscale": Map("model.yarn_mscale"),
+    "--rope-scaling-mscale-all-dim": Map("model.yarn_mscale_all_dim"),
+    "--beta-fast": Map("model.yarn_beta_fast"),
+    "--beta-slow": Map("model.yarn_beta_slow"),
+    "--mtp-num-layers": Map("model.mtp_num_layers"),
+    "--mtp-loss-scaling-factor": Map("model.mtp_loss_scaling_factor"),
+    "--mla-fa-without-pad": Noop(KERNEL),
+    "--mla-mm-split": Noop(KERNEL),
+    "--mtp-mem-efficient-logits": Noop(MEMORY),
+    # MoE
+    "--num-experts": Post(),
+    "--moe-router-topk": Map("model.moe_router_topk"),
+    "--moe-ffn-hidden-size": Map("model.moe_ffn_hidden_size"),
+    "--moe-router-load-balancing-type": Map("model.moe_router_load_balancing_type"),
+    "--seq-aux": Post(0),
+    "--moe-aux-loss-coeff": Map("model.moe_aux_loss_coeff"),
+    "--moe-z-loss-coeff": Map("model.moe_z_loss_coeff"),
+    "--moe-layer-freq": Post(),
+    "--first-k-dense-replace": Post(),
+    "--norm-topk-prob": Post(0),
+    "--moe-grouped-gemm": Map("model.moe_grouped_gemm", 0, True),
+    "--moe-router-score-function": Map("model.moe_router_score_function"),
+    "--moe-router-num-groups": Map("model.moe_router_num_groups"),
+    "--moe-router-group-topk": Map("model.moe_router_group_topk"),
+    "--moe-router-enable-expert-bias": Map("model.moe_router_enable_expert_bias", 0, True),
+    "--moe-router-bias-update-rate": Map("model.moe_router_bias_update_rate"),
+    "--moe-router-topk-scaling-factor": Map("model.moe_router_topk_scaling_factor"),
+    "--moe-router-pre-softmax": Map("model.moe_router_pre_softmax", 0, True),
+    "--n-shared-experts": Post(),
+    "--moe-shared-expert-intermediate-size": Map("model.moe_shared_expert_intermediate_size"),
+    "--moe-token-dispatcher-type": Noop("alltoall, alltoall_seq and allgather route the same "
+                                        "tokens; ms-llm dispatches with all-to-all", 1,
+                                        ("alltoall", "alltoall_seq", "allgather")),
+    "--moe-router-dtype": Noop("the router already computes in fp32", 1, ("fp32",)),
+    "--moe-permutation-async-comm": Noop(OVERLAP),
+    "--moe-alltoall-overlap-comm": Noop(OVERLAP),
+    "--moe-fb-overlap": Noop(OVERLAP),
+    "--moe-permute-fusion": Noop(KERNEL),
+    "--moe-zero-memory": Noop(MEMORY, 1),
+    "--moe-tp-extend-ep": Refuse("experts spread over the tensor-parallel ranks are not built "
+                                 "(use --expert-model-parallel-size)"),
+    # ------------------------------------------------------------------ parallel layout
+    "--tensor-model-parallel-size": Map("parallel.tensor_model_parallel_size"),
+    "--pipeline-model-parallel-size": Map("parallel.pipeline_model_parallel_size"),
+    "--context-parallel-size": Map("parallel.context_parallel_size"),
+    "--context-parallel-algo": Map("parallel.context_parallel_algo"),
+    "--ulysses-degree-in-cp": Map("parallel.ulysses_degree_in_cp"),
+    "--expert-model-parallel-size": Map("parallel.expert_model_parallel_size"),
+    "--expert-tensor-parallel-size": Noop("experts are not tensor-parallel here (1 is the only "
+                                          "size built)", 1, ("1",)),
+    "--sequence-parallel": Post(0),
+    "--num-layers-per-virtual-pipeline-stage": Post(),
+    "--num-layer-list": Map("parallel.num_layer_list"),
+    "--noop-layers": Map("parallel.noop_layers"),
+    "--schedules-method": Refuse("the DualPipeV schedule is not built (1F1B and interleaved "
+                                 "1F1B are)", 1),
+    "--use-distributed-optimizer": Map("parallel.use_distributed_optimizer", 0, True),
+    "--overlap-grad-reduce": Map("parallel.ddp_overlap", 0, True),
+    "--overlap-param-gather": Noop(OVERLAP),
+    "--use-cp-send-recv-overlap": Noop(OVERLAP),
+    "--use-ascend-mc2": Noop(KERNEL),
+    "--use-ascend-coc": Noop(KERNEL),
+    "--coc-fused-kernel": Noop(KERNEL),
+    "--accumulate-allreduce-grads-in-fp32": Map("parallel.grad_reduce_in_fp32", 0, True),
+    "--distributed-timeout-minutes": Map("parallel.collective_timeout_s", 1, None, _minutes),
+    "--distributed-backend": Noop(LAUNCH, 1),
+    "--disable-gloo-group": Noop(LAUNCH),
+    "--no-shared-storage": Noop("every rank reads the data set itself"),
+    # ------------------------------------------------------------------ precision and kernels
+    "--bf16": Map("training.bf16", 0, True),
+    "--fp16": Refuse("fp16 training is not built (use --bf16)"),
+    "--loss-scale": Refuse("a static loss scale is fp16 training's, which is not built", 1),
+    "--initial-loss-scale": Noop("dynamic loss scaling is fp16's; Megatron ignores it under "
+                                 "--bf16", 1),
+    "--o2-optimizer": Refuse("bf16 optimizer state (MindSpeed O2) is not built"),
+    "--o2-gradient": Refuse("bf16 gradient accumulation (MindSpeed O2) is not built"),
+    "--attention-softmax-in-fp32": Noop("the attention softmax already runs in fp32"),
+    "--use-flash-attn": Noop(KERNEL),
+    "--use-fused-rotary-pos-emb": Noop(KERNEL),
+    "--use-fused-swiglu": Noop(KERNEL),
+    "--use-fused-rmsnorm": Noop(KERNEL),
+    "--no-masked-softmax-fusion": Noop(KERNEL),
+    "--no-rope-fusion": Noop(KERNEL),
+    "--no-bias-swiglu-fusion": Noop(KERNEL),
+    "--no-gradient-accumulation-fusion": Noop(KERNEL),
+    "--gemm-gradient-accumulation-fusion": Noop(KERNEL),
+    # ------------------------------------------------------------------ memory
+    "--recompute-granularity": Map("training.recompute_granularity"),
+    "--recompute-method": Map("training.recompute_method"),
+    "--recompute-num-layers": Map("training.recompute_num_layers"),
+    "--recompute-norm": Map("training.recompute_norm", 0, True),
+    "--recompute-activation-function": Noop(MEMORY),
+    "--swap-attention": Noop(MEMORY),
+    "--swap-optimizer": Noop(MEMORY),
+    "--swap-optimizer-times": Noop(MEMORY, 1),
+    "--reuse-fp32-param": Noop(MEMORY),
+    "--manual-gc": Noop(MEMORY),
+    "--manual-gc-interval": Noop(MEMORY, 1),
+    # ------------------------------------------------------------------ optimizer and schedule
+    "--lr": Map("training.lr"),
+    "--min-lr": Map("training.min_lr"),
+    "--lr-decay-style": Map("training.lr_decay_style"),
+    "--lr-warmup-iters": Map("training.lr_warmup_steps"),
+    "--lr-warmup-fraction": Map("training.lr_warmup_fraction"),
+    "--lr-warmup-init": Map("training.lr_warmup_init"),
+    "--lr-decay-iters": Map("training.lr_decay_steps"),
+    "--lr-wsd-decay-iters": Map("training.lr_wsd_decay_steps"),
+    "--lr-wsd-decay-style": Map("training.lr_wsd_decay_style"),
+    "--train-iters": Map("training.max_steps"),
+    "--train-samples": Map("training.train_samples"),
+    "--lr-warmup-samples": Map("training.lr_warmup_samples"),
+    "--lr-decay-samples": Map("training.lr_decay_samples"),
+    "--lr-wsd-decay-samples": Map("training.lr_wsd_decay_samples"),
+    "--use-checkpoint-opt_param-scheduler": Map("training.use_checkpoint_opt_param_scheduler",
+                                                0, True),
+    "--override-opt_param-scheduler": Noop("the config's schedule is used on resume unless "
+                                           "--use-checkpoint-opt_param-scheduler"),
+    "--weight-decay": Map("training.weight_decay"),
+    "--weight-decay-incr-style": Noop("only a constant weight decay is built", 1, ("constant",)),
+    "--clip-grad": Map("training.clip_grad"),
+    "--adam-beta1": Map("training.adam_beta1"),
+    "--adam-beta2": Map("training.adam_beta2"),
+    "--adam-eps": Map("training.adam_eps"),
+    "--optimizer": Noop("AdamW is the optimizer built here", 1, ("adam",)),
+    "--micro-batch-size": Map("training.micro_batch_size"),
+    "--global-batch-size": Post(),
+    "--seed": Map("training.seed"),
+    # ------------------------------------------------------------------ data
+    "--data-path": Map("data.data_path", "+", None, _join),
+    "--split": Map("data.split"),
+    "--seq-length": Map("data.seq_length"),
+    "--data-cache-path": Map("data.data_cache_path"),
+    "--tokenizer-type": Noop("Hugging Face tokenizers are read by --tokenizer-name-or-path", 1,
+                             ("PretrainedFromHF",)),
+    "--tokenizer-name-or-path": Map("data.tokenizer"),
+    "--tokenizer-not-use-fast": Noop("ms-llm reads tokenizer.json (the same ids as the slow "
+                                     "tokenizer for these models)"),
+    "--handler-name": Noop(PREPROCESS, 1),
+    "--prompt-type": Noop(PREPROCESS, 1),
+    "--enable-thinking": Noop(PREPROCESS, 1),
+    "--pack": Noop(PREPROCESS),
+    "--workers": Noop(PREPROCESS, 1),
+    "--is-instruction-dataset": Map("data.dataset_type", 0, "sft"),
+    "--neat-pack": Noop("packed instruction rows always get per-sample causal masks and "
+                        "restarting positions here"),
+    "--no-pad-to-seq-lengths": Noop("padding positions carry no loss: padding every row to "
+                                    "--seq-length gives the same loss"),
+    "--padded-samples": Refuse("padding the last epoch with samples from its start is not "
+                               "built"),
+    "--no-shuffle": Refuse("unshuffled training data is not built (the GPTDataset order is "
+                           "used)"),
+    "--reset-attention-mask": Map("data.reset_attention_mask", 0, True),
+    "--reset-position-ids": Map("data.reset_position_ids", 0, True),
+    "--eod-mask-loss": Map("data.eod_mask_loss", 0, True),
+    # ------------------------------------------------------------------ stages
+    "--stage": Post(),
+    "--finetune": Post(0),
+    "--dpo-beta": Map("dpo.beta"),
+    "--dpo-loss-type": Map("dpo.loss_type"),
+    "--dpo-label-smoothing": Map("dpo.label_smoothing"),
+    "--lora-r": Map("lora.r"),
+    "--lora-alpha": Map("lora.alpha"),
+    "--lora-dropout": Map("lora.dropout"),
+    "--lora-target-modules": Map("lora.target_modules", "+", None, _join),
+    "--lora-fusion": Noop(KERNEL),
+    "--lora-ckpt-filter": Noop("checkpoints of a LoRA run already hold only the adapters"),
+    "--lora-load": Refuse("resuming adapters from a separate folder is not built (resume the "
+                          "run from --save)", 1),
+    # ------------------------------------------------------------------ checkpoints and logs
+    "--load": Post(),
+    "--save": Map("checkpoint.save_dir"),
+    "--save-interval": Map("checkpoint.save_interval"),
+    "--no-load-optim": Noop("a --load folder gives the weights only; a resume of an ms-llm "
+                            "run restores the optimizer"),
+    "--no-load-rng": Noop("a --load folder gives the weights only; a resume of an ms-llm run "
+                          "restores the RNG"),
+    "--no-save-optim": Noop("ms-llm checkpoints always hold the optimizer state (resumable)"),
+    "--no-save-rng": Noop("ms-llm checkpoints always hold the RNG state (resumable)"),
+    "--ckpt-format": Noop("--save writes ms-llm's sharded format; `ms-llm convert` writes "
+                          "Megatron's", 1, ("torch", "torch_dist")),
+    "--exit-on-missing-checkpoint": Noop("a missing --load folder is always an error here"),
+    "--enable-hf2mg-convert": Noop("ms-llm reads a Hugging Face --load folder directly"),
+    "--model-type-hf": Noop("the folder's config.json names the architecture", 1),
+    "--log-interval": Map("training.log_interval"),
+    "--log-throughput": Noop("tokens/s and TFLOP/s are always logged"),
+    "--eval-interval": Post(),
+    "--eval-iters": Post(),
+}
+
+# Megatron's defaults where a script may leave the flag out and ms-llm's default differs.
+MEGATRON_DEFAULTS: Dict[str, Any] = {
+    "training.lr_decay_style": "linear", "training.lr_warmup_steps": 0,
+    "training.min_lr": 0.0, "training.weight_decay": 0.01, "training.adam_beta2": 0.999,
+    "training.seed": 1234, "training.log_interval": 100, "training.clip_grad": 1.0,
+    "model.attention_dropout": 0.1, "model.hidden_dropout": 0.1,
+    "model.layernorm_epsilon": 1e-5, "model.rotary_base": 10000,
+    "model.untie_embeddings_and_output_weights": False, "model.add_bias_linear": True,
+    "data.make_vocab_size_divisible_by": 128, "data.split": "969,30,1",
+}

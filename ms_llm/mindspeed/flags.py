@@ -1,0 +1,267 @@
+"""Megatron / MindSpeed-LLM argument lists -> ms-llm run-config keys (``flag_table.TABLE``).
+
+``translate(argv)`` gives the dotted keys (``{"training.lr": "1e-5", ...}``) plus one note per
+accepted no-op flag; ``load_config(None, to_overrides(keys))`` then validates them like any
+command line, and ``to_yaml(keys)`` writes the equivalent YAML. Megatron's argparse rules hold:
+``--flag=value`` works, the last occurrence of a flag wins, a switch takes no value.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+from ms_llm.config_rules import ConfigError
+from .flag_table import MEGATRON_DEFAULTS, TABLE, Map, Noop, Refuse
+
+_SPEC = re.compile(r"(?:^|\.)([a-z0-9_]+)_spec$")
+_SPEC_FAMILIES = {"qwen3": "qwen3", "deepseek": "deepseek-v3", "llama": "llama",
+                  "qwen25": "qwen25", "glm45": "glm45", "glm4_moe": "glm45"}
+
+
+@dataclass
+class Translation:
+    keys: Dict[str, Any] = field(default_factory=dict)     # "section.key" -> value
+    notes: List[str] = field(default_factory=list)         # one per accepted no-op flag
+
+
+def split_flags(argv: Sequence[str]) -> List[tuple]:
+    """``[(flag, [values])]`` in order; values run to the next ``--flag``."""
+    out: List[tuple] = []
+    for a in argv:
+        if a.startswith("--") and not _is_number(a):
+            name, eq, value = a.partition("=")
+            out.append((name, [value] if eq else []))
+        elif not out:
+            raise ConfigError(f"MindSpeed arguments: {a!r} is not a --flag")
+        else:
+            out[-1][1].append(a)
+    return out
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def translate(argv: Sequence[str], world_size: Optional[int] = None) -> Translation:
+    """The run-config keys of a Megatron argument list (one-line ConfigError for a refused or
+    unknown flag, naming it). ``world_size`` (default: msrun's ``MS_WORKER_NUM``, else 1) gives
+    Megatron's default global batch, micro batch x data-parallel size."""
+    tr = Translation(keys=dict(MEGATRON_DEFAULTS))
+    post: Dict[str, List[str]] = {}
+    for flag, values in split_flags(argv):
+        entry = TABLE.get(flag)
+        if entry is None:
+            raise ConfigError(f"{flag}: unknown Megatron/MindSpeed flag (not mapped to ms-llm)")
+        _check_arity(flag, entry.nargs, values)
+        if isinstance(entry, Refuse):
+            raise ConfigError(f"{flag}: not supported: {entry.reason}")
+        if isinstance(entry, Noop):
+            if entry.allowed is not None and values[0] not in entry.allowed:
+                raise ConfigError(f"{flag} {values[0]}: not supported (accepted: "
+                                  f"{', '.join(entry.allowed)})")
+            tr.notes.append(f"{flag}: no-op ({entry.reason})")
+        elif isinstance(entry, Map):
+            value = entry.const if entry.nargs == 0 else \
+                (values if entry.nargs == "+" else values[0])
+            tr.keys[entry.key] = entry.convert(value) if entry.convert else value
+        else:
+            post[flag] = values
+    _finish(tr, post, world_size)
+    return tr
+
+
+def _check_arity(flag: str, nargs, values: List[str]) -> None:
+    if nargs == "+" and not values:
+        raise ConfigError(f"{flag}: needs at least one value")
+    if nargs != "+" and len(values) != nargs:
+        want = "no value" if nargs == 0 else f"{nargs} value(s)"
+        raise ConfigError(f"{flag}: takes {want}, got {' '.join(values) or 'none'}")
+
+
+def _finish(tr: Translation, post: Dict[str, List[str]], world_size: Optional[int]) -> None:
+    """The flags whose meaning depends on others (Megatron's ``validate_args`` rules)."""
+    k = tr.keys
+    _architecture(k, post)
+    _moe(k, post)
+    _layout(k, post)
+    # Megatron: global batch defaults to micro batch x data-parallel size
+    world = world_size or int(os.environ.get("MS_WORKER_NUM", "1") or 1)
+    if "--global-batch-size" in post:
+        k["training.global_batch_size"] = post["--global-batch-size"][0]
+    else:
+        mp = 1
+        for key in ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+                    "parallel.context_parallel_size"):
+            mp *= int(k.get(key, 1))
+        k["training.global_batch_size"] = int(k.get("training.micro_batch_size", 1)) * \
+            max(world // mp, 1)
+    # Megatron evaluates every --eval-interval (default 1000) for --eval-iters (default 100)
+    iters = int(post.get("--eval-iters", ["100"])[0])
+    if iters > 0:
+        k["training.eval_iters"] = iters
+        k["training.eval_interval"] = post.get("--eval-interval", ["1000"])[0]
+    stage = post.get("--stage", [None])[0]
+    if stage == "dpo":
+        k["training.stage"] = "dpo"
+    elif stage == "sft":
+        k["data.dataset_type"] = "sft"
+    elif stage is not None:
+        raise ConfigError(f"--stage {stage}: not supported (sft and dpo are built)")
+    if "--load" in post:
+        _load(tr, post["--load"][0], "--finetune" in post)
+
+
+def _architecture(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
+    norm = post.get("--normalization", ["LayerNorm"])[0]
+    if norm != "RMSNorm":
+        raise ConfigError(f"--normalization {norm}: not supported (RMSNorm is built; Megatron's "
+                          f"default is LayerNorm)")
+    pos = post.get("--position-embedding-type", ["learned_absolute"])[0]
+    if pos != "rope":
+        raise ConfigError(f"--position-embedding-type {pos}: not supported (rope is built; "
+                          f"Megatron's default is learned_absolute)")
+    if "--swiglu" not in post:
+        raise ConfigError("--swiglu missing: without it Megatron builds a GeLU MLP, which is not "
+                          "built here")
+    k["model.gated_linear_unit"], k["model.activation_func"] = True, "silu"
+    scaling = post.get("--rope-scaling-type", [None])[0]
+    if scaling == "yarn":
+        k["model.position_embedding_type"] = "yarn"
+    elif scaling is not None:
+        raise ConfigError(f"--rope-scaling-type {scaling}: not supported (yarn is built)")
+    if k.get("model.multi_latent_attention"):   # MindSpeed's --qk-layernorm under MLA: the
+        k.pop("model.qk_layernorm", None)        # q/kv compression norms MLA always has
+    if "--group-query-attention" in post and "--num-query-groups" in post:
+        k["model.num_query_groups"] = post["--num-query-groups"][0]   # else Megatron ignores it
+    if "--vocab-size" in post and "model.padded_vocab_size" not in k:
+        div = int(k["data.make_vocab_size_divisible_by"]) * \
+            int(k.get("parallel.tensor_model_parallel_size", 1))
+        k["model.padded_vocab_size"] = -(-int(post["--vocab-size"][0]) // div) * div
+    if "--spec" in post:
+        module = post["--spec"][0]
+        m = _SPEC.search(module)
+        family = _SPEC_FAMILIES.get(m.group(1)) if m else None
+        if family is None:
+            raise ConfigError(f"--spec {module}: unknown layer spec (known: "
+                              f"{', '.join(f'{s}_spec' for s in _SPEC_FAMILIES)})")
+        if family == "qwen3" and "--num-experts" in post:
+            family = "qwen3-moe"
+        k["model.family"] = family
+
+
+def _moe(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
+    if "--num-experts" not in post:
+        return
+    k["model.mlp_type"], k["model.num_moe_experts"] = "moe", post["--num-experts"][0]
+    if "--seq-aux" in post:
+        k["model.moe_router_load_balancing_type"] = "seq_aux_loss"
+    if k.get("model.moe_router_score_function", "softmax") == "softmax":
+        # softmax router: MindSpeed's --norm-topk-prob renormalises the top-k (HF norm_topk_prob)
+        k["model.moe_router_pre_softmax"] = "--norm-topk-prob" not in post
+    else:
+        k["model.moe_router_norm_topk_prob"] = "--norm-topk-prob" in post
+    layers = int(k.get("model.num_layers", 0))
+    first_dense = int(post.get("--first-k-dense-replace", ["-1"])[0])
+    freq = int(post.get("--moe-layer-freq", ["1"])[0])
+    if first_dense > 0 or freq not in (1, -1):   # MindSpeed: -1 means "every layer"
+        step = 1 if freq == -1 else freq
+        k["model.moe_layer_pattern"] = ",".join(
+            str(int(i >= max(first_dense, 0) and (i - max(first_dense, 0)) % step == 0))
+            for i in range(layers))
+    if "--n-shared-experts" in post and "model.moe_shared_expert_intermediate_size" not in k:
+        n = int(post["--n-shared-experts"][0])
+        if n:
+            k["model.moe_shared_expert_intermediate_size"] = \
+                n * int(k.get("model.moe_ffn_hidden_size", k.get("model.ffn_hidden_size", 0)))
+
+
+def _layout(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
+    tp = int(k.get("parallel.tensor_model_parallel_size", 1))
+    if "--sequence-parallel" in post and tp > 1:   # Megatron drops it at tp=1
+        k["parallel.sequence_parallel"] = True
+    if "--num-layers-per-virtual-pipeline-stage" in post:
+        per = int(post["--num-layers-per-virtual-pipeline-stage"][0])
+        pp = int(k.get("parallel.pipeline_model_parallel_size", 1))
+        layers = int(k.get("model.num_layers", 0))
+        if per <= 0 or layers % (per * pp):
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per}: --num-layers "
+                              f"({layers}) must be a multiple of it x pipeline size ({pp})")
+        k["parallel.virtual_pipeline_model_parallel_size"] = layers // (per * pp)
+
+
+def _load(tr: Translation, folder: str, finetune: bool) -> None:
+    """``--load``: the weights of a Hugging Face or Megatron folder (``checkpoint.load``); the
+    same folder as ``--save`` holding an ms-llm checkpoint resumes that run instead
+    (``training.resume auto``) unless ``--finetune``."""
+    k = tr.keys
+    from ms_llm.checkpoint.torch_dist import is_torch_dist_dir
+    if os.path.isdir(folder) and any(is_torch_dist_dir(os.path.join(folder, d)) for d in
+                                     os.listdir(folder) if d.startswith("iter_")):
+        raise ConfigError(f"--load {folder}: a --ckpt-format torch_dist training checkpoint: "
+                          f"resuming from it is not built yet (ms_llm.checkpoint.torch_dist "
+                          f"reads its tensors); save with --ckpt-format torch and convert")
+    if not finetune and os.path.abspath(folder) == os.path.abspath(
+            str(k.get("checkpoint.save_dir", ""))) and _has_ms_llm_checkpoint(folder):
+        k["training.resume"] = "auto"
+        tr.notes.append(f"--load {folder}: resuming the ms-llm run saved there")
+        return
+    k["checkpoint.load"] = folder
+
+
+def _has_ms_llm_checkpoint(folder: str) -> bool:
+    from ms_llm.checkpoint import dcp
+    try:
+        return dcp.resolve_resume("auto", folder, report=lambda _m: None) is not None
+    except (OSError, ValueError):
+        return False
+
+
+def to_overrides(keys: Dict[str, Any]) -> List[str]:
+    """``--section.key value`` pairs for ``load_config`` (lists comma-joined)."""
+    out: List[str] = []
+    for key, value in keys.items():
+        out += [f"--{key}", ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return out
+
+
+def to_yaml(keys: Dict[str, Any]) -> str:
+    """The same keys as a YAML config (``section: {key: value}``), values typed by the schema
+    when ``load_config`` reads it back."""
+    nested: Dict[str, Dict[str, Any]] = {}
+    for key, value in keys.items():
+        section, _, name = key.partition(".")
+        nested.setdefault(section, {})[name] = value
+    return yaml.safe_dump(nested, sort_keys=True)
+
+
+# config keys set by flags that ``_finish`` reads (the rest come from the table's ``Map``s)
+_POST_KEYS = {"model.num_query_groups": "--num-query-groups",
+              "model.padded_vocab_size": "--padded-vocab-size", "model.family": "--spec",
+              "model.mlp_type": "--num-experts", "model.num_moe_experts": "--num-experts",
+              "model.moe_layer_pattern": "--first-k-dense-replace",
+              "model.moe_shared_expert_intermediate_size": "--n-shared-experts",
+              "model.position_embedding_type": "--rope-scaling-type",
+              "parallel.sequence_parallel": "--sequence-parallel",
+              "parallel.virtual_pipeline_model_parallel_size":
+                  "--num-layers-per-virtual-pipeline-stage",
+              "training.global_batch_size": "--global-batch-size",
+              "training.eval_interval": "--eval-interval", "training.eval_iters": "--eval-iters",
+              "training.stage": "--stage", "checkpoint.load": "--load",
+              "training.resume": "--load"}
+FLAG_OF = {**_POST_KEYS, **{e.key: f for f, e in TABLE.items() if isinstance(e, Map)}}
+
+
+def explain(message: str) -> str:
+    """A run-config error in the user's terms: ``command line --section.key`` becomes the
+    Megatron flag that set the key (or ``default of <flag>`` for Megatron's defaults)."""
+    def flag(m: "re.Match") -> str:
+        return FLAG_OF.get(m.group(1), f"--{m.group(1)}")
+    return re.sub(r"command line --([a-z_]+\.[a-z_0-9]+)", flag, message)

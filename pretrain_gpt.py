@@ -1,0 +1,13 @@
+"""MindSpeed-LLM's `pretrain_gpt.py`, for its example scripts under msrun (ms_llm/mindspeed/entry.py):
+    msrun --worker_num N --local_worker_num N --master_port P --log_dir LOGS --join True \
+        /path/to/ms-llm/pretrain_gpt.py <the script's flags, unchanged>
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # this checkout's ms_llm
+
+from ms_llm.mindspeed.entry import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(entry="pretrain_gpt.py"))

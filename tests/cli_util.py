@@ -1,0 +1,23 @@
+"""Run the installed ``ms-llm`` console script from a test, as a user would: this interpreter's
+entry point (``pip install -e .``), MindSpore's C++ logs at errors only (so stderr holds just
+the command's own messages), a bounded wait."""
+import os
+import subprocess
+import sys
+from typing import Optional
+
+
+def ms_llm_exe() -> str:
+    """The ``ms-llm`` script next to this interpreter (a clear failure when it is missing)."""
+    exe = os.path.join(os.path.dirname(sys.executable), "ms-llm")
+    assert os.path.isfile(exe), "the ms-llm entry point is missing: pip install -e ."
+    return exe
+
+
+def run_ms_llm(*args, cwd=None, stdin: Optional[str] = None, timeout: float = 300,
+               env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """``ms-llm ARGS`` with captured text output; ``env`` adds to this process's environment."""
+    full = dict(os.environ, **(env or {}))
+    full.setdefault("GLOG_v", "3")
+    return subprocess.run([ms_llm_exe(), *[str(a) for a in args]], input=stdin,
+                          capture_output=True, text=True, cwd=cwd, timeout=timeout, env=full)

@@ -1,0 +1,111 @@
+"""The same curve in both lanes: the PyTorch lane's loop (``pytorch_lane``: megatron-core's
+GPTDataset and OptimizerParamScheduler, torch AdamW with Megatron's weight-decay groups and
+clipping, transformers' Qwen3) and ms-llm on the same HF folder, indexed data and flags (given as
+the Megatron flags of ``pretrain_gpt.py``): loss and grad norm per iteration at rtol 1e-4 for 20
+iterations with warmup and cosine decay, 2 micro-batches per step, at dp=1 (in process) and dp=2
+(msrun), and the lr each logs equal to Megatron's printed lr.
+
+Tolerance: both lanes run fp32; the kernels differ in summation order (~1e-7 relative per op),
+which Adam's normalised steps carry forward; 1e-4 is the issue's bar and holds with a margin at
+this lr (the observed maximum is printed on failure).
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from finetune_fixtures import WORDS, alpaca_rows, preprocess, write_jsonl, write_tokenizer
+from hf_fixtures import make_hf_checkpoint
+from msrun_util import ROOT, run_msrun, worker_logs
+from pytorch_lane import LaneArgs, build, train
+
+ITERS = 20
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lanes")
+    hf = root / "hf"
+    make_hf_checkpoint(hf, "qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                       ffn=96, vocab=64, tied=False, seed=11, rope_theta=1e6)
+    write_tokenizer(hf)
+    rows = alpaca_rows(120, seed=12)
+    text = write_jsonl(root / "text.jsonl", [{"text": " ".join([r["instruction"], r["output"]] * 2)}
+                                             for r in rows])
+    prefix = preprocess(text, str(hf), str(root / "pre"), "GeneralPretrainHandler",
+                        "--append-eod") + "_text_document"
+    a = LaneArgs(hf_dir=str(hf), data_prefix=prefix, cache=str(root / "mcore_cache"),
+                 eod=WORDS.index("<eos>"), vocab_size=64, train_iters=ITERS)
+    return root, a, train(build(a), a)
+
+
+def megatron_flags(a: LaneArgs, save: str) -> list:
+    """The PyTorch lane's run as ``pretrain_gpt.py`` flags (what its script would pass)."""
+    return [
+        "--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec",
+        "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "96",
+        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+        "--kv-channels", "16", "--qk-layernorm", "--padded-vocab-size", "64",
+        "--make-vocab-size-divisible-by", "1", "--max-position-embeddings", "2048",
+        "--rotary-base", "1000000", "--disable-bias-linear", "--swiglu",
+        "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--position-embedding-type",
+        "rope", "--untie-embeddings-and-output-weights", "--attention-dropout", "0",
+        "--hidden-dropout", "0", "--tokenizer-type", "PretrainedFromHF",
+        "--tokenizer-name-or-path", a.hf_dir, "--data-path", a.data_prefix,
+        "--split", "100,0,0", "--seq-length", str(a.seq_length),
+        "--micro-batch-size", str(a.micro_batch_size),
+        "--global-batch-size", str(a.global_batch_size), "--train-iters", str(a.train_iters),
+        "--lr", str(a.lr), "--min-lr", str(a.min_lr), "--lr-warmup-iters",
+        str(a.lr_warmup_iters), "--lr-decay-style", a.lr_decay_style,
+        "--weight-decay", str(a.weight_decay), "--clip-grad", str(a.clip_grad),
+        "--adam-beta1", str(a.adam_beta1), "--adam-beta2", str(a.adam_beta2),
+        "--adam-eps", str(a.adam_eps), "--seed", str(a.seed), "--log-interval", "1",
+        "--eval-iters", "0", "--load", a.hf_dir, "--save", save, "--save-interval", "10",
+        "--no-load-optim", "--no-load-rng", "--use-flash-attn"]
+
+
+def assert_same_curve(ours, ref):
+    assert len(ours) == len(ref) == ITERS
+    for key in ("loss", "grad_norm"):
+        a, b = np.array([r[key] for r in ours]), np.array([r[key] for r in ref])
+        np.testing.assert_allclose(a, b, rtol=1e-4, err_msg=f"{key}: max rel "
+                                   f"{np.max(np.abs(a - b) / np.abs(b)):.2e}")
+    assert [r["lr"] for r in ours] == [r["lr"] for r in ref]
+    print("max relative difference:", {k: float(np.max(np.abs(
+        np.array([r[k] for r in ours]) / np.array([r[k] for r in ref]) - 1)))
+        for k in ("loss", "grad_norm")})
+
+
+def test_dp1_matches_the_pytorch_lane(setup):
+    from ms_llm.config import load_config
+    from ms_llm.mindspeed.flags import to_overrides, translate
+    from ms_llm.training.trainer import Trainer
+    root, a, ref = setup
+    keys = translate(megatron_flags(a, str(root / "save1")), world_size=1).keys
+    keys.update({"training.output_dir": str(root / "out1"), "training.progress_bar": False,
+                 "data.data_cache_path": str(root / "cache1")})
+    ours = Trainer(load_config(None, to_overrides(keys))).fit()
+    assert_same_curve(ours, ref)
+
+
+@pytest.mark.msrun
+@pytest.mark.slow
+def test_dp2_under_msrun_matches_the_pytorch_lane(setup):
+    root, a, ref = setup
+    argv = megatron_flags(a, str(root / "save2")) + ["--micro-batch-size", "1",
+                                                     "--data-cache-path", str(root / "cache2")]
+    work = root / "dp2"
+    work.mkdir()
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        r = run_msrun(os.path.join(ROOT, "pretrain_gpt.py"), 2, str(work / "logs"), argv,
+                      timeout=600)
+    finally:
+        os.chdir(cwd)
+    logs = worker_logs(str(work / "logs"), 2)
+    assert r.returncode == 0, "\n".join([log[-3000:] for log in logs] + [r.stderr[-2000:]])
+    ours = [json.loads(x) for x in open(work / "outputs" / "default" / "metrics.jsonl")
+            if '"loss"' in x]
+    assert_same_curve(ours, ref)

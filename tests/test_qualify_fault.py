@@ -1,0 +1,57 @@
+"""Criterion (d)'s family fault launch (``ms_llm.qualify.fault``) without launching: the per-run
+fault arming of the worker (first attempt only, per rank), the relaunch skipping recorded runs,
+and the per-cell verdicts read from the supervisor's log and the runs' ``metrics.jsonl``. The
+real launches are what ``ms-llm qualify`` runs (published in docs/support)."""
+import json
+import os
+
+from ms_llm.qualify import worker
+from ms_llm.qualify.fault import check_cell, fault_run
+from ms_llm.qualify.matrix import FAMILIES, FEATURES, Cell
+from ms_llm.training import faults
+
+CELL = Cell(FAMILIES["qwen3"], FEATURES["dp"])
+REF = {"loss": [3.0, 2.5, 2.0, 1.5], "grad_norm": [1.0, 0.9, 0.8, 0.7], "error": None}
+
+
+def test_fault_is_armed_once_per_run_and_rank(tmp_path, monkeypatch):
+    monkeypatch.delenv(faults.FAULT_ENV, raising=False)
+    run = fault_run(CELL, "c.yaml", ["--x", "1"], str(tmp_path), steps=4)
+    assert run["fault"] == [3, 1] and "--training.resume" in run["args"]
+    worker.arm_fault(run, 1)
+    assert faults.fault_target() == (3, 1)              # first attempt: armed
+    worker.arm_fault(run, 1)
+    assert faults.fault_target() is None                # relaunch: disarmed, the run resumes
+    worker.arm_fault(run, 0)
+    assert faults.fault_target() == (3, 1)              # another rank's own marker
+    worker.arm_fault({"name": "plain"}, 0)
+    assert os.environ.get(faults.FAULT_ENV) is None     # a run without a fault: none
+
+
+def _launch(tmp_path, steps_trained, metrics, failed=((-9, 41.0),), rc=0):
+    run = fault_run(CELL, "c.yaml", [], str(tmp_path), steps=4)
+    os.makedirs(run["out"], exist_ok=True)
+    with open(os.path.join(run["out"], "metrics.jsonl"), "w") as f:
+        for step, loss in metrics:
+            f.write(json.dumps({"step": step, "loss": loss,
+                                "grad_norm": REF["grad_norm"][step - 1]}) + "\n")
+    rec = {"name": run["name"], "error": None, "steps": steps_trained}
+    return run, {"runs": {run["name"]: rec}, "failed": list(failed), "rc": rc, "log": ""}
+
+
+def test_cell_verdicts(tmp_path):
+    # killed in step 3, checkpoint at 2: the relaunch trains 3-4; step 3's record is replayed
+    good = [(1, 3.0), (2, 2.5), (3, 9.9), (1, 3.0), (2, 2.5), (3, 2.0), (4, 1.5)]
+    run, launch = _launch(tmp_path / "a", [3, 4], good)
+    chk = check_cell(CELL, run, 0, launch, REF, 4, 600)
+    assert chk.state == "ok" and "resumed from step 2" in chk.detail, chk.detail
+    # the kill did not end the launch
+    assert "did not end the launch" in check_cell(CELL, run, 1, launch, REF, 4, 600).detail
+    # the relaunch started over instead of resuming
+    run, launch = _launch(tmp_path / "b", [1, 2, 3, 4], good)
+    assert "expected 3-4" in check_cell(CELL, run, 0, launch, REF, 4, 600).detail
+    # a restarted curve off the uninterrupted one
+    run, launch = _launch(tmp_path / "c", [3, 4], good[:-1] + [(4, 1.6)])
+    assert "restarted curve: loss step 4" in check_cell(CELL, run, 0, launch, REF, 4, 600).detail
+    # the uninterrupted run is missing: nothing to compare with
+    assert check_cell(CELL, run, 0, launch, dict(REF, error="x"), 4, 600).state == "unmet"

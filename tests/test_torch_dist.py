@@ -1,0 +1,95 @@
+"""Megatron-Core ``torch_dist`` checkpoints read and written without torch, against megatron-core's
+own ``dist_checkpointing`` (``tests/mcore_dist_ckpt.py``, a one-process gloo group on CPU):
+a checkpoint megatron-core saves reads here tensor-equal to its model's state_dict, and one
+written here loads in megatron-core tensor-equal to what was written. The layout-free part:
+a tensor saved as several chunks (as tensor-parallel ranks save it) reads back whole.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ms_llm.checkpoint.torch_dist import TorchDistReader, TorchDistWriter, is_torch_dist_dir
+from ms_llm.checkpoint.torch_dist_model import (read_state, read_training_state, write_state,
+                                                write_training_state)
+
+pytest.importorskip("megatron.core")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def mcore(mode: str, ckpt, out) -> dict:
+    r = subprocess.run([sys.executable, os.path.join(HERE, "mcore_dist_ckpt.py"), mode,
+                        str(ckpt), str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=str(os.path.dirname(str(out))))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return dict(np.load(out))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("torch_dist")
+    return root, mcore("save", root / "mcore", root / "mcore.npz")
+
+
+def test_megatron_core_checkpoint_reads_here(saved):
+    root, want = saved
+    assert is_torch_dist_dir(str(root / "mcore"))
+    reader = TorchDistReader(str(root / "mcore"))
+    got = read_state(reader)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert reader.common["iteration"] == 7
+
+
+def test_checkpoint_written_here_loads_in_megatron_core(saved, tmp_path):
+    _, ref = saved
+    rng = np.random.default_rng(0)
+    state = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in ref.items()}
+    w = TorchDistWriter(str(tmp_path / "ours"))
+    write_state(w, state)
+    w.close({"iteration": 3})
+    got = mcore("load", tmp_path / "ours", tmp_path / "loaded.npz")
+    assert sorted(got) == sorted(state)
+    for k in state:
+        np.testing.assert_array_equal(got[k], state[k], err_msg=k)
+    assert TorchDistReader(str(tmp_path / "ours")).common == {"iteration": 3}
+
+
+def test_a_tensor_saved_in_chunks_reads_whole(tmp_path):
+    full = np.arange(2 * 6 * 4, dtype=np.float32).reshape(2, 6, 4)
+    w = TorchDistWriter(str(tmp_path / "c"))
+    for layer in range(2):            # per layer, rows in two halves (as tp=2 ranks write them)
+        for half in range(2):
+            w.add("decoder.layers.mlp.linear_fc2.weight", full.shape, (layer, 3 * half, 0),
+                  full[layer:layer + 1, 3 * half:3 * half + 3])
+    w.close({})
+    got = read_state(TorchDistReader(str(tmp_path / "c")))
+    np.testing.assert_array_equal(got["decoder.layers.1.mlp.linear_fc2.weight"], full[1])
+
+
+def test_training_checkpoint_with_adam_state_both_ways(tmp_path):
+    """Model, Adam moments and the step: megatron-core's save reads here; written here, they
+    load in megatron-core (moments keyed by the model's Megatron names)."""
+    want = mcore("save_train", tmp_path / "mc", tmp_path / "mc.npz")
+    got = read_training_state(TorchDistReader(str(tmp_path / "mc")))
+    assert got["iteration"] == 2 and int(got["optimizer"]["step"]) == int(want["step"]) == 2
+    for k, v in want.items():
+        if k == "step":
+            continue
+        have = got["optimizer"][k] if k.startswith("exp_avg") else got["model"][k]
+        np.testing.assert_array_equal(have, v, err_msg=k)
+    rng = np.random.default_rng(1)
+    model = {k: v + 1 for k, v in got["model"].items()}
+    optim = {k: rng.random(np.shape(v)).astype(np.float32) if k != "step" else np.int64(5)
+             for k, v in got["optimizer"].items()}
+    write_training_state(TorchDistWriter(str(tmp_path / "ours")), model, optim, iteration=5,
+                         scheduler={"num_steps": 20, "max_lr": 1e-3})
+    back = mcore("load_train", tmp_path / "ours", tmp_path / "back.npz")
+    assert float(back["step"]) == 5
+    for k, v in {**model, **{k: v for k, v in optim.items() if k != "step"}}.items():
+        np.testing.assert_array_equal(back[k], v, err_msg=k)
+    again = read_training_state(TorchDistReader(str(tmp_path / "ours")))
+    assert again["opt_param_scheduler"] == {"num_steps": 20, "max_lr": 1e-3}
