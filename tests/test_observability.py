@@ -218,3 +218,21 @@ def test_deterministic_collectives_sum_in_rank_order(observe_job):
     """Deterministic mode's CPU all-reduce (sum, async avg) and the all-reduce form of
     reduce-scatter equal a NumPy float32 sum in rank order, bit for bit."""
     assert observe_job["rank_order"] == {"sum": True, "avg": True, "reduce_scatter": True}
+
+
+def test_megatron_and_mindspeed_flags_reach_the_observability_keys():
+    from mindspeed_examples import load
+    from ms_llm.mindspeed.flags import to_overrides, translate
+    argv = load()["qwen3/pretrain_qwen3_0point6b_4K_ptd.sh"]["argv"] + [
+        "--tensorboard-dir", "/tmp/tb", "--log-timers-to-tensorboard", "--timing-log-level", "2",
+        "--profile", "--profile-step-start", "3", "--profile-step-end", "5", "--profile-ranks",
+        "0", "1", "--profile-save-path", "/tmp/prof", "--use-deter-comp",
+        "--log-validation-ppl-to-tensorboard"]
+    keys = translate(argv, world_size=64).keys
+    keys.pop("checkpoint.load", None)
+    t = load_config(None, to_overrides(keys)).training
+    assert (t.tensorboard_dir, t.log_timers_to_tensorboard, t.timing_log_level) == \
+        ("/tmp/tb", True, 2)
+    assert (t.profile, t.profile_step_start, t.profile_step_end, t.profile_ranks,
+            t.profile_dir) == (True, 3, 5, [0, 1], "/tmp/prof")
+    assert t.deterministic
