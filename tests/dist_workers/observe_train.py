@@ -12,6 +12,7 @@ from ms_llm.compat import setup_device
 setup_device("CPU")
 from ms_llm.config import load_config  # noqa: E402
 from ms_llm.parallel.runtime import init_distributed  # noqa: E402
+from ms_llm.training.callbacks import TrainerCallback  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
@@ -51,9 +52,20 @@ results = {"rank_order": rank_order_check()}
 for spec in sys.argv[2:]:
     name, _, extra = spec.partition(":")
     args = [a.replace("|", ",") for a in extra.split(",") if a]
-    records = [r for r in Trainer(load_config(CONFIG, BASE + args), info).fit() if "loss" in r]
+    local = []     # this rank's own timers and step time per logged step
+
+    class LocalTimers(TrainerCallback):
+        def on_train_begin(self, trainer):
+            self.trainer = trainer
+
+        def on_log(self, step, record):
+            local.append({"step_time_s": record["step_time_s"],
+                          "timers_ms": dict(self.trainer.observe.local_ms)})
+    records = [r for r in Trainer(load_config(CONFIG, BASE + args), info,
+                                  callbacks=[LocalTimers()]).fit() if "loss" in r]
     results[name] = {k: [r.get(k) for r in records]
                      for k in ("loss", "grad_norm", "step_time_s", "timers_ms")}
+    results[name]["local"] = local
     print(f"RUN {name} DONE", flush=True)
 if info.rank == 0:
     with open(sys.argv[1], "w") as f:

@@ -20,7 +20,7 @@ from ..callbacks import TrainerCallback
 from .determinism import apply_deterministic
 from .profiling import StepProfiler
 from .tensorboard import TensorBoardWriter
-from .timers import Timers, format_block, gather_min_max
+from .timers import Timers, format_block, min_max_over_ranks
 
 __all__ = ["Observability", "apply_deterministic", "Timers", "TensorBoardWriter",
            "StepProfiler"]
@@ -56,6 +56,7 @@ class Observability(TrainerCallback):
         self._moe_layers: list = []
         self._trainer = None
         self._aux: List[float] = []
+        self.local_ms: Dict[str, float] = {}   # this rank's timers of the last logged step
 
     # ------------------------------------------------------------------ run boundaries
     def on_train_begin(self, trainer) -> None:
@@ -111,8 +112,11 @@ class Observability(TrainerCallback):
         if not self.timers.enabled:
             self._steps_since_log = 0
             return self._moe_extras()
-        stats = gather_min_max(self.timers, self._steps_since_log,
-                               self._all_gather if self.world_size > 1 else None)
+        names = self.timers.names()
+        mine = self.timers.read_ms(self._steps_since_log)
+        self.local_ms = {n: float(v) for n, v in zip(names, mine) if v > 0}   # this rank's
+        rows = self._all_gather(mine) if self.world_size > 1 else mine[None, :]
+        stats = min_max_over_ranks(names, rows)
         self._steps_since_log = 0
         return {"timers_ms": stats, **self._moe_extras()}
 
