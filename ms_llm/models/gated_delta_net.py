@@ -145,7 +145,7 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(bs, s, hv, self.dv)
         beta = F.sigmoid(b.astype(float32))
         g = -F.exp(self.A_log.astype(float32)) * \
-            mint.nn.functional.softplus(a.astype(float32) + self.dt_bias.astype(float32))
+            F.softplus(a.astype(float32) + self.dt_bias.astype(float32))
         state = kv_cache.recurrent if kv_cache is not None else None
         if kv_cache is not None and s == 1 and state is not None:
             out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
