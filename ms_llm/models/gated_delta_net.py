@@ -23,21 +23,44 @@ from ms_llm import ops as hot
 from ms_llm.compat import F, float32, nn
 from .config import TransformerConfig
 from .gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .kv_cache import KVCache, LayerKVCache
 from .layers import output_init_std
 
 __all__ = ["GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "LinearAttentionState"]
 
 
-class LinearAttentionState:
-    """One DeltaNet layer's inference cache: the last ``K - 1`` conv inputs ``[b, K-1, C]`` and
-    the recurrent state ``[b, hv, dk, dv]`` (both ``None`` before the first call)."""
+class LinearAttentionState(LayerKVCache):
+    """One DeltaNet layer's slot in a ``KVCache``: the last ``K - 1`` conv inputs ``[b, K-1, C]``
+    and the recurrent state ``[b, hv, dk, dv]`` (``None`` before the first call), plus the fill
+    ``length`` the model's positions read. A recurrence cannot be rewound: ``crop`` to 0 resets
+    it, to anything shorter than what it holds raises. Left-padded batches are refused (the
+    padding would enter the state)."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: "KVCache"):
+        super().__init__(owner.capacity or 1, owner.max_capacity)
+        self.owner = owner
         self.conv: Optional[Tensor] = None
         self.recurrent: Optional[Tensor] = None
+        self._length = 0
 
-    def reset(self) -> None:
-        self.conv = self.recurrent = None
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        if value == 0:
+            self.conv = self.recurrent = None
+        elif value < getattr(self, "_length", 0):
+            raise ValueError(f"KV cache crop to {value} of {self._length} positions: a Gated "
+                             f"DeltaNet state cannot be rewound (not built); start a new cache")
+        self._length = value
+
+    def check_unpadded(self) -> None:
+        if self.owner.padding.any():
+            raise ValueError("generate: left-padded prompts are not built for Gated DeltaNet "
+                             "layers (the padding would enter the recurrent state); pass "
+                             "prompts of one length")
 
 
 class GatedRMSNorm(nn.Module):
@@ -100,6 +123,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = hot.Linear(self.value_dim, c.hidden_size, bias=False,
                                    init_std=output_init_std(c), dtype=c.params_dtype)
 
+    def make_cache(self, owner: KVCache) -> LinearAttentionState:
+        """This layer's slot in ``owner`` (``KVCache.for_model`` asks each token mixer)."""
+        return LinearAttentionState(owner)
+
     def _split(self, qkvz: Tensor, ba: Tensor):
         """Per key-head groups -> q, k ``[b, s, hk, dk]``, v, z ``[b, s, hv, dv]``, b, a
         ``[b, s, hv]`` (tensor parallel would hold whole groups)."""
@@ -122,6 +149,8 @@ class GatedDeltaNet(nn.Module):
             raise ValueError("gated_delta_net: attention masks (padding, packed documents) are "
                              "not built for Gated DeltaNet layers")
         bs, s = x.shape[0], x.shape[1]
+        if kv_cache is not None:
+            kv_cache.check_unpadded()
         q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
         groups = q.shape[2]
         mixed = F.cat([q.reshape(bs, s, -1), k.reshape(bs, s, -1), v.reshape(bs, s, -1)], -1)
@@ -154,5 +183,6 @@ class GatedDeltaNet(nn.Module):
                                                 initial_state=state)
         if kv_cache is not None:
             kv_cache.recurrent = state
+            kv_cache.length = kv_cache.length + s
         out = self.norm(out, z)                                       # [b, s, hv, dv]
         return self.out_proj(out.reshape(bs, s, hv * self.dv).astype(x.dtype))
