@@ -135,3 +135,41 @@ def test_left_padded_prompts_are_refused(pair):
     _, model, _ = pair
     with pytest.raises(ValueError, match="left-padded prompts are not built"):
         generate(model, [[1, 2, 3, 4], [5, 6]], max_new_tokens=2)
+
+
+def test_published_config_matches_transformers_config_class():
+    """configs/qwen3_next_80b_a3b.yaml written as HF config.json is accepted by transformers'
+    Qwen3NextConfig and carries the published Qwen3-Next-80B-A3B values; reading it back gives
+    the same model config."""
+    import os
+    from ms_llm.config import load_config
+    from ms_llm.models.families import config_from_hf
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    c = load_config(os.path.join(root, "configs", "qwen3_next_80b_a3b.yaml")).model
+    hf = get_family("qwen3-next").to_hf(c)
+    cls = transformers.Qwen3NextConfig(**{k: v for k, v in hf.items()
+                                          if k not in ("architectures", "torch_dtype")})
+    published = dict(hidden_size=2048, intermediate_size=5120, num_hidden_layers=48,
+                     num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                     vocab_size=151936, linear_num_key_heads=16, linear_num_value_heads=32,
+                     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                     num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                     shared_expert_intermediate_size=512, max_position_embeddings=262144,
+                     norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    assert {k: getattr(cls, k) for k in published} == published
+    assert cls.rope_parameters["rope_theta"] == 1e7
+    assert cls.rope_parameters["partial_rotary_factor"] == 0.25
+    assert cls.layer_types == [
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)]
+    back = config_from_hf(cls.to_dict())
+    assert back.replace(moe_layer_pattern=None) == c and back.moe_layer_pattern == [1] * 48
+
+
+def test_tensor_and_context_parallel_are_refused_with_one_line(tmp_path):
+    import os
+    from ms_llm.config import load_config
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    yaml = os.path.join(root, "configs", "qwen3_next_80b_a3b.yaml")
+    for key in ("tensor_model_parallel_size", "context_parallel_size"):
+        with pytest.raises(Exception, match="of Gated DeltaNet is not built"):
+            load_config(yaml, [f"--parallel.{key}", "2", "--model.mlp_type", "dense"])
