@@ -13,7 +13,7 @@ fraction hidden = 1 - blocked / all-to-all.
 
 Variants: ``alltoall`` (Megatron's dispatcher, autograd through the all-to-alls), ``megamoe G=g``
 (experts in g pipelined groups), and ``megamoe G=2 serial`` (the same pipeline with the CPU
-communication thread disabled, ``MS_LLM_COMM_THREAD=0``: what the overlap itself is worth).
+communication thread disabled, ``runtime.comm_thread: false``: what the overlap itself is worth).
 Every variant's output and input gradient are checked against ``alltoall``'s (max |diff|).
 
 Afterwards, the local expert FFN forms (grouped matmul vs a loop of per-expert modules) are
@@ -40,6 +40,7 @@ def worker(args) -> None:
     import mindspore as ms
     from mindspore import Tensor
     from ms_llm.compat import manual_seed
+    from ms_llm.compat.environment import configure
     from ms_llm.models import TransformerConfig
     from ms_llm.models.moe import MoELayer
     from ms_llm.ops import resolve_paths
@@ -79,7 +80,7 @@ def worker(args) -> None:
     outs = []
     for i in range(args.warmup + args.repeat):
         for run in runs:
-            os.environ["MS_LLM_COMM_THREAD"] = "1" if run["thread"] else "0"
+            configure({"runtime.comm_thread": bool(run["thread"])})
             run["timeline"].clear()
             comm.barrier()
             t0 = time.perf_counter()

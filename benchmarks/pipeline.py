@@ -427,8 +427,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.as_worker:
         return worker(args)
-    if os.environ.get("MS_LLM_SYNC", "1") == "0":
-        print("note: MS_LLM_SYNC=0: the executor's timed mode synchronises only the tensors it "
+    from ms_llm.compat.environment import setting
+    if not setting("runtime.sync_ops"):
+        print("note: runtime.sync_ops false: the executor's timed mode synchronises only the tensors it "
               "sends, so p2p waits land in the next F/B span and the bubbles below read low")
     sys.path.insert(0, ROOT)
     ms_all = sorted(set(args.m) | set(args.m_interleaved))

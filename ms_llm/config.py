@@ -81,6 +81,15 @@ class TrainingConfig(_Section):
     lr_decay_samples: Optional[int] = None
     lr_wsd_decay_samples: Optional[int] = None
     use_checkpoint_opt_param_scheduler: bool = False  # resume takes the checkpoint's schedule
+    optimizer: str = "adamw"          # adamw | muon (ms_llm.optim; Megatron-Core's muon_* names)
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True       # orthogonalise Q, K and V apart (across query groups)
+    muon_coefficient_type: str = "quintic"   # simple | quintic | polar_express | cans | aol
+    muon_num_ns_steps: int = 5
+    muon_scale_mode: str = "spectral"  # spectral | shape_scaling | unit_rms_norm
+    muon_extra_scale_factor: float = 1.0
+    muon_tp_mode: str = "duplicated"  # blockwise | duplicated | distributed (tp > 1: blockwise)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -158,6 +167,7 @@ class QuantConfig(_Section):
     elem_dtype: str = "float8_e4m3fn"  # float8_e4m3fn | float8_e5m2
     apply_modules: List[str] = field(default_factory=list)
     ignored_modules: List[str] = field(default_factory=list)
+    mx_path: str = "auto"             # auto | native | emulated MX matmuls (MS_LLM_MX_PATH)
 
 
 @dataclass
@@ -189,6 +199,20 @@ class LoRAConfig(_Section):
 
 
 @dataclass
+class RuntimeConfig(_Section):
+    """How this process runs, not what it computes (these were ``MS_LLM_*`` variables, still
+    read as deprecated aliases: ``ms_llm.compat.environment``)."""
+    log_level: str = "WARNING"        # Python log level of ms-llm train (MS_LLM_LOG_LEVEL)
+    sync_ops: bool = True             # PyNative ops run synchronously (MS_LLM_SYNC)
+    cpu_threads: int = 1              # MindSpore's CPU kernel threads (MS_LLM_CPU_THREADS)
+    comm_thread: bool = True          # collectives on a communication thread (MS_LLM_COMM_THREAD)
+    blas_threads: Optional[int] = None   # OpenBLAS threads; null: CPUs / local workers
+    bf16_gemm: str = "auto"           # auto | mkl | openblas (MS_LLM_BF16_GEMM)
+    aot_kernels: bool = True          # the compiled C++ CPU kernels (MS_LLM_DISABLE_AOT)
+    blas_kernels: bool = True         # the OpenBLAS matmul kernels (MS_LLM_DISABLE_BLAS)
+
+
+@dataclass
 class RunConfig(_Section):
     model: TransformerConfig
     model_family: Optional[str]
@@ -200,6 +224,7 @@ class RunConfig(_Section):
     moe: MoEConfig = field(default_factory=MoEConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     model_overrides: Dict[str, Any] = field(default_factory=dict)
     # "section.key" -> where its value came from (YAML path or "command line --section.key"),
     # so a check that fails later can still name the source that set the key.
@@ -209,7 +234,7 @@ class RunConfig(_Section):
     def to_dict(self) -> dict:
         d = {s: dataclasses.asdict(getattr(self, s))
              for s in ("data", "training", "parallel", "checkpoint", "quant", "moe", "dpo",
-                       "lora")}
+                       "lora", "runtime")}
         d["model"] = {"family": self.model_family, **dataclasses.asdict(self.model)}
         return d
 
@@ -241,6 +266,13 @@ class RunConfig(_Section):
         return self.replace(**{s: dataclasses.replace(getattr(self, s), **kw)
                                for s, kw in by_section.items()})
 
+    def explicit_settings(self) -> Dict[str, Any]:
+        """The run settings (``compat.environment.SETTINGS``) this config sets explicitly, for
+        ``environment.configure``; unset ones keep their deprecated variable or default."""
+        from ms_llm.compat.environment import SETTINGS
+        return {k: getattr(getattr(self, k.split(".")[0]), k.split(".")[1])
+                for k in SETTINGS if k in self.sources}
+
     def source_of(self, *keys: str) -> str:
         """The source that set the first of ``keys`` set explicitly, else the config file."""
         for key in keys:
@@ -251,7 +283,7 @@ class RunConfig(_Section):
 
 _SECTIONS = {"data": DataConfig, "training": TrainingConfig, "parallel": ParallelConfig,
              "checkpoint": CheckpointConfig, "quant": QuantConfig, "moe": MoEConfig,
-             "dpo": DPOConfig, "lora": LoRAConfig}
+             "dpo": DPOConfig, "lora": LoRAConfig, "runtime": RuntimeConfig}
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),

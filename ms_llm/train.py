@@ -50,13 +50,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if wants_help(argv):
         print_help()
         return 0
-    logging.basicConfig(level=os.environ.get("MS_LLM_LOG_LEVEL", "WARNING"),
+    from ms_llm.compat.environment import setting, variable
+    logging.basicConfig(level=str(setting("runtime.log_level")).upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     path, overrides = split_args(argv)
     if path is None:
-        path = os.environ.get("MS_LLM_CONFIG", DEFAULT_CONFIG)
+        path = variable("MS_LLM_CONFIG") or DEFAULT_CONFIG
     try:
         cfg = load_config(path, overrides)
+        if "runtime.log_level" in cfg.sources:
+            logging.getLogger().setLevel(cfg.runtime.log_level.upper())
         from ms_llm.training.trainer import run
         run(cfg)
     except ConfigError as e:

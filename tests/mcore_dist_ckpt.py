@@ -4,7 +4,13 @@ GQA, QK-norm, SwiGLU, RMSNorm, untied) saved / loaded with its own ``dist_checkp
 
     python tests/mcore_dist_ckpt.py save CKPT_DIR STATE.npz   # random init (seed 5), save
     python tests/mcore_dist_ckpt.py load CKPT_DIR STATE.npz   # fresh model (seed 9), load
-Either way STATE.npz receives the model's state_dict after the operation. Run as a file, not from
+    python tests/mcore_dist_ckpt.py save_train CKPT_DIR STATE.npz  # + torch AdamW, 2 steps
+    python tests/mcore_dist_ckpt.py load_train CKPT_DIR STATE.npz  # + its optimizer state
+Either way STATE.npz receives the model's state_dict after the operation (the *_train modes add
+``exp_avg.<name>``, ``exp_avg_sq.<name>`` and ``step``). The optimizer part is what
+megatron-core's ``FP32Optimizer.sharded_state_dict`` builds (its own helpers: the moments as
+sharded tensors keyed by the model's keys, the shared step as ``common_step``); its
+``FP32Optimizer`` itself allocates on CUDA, so the torch AdamW it wraps is used directly. Run as a file, not from
 stdin: the checkpoint writer spawns processes. The two CUDA calls megatron-core makes get CPU
 stand-ins here, in the reference process only (see the project notes on megatron-core on CPU).
 """
@@ -42,7 +48,9 @@ def main(mode: str, ckpt: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     from megatron.core import dist_checkpointing, parallel_state
     parallel_state.initialize_model_parallel(1, 1)
-    m = model(5 if mode == "save" else 9)
+    m = model(5 if mode.startswith("save") else 9)
+    if mode.endswith("_train"):
+        return train_mode(mode, m, ckpt, out)
     if mode == "save":
         os.makedirs(ckpt, exist_ok=True)
         dist_checkpointing.save({"model": m.sharded_state_dict(), "iteration": 7}, ckpt)
@@ -52,6 +60,45 @@ def main(mode: str, ckpt: str, out: str) -> None:
         m.load_state_dict(loaded["model"], strict=False)
     np.savez(out, **{k: v.detach().numpy() for k, v in m.state_dict().items()
                      if "_extra_state" not in k and v is not None})
+    dist.destroy_process_group()
+
+
+def train_mode(mode: str, m, ckpt: str, out: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map, optim_state_to_sharding_state)
+    names = [n for n, _ in m.named_parameters()]
+    params = [p for _, p in m.named_parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    torch.manual_seed(17)
+    for _ in range(2 if mode == "save_train" else 1):   # load: state must exist to load into
+        for p in params:
+            p.grad = torch.randn_like(p) * 0.01
+        opt.step()
+    msd = m.sharded_state_dict()
+    sd = opt.state_dict()
+    step = sd["state"][0]["step"]
+    optim_state_to_sharding_state(sd, get_param_id_to_sharded_param_map(msd, params),
+                                  exclude_keys="step")
+    sd["state"]["common_step"] = step
+    if mode == "save_train":
+        os.makedirs(ckpt, exist_ok=True)
+        dist_checkpointing.save({"model": msd, "optimizer": sd, "iteration": 2}, ckpt)
+        moments = {i: opt.state[p] for i, p in enumerate(params)}
+    else:
+        msd = {k: v for k, v in msd.items() if "_extra_state" not in k}
+        loaded = dist_checkpointing.load({"model": msd, "optimizer": sd}, ckpt)
+        m.load_state_dict(loaded["model"], strict=False)
+        moments = loaded["optimizer"]["state"]
+        step = loaded["optimizer"]["state"]["common_step"]
+    arrays = {k: v.detach().numpy() for k, v in m.state_dict().items()
+              if "_extra_state" not in k and v is not None}
+    for i, name in enumerate(names):
+        for k in ("exp_avg", "exp_avg_sq"):
+            arrays[f"{k}.{name}"] = moments[i][k].detach().numpy()
+    arrays["step"] = np.array(float(step))
+    np.savez(out, **arrays)
     dist.destroy_process_group()
 
 

@@ -4,8 +4,8 @@
 Refresh from a MindSpeed-LLM checkout (the commit is recorded):
     python tests/mindspeed_examples.py /path/to/MindSpeed-LLM
 Each script runs in bash as written, with ``torchrun`` and ``tee`` replaced by functions that
-record the arguments (also ``python -m torch.distributed.launch``), and its "your ... path" placeholders set to the names below, so the lists
-are exactly what the shell would pass.
+record the arguments (also ``python -m torch.distributed.launch``), and its "your ... path"
+placeholders set to the names below, so the lists are exactly what the shell would pass.
 """
 import json
 import os

@@ -59,7 +59,7 @@ def test_train_help_lists_every_section_key_and_default():
             assert f.name in rows, f"{section}.{f.name} missing from train --help"
             assert _default(f) in rows[f.name], (section, f.name, rows[f.name])
         assert set(rows) - {"family"} == {f.name for f in dataclasses.fields(cls)}
-    assert "[> 0]" in r.stdout and "[one of cosine, linear, constant]" in r.stdout
+    assert "[> 0]" in r.stdout and "[one of cosine, linear, constant, inverse-square-root, WSD]" in r.stdout
 
 
 def test_train_help_wins_over_other_arguments():

@@ -277,7 +277,18 @@ CASES = {
                                 ("generate", "--max-context", "-3"),
                                 ("generate", "--max-new-tokens", "-1"),
                                 ("chat", "--max-new-tokens", "-1"), ("chat", "--top-k", "-2")]},
-    # other commands
+    # other commands the README shows
+    "plan-yaml-duplicate-key": lambda fx, t, o: (
+        ["plan", yaml_file(t, "training:\n  max_steps: 1\n  max_steps: 2\n"), "--nproc", "2"],
+        r"^ms-llm plan: .*key 'max_steps' given twice"),
+    "schedule-yaml-duplicate-key": lambda fx, t, o: (
+        ["schedule", yaml_file(t, "parallel: {}\nparallel: {}\n")],
+        r"^ms-llm schedule: .*key 'parallel' given twice"),
+    "preprocess-missing-input": lambda fx, t, o: (
+        ["preprocess", "--input", t / "nope.jsonl", "--tokenizer-name-or-path", t / "tok",
+         "--output-prefix", t / "out" / "ds"], "^ms-llm preprocess: --input not found"),
+    "qualify-unknown-cell": lambda fx, t, o: (
+        ["qualify", "--cells", "qwen3:nope", "--out", o], "unknown cell 'qwen3:nope'"),
     "checkpoint-verify-missing": lambda fx, t, o: (
         ["checkpoint", "verify", t / "nope"], "no such directory"),
     "plot-missing": lambda fx, t, o: (["plot", t / "nope"], "ms-llm plot: "),

@@ -1,10 +1,10 @@
 """MindSpeed-LLM's published Mcore example scripts resolve to ms-llm run configs.
 
-Over every pretrain_/tune_ script of the families ms-llm has (``tests/data/mindspeed_examples.json``,
-the argument lists bash hands to ``pretrain_gpt.py`` / ``posttrain_gpt.py``): no flag is unknown,
-each script resolves to a run config or is refused with one line naming the flag (the expected
-refusals are listed below, each for a feature not built), and the YAML written from the same
-flags resolves to the same config.
+Over every pretrain_/tune_ script of the families ms-llm has (the argument lists bash hands to
+``pretrain_gpt.py`` / ``posttrain_gpt.py``, ``tests/data/mindspeed_examples.json``): no flag is
+unknown, each script resolves to a run config or is refused with one line naming the flag (the
+expected refusals are listed below, each for a feature not built), and the YAML written from the
+same flags resolves to the same config.
 """
 import subprocess
 import sys

@@ -83,6 +83,12 @@ def test_pretrain_qwen3_0point6b_script_under_msrun(folder):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert "pretrain_gpt.py: --use-flash-attn: no-op" in log0
     assert os.path.isdir(folder / "pretrain" / "save")
+    # relaunching the script with --load at its --save folder resumes the ms-llm run there
+    save = str(folder / "pretrain" / "save")
+    again = translate([save if a == str(folder / "qwen3_hf") and argv[i - 1] == "--load" else a
+                       for i, a in enumerate(argv)], world_size=2)
+    assert again.keys["training.resume"] == "auto" and "checkpoint.load" not in again.keys
+    assert any("resuming the ms-llm run saved there" in n for n in again.notes)
     # the same keys in one process (1 worker: the default global batch needs the script's)
     keys = translate(argv, world_size=1).keys
     keys["training.output_dir"] = str(folder / "one")

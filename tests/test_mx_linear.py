@@ -12,6 +12,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, mint
 
 from ms_llm.compat import nn
+from ms_llm.compat.environment import configure
 from ms_llm.config import load_config
 from ms_llm.models import GPTModel
 from ms_llm.quant import MXFP8GroupedLinear, MXFP8Linear, apply_quantization, mx_linear
@@ -155,32 +156,34 @@ def test_apply_quantization_selection_and_errors(caplog):
            ({"scale_mode": "ceil"}, "quant.scale_mode"),
            ({"apply_modules": ["output_layer"]}, "selects no module")]
     for over, msg in bad:
-        c = _tiny_cfg().quant
-        c.recipe = "mxfp8"
-        for k, v in over.items():
-            setattr(c, k, v)
+        c = dataclasses.replace(_tiny_cfg().quant, **{"recipe": "mxfp8", **over})
         m = GPTModel(cfg.model)
         with pytest.raises(ValueError, match=msg):
             apply_quantization(m, c)
     # A selected module whose dims are not multiples of 32 names the module; nothing is replaced.
     odd = GPTModel(_tiny_cfg("--model.ffn_hidden_size", "80").model)
-    c = _tiny_cfg().quant
-    c.recipe = "mxfp8"
+    c = dataclasses.replace(_tiny_cfg().quant, recipe="mxfp8")
     msg = "'decoder.layers.0.mlp.linear_fc2' has in_features=80.*multiple of 32"
     with pytest.raises(ValueError, match=msg):
         apply_quantization(odd, c)
     assert not any(isinstance(x, MXFP8Linear) for _, x in odd.cells_and_names())
 
 
-def test_dispatch_is_emulated_here(monkeypatch):
+def test_dispatch_is_emulated_here(monkeypatch, caplog):
     assert _dispatch.resolve_mx_path() == "emulated"
     monkeypatch.setattr(_dispatch, "_STATE", {})
-    monkeypatch.setenv("MS_LLM_MX_PATH", "native")
-    with pytest.raises(RuntimeError, match="MS_LLM_MX_PATH=native.*not Ascend"):
+    configure({"quant.mx_path": "native"})     # the key, as the trainer hands it down
+    try:
+        with pytest.raises(RuntimeError, match="quant.mx_path native.*not Ascend"):
+            _dispatch.resolve_mx_path()
+    finally:
+        configure({})
+    monkeypatch.setattr(_dispatch, "_STATE", {})
+    monkeypatch.setenv("MS_LLM_MX_PATH", "fast")    # the deprecated alias is still read
+    with caplog.at_level("WARNING", logger="ms_llm.environment"), \
+            pytest.raises(ValueError, match="quant.mx_path"):
         _dispatch.resolve_mx_path()
-    monkeypatch.setenv("MS_LLM_MX_PATH", "fast")
-    with pytest.raises(ValueError, match="MS_LLM_MX_PATH"):
-        _dispatch.resolve_mx_path()
+    assert "MS_LLM_MX_PATH is deprecated: set quant.mx_path" in caplog.text
 
 
 def test_quantized_model_trains_like_fp32():

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from ms_llm.checkpoint.torch_dist import TorchDistReader, TorchDistWriter, is_torch_dist_dir
-from ms_llm.checkpoint.torch_dist_model import read_state, write_state
+from ms_llm.checkpoint.torch_dist_model import (read_state, read_training_state, write_state,
+                                                write_training_state)
 
 pytest.importorskip("megatron.core")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -67,3 +68,28 @@ def test_a_tensor_saved_in_chunks_reads_whole(tmp_path):
     w.close({})
     got = read_state(TorchDistReader(str(tmp_path / "c")))
     np.testing.assert_array_equal(got["decoder.layers.1.mlp.linear_fc2.weight"], full[1])
+
+
+def test_training_checkpoint_with_adam_state_both_ways(tmp_path):
+    """Model, Adam moments and the step: megatron-core's save reads here; written here, they
+    load in megatron-core (moments keyed by the model's Megatron names)."""
+    want = mcore("save_train", tmp_path / "mc", tmp_path / "mc.npz")
+    got = read_training_state(TorchDistReader(str(tmp_path / "mc")))
+    assert got["iteration"] == 2 and int(got["optimizer"]["step"]) == int(want["step"]) == 2
+    for k, v in want.items():
+        if k == "step":
+            continue
+        have = got["optimizer"][k] if k.startswith("exp_avg") else got["model"][k]
+        np.testing.assert_array_equal(have, v, err_msg=k)
+    rng = np.random.default_rng(1)
+    model = {k: v + 1 for k, v in got["model"].items()}
+    optim = {k: rng.random(np.shape(v)).astype(np.float32) if k != "step" else np.int64(5)
+             for k, v in got["optimizer"].items()}
+    write_training_state(TorchDistWriter(str(tmp_path / "ours")), model, optim, iteration=5,
+                         scheduler={"num_steps": 20, "max_lr": 1e-3})
+    back = mcore("load_train", tmp_path / "ours", tmp_path / "back.npz")
+    assert float(back["step"]) == 5
+    for k, v in {**model, **{k: v for k, v in optim.items() if k != "step"}}.items():
+        np.testing.assert_array_equal(back[k], v, err_msg=k)
+    again = read_training_state(TorchDistReader(str(tmp_path / "ours")))
+    assert again["opt_param_scheduler"] == {"num_steps": 20, "max_lr": 1e-3}

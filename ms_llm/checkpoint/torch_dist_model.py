@@ -12,7 +12,7 @@ tp=1 tensor itself. Optimizer moments use the model keys behind ``optimizer.stat
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Optional
 
 import numpy as np
 
@@ -66,3 +66,56 @@ def write_state(writer: TorchDistWriter, state: Dict[str, np.ndarray]) -> None:
             if layers[i].shape != shape:
                 raise ValueError(f"{key}: layer {i} has shape {layers[i].shape}, layer 0 {shape}")
             writer.add(key, (n, *shape), (i,) + (0,) * len(shape), layers[i][None])
+
+
+# ----------------------------------------------------------------------------- training state
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def read_training_state(reader: TorchDistReader) -> dict:
+    """A Megatron-Core training checkpoint (model, Adam moments under
+    ``optimizer.state.<moment>.<model key>``, the shared ``common_step``, iteration and the
+    ``opt_param_scheduler`` entry) as ``{"model": {...}, "optimizer": {"step": n,
+    "exp_avg.<name>": ..., "exp_avg_sq.<name>": ...}, "iteration": i, "opt_param_scheduler":
+    {...} or None}`` -- the optimizer part in ms-llm's AdamW ``state_dict`` names."""
+    state = read_state(reader, ("", *(f"optimizer.state.{m}." for m in MOMENTS)))
+    model = {k: v for k, v in state.items() if not k.startswith("optimizer.")}
+    optim: Dict[str, object] = {k[len("optimizer.state."):]: v for k, v in state.items()
+                                if k.startswith("optimizer.")}
+    common = reader.common
+    opt_common = common.get("optimizer") or {}
+    step = (opt_common.get("state") or {}).get("common_step")
+    if step is not None:
+        optim["step"] = np.array(int(np.asarray(step)), np.int64)
+    return {"model": model, "optimizer": optim, "iteration": common.get("iteration"),
+            "opt_param_scheduler": common.get("opt_param_scheduler")}
+
+
+def write_training_state(writer: TorchDistWriter, model: Dict[str, np.ndarray],
+                         optimizer: Dict[str, np.ndarray], iteration: int,
+                         scheduler: Optional[dict] = None, lr: float = 0.0,
+                         betas=(0.9, 0.999), eps: float = 1e-8,
+                         weight_decay: float = 0.0) -> None:
+    """The inverse of ``read_training_state``: the moments under Megatron-Core's keys, the step
+    as its ``common_step``, and one torch AdamW param group, so megatron-core's loader restores
+    them (``FP32Optimizer`` layout: fp32 parameters, moments shaped like them)."""
+    state = dict(model)
+    for m in MOMENTS:
+        for name in model:
+            key = f"{m}.{name}"
+            if key not in optimizer:
+                raise KeyError(f"optimizer state: missing {key!r}")
+            state[f"optimizer.state.{key}"] = np.asarray(optimizer[key], np.float32)
+    write_state(writer, state)
+    common = {"iteration": int(iteration),
+              "optimizer": {"state": {"common_step": np.array(float(optimizer["step"]),
+                                                              np.float32)},
+                            "param_groups": [{"lr": lr, "betas": tuple(betas), "eps": eps,
+                                              "weight_decay": weight_decay, "amsgrad": False,
+                                              "maximize": False, "foreach": None,
+                                              "capturable": False, "differentiable": False,
+                                              "fused": None, "decoupled_weight_decay": True}]}}
+    # (no "params" ids: megatron-core keeps them out of the checkpoint, the loader's own stay)
+    if scheduler is not None:
+        common["opt_param_scheduler"] = scheduler
+    writer.close(common)

@@ -5,12 +5,12 @@ module, so model code never checks the device itself.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import mindspore as ms
 from mindspore.ops import constexpr
 
+from .environment import setting
 from .private_api import device_chosen_by_caller
 
 _STATE = {"device": None, "threads": None}
@@ -30,20 +30,22 @@ def setup_device(device: Optional[str] = None, *, threads: Optional[int] = None,
     elementwise kernel stalls ~4 ms on small VMs while matmul stays multi-threaded regardless.
     MindSpore allows setting it only once per process.
     ``synchronize`` makes PyNative errors surface at the failing op instead of leaking into later
-    ops. It defaults to on (``MS_LLM_SYNC=0`` turns it off): on small CPU VMs handing every op to
+    ops. It defaults to on (``runtime.sync_ops: false`` turns it off): on small CPU VMs handing every op to
     MindSpore's async launch thread costs more than it saves (measured: the 50M-model PyNative
     forward+backward took 6.4-7.0 s synchronous against 9.3-9.9 s asynchronous).
     """
     if _STATE["device"] is None:
         running = _running_device()
-        wanted = _normalise(device or os.environ.get("MS_LLM_DEVICE") or running or _detect())
+        configured = setting("training.device")
+        configured = None if configured == "auto" else configured
+        wanted = _normalise(device or configured or running or _detect())
         if running is None:
             ms.set_device(wanted)
         elif running != wanted:
             raise RuntimeError(f"device: MindSpore already runs on {running} in this process, "
                                f"cannot switch to {wanted}")
         if synchronize is None:
-            synchronize = os.environ.get("MS_LLM_SYNC", "1") == "1"
+            synchronize = bool(setting("runtime.sync_ops"))
         ms.set_context(mode=ms.PYNATIVE_MODE)
         if synchronize:   # the non-deprecated form of set_context(pynative_synchronize=True)
             ms.runtime.launch_blocking()
@@ -79,7 +81,7 @@ def _running_device() -> Optional[str]:
 
 
 def _set_cpu_threads(threads: Optional[int]) -> None:
-    n = threads if threads is not None else int(os.environ.get("MS_LLM_CPU_THREADS", "1"))
+    n = threads if threads is not None else int(setting("runtime.cpu_threads"))
     try:
         ms.device_context.cpu.op_tuning.threads_num(n)
     except RuntimeError:  # already set by the user in this process: keep theirs

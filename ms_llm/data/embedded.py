@@ -23,6 +23,8 @@ import sysconfig
 import time
 from typing import Iterator
 
+from ms_llm.compat.environment import variable
+
 CORPUS_VERSION = "v1"
 MIN_DOC_CHARS = 40
 # Directories under the stdlib dir that are not stdlib (third-party) or hold no source.
@@ -32,7 +34,7 @@ _EXTRA_TOP_LEVEL = ("test",)  # PSF-licensed test suite; not in sys.stdlib_modul
 
 def default_cache_root() -> str:
     """Root cache folder: ``$MS_LLM_CACHE`` or ``~/.cache/ms_llm``."""
-    return os.environ.get("MS_LLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ms_llm")
+    return variable("MS_LLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ms_llm")
 
 
 @contextlib.contextmanager

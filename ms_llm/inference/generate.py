@@ -14,13 +14,13 @@ padded row computes exactly what it computes alone.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from mindspore import Tensor
 
 from ms_llm.compat import no_grad
+from ms_llm.compat.environment import explicit
 from ms_llm.models.kv_cache import KVCache
 from .sampling import next_tokens
 
@@ -131,11 +131,11 @@ def _decode(model, ids, mask, max_new_tokens, eos, pad, rng, streamer, use_cache
 
 @contextlib.contextmanager
 def _single_blas_thread(enabled: bool) -> Iterator[None]:
-    """One OpenBLAS thread for the one-token steps (unless ``MS_LLM_BLAS_THREADS`` says
+    """One OpenBLAS thread for the one-token steps (unless ``runtime.blas_threads`` says
     otherwise). Their GEMMs are matrix-vector products too small to share, and an idle
     OpenBLAS thread spin-waits after each one on the core the next MindSpore op needs:
     measured on the 2-core VM, 450-575 ms per token with 2 threads against ~80 with 1."""
-    if not enabled or os.environ.get("MS_LLM_BLAS_THREADS"):
+    if not enabled or explicit("runtime.blas_threads"):
         yield
         return
     from ms_llm.ops.cpu_kernels import blas

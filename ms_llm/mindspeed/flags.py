@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from ms_llm.config_rules import ConfigError
-from .flag_table import MEGATRON_DEFAULTS, TABLE, Map, Noop, Post, Refuse
+from .flag_table import MEGATRON_DEFAULTS, TABLE, Map, Noop, Refuse
 
 _SPEC = re.compile(r"(?:^|\.)([a-z0-9_]+)_spec$")
 _SPEC_FAMILIES = {"qwen3": "qwen3", "deepseek": "deepseek-v3", "llama": "llama",

@@ -6,11 +6,11 @@ it before ``mindspore.jit`` traces the model, so graph capture only ever reads a
 from __future__ import annotations
 
 import logging
-import os
 
 from mindspore.ops import constexpr
 
 from ms_llm.compat import is_ascend, is_cpu
+from ms_llm.compat.environment import setting
 
 log = logging.getLogger("ms_llm.ops")
 OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear")
@@ -21,7 +21,7 @@ AOT_OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear")
 
 def aot_enabled() -> bool:
     """True when the ahead-of-time C++ CPU kernels (ms_llm.ops.cpu_kernels) can be used."""
-    if not is_cpu() or os.environ.get("MS_LLM_DISABLE_AOT", "0") == "1":
+    if not is_cpu() or not setting("runtime.aot_kernels"):
         return False
     from . import cpu_kernels  # compiled on first use; False (with a logged reason) on failure
     return bool(cpu_kernels.available())
@@ -29,7 +29,7 @@ def aot_enabled() -> bool:
 
 def blas_enabled() -> bool:
     """True when the OpenBLAS-backed matmul kernels can be used (needs scipy-openblas32)."""
-    if not aot_enabled() or os.environ.get("MS_LLM_DISABLE_BLAS", "0") == "1":
+    if not aot_enabled() or not setting("runtime.blas_kernels"):
         return False
     from . import cpu_kernels
     return bool(cpu_kernels.blas_available())

@@ -15,13 +15,13 @@ capture under ``mindspore.jit`` reads a constant.
 from __future__ import annotations
 
 import logging
-import os
 
 import mindspore as ms
 from mindspore import Tensor, mint, ops
 from mindspore.ops import constexpr
 
 from ms_llm.compat import is_ascend
+from ms_llm.compat.environment import setting
 from .mx import fake_quantize
 
 log = logging.getLogger("ms_llm.quant")
@@ -44,12 +44,12 @@ def _native_support() -> str:
 def resolve_mx_path() -> str:
     """Pick and log the MX path once (call before mindspore.jit traces a model)."""
     if "path" not in _STATE:
-        forced = os.environ.get("MS_LLM_MX_PATH", "").strip().lower()
-        if forced not in ("", "native", "emulated"):
-            raise ValueError(f"MS_LLM_MX_PATH: expected 'native' or 'emulated', got {forced!r}")
+        forced = str(setting("quant.mx_path")).strip().lower()
+        if forced not in ("auto", "native", "emulated"):
+            raise ValueError(f"quant.mx_path: expected auto, native or emulated, got {forced!r}")
         reason = _native_support()
         if forced == "native" and reason:
-            raise RuntimeError(f"MS_LLM_MX_PATH=native but the native MX kernels are unusable: "
+            raise RuntimeError(f"quant.mx_path native but the native MX kernels are unusable: "
                                f"{reason}")
         path = "emulated" if forced == "emulated" or reason else "native"
         _STATE["path"] = path
@@ -57,7 +57,7 @@ def resolve_mx_path() -> str:
             log.info("MXFP8 matmuls use the native Ascend kernels (untested in ms-llm's CI)")
         else:
             log.info("MXFP8 matmuls are emulated bit-exactly in fp32 (%s)",
-                     "MS_LLM_MX_PATH=emulated" if forced == "emulated" else reason)
+                     "quant.mx_path emulated" if forced == "emulated" else reason)
     return _STATE["path"]
 
 

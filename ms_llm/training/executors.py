@@ -42,7 +42,7 @@ class PlainExecutor:
         # the gradient reduction's Megatron timer (observability.timers; none: not timed)
         self.sync_timer = sync_timer or contextlib.nullcontext()
         self.grad_dtype = grad_dtype
-        self.callbacks = callbacks or TrainerCallback()
+        self.callbacks = callbacks if callbacks is not None else TrainerCallback()
         self.grad_fn = ms.value_and_grad(objective.loss, grad_position=None, weights=params,
                                          has_aux=objective.has_aux)
         self.fwd_bwd = None if jit_cfg is None else self._fwd_bwd_jit(jit_cfg)

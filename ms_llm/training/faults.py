@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Optional, Sequence, Tuple
 
+from ms_llm.compat.environment import variable
+
 FAULT_ENV = "MS_LLM_FAULT_INJECT"
 NAN_ENV = "MS_LLM_NAN_INJECT"
 ATTEMPT_ENV = "MS_LLM_RESTART_ATTEMPT"
@@ -27,14 +29,14 @@ ATTEMPT_ENV = "MS_LLM_RESTART_ATTEMPT"
 
 def restart_attempt() -> int:
     """0 on the first launch, k on the k-th automatic relaunch."""
-    value = os.environ.get(ATTEMPT_ENV, "0")
+    value = variable(ATTEMPT_ENV) or "0"
     return int(value) if value.isdigit() else 0
 
 
 def _parse(env: str) -> Optional[Tuple[int, str]]:
     """``STEP:TARGET`` of hook ``env`` (None when unset); a malformed value is an error, not a
     silently disabled hook."""
-    value = os.environ.get(env)
+    value = variable(env)
     if not value:
         return None
     step, sep, target = value.partition(":")

@@ -10,6 +10,7 @@ or pairs for DPO), so summed micro-batch gradients are the gradient of the globa
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -165,7 +166,6 @@ class LMObjective:
 
     @staticmethod
     def eval_values(sums: np.ndarray) -> Dict[str, float]:
-        import math
         loss = float(sums[0] / max(sums[1], 1.0))
         return {"eval_loss": loss, "eval_ppl": math.exp(min(20.0, loss))}
 

@@ -22,16 +22,18 @@ from typing import Optional
 
 import numpy as np
 
+from ms_llm.compat.environment import variable
+
 PROBE_SHAPE = (2048, 1024, 1024)   # M, K, N: large enough to reach the BLAS plateau, ~20 ms
 PROBE_REPS = 12
 
 
 def cache_path() -> Path:
     """``$MS_LLM_PEAK_FILE``, else ``peak_tflops.json`` in the kernels' cache root."""
-    file = os.environ.get("MS_LLM_PEAK_FILE")
+    file = variable("MS_LLM_PEAK_FILE")
     if file:
         return Path(file).expanduser()
-    root = os.environ.get("MS_LLM_CACHE")
+    root = variable("MS_LLM_CACHE")
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "ms_llm") / \
         "peak_tflops.json"
 

@@ -16,14 +16,16 @@ from mindspore import Tensor
 from ms_llm.checkpoint import dcp
 from ms_llm.checkpoint.verify import guard_save_dir
 from ms_llm.compat import manual_seed, setup_device
+from ms_llm.compat.environment import configure
 from ms_llm.config import ConfigError, RunConfig, check_launch
 from ms_llm.models import GPTModel
 from ms_llm.checkpoint import from_pretrained
 from ms_llm.lora import base as lora_base
 from ms_llm.lora.modules import is_frozen_base, lora_module_names
 from ms_llm.ops import resolve_paths
+from ms_llm.optim import build_optimizer, param_groups
 from ms_llm.parallel import comm
-from ms_llm.parallel.distributed_optimizer import build_optimizer, bytes_per_rank
+from ms_llm.parallel.distributed_optimizer import bytes_per_rank
 from ms_llm.parallel.parallelize import parallelize_model
 from ms_llm.parallel.placement import Mesh
 from ms_llm.parallel.runtime import DistInfo, init_distributed
@@ -67,14 +69,15 @@ class Trainer:
     def __init__(self, cfg: RunConfig, dist: Optional[DistInfo] = None,
                  callbacks: Sequence[TrainerCallback] = ()):
         self.cfg = cfg
+        configure(cfg.explicit_settings())   # runtime.* keys for the packages below the config
         self.dist = dist or DistInfo()
+        check_launch(cfg, self.dist.world_size)   # the mesh, global batch, pipeline schedule
         t = cfg.training
         p = cfg.parallel
         self.callbacks = CallbackList()
         if self.dist.world_size > 1:
             comm.set_collective_timeout(p.collective_timeout_s)
             self.callbacks.append(RankStatus(t.output_dir))   # the watchdog's time-out report
-        check_launch(cfg, self.dist.world_size)   # the mesh, global batch, pipeline schedule
         self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
                                                 pp=p.pipeline_model_parallel_size,
                                                 cp=p.context_parallel_size,
@@ -112,7 +115,9 @@ class Trainer:
         named = [(n, q) for n, q in self.named_params if q.requires_grad]
         self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit)
         # The distributed optimizer reduce-scatters instead of all-reducing (its own grad sync).
-        grad_sync = getattr(self.optimizer, "grad_sync", par.grad_sync)
+        grad_sync = self.optimizer.grad_sync or par.grad_sync
+        for line in param_groups.describe(self.optimizer.groups):
+            self._say(line)
         self._sync_timer = self.timers("grads-reduce-scatter" if self.fsdp or
                                        p.use_distributed_optimizer else "grads-all-reduce")
         self.optimizer_bytes = bytes_per_rank(sum(self.optimizer.state_bytes().values()))
@@ -350,6 +355,7 @@ class Trainer:
 
 
 def run(cfg: RunConfig) -> list:
+    configure(cfg.explicit_settings())   # before the device and the kernels are set up
     # The device must be chosen before mindspore.communication.init().
     setup_device(None if cfg.training.device == "auto" else cfg.training.device)
     apply_deterministic(cfg.training.deterministic)   # before communication.init (MindSpore)

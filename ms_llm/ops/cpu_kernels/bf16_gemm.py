@@ -21,6 +21,8 @@ import os
 import sys
 from typing import Optional
 
+from ms_llm.compat.environment import setting
+
 logger = logging.getLogger("ms_llm.ops.cpu_kernels")
 _STATE: dict = {"path": None}
 
@@ -65,14 +67,14 @@ def load_mkl_gemm(threads: int):
 def register_bf16_gemm(lib, threads: int) -> str:
     """Register the chosen bf16 GEMM with the BLAS kernel library ``lib``; returns the path name
     ("mkl" or "openblas") and logs it once."""
-    choice = os.environ.get("MS_LLM_BF16_GEMM", "auto").strip().lower() or "auto"
+    choice = str(setting("runtime.bf16_gemm")).strip().lower() or "auto"
     units = cpu_bf16_units()
     why = ""
     path = "openblas"
     if choice not in ("auto", "mkl", "openblas"):
-        why = f"MS_LLM_BF16_GEMM={choice!r} is not auto, mkl or openblas"
+        why = f"runtime.bf16_gemm {choice!r} is not auto, mkl or openblas"
     elif choice == "openblas":
-        why = "MS_LLM_BF16_GEMM=openblas"
+        why = "runtime.bf16_gemm openblas"
     elif choice == "auto" and not units:
         why = "this CPU has no AVX512-BF16/AMX-BF16 units"
     else:

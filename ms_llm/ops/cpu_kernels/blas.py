@@ -29,6 +29,8 @@ import mindspore as ms
 from mindspore import mint, ops
 from mindspore.ops import constexpr
 
+from ms_llm.compat.environment import setting
+
 from .build import blas_available, blas_library_path
 from .functional import causal_softmax
 
@@ -79,8 +81,9 @@ def default_blas_threads() -> int:
     so multi-node jobs should set MS_LLM_BLAS_THREADS). Oversubscribing hurts badly: 2 workers
     on 2 cores ran a 50M-model data-parallel step in 5.4 s with 2 BLAS threads each and 2.1 s
     with 1."""
-    for var in ("MS_LLM_BLAS_THREADS", "OPENBLAS_NUM_THREADS"):
-        val = os.environ.get(var, "").strip()
+    for var, val in (("runtime.blas_threads", setting("runtime.blas_threads")),
+                     ("OPENBLAS_NUM_THREADS", os.environ.get("OPENBLAS_NUM_THREADS"))):
+        val = "" if val is None else str(val).strip()
         if val:
             try:
                 return max(1, int(val))

@@ -42,6 +42,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ms_llm.compat.environment import setting, variable
+
 logger = logging.getLogger("ms_llm.ops.cpu_kernels")
 
 LIB_NAME = "libmsllm_cpu_kernels.so"
@@ -70,7 +72,7 @@ def blas_sources() -> list[Path]:
 
 
 def _compiler() -> str | None:
-    cxx = os.environ.get("MS_LLM_CXX") or os.environ.get("CXX") or "g++"
+    cxx = variable("MS_LLM_CXX") or os.environ.get("CXX") or "g++"
     return shutil.which(cxx)
 
 
@@ -111,7 +113,7 @@ def _mindspore_version() -> str:
 
 
 def cache_root() -> Path:
-    root = os.environ.get("MS_LLM_CACHE")
+    root = variable("MS_LLM_CACHE")
     base = Path(root).expanduser() if root else Path.home() / ".cache" / "ms_llm"
     return base / "kernels"
 
@@ -328,7 +330,7 @@ def _build() -> Path:
 
 
 def _disabled() -> bool:
-    return os.environ.get("MS_LLM_DISABLE_AOT", "").strip().lower() not in ("", "0", "false", "no")
+    return not setting("runtime.aot_kernels")
 
 
 def library_path() -> Path | None:

@@ -24,7 +24,7 @@ all_reduce sum/avg under   list ``all_gather`` + sum in rank order     W x N rec
 ``async_op=True`` of the CPU all-to-all runs the ``scatter`` kernels on one communication thread
 (MindSpore's CPU collectives block the calling thread even when asked to be asynchronous); every
 buffer is made and read on the caller's thread, and any other collective first waits for that
-thread's queue, so all ranks issue collectives in one order (``MS_LLM_COMM_THREAD=0``: inline).
+thread's queue, so all ranks issue collectives in one order (``runtime.comm_thread: false``: inline).
 
 On Ascend (hccl) every op is the native ``mindspore.mint.distributed`` call. In a single process
 (no msrun) every group has size 1 and every op is a local no-op/copy, so parallel code paths run

@@ -7,13 +7,13 @@ package docstring). Callers have already checked shapes and handled groups of si
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional, Tuple
 
 import numpy as np
 from mindspore import Tensor, mint
 
 from ms_llm.compat import F
+from ms_llm.compat.environment import setting
 
 from .backend import dist, log_once
 from .comm_thread import submit
@@ -122,10 +122,10 @@ def reduce_scatter_by_scatter(output: Tensor, input: Tensor, op: str, g: Process
 def all_to_all(output: Tensor, input: Tensor, in_splits, matrix: np.ndarray, g: ProcessGroup,
                async_op: bool) -> Optional[Work]:
     """One ``scatter`` per root; with ``async_op`` its kernels run on the communication thread
-    (``MS_LLM_COMM_THREAD=0``: inline, for measuring what the overlap is worth)."""
+    (``runtime.comm_thread: false``: inline, for measuring what the overlap is worth)."""
     log_once("all_to_all_single", "CPU: one scatter per root, rows padded to the root's max")
     calls, assemble = all_to_all_plan(output, input, in_splits, matrix, g)
-    if async_op and os.environ.get("MS_LLM_COMM_THREAD", "1") != "0":
+    if async_op and setting("runtime.comm_thread"):
         return submit(calls, then=assemble)
     calls()
     assemble()

@@ -8,20 +8,20 @@ at the block's owner.
 
 Overlap: on CPU, MindSpore's collectives block the calling thread, so the exchange of the next
 block is issued on the communication thread (``comm.comm_thread``) and runs while this thread
-computes the current block (``MS_LLM_COMM_THREAD=0`` turns that off, to measure it). Each
+computes the current block (``runtime.comm_thread: false`` turns that off, to measure it). Each
 transfer is a ``broadcast`` in the two-rank group of sender and receiver (MindSpore 2.10's CPU
 ``send``/``recv`` look up the HCCL world group and fail). Elsewhere it is the synchronous
 ``comm.batch_isend_irecv`` (no overlap; not run on Ascend here).
 """
 from __future__ import annotations
 
-import os
 from typing import List, Optional, Sequence
 
 from mindspore import Tensor, mint
 
 from ms_llm.compat import F, is_cpu
 from ms_llm.compat.autograd import Function
+from ms_llm.compat.environment import setting
 from .. import comm
 from ..comm.comm_thread import submit
 from ..comm.work import Work
@@ -79,7 +79,7 @@ class RingExchange:
         def calls():
             for tensor, src, group in steps:
                 comm.broadcast(tensor, src=src, group=group)
-        if os.environ.get("MS_LLM_COMM_THREAD", "1") == "0":
+        if not setting("runtime.comm_thread"):
             calls()
             return _Pending(buf, None)
         return _Pending(buf, submit(calls))
