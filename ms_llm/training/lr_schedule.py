@@ -138,17 +138,16 @@ def scheduler_from_config(t) -> OptimizerParamScheduler:
 
 def schedule_problem(cfg) -> Optional[Tuple[Tuple[str, ...], str]]:
     """``(keys, message)`` when the schedule keys do not form a Megatron schedule, else None.
-    A sample-based run (``training.train_samples``) sets ``training.max_steps`` to
-    ``train_samples // global_batch_size`` unless it was set explicitly (then they must agree)."""
+    A sample-based run (``training.train_samples``) has ``training.max_steps`` =
+    ``train_samples // global_batch_size`` (``config.load_config`` derives it) unless it was set
+    explicitly (then they must agree)."""
     t = cfg.training
     if t.train_samples:
         iters = t.train_samples // t.global_batch_size
         if iters < 1:
             return (("training.train_samples",), f"training.train_samples ({t.train_samples}) "
                     f"is less than one global batch ({t.global_batch_size})")
-        if "training.max_steps" not in cfg.sources:
-            t.max_steps = iters
-        elif t.max_steps != iters:
+        if "training.max_steps" in cfg.sources and t.max_steps != iters:
             return (("training.max_steps", "training.train_samples"),
                     f"training.max_steps ({t.max_steps}) disagrees with training.train_samples "
                     f"// global_batch_size ({iters}); set one of them")
