@@ -63,7 +63,7 @@ def main() -> None:
     from ms_llm.ops.rope import apply_rope, rope_cos_sin
     from ms_llm.ops.swiglu import swiglu
     from ms_llm.training import grad as gradlib
-    from ms_llm.training.optimizer import AdamW
+    from ms_llm.optim import AdamW
     resolve_paths()
     rng = np.random.default_rng(0)
 

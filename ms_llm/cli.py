@@ -82,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ms_llm.evaluation.cli import main as evaluate_main
         return evaluate_main(rest)
     if command == "lm-eval":
-        from ms_llm.evaluation.lm_eval_backend import lm_eval_main
+        from ms_llm.evaluation.lm_eval_cli import lm_eval_main
         return lm_eval_main(rest)
     if command in ("generate", "chat"):
         from ms_llm import inference_cli   # outside the package: its __init__ imports MindSpore

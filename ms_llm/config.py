@@ -81,6 +81,15 @@ class TrainingConfig(_Section):
     lr_decay_samples: Optional[int] = None
     lr_wsd_decay_samples: Optional[int] = None
     use_checkpoint_opt_param_scheduler: bool = False  # resume takes the checkpoint's schedule
+    optimizer: str = "adamw"          # adamw | muon (ms_llm.optim; Megatron-Core's muon_* names)
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True       # orthogonalise Q, K and V apart (across query groups)
+    muon_coefficient_type: str = "quintic"   # simple | quintic | polar_express | cans | aol
+    muon_num_ns_steps: int = 5
+    muon_scale_mode: str = "spectral"  # spectral | shape_scaling | unit_rms_norm
+    muon_extra_scale_factor: float = 1.0
+    muon_tp_mode: str = "duplicated"  # blockwise | duplicated | distributed (tp > 1: blockwise)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95

@@ -79,6 +79,13 @@ RULES: Dict[str, Rule] = {
     **{f"training.{k}": _POSITIVE for k in (
         "train_samples", "lr_decay_samples", "lr_wsd_decay_samples", "lr_wsd_decay_steps")},
     **{f"training.{k}": _NON_NEGATIVE for k in ("lr_warmup_init", "lr_warmup_samples")},
+    "training.optimizer": _one_of("adamw", "muon"),
+    "training.muon_momentum": _within(0, 1, hi_open=True),
+    "training.muon_coefficient_type": _one_of("simple", "quintic", "polar_express", "cans", "aol"),
+    "training.muon_num_ns_steps": _ge(1),
+    "training.muon_scale_mode": _one_of("spectral", "shape_scaling", "unit_rms_norm"),
+    "training.muon_extra_scale_factor": _POSITIVE,
+    "training.muon_tp_mode": _one_of("blockwise", "duplicated", "distributed"),
     "training.resume": _one_of("none", "auto"),
     "training.recompute_granularity": _one_of("full", "selective", null=True),
     "training.recompute_method": _one_of("uniform", "block", null=True),
@@ -194,11 +201,26 @@ def _fail(cfg, keys: Sequence[str], message: str) -> None:
 
 
 def _check_schedule(cfg) -> None:
-    from ms_llm.training.lr_schedule import schedule_problem   # Megatron's scheduler rules
-    problem = schedule_problem(cfg)
-    if problem is not None:
-        _fail(cfg, problem[0], problem[1])
+    """Megatron's scheduler rules (training/lr_schedule.py applies the schedule). A sample-based
+    run (``training.train_samples``) has ``max_steps`` = ``train_samples // global_batch_size``
+    (``config.load_config`` derives it) unless it was set explicitly (then they must agree)."""
     t = cfg.training
+    if t.train_samples:
+        iters = t.train_samples // t.global_batch_size
+        if iters < 1:
+            _fail(cfg, ("training.train_samples",), f"training.train_samples ({t.train_samples}) "
+                  f"is less than one global batch ({t.global_batch_size})")
+        if "training.max_steps" in cfg.sources and t.max_steps != iters:
+            _fail(cfg, ("training.max_steps", "training.train_samples"),
+                  f"training.max_steps ({t.max_steps}) disagrees with training.train_samples "
+                  f"// global_batch_size ({iters}); set one of them")
+    if t.lr_warmup_init > t.lr:
+        _fail(cfg, ("training.lr_warmup_init", "training.lr"),
+              f"training.lr_warmup_init ({t.lr_warmup_init}) must be <= training.lr ({t.lr})")
+    wsd = t.lr_wsd_decay_samples if t.train_samples else t.lr_wsd_decay_steps
+    if t.lr_decay_style == "WSD" and not wsd:
+        _fail(cfg, ("training.lr_decay_style",), "training.lr_decay_style WSD needs "
+              "training.lr_wsd_decay_steps (lr_wsd_decay_samples for a sample-based run)")
     if t.min_lr > t.lr:
         _fail(cfg, ("training.min_lr", "training.lr"),
               f"training.min_lr ({t.min_lr}) must be <= training.lr ({t.lr})")
@@ -386,10 +408,26 @@ def bf16_problem(cfg) -> Problem:
     return None
 
 
+def optimizer_problem(cfg) -> Problem:
+    """Layouts ``training.optimizer`` muon does not support (``ms_llm.optim.muon``)."""
+    t, p = cfg.training, cfg.parallel
+    if t.optimizer != "muon":
+        return None
+    if p.use_distributed_optimizer:
+        return ("training.optimizer", "parallel.use_distributed_optimizer"), (
+            "training.optimizer muon with parallel.use_distributed_optimizer is not built "
+            "(gathering its dim-0 shards to an owner rank is not implemented; FSDP is)")
+    if p.tensor_model_parallel_size > 1 and t.muon_tp_mode != "blockwise":
+        return ("training.muon_tp_mode", "parallel.tensor_model_parallel_size"), (
+            f"training.muon_tp_mode {t.muon_tp_mode} is not built; with tensor parallel use "
+            f"blockwise (each rank orthogonalises its own shard)")
+    return None
+
+
 _LOW = ("bfloat16", "bf16")
 CROSS_KEY_CHECKS = (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora)
 CROSS_KEY_RULES = (stage_problem, _mtp_problem, _eval_split_problem, bf16_problem,
-                   cross_entropy_fusion_problem)
+                   cross_entropy_fusion_problem, optimizer_problem)
 
 
 def check_launch(cfg, world_size: int) -> None:

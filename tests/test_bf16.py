@@ -205,7 +205,7 @@ def test_bf16_training_fp32_mains_exact_resume_and_export(tmp_path):
     opt = full.optimizer
     assert {p.dtype for p in opt.model_params} == {ms.bfloat16}
     assert {p.dtype for p in opt.params} == {ms.float32}
-    assert {m.dtype for m in opt.exp_avg + opt.exp_avg_sq} == {ms.float32}
+    assert {m.dtype for m in opt.inner.exp_avg + opt.inner.exp_avg_sq} == {ms.float32}
     mains = [p.asnumpy() for p in opt.params]
     # the mains carry more than bf16 precision, and the model holds them rounded
     assert any(np.any(m.astype(BF16).astype(np.float32) != m) for m in mains)

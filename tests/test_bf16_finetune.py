@@ -1,7 +1,7 @@
 """bf16 mixed precision (``training.bf16``) with DPO and with LoRA, against the same runs in fp32.
 
 What is checked:
-* DPO, full fine-tuning: bf16 model parameters, fp32 main parameters (``MainParamsAdamW``); the
+* DPO, full fine-tuning: bf16 model parameters, fp32 main parameters (``optim.MainParams``); the
   reference log-probs come from the same bf16 forward as the policy's, so step 1 (policy ==
   reference) has margin exactly 0 and loss exactly ln 2, as in fp32.
 * DPO with LoRA: the frozen base stays bf16 and outside the optimizer (no fp32 copy of it), the
@@ -25,7 +25,7 @@ import pytest
 from finetune_fixtures import RUN, make_hf_folder, pairwise_rows, preprocess, write_jsonl
 from ms_llm.config import load_config
 from ms_llm.lora.modules import is_frozen_base
-from ms_llm.training.mixed_precision import MainParamsAdamW
+from ms_llm.optim import MainParams
 from ms_llm.training.trainer import Trainer
 
 LOSS_ATOL, NORM_RTOL = 3e-3, 2e-2
@@ -62,7 +62,7 @@ def test_bf16_dpo_full_finetune_matches_fp32(pairs, tmp_path):
     _, want = _dpo(pairs, tmp_path / "fp32", "false")
     trainer, got = _dpo(pairs, tmp_path / "bf16", "true")
     opt = trainer.optimizer
-    assert isinstance(opt, MainParamsAdamW)
+    assert isinstance(opt, MainParams)
     assert {p.dtype for p in opt.model_params} == {ms.bfloat16}
     assert {p.dtype for p in opt.params} == {ms.float32}
     # the reference snapshot is the starting bf16 weights (no fp32 copy of the model)

@@ -157,3 +157,31 @@ def test_corrupt_shard_of_newest_checkpoint_resumes_from_previous_on_the_same_cu
     np.testing.assert_allclose([r["loss"] for r in rest], [r["loss"] for r in full[2:]],
                                rtol=1e-6)
     assert dcp.find_latest_complete(save).endswith("iter_0000004")
+
+
+def _torch_dist(path, alias=False):
+    from ms_llm.checkpoint.torch_dist import TorchDistWriter
+    w = TorchDistWriter(str(path))
+    w.add("w", W.shape, (0, 0), W[:3])
+    w.add("w", W.shape, (3, 0), W[3:])
+    if alias:   # the second chunk's bytes declared at the first one's
+        c0, c1 = w.entries["w"].chunks
+        c1.byte_offset = c0.byte_offset
+    w.close({"iteration": 1})
+    return str(path)
+
+
+def test_torch_dist_folders_are_checked_for_byte_ranges(tmp_path, capsys):
+    """Megatron-Core torch_dist records no checksum: its reader and ``ms-llm checkpoint
+    verify`` check the chunks' byte ranges (inside the file, not aliasing) and coverage."""
+    from ms_llm.checkpoint.torch_dist import TorchDistReader
+    good = _torch_dist(tmp_path / "good")
+    np.testing.assert_array_equal(TorchDistReader(good).tensor("w"), W)
+    assert verify_main(["verify", good]) == 0
+    assert "ok (torch_dist records no checksum" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"bytes \[\d+, \d+\) overlap"):
+        TorchDistReader(_torch_dist(tmp_path / "alias", alias=True))
+    distcp = os.path.join(good, "__0_0.distcp")
+    os.truncate(distcp, os.path.getsize(distcp) - 10)
+    assert verify_main(["verify", good]) == 1
+    assert "FAILED: " in capsys.readouterr().out

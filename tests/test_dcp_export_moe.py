@@ -76,7 +76,7 @@ def _save(model, cfg, save_dir, step=1):
     from ms_llm.parallel.state import initialize_model_parallel
     describe_layouts(model)
     from ms_llm.training import checkpointing as ckpt
-    from ms_llm.training.optimizer import AdamW
+    from ms_llm.optim import AdamW
     named = list(model.named_parameters())
     opt = AdamW([(n, p) for n, p in named if p.requires_grad])
     return ckpt.save(save_dir, step, named, opt, initialize_model_parallel(),

@@ -31,6 +31,7 @@ NEW = 8
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
     from tokenizers import Tokenizer
+    torch.set_num_threads(1)     # a 64-wide model: threads only spin-wait on a shared machine
     folder = eval_fixtures.make_model(str(tmp_path_factory.mktemp("eval_model")))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.eval()
@@ -224,3 +225,57 @@ def test_sandbox_limits():
     assert r.status == "timeout"
     r = run_program("import os\nassert os.getcwd().startswith(os.environ['TMPDIR'])")
     assert r.passed
+
+
+def test_megatron_folder_scores_like_its_hf_source(ref, tmp_path):
+    """A Megatron folder converted with a padded vocabulary (320 -> 384 rows) and the HF
+    tokenizer beside it: the same log-likelihood predictions as the HF folder (the padding rows
+    stay out of the softmax)."""
+    folder = ref[0]
+    from ms_llm.checkpoint.convert import main as convert
+    mg = str(tmp_path / "mg")
+    assert convert(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", folder,
+                    "--save-dir", mg, "--make-vocab-size-divisible-by", "128"]) == 0
+    from ms_llm.evaluation.cli import main
+    ppl = eval_fixtures.write_mmlu(str(tmp_path / "mmlu"))
+    boolq = eval_fixtures.write_boolq(str(tmp_path / "boolq"))
+    results = []
+    for load in (folder, mg):
+        out = tmp_path / f"{os.path.basename(load)}.json"
+        assert main(["--task", "mmlu_ppl", "boolq", "--task-data-path", ppl, boolq, "--load", load,
+                     "--tokenizer-name-or-path", folder, "--output-json", str(out)]) == 0
+        results.append(json.loads(out.read_text()))
+    for task in ("mmlu_ppl", "boolq"):
+        assert results[0][task]["records"] == results[1][task]["records"], task
+    # the values too (a shared normaliser would not change the predictions above)
+    from ms_llm.evaluation.scorer import ModelScorer
+    hf, meg = ModelScorer.from_path(folder), ModelScorer.from_path(mg, tokenizer=folder)
+    assert meg.model.config.padded_vocab_size == 384 and meg.vocab_size == 320
+    pairs = [(hf.encode("Question: what is"), hf.encode(" 42 Yes"))]
+    assert hf.loglikelihood(pairs)[0][0] == pytest.approx(meg.loglikelihood(pairs)[0][0],
+                                                          abs=1e-5)
+
+
+def test_chunked_generation_equals_one_pass(ref):
+    """Decoding in chunks that continue one KV cache (so a batch can stop at its stop strings)
+    gives what one uninterrupted ``generate`` gives, for left-padded prompts of different
+    lengths; stop strings cut the text and EOS ends it."""
+    from ms_llm.evaluation.scorer import ModelScorer
+    from ms_llm.inference import generate
+    scorer = ModelScorer.from_path(ref[0])
+    prompts = [scorer.encode("Question: Let's think step by step"), scorer.encode("A B"),
+               scorer.encode("def f(x):\n    return")]
+    chunked = scorer.generate(prompts, 10, chunk=3)
+    whole = generate(scorer.model, prompts, 10, eos_token_id=scorer.eos_token_ids)
+    s = whole.shape[1] - 10
+    want = []
+    for row in whole[:, s:]:
+        ids = []
+        for t in row:
+            if int(t) in scorer.eos_token_ids:
+                break
+            ids.append(int(t))
+        want.append(scorer.decode(ids))
+    assert chunked == want
+    stop = want[0][2:4]
+    assert scorer.generate(prompts[:1], 10, stop=[stop], chunk=3) == [want[0].split(stop)[0]]

@@ -125,7 +125,7 @@ def test_training_checkpoint_loads_directly(folder, tmp_path):
     from ms_llm.parallel.parallelize import describe_layouts
     from ms_llm.parallel.state import initialize_model_parallel
     from ms_llm.training import checkpointing as ckpt
-    from ms_llm.training.optimizer import AdamW
+    from ms_llm.optim import AdamW
     model = from_pretrained(folder)
     describe_layouts(model)
     named = list(model.named_parameters())

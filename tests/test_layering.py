@@ -180,12 +180,11 @@ def test_every_package_is_declared_once():
     assert not on_disk - set(names), f"declare where these sit in LAYERS: {on_disk - set(names)}"
 
 
-# Left at the deadline: the optim helper's ms_llm/optim (issue 32) moves the optimizer out of
-# training and the distributed optimizer out of parallel; this fails (XPASS) once it is merged.
+# Left at the deadline: the optim package (issue 32) removed the parallel -> training imports;
+# what remains is the LR-schedule rule of the config reaching into training. This fails (XPASS)
+# once that rule moves below config.
 @pytest.mark.xfail(strict=True, reason=(
-    "remaining: ms_llm/parallel/distributed_optimizer.py imports ms_llm.training.mixed_precision "
-    "(MainParamsAdamW, fp32_main_copy, grad_dtype, grads_to_fp32) and ms_llm.training.optimizer "
-    "(AdamW, WrapsAdamW): fixed by the optim package (ms_llm/optim) when it lands"))
+    "remaining: ms_llm/config_rules.py imports ms_llm.training.lr_schedule (schedule_problem)"))
 def test_packages_import_only_downwards_and_no_private_names():
     undeclared, upward, private = violations()
     problems = [f"not in LAYERS: {', '.join(undeclared)}"] if undeclared else []

@@ -10,7 +10,7 @@ from parallel_common import TINY_MODEL
 
 from ms_llm.config import load_config
 from ms_llm.training.lr_schedule import OptimizerParamScheduler
-from ms_llm.training.optimizer import AdamW
+from ms_llm.optim import AdamW
 from ms_llm.training.trainer import Trainer
 
 TINY = TINY_MODEL + ["--training.micro_batch_size", "4", "--training.global_batch_size", "4",

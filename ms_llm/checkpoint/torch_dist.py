@@ -145,6 +145,10 @@ class TorchDistReader:
                 chunk.file, chunk.byte_offset, chunk.length = where
             else:
                 self.objects[idx.fqn] = Chunk((), (), *where)
+        from .verify import torch_dist_problem   # chunks inside their files, no aliasing
+        why = torch_dist_problem(self)
+        if why:
+            raise ValueError(why)
         common = os.path.join(path, COMMON)
         self.common = load_torch_file(common) if os.path.isfile(common) else {}
 

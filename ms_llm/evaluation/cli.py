@@ -19,7 +19,7 @@ DESCRIPTION = __doc__.split("\n\n")[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ms-llm evaluate", description=__doc__,
+    p = argparse.ArgumentParser(prog="ms-llm evaluate", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", nargs="+", required=True,
                    help="mmlu | mmlu_ppl | ceval | boolq | gsm8k | human_eval")

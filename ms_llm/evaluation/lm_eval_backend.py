@@ -17,7 +17,6 @@ runs the harness's command line with ARGS unchanged; in Python, ``register()`` t
 """
 from __future__ import annotations
 
-import sys
 from typing import List, Optional, Union
 
 try:
@@ -66,8 +65,8 @@ class MsLLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         tok = self.scorer.tokenizer
         self._bos = None
-        if tok.bos_token and self.scorer._hf is not None:
-            self._bos = self.scorer._hf.token_to_id(tok.bos_token)
+        if tok.bos_token and self.scorer.hf_tokenizer is not None:
+            self._bos = self.scorer.hf_tokenizer.token_to_id(tok.bos_token)
 
     # -- what the harness asks of a model ----------------------------------------------------
     @property
@@ -187,18 +186,3 @@ def register() -> None:
     from lm_eval.api import registry
     if NAME not in getattr(registry, "MODEL_REGISTRY", {}):
         registry.register_model(NAME)(MsLLM)
-
-
-def lm_eval_main(argv: List[str]) -> int:
-    """``ms-llm lm-eval ARGS``: the harness's ``lm_eval ARGS`` with ``ms-llm`` registered."""
-    register()
-    from lm_eval.__main__ import cli_evaluate
-    saved = sys.argv
-    sys.argv = ["lm-eval", *argv]
-    try:
-        cli_evaluate()
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = saved
-    return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import List, Optional, Sequence
 
-from .datasets import CHOICES, Sample
+from .formats import CHOICES, Sample
 
 MMLU_HEADER = "The following are multiple choice questions (with answers) about {subject}.\n\n"
 CEVAL_HEADER = "以下是中国关于{subject}考试的单项选择题，请选出其中的正确答案。\n\n"
@@ -66,7 +66,7 @@ def boolq_prompt(sample: Sample) -> str:
 def _gsm8k_shot(row: dict) -> str:
     reasoning, _, _ = row["answer"].partition("####")
     reasoning = re.sub(r"<<[^>]*>>", "", reasoning).strip()   # GSM8K's calculator notes
-    from .datasets import gsm8k_gold
+    from .formats import gsm8k_gold
     return (f"Question: {row['question']}\nLet's think step by step\nAnswer:\n{reasoning}\n"
             f"The answer is {gsm8k_gold(row['answer'])}\n\n")
 

@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -37,7 +38,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 class ModelScorer:
     """A model and its tokenizer, ready to score. ``max_length`` is the longest sequence fed to
     the model (longer inputs lose tokens on the left, as lm-eval does); ``vocab_size`` limits the
-    softmax to the first that many logits (a Megatron folder's padded vocabulary)."""
+    softmax to the first that many logits (a Megatron folder's padded vocabulary). ``tokenizer``
+    may be None for id-only use (``loglikelihood`` / ``generate`` on ids, benchmarks)."""
 
     def __init__(self, model, tokenizer: Tokenizer, eos_token_ids: Sequence[int],
                  max_length: int, vocab_size: Optional[int] = None, add_special_tokens=True):
@@ -46,10 +48,10 @@ class ModelScorer:
         self.max_length = int(max_length)
         self.vocab_size = vocab_size
         self.add_special_tokens = add_special_tokens
-        self._hf = None
-        if tokenizer.path.endswith(".json"):
+        self.hf_tokenizer = None
+        if tokenizer is not None and tokenizer.path.endswith(".json"):
             from tokenizers import Tokenizer as HFTokenizer
-            self._hf = HFTokenizer.from_file(tokenizer.path)
+            self.hf_tokenizer = HFTokenizer.from_file(tokenizer.path)
 
     @classmethod
     def from_path(cls, path: str, tokenizer: Optional[str] = None, dtype: Optional[str] = None,
@@ -60,15 +62,16 @@ class ModelScorer:
         tok = load_tokenizer_for(path, tokenizer)
         model = model if model is not None else load_model(path, dtype)
         return cls(model, tok, eos_token_ids(path, tok),
-                   max_length or model.config.max_position_embeddings)
+                   max_length or model.config.max_position_embeddings,
+                   vocab_size=real_vocab_size(path, tok, model.config.padded_vocab_size))
 
     # -- text <-> ids -------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: Optional[bool] = None) -> List[int]:
         """Ids of ``text`` as HF's ``tokenizer.encode`` gives them: with the special tokens the
         ``tokenizer.json`` post-processor adds unless told otherwise; sentencepiece as is."""
         special = self.add_special_tokens if add_special_tokens is None else add_special_tokens
-        if self._hf is not None:
-            return list(self._hf.encode(text, add_special_tokens=bool(special)).ids)
+        if self.hf_tokenizer is not None:
+            return list(self.hf_tokenizer.encode(text, add_special_tokens=bool(special)).ids)
         return self.tokenizer.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -169,3 +172,18 @@ class ModelScorer:
                 break
         return [cut_at_stop(t, stop) for t in texts]
 
+
+def real_vocab_size(path: str, tokenizer: Tokenizer, padded: int) -> Optional[int]:
+    """The vocabulary without Megatron's padding rows (``--make-vocab-size-divisible-by``), so
+    they stay out of the softmax: ``config.json``'s ``vocab_size`` (an HF folder's equals its
+    rows; ms-llm writes the HF one beside a Megatron folder), else the tokenizer's size (a
+    training checkpoint). None when nothing is padded."""
+    import json
+    vocab = None
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            vocab = json.load(f).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        vocab = None
+    vocab = int(vocab) if isinstance(vocab, int) else tokenizer.vocab_size
+    return vocab if vocab < padded else None

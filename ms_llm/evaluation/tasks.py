@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-from . import datasets, prompts
-from .datasets import Sample
+from . import formats, prompts
+from .formats import Sample
 from .sandbox import DEFAULT_STOP, human_eval_program, run_program
 
 TASKS = ("mmlu", "mmlu_ppl", "ceval", "boolq", "gsm8k", "human_eval")
@@ -43,15 +43,15 @@ def load_task(task: str, folder: str, opts: TaskOptions) -> Dict[str, List[Sampl
     if task not in TASKS:
         raise ValueError(f"--task {task}: unknown (built: {', '.join(TASKS)})")
     if task in ("mmlu", "mmlu_ppl"):
-        data = datasets.load_multiple_choice(folder, header=False, num_fewshot=opts.num_fewshot)
+        data = formats.load_multiple_choice(folder, header=False, num_fewshot=opts.num_fewshot)
     elif task == "ceval":
-        data = datasets.load_multiple_choice(folder, header=True, num_fewshot=opts.num_fewshot)
+        data = formats.load_multiple_choice(folder, header=True, num_fewshot=opts.num_fewshot)
     elif task == "boolq":
-        data = datasets.load_boolq(folder)
+        data = formats.load_boolq(folder)
     elif task == "gsm8k":
-        data = datasets.load_gsm8k(folder, opts.num_fewshot)
+        data = formats.load_gsm8k(folder, opts.num_fewshot)
     else:
-        data = datasets.load_human_eval(folder)
+        data = formats.load_human_eval(folder)
     if opts.max_eval_samples is not None:
         data = {k: v[:opts.max_eval_samples] for k, v in data.items()}
     return data
@@ -96,7 +96,7 @@ def _choice_loglikelihood(samples, scorer, opts) -> List[dict]:
     out = []
     for k, s in enumerate(samples):
         lls = [scores[4 * k + j][0] for j in range(4)]
-        pred = datasets.CHOICES[max(range(4), key=lambda j: lls[j])]
+        pred = formats.CHOICES[max(range(4), key=lambda j: lls[j])]
         out.append(_record(s, pred == s.gold, pred))
     return out
 

@@ -1,8 +1,9 @@
 """Training checkpoints on the distributed checkpoint format (``ms_llm.checkpoint.dcp``).
 
-Every rank writes the real rows it owns of each parameter and AdamW moment, described as a
-region of the *global* (unsharded) tensor, so a checkpoint saved under one layout (fsdp=3,
-tp=2, dp replicas...) loads under another. The regions, names and the writing replica all come
+Every rank writes the real rows it owns of each parameter and optimizer-state tensor (asked of
+the optimizer through the ``ms_llm.optim.Optimizer`` protocol), described as a region of the
+*global* (unsharded) tensor, so a checkpoint saved under one layout (fsdp=3, tp=2, dp
+replicas...) loads under another. The regions, names and the writing replica all come
 from each parameter's ``Placement`` (``ms_llm.parallel.placement``): e.g. a fused gated
 ``linear_fc1`` is stored as ``<name>:gate`` and ``<name>:up`` because a tensor-parallel rank holds
 ``[gate_r; up_r]``, rows that are one rectangle of each half but not of ``[gate; up]``.
@@ -24,13 +25,13 @@ log = logging.getLogger("ms_llm.train")
 
 
 def _pieces(named_params, optimizer, pstate):
-    """Per model tensor and per AdamW moment held here: its regions (from its ``Placement``),
-    whether this rank writes them. Buffers such as ``expert_bias`` have no moments; the
+    """Per model tensor and per optimizer-state tensor held here: its regions (from its
+    ``Placement``), whether this rank writes them. Buffers such as ``expert_bias`` have no moments; the
     distributed optimizer's moments carry the ``dp``/``edp`` cut in their placement."""
     mesh = Mesh.of(pstate)
     for name, p in named_params:
         # bf16 training: the fp32 main parameter (or this rank's shard of it) is what is stored
-        src = optimizer.checkpoint_tensor(p) if hasattr(optimizer, "checkpoint_tensor") else p
+        src = optimizer.checkpoint_tensor(p)
         if src is not None:
             pl = placement_of(src)
             yield (pl, "", src, checkpoint_regions(name, tuple(src.shape), pl, mesh),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -134,30 +134,6 @@ def scheduler_from_config(t) -> OptimizerParamScheduler:
         max_lr=float(t.lr), min_lr=t.min_lr, lr_warmup_steps=warmup, lr_decay_steps=decay,
         lr_decay_style=t.lr_decay_style, init_lr=t.lr_warmup_init, wsd_decay_steps=wsd,
         lr_wsd_decay_style=t.lr_wsd_decay_style)
-
-
-def schedule_problem(cfg) -> Optional[Tuple[Tuple[str, ...], str]]:
-    """``(keys, message)`` when the schedule keys do not form a Megatron schedule, else None.
-    A sample-based run (``training.train_samples``) has ``training.max_steps`` =
-    ``train_samples // global_batch_size`` (``config.load_config`` derives it) unless it was set
-    explicitly (then they must agree)."""
-    t = cfg.training
-    if t.train_samples:
-        iters = t.train_samples // t.global_batch_size
-        if iters < 1:
-            return (("training.train_samples",), f"training.train_samples ({t.train_samples}) "
-                    f"is less than one global batch ({t.global_batch_size})")
-        if "training.max_steps" in cfg.sources and t.max_steps != iters:
-            return (("training.max_steps", "training.train_samples"),
-                    f"training.max_steps ({t.max_steps}) disagrees with training.train_samples "
-                    f"// global_batch_size ({iters}); set one of them")
-    try:
-        scheduler_from_config(t)
-    except ValueError as e:
-        keys = ("training.lr_warmup_init", "training.lr_decay_style", "training.lr_decay_steps",
-                "training.lr_decay_samples", "training.lr_wsd_decay_steps")
-        return keys, str(e)
-    return None
 
 
 SCHEDULE_KEYS = tuple(f.name for f in fields(OptimizerParamScheduler) if f.name != "num_steps")

@@ -3,8 +3,9 @@ does not fit.
 
 What is counted, per rank (every pipeline stage is planned; the worst one decides):
 
-* parameters, gradients and AdamW state: exact per-rank element counts from
-  ``ms_llm.parallel.plan_shapes`` (training's own model, placement and sharding code);
+* parameters, gradients and optimizer state (its size per element asked of ``ms_llm.optim``):
+  exact per-rank element counts from ``ms_llm.parallel.plan_shapes`` (training's own model,
+  placement and sharding code);
 * activations: per micro-batch, per layer, the tensors the backward pass keeps (a sum of
   ``[tokens, width]`` and ``[b, heads, s, s]`` terms, each with the number of copies the
   PyNative executor keeps, ``ACT``), times the micro-batches in flight (the pipeline
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from ms_llm.models.config import TransformerConfig
+from ms_llm.optim import state_elements
 
 GB = 1024 ** 3
 FP32 = 4
@@ -252,8 +254,9 @@ def _recomputed(t, position: int) -> object:
 
 
 def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: int,
-               distributed_optimizer: bool) -> StagePlan:
-    """The memory of ``rank`` (pipeline stage ``stage``) holding ``params``."""
+               distributed_optimizer: bool, shapes: Optional[dict] = None) -> StagePlan:
+    """The memory of ``rank`` (pipeline stage ``stage``) holding ``params``; ``shapes``: the
+    global shapes (``full_shapes``) the optimizer's state count may depend on."""
     p, t = cfg.parallel, cfg.training
     tp, pp, vpp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, \
         p.virtual_pipeline_model_parallel_size
@@ -266,19 +269,22 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     param_bytes = sum(q.numel * q.itemsize for q in params)
     trainable = [q for q in params if q.trainable]
     grad_bytes = sum(q.numel * FP32 for q in trainable)
-    # AdamW moments; the distributed optimizer keeps them, and an fp32 main-parameter shard,
-    # only for this rank's (first, largest) shard of its group (a group of one: the model's
-    # parameter is the main one). Under context parallel the cp ranks are replicas too: the
-    # group is (expert-)data parallel x cp, Megatron's dp-cp group.
+    # The optimizer's state (``state_elements`` fp32 values per element, asked of the optimizer:
+    # AdamW's two moments); the distributed optimizer keeps it, and an fp32 main-parameter
+    # shard, only for this rank's (first, largest) shard of its group (a group of one: the
+    # model's parameter is the main one). Under context parallel the cp ranks are replicas too:
+    # the group is (expert-)data parallel x cp, Megatron's dp-cp group.
     opt_bytes, shard_grad_bytes = 0, 0
     for q in trainable:
+        shape = shapes[q.name][0] if shapes and q.name in shapes else (q.full_numel,)
+        k = state_elements(cfg, q.name, shape)
         group = (dp // ep if q.expert else dp) * cp if distributed_optimizer else 1
         if group > 1:
             shard = -(-q.numel // group)
-            opt_bytes += 3 * FP32 * shard
+            opt_bytes += (k + 1) * FP32 * shard
             shard_grad_bytes += FP32 * shard
         else:
-            opt_bytes += 2 * FP32 * q.numel
+            opt_bytes += k * FP32 * q.numel
     # activations: the layers this stage runs, times the micro-batches in flight per chunk
     layers = _stage_layers(cfg, c, stage, pp, vpp)
     in_flight, chunks = _in_flight(pp, vpp, num_micro, stage)
@@ -414,7 +420,8 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
         if key not in cache:
             cache[key] = rank_params(cfg, c, sizes, rank, shapes)
         params = cache[key]
-        stages.append(plan_stage(cfg, c, params, stage, rank, nproc, distributed_optimizer))
+        stages.append(plan_stage(cfg, c, params, stage, rank, nproc, distributed_optimizer,
+                                 shapes))
     total = sum(math.prod(shape) for shape, _, _ in shapes.values())
     plan = MemoryPlan(nproc, _layout(cfg, nproc, distributed_optimizer), total, stages,
                       device_memory_gb)

@@ -23,8 +23,9 @@ from ms_llm.checkpoint import from_pretrained
 from ms_llm.lora import base as lora_base
 from ms_llm.lora.modules import is_frozen_base, lora_module_names
 from ms_llm.ops import resolve_paths
+from ms_llm.optim import build_optimizer, param_groups
 from ms_llm.parallel import comm
-from ms_llm.parallel.distributed_optimizer import build_optimizer, bytes_per_rank
+from ms_llm.parallel.distributed_optimizer import bytes_per_rank
 from ms_llm.parallel.parallelize import parallelize_model
 from ms_llm.parallel.placement import Mesh
 from ms_llm.parallel.runtime import DistInfo, init_distributed
@@ -114,7 +115,9 @@ class Trainer:
         named = [(n, q) for n, q in self.named_params if q.requires_grad]
         self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit)
         # The distributed optimizer reduce-scatters instead of all-reducing (its own grad sync).
-        grad_sync = getattr(self.optimizer, "grad_sync", par.grad_sync)
+        grad_sync = self.optimizer.grad_sync or par.grad_sync
+        for line in param_groups.describe(self.optimizer.groups):
+            self._say(line)
         self._sync_timer = self.timers("grads-reduce-scatter" if self.fsdp or
                                        p.use_distributed_optimizer else "grads-all-reduce")
         self.optimizer_bytes = bytes_per_rank(sum(self.optimizer.state_bytes().values()))

@@ -7,36 +7,48 @@ costs ~135 ms but has no bias correction. Bias correction folds into its scalar 
     m_hat / (sqrt(v_hat) + eps) = (sqrt(bc2)/bc1) * m / (sqrt(v) + eps*sqrt(bc2))
 
 so lr' = lr*sqrt(bc2)/bc1, eps' = eps*sqrt(bc2), decay' = wd*lr/lr' gives
-``p -= lr*m_hat/(sqrt(v_hat)+eps) + lr*wd*p``, which is torch's decoupled update. Parameters
-are fp32 master weights (the kernel has no bf16 CPU form).
+``p -= lr*m_hat/(sqrt(v_hat)+eps) + lr*wd*p``, which is torch's decoupled update. A group's
+``lr_mult`` scales lr' (and so both terms), its ``wd_mult`` the decay. Parameters are fp32
+master weights (the kernel has no bf16 CPU form; ``main_params.MainParams`` wraps bf16 models).
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
 from ms_llm.compat import float32, zeros
 from ms_llm.parallel.placement import placement_of
+from .base import StateTensor
+from .param_groups import ParamGroup, assignment, build_groups
 
-
-def no_weight_decay(name: str, param: Parameter) -> bool:
-    """Megatron's default: no weight decay on biases and norm weights (the 1-D tensors)."""
-    return param.ndim <= 1 or name.endswith(".bias")
+FP32 = 4
 
 
 class AdamW:
+    """Decoupled-weight-decay Adam over ``named_params`` (fp32), grouped by rule
+    (``param_groups``) unless ``groups`` (name -> group, e.g. computed on the model's
+    parameters by a wrapper holding shards of them) is given."""
+    grad_sync = None
+
     def __init__(self, named_params: Sequence[tuple], lr: float = 1e-3,
-                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 groups: Optional[Mapping[str, ParamGroup]] = None):
         self.names = [n for n, _ in named_params]
         self.params: List[Parameter] = [p for _, p in named_params]
         for n, p in named_params:
             if p.dtype != float32:
                 raise TypeError(f"AdamW: parameter {n} is {p.dtype}; fp32 master weights required")
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.decay = [0.0 if no_weight_decay(n, p) else 1.0 for n, p in named_params]
+        if groups is None:
+            self.groups = build_groups(named_params)
+            groups = assignment(self.groups)
+        else:
+            self.groups = list({id(g): g for g in (groups[n] for n in self.names)}.values())
+        self.lr_mult = [groups[n].lr_mult for n in self.names]
+        self.wd_mult = [groups[n].wd_mult for n in self.names]
         # State is created eagerly so a checkpoint load always has somewhere to go.
         self.exp_avg = [Parameter(zeros(p.shape), name=f"exp_avg.{n}", requires_grad=False)
                         for n, p in named_params]
@@ -46,7 +58,7 @@ class AdamW:
         self.step_count = 0
         self._kernel = ops.AdamWeightDecay()
 
-    def step(self, grads: Sequence[Tensor], lr: float = None) -> None:
+    def step(self, grads: Sequence[Tensor], lr: Optional[float] = None) -> None:
         lr = self.lr if lr is None else lr
         self.step_count += 1
         b1, b2 = self.betas
@@ -55,26 +67,35 @@ class AdamW:
         lr_k = lr * math.sqrt(bc2) / bc1
         eps_k = self.eps * math.sqrt(bc2)
         decay_k = self.weight_decay * lr / lr_k if lr_k > 0 else 0.0
-        for p, m, v, g, d in zip(self.params, self.exp_avg, self.exp_avg_sq, grads, self.decay):
-            self._kernel(p, m, v, lr_k, b1, b2, eps_k, decay_k * d, g)
+        for p, m, v, g, lm, wm in zip(self.params, self.exp_avg, self.exp_avg_sq, grads,
+                                      self.lr_mult, self.wd_mult):
+            self._kernel(p, m, v, lr_k * lm, b1, b2, eps_k, decay_k * wm, g)
 
-    def state_tensors(self, param: Parameter) -> list:
-        """``(checkpoint prefix, tensor, placement)`` of ``param``'s moments (the parameter's own
-        placement: the moments are split as it is)."""
+    def state_tensors(self, param: Parameter) -> List[StateTensor]:
+        """``param``'s moments, with the parameter's own placement (they are split as it is)."""
         i = self._slot.get(id(param))
         if i is None:
             return []
         pl = placement_of(param)
-        return [("optimizer.exp_avg.", self.exp_avg[i], pl),
-                ("optimizer.exp_avg_sq.", self.exp_avg_sq[i], pl)]
+        return [StateTensor("optimizer.exp_avg.", self.exp_avg[i], pl),
+                StateTensor("optimizer.exp_avg_sq.", self.exp_avg_sq[i], pl)]
+
+    def checkpoint_tensor(self, param: Parameter) -> Optional[Parameter]:
+        """The parameters are the master weights: a checkpoint stores ``param`` itself."""
+        return param
 
     def load_finished(self) -> None:
         """Called after a checkpoint load (the parameters are the master weights: nothing)."""
 
     def state_bytes(self) -> Dict[str, int]:
         """This rank's optimizer-state bytes (the parameters are the master weights)."""
-        return {"exp_avg+exp_avg_sq": sum(int(m.size) * 4 * 2 for m in self.exp_avg),
+        return {"exp_avg+exp_avg_sq": sum(int(m.size) * FP32 * 2 for m in self.exp_avg),
                 "main_params": 0}
+
+    @staticmethod
+    def state_elements(name: str, shape: Sequence[int]) -> int:
+        """fp32 state elements per parameter element (the planner's count): two moments."""
+        return 2
 
     def state_dict(self) -> Dict[str, np.ndarray]:
         out = {"step": np.array(self.step_count, np.int64)}
@@ -83,28 +104,11 @@ class AdamW:
             out[f"exp_avg_sq.{n}"] = v.asnumpy()
         return out
 
-    def load_state_dict(self, state: Dict[str, np.ndarray], source: str = "optimizer state"):
+    def load_state_dict(self, state: Dict[str, np.ndarray], source: str = "optimizer state"
+                        ) -> None:
         for n, m, v in zip(self.names, self.exp_avg, self.exp_avg_sq):
             for key, dst in ((f"exp_avg.{n}", m), (f"exp_avg_sq.{n}", v)):
                 if key not in state:
                     raise KeyError(f"{source}: missing {key!r}")
                 dst.set_data(Tensor(np.asarray(state[key], np.float32)))
         self.step_count = int(state["step"])
-
-
-class WrapsAdamW:
-    """For optimizers that run an ``AdamW`` (``self.inner``) on parameters of their own (fp32
-    main copies, data-parallel shards): its step count and learning rate are theirs."""
-    inner: AdamW
-
-    @property
-    def step_count(self) -> int:
-        return self.inner.step_count
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.inner.step_count = value
-
-    @property
-    def lr(self) -> float:
-        return self.inner.lr

@@ -1,0 +1,88 @@
+"""Muon vs AdamW: optimizer-step time on the ~55M Llama-style model (8 layers, hidden 512,
+untied 32000-token vocabulary), one process, CPU.
+
+Both optimizers step the same model's parameters with the same random gradients; steps are
+interleaved (AdamW, Muon, AdamW, ...) so load from other processes hits both, and the median of
+``--reps`` steps after one warm-up is reported with the ratio. Muon orthogonalises every hidden
+matrix (5 quintic Newton-Schulz steps in fp32: ~3 GEMMs of the matrix's smaller side per step)
+and runs AdamW on the embedding, output layer and norms.
+
+The FSDP comparison against torch FSDP2 + ``torch.optim.Muon`` is ``benchmarks/muon_fsdp.py``.
+
+``python benchmarks/muon.py [--reps 5]``
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+MODEL = ["--model.num_layers", "8", "--model.hidden_size", "512", "--model.ffn_hidden_size",
+         "1408", "--model.num_attention_heads", "8", "--model.num_query_groups", "2",
+         "--model.kv_channels", "64", "--model.padded_vocab_size", "32000",
+         "--model.untie_embeddings_and_output_weights", "true"]
+
+
+def machine() -> str:
+    """CPU model and load, printed with every figure (this machine is shared)."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"{cpu}, {os.cpu_count()} cores, load average {load}"
+
+
+def step_times(reps: int) -> None:
+    import numpy as np
+    from mindspore import Tensor
+    from ms_llm.compat import setup_device
+    setup_device("CPU")
+    from ms_llm.config import load_config
+    from ms_llm.models import GPTModel
+    from ms_llm.optim import AdamW, Muon, param_groups
+
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), MODEL)
+    model = GPTModel(cfg.model)
+    named = [(n, p) for n, p in model.parameters_and_names() if p.requires_grad]
+    total = sum(int(p.size) for _, p in named)
+    rng = np.random.default_rng(0)
+    grads = [Tensor(rng.normal(scale=1e-3, size=p.shape).astype(np.float32)) for _, p in named]
+    adam = functools.partial(AdamW, betas=(0.9, 0.95), weight_decay=0.1)
+    opts = {"AdamW": adam(named, lr=1e-4),
+            "Muon": Muon(named, lr=1e-4, weight_decay=0.1, model_config=cfg.model, adam=adam)}
+    groups = param_groups.build_groups(named, muon=True)
+    times = {k: [] for k in opts}
+    for i in range(reps + 1):
+        for name, opt in opts.items():
+            t0 = time.perf_counter()
+            opt.step(grads, 1e-4)
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"# optimizer step, {total / 1e6:.1f}M parameters "
+          f"({', '.join(f'{g.label} {g.numel / 1e6:.1f}M' for g in groups)}); {machine()}")
+    print("| optimizer | step (ms, median) | vs AdamW |")
+    print("|---|---|---|")
+    for k, v in med.items():
+        print(f"| {k} | {v * 1e3:.0f} | {v / med['AdamW']:.2f}x |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args(argv)
+    step_times(a.reps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Newton-Schulz orthogonalisation in fp32 (Muon's ``zeroth power`` of a matrix), with the
+coefficient schedules and update scale modes of NVIDIA's ``emerging_optimizers``
+(``orthogonalized_optimizers/muon_utils.py`` and ``muon.py``, read, not imported: the package
+index does not serve it).
+
+For ``X`` (the smaller dimension first, transposing if needed) normalised by its Frobenius norm,
+each step with coefficients ``(a, b, c)`` is ``A = X X^T; X = a X + (b A + c A A) X``. Schedules
+that list fewer sets than steps cycle (``simple``, ``quintic``, ``aol``) or repeat their last set
+(``polar_express``, ``cans``), as the reference does. Everything runs in fp32 (Megatron's
+``muon_fp32_matmul_prec: high``), so the result is deterministic and matches a NumPy reference to
+fp32 rounding.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Dict, List, Sequence, Tuple
+
+from mindspore import Tensor, mint
+
+Coeffs = Tuple[float, float, float]
+
+COEFFICIENTS: Dict[str, List[Coeffs]] = {
+    "simple": [(3.4445, -4.7750, 2.0315)],
+    "quintic": [(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377),
+                (3.7418, -5.5913, 2.3037), (2.8769, -3.1427, 1.2046),
+                (2.8366, -3.0525, 1.2012)],
+    "polar_express": [(8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184),
+                      (3.9096, -2.8234, 0.5250), (3.2856, -2.4153, 0.4853),
+                      (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
+                      (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750)],
+    "cans": [(8.4703, -25.1081, 18.6293), (4.1828, -3.1087, 0.5806), (3.9619, -2.9541, 0.5630),
+             (3.2866, -2.4647, 0.5074), (2.2737, -1.6447, 0.4162)],
+    "aol": [(4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254),
+            (2.7215, -3.0494, 1.3169)],
+}
+REPEAT_LAST = ("polar_express", "cans")
+SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+EPS = 1e-15   # emerging_optimizers' default: the norm is clamped to at least this
+
+
+def coefficient_schedule(kind: str, steps: int) -> List[Coeffs]:
+    """The ``steps`` coefficient sets of schedule ``kind``."""
+    if kind not in COEFFICIENTS:
+        raise ValueError(f"training.muon_coefficient_type: {kind!r} is not one of "
+                         f"{', '.join(COEFFICIENTS)}")
+    sets = COEFFICIENTS[kind]
+    base = itertools.chain(sets, itertools.repeat(sets[-1])) if kind in REPEAT_LAST \
+        else itertools.cycle(sets)
+    return list(itertools.islice(base, steps))
+
+
+def scale_factor(size_out: int, size_in: int, mode: str) -> float:
+    """The update's scale for an ``[out, in]`` matrix (``get_muon_scale_factor``): ``spectral``
+    sqrt(max(out, in)); ``shape_scaling`` sqrt(max(1, out/in)) (Keller Jordan's, torch.optim.Muon's
+    ``original`` lr adjustment); ``unit_rms_norm`` sqrt(out/in)."""
+    if mode == "spectral":
+        return max(size_out, size_in) ** 0.5
+    if mode == "shape_scaling":
+        return max(1.0, size_out / size_in) ** 0.5
+    if mode == "unit_rms_norm":
+        return (size_out / size_in) ** 0.5
+    raise ValueError(f"training.muon_scale_mode: {mode!r} is not one of {', '.join(SCALE_MODES)}")
+
+
+def newton_schulz(x: Tensor, schedule: Sequence[Coeffs]) -> Tensor:
+    """Orthogonalise fp32 ``x`` (``[m, n]``, or a batch ``[k, m, n]`` of matrices)."""
+    transpose = x.shape[-2] > x.shape[-1]
+    if transpose:
+        x = x.swapaxes(-2, -1)
+    norm = mint.sqrt((x * x).sum(dim=(-2, -1), keepdim=True))
+    x = x / mint.clamp(norm, min=EPS)
+    for a, b, c in schedule:
+        gram = mint.matmul(x, x.swapaxes(-2, -1))
+        poly = gram * b + mint.matmul(gram, gram) * c if c != 0.0 else gram * b
+        x = x * a + mint.matmul(poly, x)
+    return x.swapaxes(-2, -1) if transpose else x
