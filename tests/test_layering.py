@@ -180,11 +180,6 @@ def test_every_package_is_declared_once():
     assert not on_disk - set(names), f"declare where these sit in LAYERS: {on_disk - set(names)}"
 
 
-# Left at the deadline: the optim package (issue 32) removed the parallel -> training imports;
-# what remains is the LR-schedule rule of the config reaching into training. This fails (XPASS)
-# once that rule moves below config.
-@pytest.mark.xfail(strict=True, reason=(
-    "remaining: ms_llm/config_rules.py imports ms_llm.training.lr_schedule (schedule_problem)"))
 def test_packages_import_only_downwards_and_no_private_names():
     undeclared, upward, private = violations()
     problems = [f"not in LAYERS: {', '.join(undeclared)}"] if undeclared else []
