@@ -42,7 +42,6 @@ import ast
 import os
 from typing import Dict, Iterator, List, Tuple
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "ms_llm"
 
