@@ -202,17 +202,15 @@ def _fail(cfg, keys: Sequence[str], message: str) -> None:
 
 def _check_schedule(cfg) -> None:
     """Megatron's scheduler rules (training/lr_schedule.py applies the schedule). A sample-based
-    run (``training.train_samples``) sets ``max_steps`` to ``train_samples // global_batch_size``
-    unless it was set explicitly (then they must agree)."""
+    run (``training.train_samples``) has ``max_steps`` = ``train_samples // global_batch_size``
+    (``config.load_config`` derives it) unless it was set explicitly (then they must agree)."""
     t = cfg.training
     if t.train_samples:
         iters = t.train_samples // t.global_batch_size
         if iters < 1:
             _fail(cfg, ("training.train_samples",), f"training.train_samples ({t.train_samples}) "
                   f"is less than one global batch ({t.global_batch_size})")
-        if "training.max_steps" not in cfg.sources:
-            t.max_steps = iters
-        elif t.max_steps != iters:
+        if "training.max_steps" in cfg.sources and t.max_steps != iters:
             _fail(cfg, ("training.max_steps", "training.train_samples"),
                   f"training.max_steps ({t.max_steps}) disagrees with training.train_samples "
                   f"// global_batch_size ({iters}); set one of them")
