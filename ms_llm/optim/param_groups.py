@@ -55,10 +55,11 @@ def is_embedding_or_output(name: str) -> bool:
 
 
 def is_muon_matrix(name: str, ndim: int) -> bool:
-    """A hidden linear weight Muon orthogonalises: a 2-D weight (grouped experts: a stack of
-    them) that is not the embedding, the output layer or the MoE router (its rows are
-    per-expert scores, kept on AdamW as the issue asks; Megatron would put it on Muon)."""
-    if ndim < 2 or name.endswith(".bias") or is_embedding_or_output(name):
+    """A hidden linear weight Muon orthogonalises: a 2-D weight (grouped experts store a stack
+    of them in 2-D; a conv kernel or other N-D tensor stays on AdamW, as in Megatron) that is
+    not the embedding, the output layer or the MoE router (its rows are per-expert scores, kept
+    on AdamW as the issue asks; Megatron would put it on Muon)."""
+    if ndim != 2 or name.endswith(".bias") or is_embedding_or_output(name):   # Megatron: 2-D
         return False
     return ".router." not in name and not name.endswith("router.weight")
 
