@@ -177,7 +177,6 @@ def guard_save_dir(save_dir: Optional[str], resume_path: Optional[str],
         f"{', '.join(moved)} (never loaded); the run continues from step {resume_step}")
 
 
-# ----------------------------------------------------------------------------- torch_dist
 # ----------------------------------------------------------------------------- CLI
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``ms-llm checkpoint verify DIR``: one line per checkpoint (``ok`` or why not); exit 0
@@ -195,7 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not os.path.isdir(path):
         print(f"ms-llm checkpoint verify: {path}: no such directory", file=sys.stderr)
         return 2
-    from .torch_dist import TorchDistReader, is_torch_dist_dir, torch_dist_problem
+    from .torch_dist import TorchDistReader, is_torch_dist_dir
+    from .torch_dist_verify import torch_dist_problem
     if is_torch_dist_dir(path):   # Megatron-Core torch_dist: structure and byte ranges (no crc)
         try:
             why = torch_dist_problem(TorchDistReader(path))
