@@ -302,7 +302,11 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     if cfg.checkpoint.load:   # the folder's architecture, before the cross-key checks see it
         from ms_llm.config_pretrained import adopt_pretrained_architecture
         adopt_pretrained_architecture(cfg)
+    t = cfg.training
+    if t.train_samples and "training.max_steps" not in cfg.sources:   # a sample-based run
+        t.max_steps = t.train_samples // t.global_batch_size
+    cfg.freeze()        # before the rules: they only read it
     validate(cfg)
     if world_size is not None:
         check_launch(cfg, world_size)
-    return cfg.freeze()
+    return cfg

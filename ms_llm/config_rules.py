@@ -202,17 +202,15 @@ def _fail(cfg, keys: Sequence[str], message: str) -> None:
 
 def _check_schedule(cfg) -> None:
     """Megatron's scheduler rules (training/lr_schedule.py applies the schedule). A sample-based
-    run (``training.train_samples``) sets ``max_steps`` to ``train_samples // global_batch_size``
-    unless it was set explicitly (then they must agree)."""
+    run (``training.train_samples``) has ``max_steps`` = ``train_samples // global_batch_size``
+    (``config.load_config`` derives it) unless it was set explicitly (then they must agree)."""
     t = cfg.training
     if t.train_samples:
         iters = t.train_samples // t.global_batch_size
         if iters < 1:
             _fail(cfg, ("training.train_samples",), f"training.train_samples ({t.train_samples}) "
                   f"is less than one global batch ({t.global_batch_size})")
-        if "training.max_steps" not in cfg.sources:
-            t.max_steps = iters
-        elif t.max_steps != iters:
+        if "training.max_steps" in cfg.sources and t.max_steps != iters:
             _fail(cfg, ("training.max_steps", "training.train_samples"),
                   f"training.max_steps ({t.max_steps}) disagrees with training.train_samples "
                   f"// global_batch_size ({iters}); set one of them")
@@ -310,6 +308,19 @@ def _mtp_problem(cfg) -> Problem:
         return ("model.mtp_num_layers", "parallel.context_parallel_size"), (
             "model.mtp_num_layers with parallel.context_parallel_size > 1 is not built yet "
             "(rolling the tokens would cross the ranks' chunks)")
+    return None
+
+
+def _gated_delta_net_problem(cfg) -> Problem:
+    """Gated DeltaNet layers (Qwen3-Next) are not split over tensor / context parallel."""
+    if "gated_delta_net" not in (cfg.model.layer_types or ()):
+        return None
+    for key, what in (("tensor_model_parallel_size", "tensor"), ("context_parallel_size",
+                                                                  "context")):
+        if getattr(cfg.parallel, key) > 1:
+            return (f"parallel.{key}", "model.layer_types"), (
+                f"parallel.{key} > 1 with gated_delta_net layers: {what} parallel of Gated "
+                f"DeltaNet is not built; use data / expert / pipeline parallel or FSDP")
     return None
 
 
@@ -429,7 +440,7 @@ def optimizer_problem(cfg) -> Problem:
 _LOW = ("bfloat16", "bf16")
 CROSS_KEY_CHECKS = (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora)
 CROSS_KEY_RULES = (stage_problem, _mtp_problem, _eval_split_problem, bf16_problem,
-                   cross_entropy_fusion_problem, optimizer_problem)
+                   cross_entropy_fusion_problem, optimizer_problem, _gated_delta_net_problem)
 
 
 def check_launch(cfg, world_size: int) -> None:

@@ -699,3 +699,19 @@ def test_clone_is_an_exact_independent_copy(dtype):
     if dtype != "bool":
         y.copy_(mint.zeros(y.shape, dtype=y.dtype))     # writing the clone leaves x alone
         np.testing.assert_array_equal(x.asnumpy().astype(np.float32), want.astype(np.float32))
+
+
+def test_softplus_values_and_gradient_match_torch():
+    """``F.softplus`` (composed on CPU: MindSpore 2.10 has no SoftplusGradExt CPU kernel) equals
+    torch's softplus and its gradient (sigmoid) at float32 rounding, including |x| > 20."""
+    import mindspore as ms
+    import torch
+    from ms_llm.compat import F
+    x = np.array([-40.0, -20.5, -3.0, -1e-3, 0.0, 0.7, 5.0, 19.0, 25.0], np.float32)
+    got = F.softplus(ms.Tensor(x)).asnumpy()
+    grad = ms.grad(lambda t: F.softplus(t).sum())(ms.Tensor(x)).asnumpy()
+    xt = torch.tensor(x, requires_grad=True)
+    want = torch.nn.functional.softplus(xt)
+    want.sum().backward()
+    np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(grad, xt.grad.numpy(), rtol=1e-6, atol=1e-7)

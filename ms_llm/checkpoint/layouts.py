@@ -31,6 +31,7 @@ import numpy as np
 
 from . import layouts_deepseek as DS
 from . import layouts_mtp as MTP
+from . import layouts_qwen3_next  # noqa: F401  (registers Qwen3-Next's layer kinds)
 from .layouts_attention import (LAYER_KINDS, LayerKind, fuse_qkv, layer_kind,  # noqa: F401
                                 register_layer_kind, split_qkv)
 from .layouts_spec import (ModelSpec, ParallelLayout, default_megatron_name,  # noqa: F401

@@ -71,6 +71,12 @@ class ModelSpec:
     attn_bias: bool = False
     shared_ffn: int = 0
     expert_bias: bool = False
+    # Qwen3-Next: the shared expert's sigmoid gate (Megatron ``mlp.shared_experts.gate_weight``,
+    # HF ``mlp.shared_expert_gate.weight``) and the HF prefix of the shared expert.
+    shared_gate: bool = False
+    hf_shared: str = "mlp.shared_experts."
+    # Gated DeltaNet sizes (key heads, value heads, key / value head dims, conv kernel).
+    linear: Tuple[int, ...] = ()
     mtp_layers: int = 0
     # Checkpoint layout name of each decoder layer (``layouts.LAYER_KINDS``); empty: every layer
     # "mla" when ``mla`` else "attention". The config the spec was read from (None when built
@@ -110,6 +116,10 @@ class ModelSpec:
             qk_rope=c.qk_pos_emb_head_dim if mla else 0, v_head=c.v_head_dim if mla else 0,
             shared_ffn=(c.moe_shared_expert_intermediate_size or 0) if moe else 0,
             expert_bias=bool(moe and c.moe_router_enable_expert_bias),
+            shared_gate=bool(moe and c.moe_shared_expert_gate),
+            linear=(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                    c.linear_value_head_dim, c.linear_conv_kernel_dim)
+            if c.layer_types and "gated_delta_net" in c.layer_types else (),
             layer_kinds=tuple(kinds), config=c, **extras)
 
 

@@ -212,6 +212,15 @@ def silu(x: Tensor) -> Tensor:
     return _back(mint.nn.functional.silu(x), back)
 
 
+def softplus(x: Tensor) -> Tensor:
+    """``log(1 + exp(x))``. MindSpore 2.10's CPU backend has no ``SoftplusGradExt`` kernel, so
+    there it is composed as torch computes it: ``x`` above 20, else ``log1p(exp(x))`` (the
+    exponent clamped so the unused branch stays finite and its gradient is 0, not NaN)."""
+    if is_cpu() and ms.__version__.startswith("2.10."):
+        return mint.where(x > 20, x, mint.log1p(mint.exp(mint.clamp(x, max=20.0))))
+    return mint.nn.functional.softplus(x)
+
+
 def sigmoid(x: Tensor) -> Tensor:
     (x,), back = _fp32_on_cpu(x)
     return _back(mint.sigmoid(x), back)

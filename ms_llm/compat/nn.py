@@ -6,7 +6,7 @@ Parameters are created from NumPy: MindSpore's in-place random initialisers (``n
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 import mindspore as ms
@@ -45,13 +45,17 @@ def rng() -> np.random.Generator:
 
 
 def new_parameter(shape, *, std: Optional[float] = None, fill: Optional[float] = None,
-                  dtype=float32, requires_grad: bool = True) -> Parameter:
-    """A Parameter drawn from N(0, std) or filled with a constant, built in fp32 NumPy (under
-    ``shape_only()``: a lazily initialised one that holds no data)."""
+                  dtype=float32, requires_grad: bool = True,
+                  values: Optional[Callable[[], np.ndarray]] = None) -> Parameter:
+    """A Parameter drawn from N(0, std), filled with a constant, or ``values()`` (an init of its
+    own, e.g. DeltaNet's ``A_log``), built in fp32 NumPy (under ``shape_only()``: a lazily
+    initialised one that holds no data, and ``values`` is not called)."""
     if _SHAPE_ONLY["on"]:
         return Parameter(Tensor(shape=tuple(shape), dtype=to_ms_dtype(dtype), init=Zero()),
                          requires_grad=requires_grad)
-    if std is not None:
+    if values is not None:
+        data = np.asarray(values(), dtype=np.float32).reshape(shape)
+    elif std is not None:
         data = rng().normal(0.0, std, size=shape).astype(np.float32)
     else:
         data = np.full(shape, 0.0 if fill is None else fill, dtype=np.float32)

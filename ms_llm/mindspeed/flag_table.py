@@ -287,6 +287,22 @@ TABLE: Dict[str, object] = {
     "--model-type-hf": Noop("the folder's config.json names the architecture", 1),
     "--log-interval": Map("training.log_interval"),
     "--log-throughput": Noop("tokens/s and TFLOP/s are always logged"),
+    # seeing a run (ms_llm.training.observability)
+    "--tensorboard-dir": Map("training.tensorboard_dir"),
+    "--log-timers-to-tensorboard": Map("training.log_timers_to_tensorboard", 0, True),
+    "--timing-log-level": Map("training.timing_log_level"),
+    "--profile": Map("training.profile", 0, True),
+    "--profile-step-start": Map("training.profile_step_start"),
+    "--profile-step-end": Map("training.profile_step_end"),
+    "--profile-ranks": Map("training.profile_ranks", "+", None, _join),
+    "--profile-save-path": Map("training.profile_dir"),
+    "--use-deter-comp": Map("training.deterministic", 0, True),
+    **{f: Noop("always written to TensorBoard when --tensorboard-dir is set") for f in (
+        "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
+        "--log-learning-rate-to-tensorboard", "--log-loss-scale-to-tensorboard",
+        "--log-batch-size-to-tensorboard", "--log-world-size-to-tensorboard")},
+    "--tensorboard-log-interval": Noop("TensorBoard gets every logged step (--log-interval)", 1),
+    "--tensorboard-queue-size": Noop("the writer flushes every logged step", 1),
     "--eval-interval": Post(),
     "--eval-iters": Post(),
 }

@@ -87,6 +87,18 @@ class TransformerConfig:
     # Output layer + cross entropy in chunks of tokens with their own backward: the logits and
     # their gradient never exist whole (ms_llm.ops.fused_cross_entropy; Megatron's flag name).
     cross_entropy_loss_fusion: bool = False
+    # Qwen3-Next hybrid layers (ms_llm.models.gated_delta_net). ``layer_types`` names each
+    # decoder layer's token mixer ("attention" or "gated_delta_net"; None: all attention) and is
+    # also the layer's checkpoint layout; the linear_* sizes are Megatron-Core's GatedDeltaNet.
+    layer_types: Optional[List[str]] = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_chunk_size: int = 64                    # chunk of the parallel delta-rule form
+    attention_output_gate: bool = False            # out * sigmoid(gate), gate from linear_qkv
+    layernorm_zero_centered_gamma: bool = False    # RMSNorm scales by (1 + weight), weight 0-init
 
     @property
     def rotary_dim(self) -> int:
@@ -148,8 +160,30 @@ class TransformerConfig:
         if self.attention_dropout != 0.0:
             raise ValueError("model.attention_dropout: only 0.0 is supported (fused attention "
                              "kernels here have no dropout); use model.hidden_dropout")
+        if self.layer_types is not None:
+            self._validate_layer_types()
         if self.kv_channels % 2:
             raise ValueError(f"model.kv_channels ({self.kv_channels}) must be even for RoPE")
+
+    def _validate_layer_types(self) -> None:
+        lt = self.layer_types
+        if len(lt) != self.num_layers or any(t not in ("attention", "gated_delta_net") for t in lt):
+            raise ValueError(f"model.layer_types {lt} must name one of 'attention' / "
+                             f"'gated_delta_net' per layer (num_layers={self.num_layers})")
+        if "gated_delta_net" in lt:
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"model.linear_num_value_heads ({self.linear_num_value_heads}) "
+                                 f"must be a multiple of model.linear_num_key_heads "
+                                 f"({self.linear_num_key_heads})")
+            if self.multi_latent_attention:
+                raise ValueError("model.layer_types: gated_delta_net layers with MLA are not built")
+
+    def layer_type(self, layer_idx: int) -> str:
+        """Token mixer of layer ``layer_idx`` (an MTP layer, index >= num_layers: full attention,
+        as Megatron-Core's MTP block uses the attention spec)."""
+        if self.layer_types is None or layer_idx >= self.num_layers:
+            return "attention"
+        return self.layer_types[layer_idx]
 
     def _validate_mla(self) -> None:
         for key in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):

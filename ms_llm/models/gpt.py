@@ -14,7 +14,8 @@ from ms_llm import ops as hot
 from ms_llm.compat import float32, nn
 from .config import TransformerConfig
 from .kv_cache import KVCache
-from .layers import RMSNorm, TransformerLayer
+from .layers import TransformerLayer, norm
+from .gated_delta_net import GatedDeltaNet
 from .mla import MLASelfAttention
 from .moe import aux_loss as moe_aux_loss, moe_mlp_factory
 from .mtp import MultiTokenPredictionBlock, MultiTokenPredictionLayer, mtp_loss
@@ -37,8 +38,11 @@ class LanguageModelEmbedding(nn.Module):
 
 def layer_parts(config: TransformerConfig, mlp_factory: Optional[MLPFactory], i: int):
     """The MLP and attention modules of layer ``i`` (``i >= num_layers``: an MTP layer)."""
-    return (mlp_factory(config, i) if mlp_factory else None,
-            MLASelfAttention(config) if config.multi_latent_attention else None)
+    if config.layer_type(i) == "gated_delta_net":
+        attention = GatedDeltaNet(config)
+    else:
+        attention = MLASelfAttention(config) if config.multi_latent_attention else None
+    return mlp_factory(config, i) if mlp_factory else None, attention
 
 
 class TransformerBlock(nn.Module):
@@ -46,8 +50,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList([TransformerLayer(config, *layer_parts(config, mlp_factory, i))
                                      for i in range(config.num_layers)])
-        self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon,
-                                       config.params_dtype)
+        self.final_layernorm = norm(config, config.hidden_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 attention_mask: Optional[Tensor] = None,

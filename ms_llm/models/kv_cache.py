@@ -92,7 +92,13 @@ class KVCache:
     @classmethod
     def for_model(cls, model, batch_size: int, capacity: int,
                   max_capacity: Optional[int] = None) -> "KVCache":
-        return cls(len(model.decoder.layers), batch_size, capacity, max_capacity)
+        cache = cls(len(model.decoder.layers), batch_size, capacity, max_capacity)
+        for i, layer in enumerate(model.decoder.layers):
+            # a token mixer with state of its own (Gated DeltaNet) makes its slot
+            make = getattr(layer.self_attention, "make_cache", None)
+            if make is not None:
+                cache.layers[i] = make(cache)
+        return cache
 
     def __getitem__(self, i: int) -> LayerKVCache:
         return self.layers[i]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Optional
 from mindspore import Tensor
 
 from ms_llm import ops as hot
-from ms_llm.compat import F, nn
+from ms_llm.compat import F, float32, nn
 from .config import TransformerConfig
 
 if TYPE_CHECKING:
@@ -15,13 +15,26 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype="float32"):
+    """``zero_centered`` (Megatron's ``layernorm_zero_centered_gamma``, Qwen3-Next): the scale is
+    ``1 + weight`` and ``weight`` starts at 0, so weight decay pulls the scale towards 1."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype="float32", zero_centered: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.new_parameter((hidden_size,), fill=1.0, dtype=dtype)
+        self.zero_centered = zero_centered
+        self.weight = nn.new_parameter((hidden_size,), fill=0.0 if zero_centered else 1.0,
+                                       dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.zero_centered:
+            return hot.rms_norm(x, self.weight.astype(float32) + 1.0, self.eps)
         return hot.rms_norm(x, self.weight, self.eps)
+
+
+def norm(config: TransformerConfig, size: int) -> RMSNorm:
+    """The config's RMSNorm of width ``size``."""
+    return RMSNorm(size, config.layernorm_epsilon, config.params_dtype,
+                   config.layernorm_zero_centered_gamma)
 
 
 def output_init_std(config: TransformerConfig) -> float:
@@ -44,6 +57,8 @@ class CoreAttention(nn.Module):
 class SelfAttention(nn.Module):
     """Fused QKV in Megatron's per-query-group layout: for each of the ``ng`` groups, the rows
     ``[q (nh/ng * d) | k (d) | v (d)]``. Optional QKV bias (Qwen2.5) and QK-norm (Qwen3).
+    ``attention_output_gate`` (Qwen3-Next, Megatron-Core's name) adds per group the gate rows
+    ``[q | gate (nh/ng * d) | k | v]`` and multiplies the attention output by ``sigmoid(gate)``.
 
     The number of query groups is read from ``linear_qkv``'s output width at run time, so a
     layer whose QKV rows were split over tensor parallel (whole groups per rank) runs unchanged:
@@ -54,12 +69,12 @@ class SelfAttention(nn.Module):
         c = config
         nh, ng = c.num_attention_heads, c.num_query_groups
         self.heads_per_group, self.d = nh // ng, c.kv_channels
-        qkv_out = (nh + 2 * ng) * self.d
+        self.gated = c.attention_output_gate
+        qkv_out = (nh * (2 if self.gated else 1) + 2 * ng) * self.d
         self.linear_qkv = hot.Linear(c.hidden_size, qkv_out, bias=c.add_bias_linear or c.add_qkv_bias,
                                     init_std=c.init_method_std, dtype=c.params_dtype)
         if c.qk_layernorm:
-            self.q_layernorm = RMSNorm(self.d, c.layernorm_epsilon, c.params_dtype)
-            self.k_layernorm = RMSNorm(self.d, c.layernorm_epsilon, c.params_dtype)
+            self.q_layernorm, self.k_layernorm = norm(c, self.d), norm(c, self.d)
         else:
             self.q_layernorm = self.k_layernorm = None
         self.linear_proj = hot.Linear(nh * self.d, c.hidden_size, bias=c.add_bias_linear,
@@ -75,9 +90,14 @@ class SelfAttention(nn.Module):
         r, d = self.heads_per_group, self.d
         qkv = self.linear_qkv(x)
         b, s = qkv.shape[0], qkv.shape[1]  # the full sequence, also under sequence parallel
-        ng = qkv.shape[-1] // ((r + 2) * d)
-        qkv = qkv.reshape(b, s, ng, (r + 2) * d)
-        q, k, v = F.split(qkv, [r * d, d, d], -1)
+        rq = 2 * r if self.gated else r
+        ng = qkv.shape[-1] // ((rq + 2) * d)
+        qkv = qkv.reshape(b, s, ng, (rq + 2) * d)
+        if self.gated:
+            q, gate, k, v = F.split(qkv, [r * d, r * d, d, d], -1)
+            gate = gate.reshape(b, s, ng * r * d)
+        else:
+            q, k, v = F.split(qkv, [r * d, d, d], -1)
         q = q.reshape(b, s, ng * r, d)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
@@ -87,7 +107,10 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)      # the new K/V, or the whole cache buffer
         out = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj(out.swapaxes(1, 2).reshape(b, s, ng * r * d))
+        out = out.swapaxes(1, 2).reshape(b, s, ng * r * d)
+        if self.gated:
+            out = out * F.sigmoid(gate)
+        return self.linear_proj(out)
 
 
 class MLP(nn.Module):
@@ -123,9 +146,9 @@ class TransformerLayer(nn.Module):
                  attention: Optional[nn.Module] = None):
         super().__init__()
         c = config
-        self.input_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, c.params_dtype)
+        self.input_layernorm = norm(c, c.hidden_size)
         self.self_attention = attention if attention is not None else SelfAttention(c)
-        self.pre_mlp_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, c.params_dtype)
+        self.pre_mlp_layernorm = norm(c, c.hidden_size)
         self.mlp = mlp if mlp is not None else MLP(c)
         self.hidden_dropout = c.hidden_dropout
 

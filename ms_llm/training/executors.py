@@ -8,7 +8,6 @@ optimizer's parameters) and, when the compiled step computed it, the gradients' 
 from __future__ import annotations
 
 import contextlib
-
 from typing import Optional, Protocol, Sequence, Tuple
 
 import mindspore as ms

@@ -326,7 +326,8 @@ class Trainer:
                 dt = time.time() - t0
                 if self.step % t.log_interval == 0 or self.step == t.max_steps:
                     out["metrics"] = {**out["metrics"], **step_extras(
-                        self.guard, out["skipped"], dt, self.dist.world_size)}
+                        self.guard, out["skipped"], dt, self.dist.world_size),
+                        **self.observe.log_extras()}   # timers over ranks: collective
                     records.append(logger.log(
                         self.step, loss=out["loss"], grad_norm=out["grad_norm"], lr=out["lr"],
                         tokens=out["tokens"], step_time=dt,

@@ -20,16 +20,18 @@ from ..callbacks import TrainerCallback
 from .determinism import apply_deterministic
 from .profiling import StepProfiler
 from .tensorboard import TensorBoardWriter
-from .timers import Timers, format_block, gather_min_max
+from .timers import Timers, format_block, min_max_over_ranks
 
 __all__ = ["Observability", "apply_deterministic", "Timers", "TensorBoardWriter",
            "StepProfiler"]
 
 
 class Observability(TrainerCallback):
-    """The run's observers, one trainer callback. ``on_step_end`` of a step that will be logged
-    adds ``timers_ms`` (and ``moe_aux_loss``) to the step's metrics; with timers on it is
-    collective (every rank logs the same steps). ``timers`` is used inside the step itself."""
+    """The run's observers, one trainer callback, plus two things the trainer calls itself:
+    ``timers`` inside the step, and ``log_extras`` on a logged step after its iteration time
+    was taken (as Megatron gathers its timers in ``training_log``, outside the iteration), which
+    adds ``timers_ms`` (and ``moe_aux_loss``) to the step's metrics; collective with timers on
+    (every rank logs the same steps)."""
 
     def __init__(self, cfg, rank: int = 0, world_size: int = 1,
                  say: Callable[[str], None] = print):
@@ -54,6 +56,7 @@ class Observability(TrainerCallback):
         self._moe_layers: list = []
         self._trainer = None
         self._aux: List[float] = []
+        self.local_ms: Dict[str, float] = {}   # this rank's timers of the last logged step
 
     # ------------------------------------------------------------------ run boundaries
     def on_train_begin(self, trainer) -> None:
@@ -87,7 +90,6 @@ class Observability(TrainerCallback):
             self.profiler.on_step_begin(step)
 
     def on_step_end(self, step: int, out: Dict[str, Any]) -> None:
-        t = self.cfg.training
         self._steps_since_log += 1
         if self.tb is not None and self._moe_layers:   # the step's loss already synchronised
             losses = [float(l.router.aux_loss.asnumpy()) for l in self._moe_layers
@@ -102,8 +104,6 @@ class Observability(TrainerCallback):
                     self.timers(spans[kind]).add(t1 - t0)
         if self.profiler is not None:
             self.profiler.on_step_end(step)
-        if step % t.log_interval == 0 or step == t.max_steps:   # the trainer logs this step
-            out["metrics"] = {**out.get("metrics", {}), **self.log_extras()}
 
     def log_extras(self) -> Dict[str, Any]:
         """Extra metrics.jsonl keys of a logged step: ``timers_ms`` = ``{name: {min, max}}``
@@ -112,8 +112,11 @@ class Observability(TrainerCallback):
         if not self.timers.enabled:
             self._steps_since_log = 0
             return self._moe_extras()
-        stats = gather_min_max(self.timers, self._steps_since_log,
-                               self._all_gather if self.world_size > 1 else None)
+        names = self.timers.names()
+        mine = self.timers.read_ms(self._steps_since_log)
+        self.local_ms = {n: float(v) for n, v in zip(names, mine) if v > 0}   # this rank's
+        rows = self._all_gather(mine) if self.world_size > 1 else mine[None, :]
+        stats = min_max_over_ranks(names, rows)
         self._steps_since_log = 0
         return {"timers_ms": stats, **self._moe_extras()}
 

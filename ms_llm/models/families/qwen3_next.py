@@ -1,0 +1,111 @@
+"""Qwen3-Next (HF ``Qwen3NextForCausalLM``): hybrid layers, Gated DeltaNet linear attention
+(``layer_types`` "linear_attention") and gated full attention (every
+``full_attention_interval``-th layer: output gate, partial rotary, QK-norm), zero-centred
+RMSNorms (``1 + weight``), and Qwen3-MoE routing (softmax, top-k renormalised) with a shared
+expert scaled by ``sigmoid(shared_expert_gate)``.
+
+The per-layer token mixer is ``TransformerConfig.layer_types`` ("gated_delta_net" /
+"attention"), which is also each layer's checkpoint layout (``layer_kinds``): the layouts are
+registered by ``ms_llm.checkpoint.layouts_qwen3_next``."""
+from __future__ import annotations
+
+from typing import List, Mapping
+
+from ..config import TransformerConfig
+from ..registry import FamilySpec, register_family
+from .common import check_heads, decoder_fields, decoder_to_hf, need, refuse_attention_bias
+from .glm45 import partial_rotary_factor
+from .qwen3_moe import moe_fields
+
+HF_KINDS = {"linear_attention": "gated_delta_net", "full_attention": "attention"}
+LINEAR_KEYS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_num_key_heads", "linear_num_value_heads")
+
+
+def layer_types_from_hf(hf: Mapping, source: str) -> List[str]:
+    n = int(need(hf, "num_hidden_layers", source))
+    types = hf.get("layer_types")
+    if types is None:
+        interval = int(hf.get("full_attention_interval", 4) or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(n)]
+    if len(types) != n or any(t not in HF_KINDS for t in types):
+        raise ValueError(f"{source}: layer_types {types} must name 'linear_attention' or "
+                         f"'full_attention' for each of the {n} layers")
+    return [HF_KINDS[t] for t in types]
+
+
+def from_hf(hf: Mapping, source: str = "config.json") -> TransformerConfig:
+    refuse_attention_bias(hf, source)
+    check_heads(hf, source)
+    fields = decoder_fields(hf, source)
+    extra = {k: int(need(hf, k, source)) for k in LINEAR_KEYS}
+    moe = {}
+    if int(hf.get("num_experts", 0) or 0) > 0:
+        moe = moe_fields(hf, source)
+        shared = int(hf.get("shared_expert_intermediate_size", 0) or 0)
+        if shared:
+            moe.update(moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    return TransformerConfig(**fields, **extra, **moe, qk_layernorm=True,
+                             layer_types=layer_types_from_hf(hf, source),
+                             attention_output_gate=True, layernorm_zero_centered_gamma=True,
+                             rotary_percent=partial_rotary_factor(hf))
+
+
+def to_hf(c: TransformerConfig) -> dict:
+    why = None
+    if not (c.attention_output_gate and c.layernorm_zero_centered_gamma and c.qk_layernorm):
+        why = "a model without gated attention, zero-centred norms and QK-norm"
+    elif c.layer_types is None:
+        why = "a model without layer_types"
+    elif c.mlp_type == "moe" and (c.moe_router_score_function != "softmax"
+                                  or c.moe_router_enable_expert_bias
+                                  or not c.moe_shared_expert_gate):
+        why = "this router / shared expert (HF routes with softmax, gates its shared expert)"
+    elif c.mtp_num_layers:
+        why = "multi-token prediction layers (not built for this family)"
+    if why:
+        raise ValueError(f"export: HF Qwen3-Next cannot express {why}")
+    cfg = decoder_to_hf(c, "qwen3_next", "Qwen3NextForCausalLM")
+    cfg.pop("rope_theta")
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": c.rotary_base,
+                              "partial_rotary_factor": c.rotary_percent}
+    inverse = {v: k for k, v in HF_KINDS.items()}
+    cfg.update({k: getattr(c, k) for k in LINEAR_KEYS})
+    cfg["layer_types"] = [inverse[t] for t in c.layer_types]
+    if c.mlp_type == "moe":
+        cfg.update(num_experts=c.num_moe_experts, num_experts_per_tok=c.moe_router_topk,
+                   moe_intermediate_size=c.moe_ffn_hidden_size,
+                   norm_topk_prob=not c.moe_router_pre_softmax, decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(c.num_layers) if not c.is_moe_layer(i)],
+                   shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size or 0,
+                   router_aux_loss_coef=float(c.moe_aux_loss_coeff or 0.0))
+    else:
+        cfg.update(num_experts=0, mlp_only_layers=list(range(c.num_layers)))
+    return cfg
+
+
+TINY_HF = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=96, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=48, linear_key_head_dim=16,
+               linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_conv_kernel_dim=4, full_attention_interval=2, mlp_only_layers=[1],
+               norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=256,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.25})
+
+SPEC = register_family(FamilySpec(
+    name="qwen3-next", hf_model_type="qwen3_next", hf_architecture="Qwen3NextForCausalLM",
+    from_hf=from_hf, to_hf=to_hf,
+    defaults=dict(qk_layernorm=True, add_qkv_bias=False, layernorm_epsilon=1e-6,
+                  attention_output_gate=True, layernorm_zero_centered_gamma=True,
+                  rotary_percent=0.25, mlp_type="moe", moe_shared_expert_gate=True),
+    aliases=("qwen3_next",), megatron_names=("qwen3-next", "qwen3_next"),
+    claims=lambda c: c.layer_types is not None and "gated_delta_net" in c.layer_types,
+    claim_order=5,
+    layer_kinds=lambda c: tuple("gated_attention" if t == "attention" else t
+                                for t in (c.layer_types or ["attention"] * c.num_layers)),
+    layout_extras=lambda hf, source: dict(hf_shared="mlp.shared_expert."),
+    tiny_hf=TINY_HF,
+    qualify=None))
