@@ -43,6 +43,9 @@ def pairs(tmp_path_factory):
 def _dpo(root, out, bf16, *extra):
     cfg = load_config(None, ["--checkpoint.load", str(root / "hf"), "--data.tokenizer",
                              str(root / "hf"), "--training.stage", "dpo", *RUN,
+                             # Megatron's schedule applies lr_warmup_init (0) at iteration 1:
+                             # no warmup, so the first update moves the policy
+                             "--training.lr_warmup_steps", "0",
                              "--data.data_path", str(root / "pairs"), "--training.max_steps", "2",
                              "--training.output_dir", str(out), "--training.bf16", bf16, *extra])
     trainer = Trainer(cfg)
