@@ -213,7 +213,10 @@ def test_lora_dpo_reference_is_the_base_with_adapters_off(tiny, tmp_path):
     untouched HF model computed here, while the policy's moved."""
     from ms_llm.training.dpo import FrozenReference
     trainer = Trainer(dpo_cfg(tiny, tmp_path, "--data.data_path", str(tiny / "pairs"),
-                              "--training.max_steps", "2", "--lora.r", "4", "--lora.alpha", "8"))
+                              "--training.max_steps", "2", "--lora.r", "4", "--lora.alpha", "8",
+                              # Megatron's schedule applies lr_warmup_init (0) at iteration 1:
+                              # no warmup, so step 1 moves the adapters
+                              "--training.lr_warmup_steps", "0"))
     assert not isinstance(getattr(trainer.objective.reference, "__self__", None), FrozenReference)
     recs = trainer.fit()
     assert recs[0]["loss"] == pytest.approx(math.log(2.0), rel=1e-6)
