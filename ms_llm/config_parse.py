@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from ms_llm.config_rules import ConfigError, check_value
+from ms_llm.config_values import ConfigError, check_value
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models.families import family_defaults
 from ms_llm.validation import size_bound_problem, yaml_load_unique
