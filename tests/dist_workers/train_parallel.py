@@ -5,7 +5,8 @@ argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], where RUN_SPEC is "name:--key=value,--ke
 (``msrun_util.run_spec`` writes it, ``parse_run_spec`` reads it)
 (``@dead`` among them: kill parallel_common.DEAD_EXPERTS before training; ``@packed``: wrap the
 loader in parallel_common.PackedLoader; ``@deepseek``: the DeepSeek-V3 proxy of
-deepseek_parallel_common instead of the tiny config; ``@count_attention``: record in the
+deepseek_parallel_common instead of the tiny config; ``@qwen3next``: the tiny Qwen3-Next of
+qwen3_next_parallel_common; ``@count_attention``: record in the
 run's ``attention_forwards`` how often this rank ran the context-parallel attention forward,
 to show activation recompute re-runs it; ``|`` inside a value
 stands for a list's comma, e.g. ``--parallel.num_layer_list=1|3``).
@@ -24,6 +25,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from deepseek_parallel_common import DS_BASE, DS_CONFIG  # noqa: E402
 from msrun_util import parse_run_spec  # noqa: E402
 from parallel_common import BASE, CONFIG, PackedLoader, kill_experts, run_record  # noqa: E402
+from qwen3_next_parallel_common import Q3N_BASE, Q3N_CONFIG  # noqa: E402
 
 info = init_distributed()
 ATTENTION_FORWARDS = [0]
@@ -39,7 +41,8 @@ if any("@count_attention" in spec for spec in sys.argv[2:]):
 results = {}
 for spec in sys.argv[2:]:
     name, overrides, args = parse_run_spec(spec)   # args: the @flags
-    config, base = (DS_CONFIG, DS_BASE) if "@deepseek" in args else (CONFIG, BASE)
+    config, base = (DS_CONFIG, DS_BASE) if "@deepseek" in args else \
+        (Q3N_CONFIG, Q3N_BASE) if "@qwen3next" in args else (CONFIG, BASE)
     cfg = load_config(config, base + overrides)
     trainer = Trainer(cfg, info)
     if "@dead" in args:
