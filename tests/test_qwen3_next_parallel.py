@@ -2,7 +2,8 @@
 a gated shared expert; tests/qwen3_next_parallel_common.py) trains under real msrun (2 workers)
 exactly as in one process: dp=2, ep=2 (two experts per rank, all-to-all dispatch), pp=2 with
 uneven stages (layers DeltaNet + attention | DeltaNet), fsdp=2, and dp=2 with full activation
-recompute of every layer (the DeltaNet's chunk scan and the routing re-run in backward).
+recompute of every layer (with the aux loss on, every part but the router re-runs in backward:
+norms, the DeltaNet's chunk scan, the gated attention, the experts and the shared expert).
 
 Tolerance: rtol 1e-5 on loss and grad norm over 5 AdamW steps (fp32): the parallel runs sum the
 same terms in another order (all-reduce, reduce-scatter, per-rank expert blocks), ~1e-7 relative
