@@ -59,7 +59,10 @@ def train(root, out, prefix, batch, *extra):
             *RUN, "--data.seq_length", SEQ, "--data.data_path", prefix, "--data.dataset_type",
             "sft", "--training.micro_batch_size", "1" if batch % 2 else "2",
             "--training.global_batch_size", str(batch), "--training.max_steps", "2",
-            "--training.output_dir", str(out), *extra]
+            "--training.output_dir", str(out),
+            # Megatron's schedule applies lr_warmup_init (0) at iteration 1: no warmup, so
+            # step 1 updates and step 2's loss is lower
+            "--training.lr_warmup_steps", "0", *extra]
     assert cli_main(args) == 0
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"]
