@@ -18,7 +18,9 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
-from .layouts_attention import A, EXTRA, LayerKind, register_layer_kind
+# gated attention shards and merges as plain GQA ([q|gate|k|v] rows stay per query group;
+# Qwen3-Next has QK-norm and no QKV bias, which the spec says)
+from .layouts_attention import A, EXTRA, LayerKind, _gqa_merge, _gqa_shard, register_layer_kind
 
 HF_ATTN, HF_LIN = "self_attn.", "linear_attn."
 GDN = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log",
@@ -63,28 +65,6 @@ def _ga_full_to_hf(spec, full: Dict, p: str) -> Dict:
             a + "o_proj.weight": full[A + "linear_proj.weight"],
             a + "q_norm.weight": full[A + "q_layernorm.weight"],
             a + "k_norm.weight": full[A + "k_layernorm.weight"]}
-
-
-def _ga_shard(spec, full: Dict, tp: int, t: int) -> "OrderedDict":
-    out = OrderedDict()
-    out[A + "linear_proj.weight"] = np.split(full[A + "linear_proj.weight"], tp, axis=1)[t]
-    out[A + "linear_proj." + EXTRA] = None
-    out[A + "linear_qkv.weight"] = np.split(full[A + "linear_qkv.weight"], tp, axis=0)[t]
-    out[A + "linear_qkv." + EXTRA] = None
-    out[A + "q_layernorm.weight"] = full[A + "q_layernorm.weight"]
-    out[A + "k_layernorm.weight"] = full[A + "k_layernorm.weight"]
-    return out
-
-
-def _ga_merge(spec, part, tp: int) -> "OrderedDict":
-    full = OrderedDict()
-    full[A + "linear_proj.weight"] = np.concatenate(
-        [part(t, 0, A + "linear_proj.weight") for t in range(tp)], axis=1)
-    full[A + "linear_qkv.weight"] = np.concatenate(
-        [part(t, 0, A + "linear_qkv.weight") for t in range(tp)], axis=0)
-    full[A + "q_layernorm.weight"] = part(0, 0, A + "q_layernorm.weight")
-    full[A + "k_layernorm.weight"] = part(0, 0, A + "k_layernorm.weight")
-    return full
 
 
 # ----------------------------------------------------------------------------- Gated DeltaNet
@@ -150,6 +130,6 @@ def _gdn_merge(spec, part, tp: int) -> "OrderedDict":
 
 
 register_layer_kind("gated_attention", LayerKind(_ga_hf_names, _ga_hf_to_full, _ga_full_to_hf,
-                                                 _ga_shard, _ga_merge))
+                                                 _gqa_shard, _gqa_merge))
 register_layer_kind("gated_delta_net", LayerKind(_gdn_hf_names, _gdn_hf_to_full,
                                                  _gdn_full_to_hf, _gdn_shard, _gdn_merge))
