@@ -50,3 +50,18 @@ def check(res: LaunchResult, what: str) -> LaunchResult:
     if not res.ok:
         raise SystemExit(f"{what} failed:\n{res.failure_report(3000)}")
     return res
+
+
+def llama_model(layers: int, hidden: int = 512, heads: int = 8, kv_heads: int = 2,
+                ffn: int = 1408, vocab: int = 32000, max_positions: int = 4096):
+    """A random-weight Llama-style ``GPTModel`` on CPU (seed 0): the 55M model's widths at
+    ``layers`` layers, fp32 (the inference benchmarks' model)."""
+    from ms_llm.compat import manual_seed, setup_device
+    from ms_llm.models import GPTModel, TransformerConfig, family_defaults
+    setup_device("CPU")
+    manual_seed(0)
+    cfg = TransformerConfig(**dict(family_defaults("llama"), num_layers=layers, hidden_size=hidden,
+                                   ffn_hidden_size=ffn, num_attention_heads=heads,
+                                   num_query_groups=kv_heads, padded_vocab_size=vocab,
+                                   max_position_embeddings=max_positions))
+    return GPTModel(cfg)

@@ -28,6 +28,8 @@ from typing import Dict, List
 
 import numpy as np
 
+from bench_util import llama_model
+
 H, LAYERS, HEADS, KV, FFN, VOCAB = 512, 8, 8, 2, 1408, 32000
 
 
@@ -45,15 +47,7 @@ class Clock:
 
 
 def build_model():
-    from ms_llm.compat import manual_seed, setup_device
-    from ms_llm.models import GPTModel, TransformerConfig, family_defaults
-    setup_device("CPU")
-    manual_seed(0)
-    cfg = TransformerConfig(**dict(family_defaults("llama"), num_layers=LAYERS, hidden_size=H,
-                                   ffn_hidden_size=FFN, num_attention_heads=HEADS,
-                                   num_query_groups=KV, padded_vocab_size=VOCAB,
-                                   max_position_embeddings=4096))
-    return GPTModel(cfg)
+    return llama_model(LAYERS, H, HEADS, KV, FFN, VOCAB)
 
 
 def timed(model, context: int, new: int, use_cache: bool) -> Dict[str, float]:

@@ -13,37 +13,19 @@ Usage: ``python benchmarks/loglikelihood.py [--samples 64] [--rounds 2]``
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 
 import numpy as np
 
+from bench_util import llama_model, machine
+
 H, LAYERS, HEADS, KV, FFN, VOCAB = 512, 4, 8, 2, 1408, 32000
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def build_scorer():
-    from ms_llm.compat import manual_seed, setup_device
-    setup_device("CPU")
     from ms_llm.evaluation.scorer import ModelScorer
-    from ms_llm.models import GPTModel, TransformerConfig, family_defaults
-    manual_seed(0)
-    cfg = TransformerConfig(**dict(family_defaults("llama"), num_layers=LAYERS, hidden_size=H,
-                                   ffn_hidden_size=FFN, num_attention_heads=HEADS,
-                                   num_query_groups=KV, padded_vocab_size=VOCAB,
-                                   max_position_embeddings=4096))
-    return ModelScorer(GPTModel(cfg), None, [0], max_length=2048)
+    model = llama_model(LAYERS, H, HEADS, KV, FFN, VOCAB)
+    return ModelScorer(model, None, [0], max_length=2048)
 
 
 def main() -> None:
@@ -68,8 +50,7 @@ def main() -> None:
             scorer.model(Tensor(np.array([ctx + cont[:-1]], np.int32)),
                          logits_to_keep=len(cont)).asnumpy()
         best["bare"] = min(best["bare"], time.perf_counter() - t)
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} logical), load average "
-          f"{os.getloadavg()[0]:.1f} (noisy if others run)")
+    print(f"CPU: {machine()} (noisy if others run)")
     print(f"model: {scorer.model.num_parameters() / 1e6:.1f} M parameters, fp32; "
           f"{args.samples} requests, context 96-160 + 1-4 tokens")
     for bs in (1, 16):
