@@ -41,3 +41,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         jobs[item.fspath] = jobs.get(item.fspath, 0) + bool(item.get_closest_marker("msrun"))
     items.sort(key=lambda item: -jobs[item.fspath])
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_working_folder():
+    """A test that changes the working folder and fails (or forgets) must not move every later
+    test in its xdist worker: scripts run by relative path would then not be found."""
+    cwd = os.getcwd()
+    yield
+    if os.getcwd() != cwd:
+        os.chdir(cwd)

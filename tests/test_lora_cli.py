@@ -33,7 +33,7 @@ def ms_llm(cwd, *args, timeout=600):
     return r.stdout
 
 
-def test_readme_lora_commands(tmp_path):
+def test_readme_lora_commands(tmp_path, monkeypatch):
     hf = tmp_path / "Qwen3-0.6B"          # a tiny stand-in under the README's name
     make_hf_checkpoint(hf, "qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
                        ffn=96, vocab=64, tied=False, seed=3)
@@ -55,7 +55,7 @@ def test_readme_lora_commands(tmp_path):
     assert json.load(open(tmp_path / "qwen3_lora_peft" / "adapter_config.json"))["r"] == 8
 
     # the trained model: the run's own checkpoint resumed onto the base, in this process
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)   # restored after the test: later tests run scripts by relative path
     trainer = Trainer(load_config(CONFIG, train + extra + ["--training.resume", "auto"]))
     assert trainer.step == 3
     trainer.model.set_train(False)

@@ -8,6 +8,7 @@ same flags resolves to the same config.
 """
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,8 @@ from mindspeed_examples import load
 from ms_llm.config import ConfigError, load_config
 from ms_llm.mindspeed.flag_table import TABLE
 from ms_llm.mindspeed.flags import explain, split_flags, to_overrides, to_yaml, translate
+
+ROOT = Path(__file__).resolve().parent.parent   # pretrain_gpt.py / posttrain_gpt.py live here
 
 SCRIPTS = load()
 MOE_TP = "--tensor-model-parallel-size"   # MoE under tensor parallel: expert TP is not built
@@ -141,10 +144,10 @@ def test_bad_flags_are_one_line_naming_the_flag(extra, message):
 def test_entry_prints_the_config_and_refuses_in_one_line(tmp_path):
     argv = SCRIPTS["qwen3/pretrain_qwen3_0point6b_4K_ptd.sh"]["argv"]
     ok = subprocess.run([sys.executable, "pretrain_gpt.py", *argv, "--print-config"],
-                        capture_output=True, text=True, timeout=120)
+                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert ok.returncode == 0 and "tensor_model_parallel_size: '1'" in ok.stdout, ok.stderr
     bad = subprocess.run([sys.executable, "posttrain_gpt.py", *argv, "--o2-optimizer"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "posttrain_gpt.py: --o2-optimizer: not supported: bf16 optimizer state (MindSpeed O2) "
         "is not built"]
