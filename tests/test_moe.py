@@ -256,8 +256,13 @@ def _torch_moe_block(tw, x, norm_topk_prob, z_coef, aux_coef):
 
 
 @pytest.mark.parametrize("impl,grouped", [("loop", False), ("padded_bmm", False),
-                                          ("loop", True), ("padded_bmm", True)])
+                                          ("loop", True), ("padded_bmm", True),
+                                          ("fused", False), ("fused", True)])
 def test_moe_layer_grads_vs_torch(impl, grouped):
+    """``loop`` / ``padded_bmm``: the composed ops throughout (``composed_only``); ``fused``:
+    the fused CPU kernels (sort, permute, expert FFN, combine), same reference."""
+    if impl == "fused" and not moe_ops.fused_available():
+        pytest.skip("the fused MoE kernels need the CPU BLAS kernel library")
     torch = pytest.importorskip("torch")
     cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=NH,
                             ffn_hidden_size=FFN, padded_vocab_size=V, mlp_type="moe",
@@ -284,7 +289,11 @@ def test_moe_layer_grads_vs_torch(impl, grouped):
     def loss(inp):
         return (layer(inp) * Tensor(dy)).sum() + layer.router.aux_loss
     weights = list(params.values())
-    val, (gx, gws) = ms.value_and_grad(loss, 0, weights)(Tensor(x))
+    if impl == "fused":
+        val, (gx, gws) = ms.value_and_grad(loss, 0, weights)(Tensor(x))
+    else:
+        with moe_ops.composed_only():
+            val, (gx, gws) = ms.value_and_grad(loss, 0, weights)(Tensor(x))
     grads = dict(zip(params, (g.asnumpy() for g in gws)))
     if grouped:   # back to per-expert [out, in] gradients
         g1 = grads.pop("experts.weight1").reshape(E, H, 2 * FM)

@@ -69,6 +69,10 @@ class MoELocalTokenDispatcher:
     the rows to the ranks owning the experts (and regroup by local expert); the reverse on the
     way back before calling this class's combine."""
 
+    # Subclasses that exchange the block sizes between ranks need them as a host list; this
+    # class keeps them an int32 device tensor on the fused CPU path (no host sync in the step).
+    host_counts = False
+
     def __init__(self, num_experts: int, topk: int):
         self.num_experts, self.topk = num_experts, topk
         self._restore: Optional[Tensor] = None
@@ -82,10 +86,19 @@ class MoELocalTokenDispatcher:
         return self.token_unpermutation(experts(permuted, tokens_per_expert))
 
     def token_permutation(self, hidden_states: Tensor, probs: Tensor,
-                          top_indices: Tensor) -> Tuple[Tensor, List[int]]:
+                          top_indices: Tensor) -> Tuple[Tensor, moe_ops.Sizes]:
+        """``(rows in expert order, tokens_per_expert)``; the sizes are a host list, or an int32
+        tensor on the fused CPU path when ``host_counts`` is False."""
+        self._probs = probs
+        if moe_ops.fused_available(hidden_states):
+            sorted_slots, restore, counts = moe_ops.sort_by_expert_device(top_indices,
+                                                                          self.num_experts)
+            self._restore = restore
+            permuted = moe_ops.permute_rows(hidden_states, sorted_slots, restore)
+            return permuted, (moe_ops.host_sizes(counts) if self.host_counts else counts)
         sorted_slots, restore, tokens_per_expert = moe_ops.sort_by_expert(top_indices,
                                                                           self.num_experts)
-        self._restore, self._probs = restore, probs
+        self._restore = restore
         return moe_ops.permute(hidden_states, sorted_slots, self.topk), tokens_per_expert
 
     def token_unpermutation(self, expert_output: Tensor) -> Tensor:
@@ -94,6 +107,19 @@ class MoELocalTokenDispatcher:
         out = moe_ops.unpermute(expert_output, self._restore, self._probs)
         self._restore = self._probs = None
         return out
+
+
+def use_fused_ffn(impl: str, *tensors: Tensor) -> bool:
+    """Whether the experts run as one fused FFN op (``ms_llm.ops.moe.expert_ffn``): ``impl``
+    "auto" where it applies (CPU, fp32, BLAS kernels), "fused" to require it; any
+    ``grouped_matmul`` form (``loop``, ``padded_bmm``, ``native``) keeps the composed path."""
+    if impl not in ("auto", "fused"):
+        return False
+    ok = moe_ops.fused_available(*tensors)
+    if impl == "fused" and not ok:
+        raise RuntimeError("experts gmm_impl 'fused' needs the CPU BLAS kernels and fp32 "
+                           "tensors; use 'auto' or 'loop'")
+    return ok
 
 
 class ExpertMLP(nn.Module):
@@ -117,12 +143,14 @@ class SequentialMLP(nn.Module):
         self.num_local_experts = num_local_experts or config.num_moe_experts
         self.local_experts = nn.ModuleList([ExpertMLP(config)
                                             for _ in range(self.num_local_experts)])
-        self.gmm_impl = "auto"   # see ms_llm.ops.moe.grouped_matmul
+        self.gmm_impl = "auto"   # "fused" or a form of ms_llm.ops.moe.grouped_matmul
 
-    def forward(self, x: Tensor, tokens_per_expert: List[int]) -> Tensor:
+    def forward(self, x: Tensor, tokens_per_expert: moe_ops.Sizes) -> Tensor:
         if not self.plain_linears():
-            return self._module_loop(x, tokens_per_expert)
+            return self._module_loop(x, moe_ops.host_sizes(tokens_per_expert))
         fc1, fc2, _ = self.expert_weights()
+        if use_fused_ffn(self.gmm_impl, x, fc1[0], fc2[0]):
+            return moe_ops.expert_ffn(x, fc1, fc2, tokens_per_expert, transpose_b=True)
         h = moe_ops.grouped_matmul(x, fc1, tokens_per_expert, transpose_b=True, impl=self.gmm_impl)
         h = hot.swiglu(h)
         return moe_ops.grouped_matmul(h, fc2, tokens_per_expert, transpose_b=True,
@@ -168,8 +196,10 @@ class GroupedMLP(nn.Module):
         # by ``parallelize_model``): every expert, and every shard of experts, is a block of rows.
         self.gmm_impl = "auto"
 
-    def forward(self, x: Tensor, tokens_per_expert: List[int]) -> Tensor:
+    def forward(self, x: Tensor, tokens_per_expert: moe_ops.Sizes) -> Tensor:
         w1, w2, _ = self.expert_weights()
+        if use_fused_ffn(self.gmm_impl, x, w1, w2):
+            return moe_ops.expert_ffn(x, w1, w2, tokens_per_expert, transpose_b=False)
         h = moe_ops.grouped_matmul(x, w1, tokens_per_expert, impl=self.gmm_impl)
         h = hot.swiglu(h)
         return moe_ops.grouped_matmul(h, w2, tokens_per_expert, impl=self.gmm_impl)

@@ -18,10 +18,19 @@ Grouped matmul forms (``impl``), measured by ``benchmarks/moe_layer.py``:
   one batched matmul, gather the real rows back. One kernel, but ``E * max_tokens`` rows of work.
 * ``"native"``: MindSpore's grouped-matmul kernel (``gmm``), Ascend only. **Untested here** (no
   Ascend device in this project's CI); selected only on Ascend.
+
+Fused CPU path (fp32 with the OpenBLAS kernel library, ``cpu_kernels/blas_moe.cpp``): the sort,
+the row permutation, the whole SwiGLU expert FFN (both GEMMs of every expert) and the weighted
+combine are one op each, forward and backward, and the block sizes stay an int32 device tensor
+(``sort_by_expert_device``; no host copy in the step). With 64 experts of FFN 256 the composed
+form issued several hundred small ops per layer; ``benchmarks/moe_layer.py --breakdown`` measures
+both. ``fused_available`` says when it applies; the composed functions below remain the reference
+and the path for bf16, Ascend and quantized experts.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple, Union
+import contextlib
+from typing import Iterator, List, Sequence, Tuple, Union
 
 import numpy as np
 from mindspore import Tensor, mint, ops
@@ -39,6 +48,67 @@ IMPLS = ("loop", "padded_bmm", "native")
 CPU_DEFAULT_IMPL = "loop"
 
 
+Sizes = Union[Sequence[int], Tensor]
+_FUSED = {"enabled": True}
+
+
+@contextlib.contextmanager
+def composed_only() -> Iterator[None]:
+    """Run the composed (pre-fusion) MoE ops inside the block: the reference the fused path is
+    tested against, and the baseline row of the benchmarks."""
+    before = _FUSED["enabled"]
+    _FUSED["enabled"] = False
+    try:
+        yield
+    finally:
+        _FUSED["enabled"] = before
+
+
+def fused_available(*tensors: Tensor) -> bool:
+    """True when the fused CPU MoE kernels apply: CPU, the BLAS kernel library loaded, every
+    given tensor fp32, and not inside ``composed_only()``."""
+    if not _FUSED["enabled"] or not is_cpu() or any(t.dtype != float32 for t in tensors):
+        return False
+    from .cpu_kernels.blas_moe import moe_kernels_available
+    return moe_kernels_available()
+
+
+def host_sizes(tokens_per_expert: Sizes) -> List[int]:
+    """Block sizes as a host list (one device-to-host copy when they are a tensor)."""
+    if isinstance(tokens_per_expert, Tensor):
+        return [int(v) for v in tokens_per_expert.asnumpy().reshape(-1)]
+    return [int(v) for v in tokens_per_expert]
+
+
+def sort_by_expert_device(top_indices: Tensor, num_experts: int
+                          ) -> Tuple[Tensor, Tensor, Tensor]:
+    """``sort_by_expert`` in one fused op, with ``tokens_per_expert`` an int32 ``[E]`` tensor
+    (no host copy). Needs ``fused_available()``."""
+    from .cpu_kernels.blas_moe import sort_by_expert as fused_sort
+    return fused_sort(top_indices, num_experts)
+
+
+def permute_rows(tokens: Tensor, sorted_slots: Tensor, restore: Tensor) -> Tensor:
+    """``permute`` as one fused op (its backward sums each token's k rows without a scatter).
+    Needs ``fused_available(tokens)``."""
+    from .cpu_kernels.blas_moe import permute as fused_permute
+    return fused_permute(tokens, sorted_slots, restore)
+
+
+def expert_ffn(x: Tensor, w1: Weights, w2: Weights, tokens_per_expert: Sizes,
+               transpose_b: bool) -> Tensor:
+    """``grouped_matmul(swiglu(grouped_matmul(x, w1)), w2)`` as one fused op (and one for its
+    backward). Weights as in ``grouped_matmul``. Needs ``fused_available(x, ...)``."""
+    from .cpu_kernels.blas_moe import expert_ffn as fused_ffn
+    sizes = tokens_per_expert if isinstance(tokens_per_expert, Tensor) else \
+        Tensor(np.asarray([int(v) for v in tokens_per_expert], np.int32))
+    if sizes.dtype != int32:
+        sizes = sizes.astype(int32)
+    ws1 = [w1] if isinstance(w1, Tensor) else list(w1)
+    ws2 = [w2] if isinstance(w2, Tensor) else list(w2)
+    return fused_ffn(x, sizes, ws1, ws2, transpose_b)
+
+
 def sort_by_expert(top_indices: Tensor, num_experts: int) -> Tuple[Tensor, Tensor, List[int]]:
     """Order the routed slots by expert.
 
@@ -48,6 +118,9 @@ def sort_by_expert(top_indices: Tensor, num_experts: int) -> Tuple[Tensor, Tenso
     ``restore[s]`` is the permuted row of slot ``s`` (the inverse permutation);
     ``tokens_per_expert`` is a host list of ``E`` block sizes.
     """
+    if fused_available():
+        sorted_slots, restore, counts = sort_by_expert_device(top_indices, num_experts)
+        return sorted_slots, restore, host_sizes(counts)
     n = top_indices.shape[0] * top_indices.shape[1]
     if num_experts * n >= 2 ** 31:
         raise ValueError(f"sort_by_expert: {num_experts} experts x {n} routed slots overflow the "
@@ -74,6 +147,9 @@ def unpermute(expert_out: Tensor, restore: Tensor, probs: Tensor) -> Tensor:
     """Inverse of ``permute`` plus the weighted combine: ``[T*k, H]`` expert rows ->
     ``sum_j probs[t, j] * row(t*k + j)``, ``[T, H]``. ``probs`` is ``[T, k]``."""
     t, k = probs.shape
+    if fused_available(expert_out, probs) and expert_out.shape[0] == t * k:
+        from .cpu_kernels.blas_moe import combine
+        return combine(expert_out, restore.astype(int32), probs)
     rows = F.embedding(restore, expert_out).reshape(t, k, expert_out.shape[-1])
     if rows.dtype == float32:
         return F.sum(rows * probs.astype(rows.dtype).reshape(t, k, 1), 1)
@@ -91,7 +167,7 @@ def _stacked(weight: Weights) -> Tensor:
     return F.cat([w.reshape(1, *w.shape) for w in weight], 0)
 
 
-def grouped_matmul(x: Tensor, weight: Weights, tokens_per_expert: Sequence[int], *,
+def grouped_matmul(x: Tensor, weight: Weights, tokens_per_expert: Sizes, *,
                    transpose_b: bool = False, impl: str = "auto") -> Tensor:
     """Per expert block ``e`` of the sorted rows ``x`` (``[N, K]``), ``x_e @ W_e``.
 
@@ -99,7 +175,7 @@ def grouped_matmul(x: Tensor, weight: Weights, tokens_per_expert: Sequence[int],
     ``Linear`` weights) or a sequence of ``E`` 2-D weights in the same per-expert layout.
     Returns ``[N, M]`` in the same row order.
     """
-    sizes = [int(s) for s in tokens_per_expert]
+    sizes = host_sizes(tokens_per_expert)
     n_exp = weight.shape[0] if isinstance(weight, Tensor) else len(weight)
     if len(sizes) != n_exp:
         raise ValueError(f"grouped_matmul: {len(sizes)} group sizes for {n_exp} experts")

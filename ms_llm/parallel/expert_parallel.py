@@ -63,6 +63,8 @@ def regroup_indices(blocks: np.ndarray) -> Tuple[Optional[np.ndarray], Optional[
 class MoEAlltoAllTokenDispatcher(MoELocalTokenDispatcher):
     """Dispatch to the experts of ``group`` (the expert-parallel group) and combine back."""
 
+    host_counts = True   # the block sizes are exchanged between ranks (host split sizes)
+
     def __init__(self, num_experts: int, topk: int, group: comm.ProcessGroup):
         super().__init__(num_experts, topk)
         if num_experts % group.size:
