@@ -1,7 +1,15 @@
-"""Expert-parallel MoE layer under msrun: the ``alltoall`` dispatcher vs ``megamoe``.
+"""MoE benchmarks. Default (``--mode train``): the one-process MoE training step, ``ms-llm train``
+vs transformers' Qwen3-MoE with torch eager AdamW, same shapes, ratio column
+(``benchmarks/moe_train.py``, which documents the rows; its flags pass through).
 
-    python benchmarks/moe.py                      # 2 workers, ep=2, default shapes
-    python benchmarks/moe.py --nproc 2 --tokens 4096 --experts 8 --repeat 7
+    python benchmarks/moe.py                      # training step vs transformers (~5-8 min)
+    python benchmarks/moe.py --steps 6 --variants cli,torch
+
+``--mode ep``: the expert-parallel MoE layer under msrun, the ``alltoall`` dispatcher vs
+``megamoe``:
+
+    python benchmarks/moe.py --mode ep                      # 2 workers, ep=2, default shapes
+    python benchmarks/moe.py --mode ep --nproc 2 --tokens 4096 --experts 8 --repeat 7
 
 Each worker builds the same MoE layer (same seed), shards its experts over the ep group (= all
 workers) and times forward + backward of ``sum(layer(x) * dy)`` on its own ``--tokens`` tokens,
@@ -152,6 +160,14 @@ def draw_timeline(paths, out_png: str) -> str:
 
 
 def main() -> None:
+    mode = argparse.ArgumentParser(add_help=False)
+    mode.add_argument("--mode", choices=("train", "ep"), default="train")
+    known, rest = mode.parse_known_args()
+    if known.mode == "train" and "--as-worker" not in rest:
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        import moe_train
+        return moe_train.main(rest)
+    sys.argv = [sys.argv[0], *rest]
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
@@ -175,7 +191,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="ms_llm_moe_bench_")
     out = os.path.join(tmp, "result.json")
     r = launch(os.path.abspath(__file__), args.nproc, os.path.join(tmp, "logs"),
-               [*sys.argv[1:], "--as-worker", "--out", out])
+               [*sys.argv[1:], "--mode", "ep", "--as-worker", "--out", out])
     check(r, "msrun")
     print(f"# {machine()} (figures are noisy on a shared machine)")
     res = json.load(open(out))

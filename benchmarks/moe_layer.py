@@ -4,6 +4,13 @@ a loop of per-expert modules (Megatron ``SequentialMLP``'s structure: each exper
 
     python benchmarks/moe_layer.py                       # default shapes
     python benchmarks/moe_layer.py --tokens 4096 --experts 16 --topk 2 --repeat 7
+    python benchmarks/moe_layer.py --breakdown           # one MoE layer, stage by stage
+
+``--breakdown`` (defaults there: 1024 tokens, hidden 512, 64 experts of FFN 256, top-8: the MoE
+goal of issue #31): forward + backward of each stage of a whole ``MoELayer`` -- router (linear,
+top-k, softmax, aux + z loss), sort by expert (with its host copy of the counts on the composed
+path), permutation, expert FFN, combine -- and the whole layer, on the composed ops
+(``ms_llm.ops.moe.composed_only``, per-expert ``loop``) and on the fused CPU kernels.
 
 Rows (same sorted input, same weights; max |diff| to the baseline is printed as a check):
 
@@ -31,6 +38,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mindspore as ms  # noqa: E402
 from mindspore import Tensor  # noqa: E402
@@ -60,7 +68,11 @@ def main(argv=None) -> None:
     ap.add_argument("--ms-threads", type=int, default=1)
     ap.add_argument("--stat", choices=("min", "median"), default="min",
                     help="min is robust to other processes sharing the CPU")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="stage-by-stage time of one MoE layer, composed vs fused")
     args = ap.parse_args(argv)
+    if args.breakdown:
+        return breakdown(args, argv or [])
 
     from ms_llm.compat import setup_device
     setup_device("CPU", threads=args.ms_threads)
@@ -143,6 +155,123 @@ def main(argv=None) -> None:
                 base_t = t if base_t is None else base_t
                 print(f"| {e} | {kind} | {min(sizes)}/{max(sizes)} | {name} | {t * 1e3:.1f} | "
                       f"{args.tokens / t:.0f} | {base_t / t:.2f}x | {diff:.1e} |", flush=True)
+
+
+def breakdown(args, argv) -> None:
+    """Stage-by-stage forward + backward of one MoE layer, composed vs fused."""
+    def given(flag):
+        return any(a == flag or a.startswith(flag + "=") for a in argv)
+    tokens = args.tokens if given("--tokens") else 1024
+    experts = args.experts[0] if given("--experts") else 64
+    topk = args.topk if given("--topk") else 8
+    from bench_util import machine
+    from ms_llm.compat import manual_seed, setup_device
+    setup_device("CPU", threads=args.ms_threads)
+    from ms_llm.models import TransformerConfig
+    from ms_llm.models.moe import MoELayer
+    from ms_llm.ops import moe as mo, resolve_paths
+    paths = resolve_paths()
+    h = args.hidden
+    cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=8,
+                            ffn_hidden_size=args.ffn, padded_vocab_size=128, mlp_type="moe",
+                            num_moe_experts=experts, moe_router_topk=topk,
+                            moe_ffn_hidden_size=args.ffn, moe_aux_loss_coeff=0.001,
+                            moe_z_loss_coeff=0.001)
+    manual_seed(0)
+    layer = MoELayer(cfg)
+    layer.set_train(True)
+    rng = np.random.default_rng(0)
+    x = Tensor(rng.standard_normal((tokens, h)).astype(np.float32))
+    dy = Tensor(rng.standard_normal((tokens, h)).astype(np.float32))
+    probs, top = layer.router(x)
+    slots, restore, sizes = mo.sort_by_expert(top, experts)
+    d_slots, d_restore, d_sizes = mo.sort_by_expert_device(top, experts)
+    rows = mo.permute(x, slots, topk)
+    dy_rows = Tensor(rng.standard_normal(rows.shape).astype(np.float32))
+    y_rows = layer.experts(rows, sizes)
+    exp_params = layer.experts.trainable_params()
+
+    def stage_router():
+        def f(inp):
+            p, _ = layer.router(inp)
+            return (p * 1.0).sum() + layer.router.aux_loss
+        return ms.value_and_grad(f, 0, layer.router.trainable_params())
+
+    def run_sort(device):
+        def f():
+            if device:
+                return mo.sort_by_expert_device(top, experts)[2].asnumpy()
+            with mo.composed_only():
+                return mo.sort_by_expert(top, experts)[2]
+        return f
+
+    perm_old = ms.value_and_grad(lambda a: (mo.permute(a, slots, topk) * dy_rows).sum(), 0)
+    perm_new = ms.value_and_grad(
+        lambda a: (mo.permute_rows(a, d_slots, d_restore) * dy_rows).sum(), 0)
+
+    def ffn(impl):
+        def f(r):
+            layer.experts.gmm_impl = impl
+            return (layer.experts(r, sizes if impl == "loop" else d_sizes) * dy_rows).sum()
+        return ms.value_and_grad(f, 0, exp_params)
+
+    def combine(fused):
+        def f(o, p):
+            if fused:
+                return (mo.unpermute(o, d_restore, p) * dy).sum()
+            with mo.composed_only():
+                return (mo.unpermute(o, restore, p) * dy).sum()
+        return ms.value_and_grad(f, (0, 1))
+
+    def whole(fused):
+        def f(inp):
+            return (layer(inp) * dy).sum() + layer.router.aux_loss
+        g = ms.value_and_grad(f, 0, layer.trainable_params())
+
+        def run():
+            layer.experts.gmm_impl = "auto" if fused else "loop"
+            if fused:
+                return g(x)
+            with mo.composed_only():
+                return g(x)
+        return run
+
+    r_grad, p_old, p_new = stage_router(), perm_old, perm_new
+    f_old, f_new, c_old, c_new = ffn("loop"), ffn("fused"), combine(False), combine(True)
+    stages = [("router: linear, top-k, softmax, aux + z loss", lambda: r_grad(x), lambda: r_grad(x)),
+              ("sort by expert (+ host copy of counts: composed)", run_sort(False), run_sort(True)),
+              ("permute rows", lambda: p_old(x), lambda: p_new(x)),
+              ("expert FFN (fc1, SwiGLU, fc2)", lambda: f_old(rows), lambda: f_new(rows)),
+              ("unpermute + weighted combine", lambda: c_old(y_rows, probs),
+               lambda: c_new(y_rows, probs)),
+              ("whole MoE layer", whole(False), whole(True))]
+
+    def sync(r):
+        leaves = r if isinstance(r, (tuple, list)) else [r]
+        for leaf in leaves:
+            if isinstance(leaf, (tuple, list)):
+                sync(leaf)
+            elif isinstance(leaf, Tensor):
+                leaf.asnumpy()
+
+    times = {(i, j): [] for i in range(len(stages)) for j in (0, 1)}
+    for it in range(args.warmup + args.repeat):
+        for i, (_, old, new) in enumerate(stages):
+            for j, fn in enumerate((old, new)):
+                t0 = time.perf_counter()
+                sync(fn())
+                if it >= args.warmup:
+                    times[(i, j)].append(time.perf_counter() - t0)
+    stat = min if args.stat == "min" else statistics.median
+    print(f"# {machine()} (noisy on a shared machine)")
+    print(f"# MoE layer breakdown, fwd+bwd: tokens={tokens} hidden={h} experts={experts} "
+          f"moe_ffn={args.ffn} top-{topk}, rows per expert {min(sizes)}-{max(sizes)}; linear "
+          f"path={paths['linear']}; {args.stat} of {args.repeat} after {args.warmup} warm-up")
+    print("| stage | composed ms | fused ms | speed-up |")
+    print("|---|---|---|---|")
+    for i, (name, _, _) in enumerate(stages):
+        a, b = stat(times[(i, 0)]) * 1e3, stat(times[(i, 1)]) * 1e3
+        print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.1f}x |")
 
 
 if __name__ == "__main__":
