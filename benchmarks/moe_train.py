@@ -14,8 +14,8 @@ Rows, each in a fresh subprocess, one after the other (never two at once):
   path before the fused kernels, for the size of the change.
 * ``transformers`` (``torch``): ``Qwen3MoeForCausalLM`` (the experts implementation
   transformers picks by default, printed) with ``output_router_logits`` (its aux loss),
-  ``torch.optim.AdamW`` and ``clip_grad_norm_``; ``torch_eager``: the same with
-  ``experts_implementation="eager"`` (transformers' per-expert loop).
+  ``torch.optim.AdamW`` and ``clip_grad_norm_``; ``torch_eager`` (only with ``--variants``):
+  the same with ``experts_implementation="eager"`` (transformers' per-expert loop).
 
 Median step time after ``--warmup`` steps; tokens/s = 1024 / median; ratio = tokens/s over the
 transformers default row's. Peak RSS per process. Figures on a shared machine are noisy: the CPU
@@ -139,9 +139,10 @@ def child(variant: str, steps: int, warmup: int) -> None:
 def main(argv=None) -> None:
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--variants", default="cli,composed,torch,torch_eager")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--variants", default="cli,composed,torch",
+                    help="also: torch_eager (transformers' per-expert loop)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
