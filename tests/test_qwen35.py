@@ -127,11 +127,12 @@ def test_published_configs_match_transformers_config_classes(yaml, cls, name):
                                                    "transformers_version", "architectures",
                                                    "rope_parameters", "torch_dtype",
                                                    "bos_token_id", "eos_token_id",
-                                                   "initializer_range")]
+                                                   "initializer_range", "mtp_num_hidden_layers",
+                                                   "mtp_use_dedicated_embeddings")]
     diff = {k: (getattr(got, k), getattr(default, k)) for k in keys
             if getattr(got, k, None) != getattr(default, k, None)}
     assert not diff
-    assert got.max_position_embeddings == 262144
+    assert got.max_position_embeddings == 262144 and hf["mtp_num_hidden_layers"] == 0
     assert got.rope_parameters["rope_theta"] == 1e7
     assert got.rope_parameters["partial_rotary_factor"] == 0.25
     assert config_from_hf(got.to_dict()) == c

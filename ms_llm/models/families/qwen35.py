@@ -12,8 +12,9 @@ gate, partial rotary, QK-norm), zero-centred RMSNorms and gated RMSNorm; the dif
 * rotary is multimodal RoPE (``mrope_section``, interleaved); for text every one of its three
   position ids is the token index, so it is plain partial RoPE;
 * the published checkpoints are ``Qwen3_5ForConditionalGeneration`` (keys under
-  ``model.language_model.``, a ``model.visual.`` tower, ``mtp.`` layers): reading that
-  folder layout is not built; ``Qwen3_5ForCausalLM`` folders (``model.layers.``) are.
+  ``model.language_model.``, a ``model.visual.`` tower): reading that folder layout is not
+  built; ``Qwen3_5ForCausalLM`` folders (``model.layers.``, and ``mtp.*`` as Qwen3-Next's
+  one multi-token prediction layer) are.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from ..config import TransformerConfig
 from ..registry import FamilySpec, register_family
 from .common import check_heads, decoder_fields, decoder_to_hf, need, refuse_attention_bias
 from .glm45 import partial_rotary_factor
-from .qwen3_next import HF_KINDS, LINEAR_KEYS, TINY_HF as NEXT_TINY, layer_types_from_hf
+from .qwen3_next import (HF_KINDS, LINEAR_KEYS, TINY_HF as NEXT_TINY, layer_types_from_hf,
+                         mtp_extras, mtp_to_hf)
 
 
 def refuse_vision_language(hf: Mapping, source: str) -> None:
@@ -50,8 +52,6 @@ def hybrid_refusal(c: TransformerConfig) -> Optional[str]:
         return "a model without gated attention, zero-centred norms and QK-norm"
     if c.layer_types is None:
         return "a model without layer_types"
-    if c.mtp_num_layers:
-        return "multi-token prediction layers (not built for this family)"
     return None
 
 
@@ -63,6 +63,7 @@ def hybrid_to_hf(c: TransformerConfig, model_type: str, architecture: str) -> di
     inverse = {v: k for k, v in HF_KINDS.items()}
     cfg.update({k: getattr(c, k) for k in LINEAR_KEYS})
     cfg["layer_types"] = [inverse[t] for t in c.layer_types]
+    cfg.update(mtp_to_hf(c))
     return cfg
 
 
@@ -100,4 +101,4 @@ SPEC = register_family(FamilySpec(
     aliases=("qwen3_5", "qwen3.5", "qwen3_5_text"), megatron_names=("qwen35", "qwen3_5"),
     # an unnamed dense hybrid model exports as Qwen3.5 (Qwen3-Next is published as MoE only)
     claims=lambda c: is_hybrid(c) and c.mlp_type == "dense", claim_order=4,
-    layer_kinds=layer_kinds, tiny_hf=TINY_HF, qualify=None))
+    layer_kinds=layer_kinds, layout_extras=mtp_extras, tiny_hf=TINY_HF, qualify=None))

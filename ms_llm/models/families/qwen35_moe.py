@@ -13,6 +13,7 @@ from typing import Mapping
 from ..config import TransformerConfig
 from ..registry import FamilySpec, register_family
 from .common import need
+from .qwen3_next import mtp_extras
 from .qwen35 import (TINY_HF as DENSE_TINY, hybrid_fields, hybrid_refusal, hybrid_to_hf,
                      is_hybrid, layer_kinds, refuse_vision_language)
 
@@ -73,5 +74,6 @@ SPEC = register_family(FamilySpec(
     # without a pattern exports as Qwen3.5-MoE and one with a pattern as Qwen3-Next
     claims=lambda c: is_hybrid(c) and c.mlp_type == "moe" and c.moe_layer_pattern is None,
     claim_order=4, layer_kinds=layer_kinds,
-    layout_extras=lambda hf, source: dict(hf_shared="mlp.shared_expert."),
+    layout_extras=lambda hf, source: dict(hf_shared="mlp.shared_expert.",
+                                          **mtp_extras(hf, source)),
     tiny_hf=TINY_HF, qualify=None))

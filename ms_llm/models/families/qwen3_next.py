@@ -35,6 +35,24 @@ def layer_types_from_hf(hf: Mapping, source: str) -> List[str]:
     return [HF_KINDS[t] for t in types]
 
 
+def mtp_extras(hf: Mapping, source: str) -> dict:
+    """The MTP layout facts of a Qwen3-Next / Qwen3.5 ``config.json``: ``mtp_num_hidden_layers``
+    (also read as ``num_nextn_predict_layers``) depths kept under ``mtp.`` with one set of
+    ``fc`` / norms, whose layer is full attention."""
+    n = int(hf.get("mtp_num_hidden_layers", hf.get("num_nextn_predict_layers", 0)) or 0)
+    if n > 1:
+        raise ValueError(f"{source}: mtp_num_hidden_layers {n}: more than one MTP layer is not "
+                         f"built for this family (its mtp.fc / norms are one set)")
+    return dict(mtp_layers=n, mtp_hf="mtp", mtp_kind="gated_attention")
+
+
+def mtp_to_hf(c: TransformerConfig) -> dict:
+    if (c.mtp_num_layers or 0) > 1:
+        raise ValueError(f"export: HF Qwen3-Next / Qwen3.5 hold one MTP layer, not "
+                         f"{c.mtp_num_layers}")
+    return {"mtp_num_hidden_layers": c.mtp_num_layers or 0, "mtp_use_dedicated_embeddings": False}
+
+
 def from_hf(hf: Mapping, source: str = "config.json") -> TransformerConfig:
     refuse_attention_bias(hf, source)
     check_heads(hf, source)
@@ -62,8 +80,6 @@ def to_hf(c: TransformerConfig) -> dict:
                                   or c.moe_router_enable_expert_bias
                                   or not c.moe_shared_expert_gate):
         why = "this router / shared expert (HF routes with softmax, gates its shared expert)"
-    elif c.mtp_num_layers:
-        why = "multi-token prediction layers (not built for this family)"
     if why:
         raise ValueError(f"export: HF Qwen3-Next cannot express {why}")
     cfg = decoder_to_hf(c, "qwen3_next", "Qwen3NextForCausalLM")
@@ -73,6 +89,7 @@ def to_hf(c: TransformerConfig) -> dict:
     inverse = {v: k for k, v in HF_KINDS.items()}
     cfg.update({k: getattr(c, k) for k in LINEAR_KEYS})
     cfg["layer_types"] = [inverse[t] for t in c.layer_types]
+    cfg.update(mtp_to_hf(c))
     if c.mlp_type == "moe":
         cfg.update(num_experts=c.num_moe_experts, num_experts_per_tok=c.moe_router_topk,
                    moe_intermediate_size=c.moe_ffn_hidden_size,
@@ -106,6 +123,7 @@ SPEC = register_family(FamilySpec(
     claim_order=5,
     layer_kinds=lambda c: tuple("gated_attention" if t == "attention" else t
                                 for t in (c.layer_types or ["attention"] * c.num_layers)),
-    layout_extras=lambda hf, source: dict(hf_shared="mlp.shared_expert."),
+    layout_extras=lambda hf, source: dict(hf_shared="mlp.shared_expert.",
+                                          **mtp_extras(hf, source)),
     tiny_hf=TINY_HF,
     qualify=None))
