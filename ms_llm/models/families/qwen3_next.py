@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import List, Mapping
 
 from ..config import TransformerConfig
-from ..registry import FamilySpec, register_family
+from ..registry import FamilySpec, Qualify, register_family
 from .common import check_heads, decoder_fields, decoder_to_hf, need, refuse_attention_bias
 from .glm45 import partial_rotary_factor
 from .qwen3_moe import moe_fields
@@ -112,6 +112,22 @@ TINY_HF = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_at
                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                 "partial_rotary_factor": 0.25})
 
+# ``ms-llm qualify``'s row: the 80B YAML shrunk (Gated DeltaNet / gated attention / Gated
+# DeltaNet, chunks of 16 so a 32-token sequence carries a state across chunks, 4 experts top 2
+# with a gated shared expert and the aux loss; 16 value heads so in_proj_ba's 32 rows take
+# MXFP8's 32-blocks)
+QUALIFY_ARGS = ("--model.num_layers", "3",
+                "--model.layer_types", "gated_delta_net,attention,gated_delta_net",
+                "--model.hidden_size", "64", "--model.ffn_hidden_size", "96",
+                "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
+                "--model.kv_channels", "16", "--model.max_position_embeddings", "64",
+                "--model.linear_key_head_dim", "16", "--model.linear_value_head_dim", "16",
+                "--model.linear_num_key_heads", "2", "--model.linear_num_value_heads", "16",
+                "--model.linear_chunk_size", "16", "--model.num_moe_experts", "4",
+                "--model.moe_router_topk", "2", "--model.moe_ffn_hidden_size", "32",
+                "--model.moe_shared_expert_intermediate_size", "32",
+                "--model.moe_aux_loss_coeff", "0.01")
+
 SPEC = register_family(FamilySpec(
     name="qwen3-next", hf_model_type="qwen3_next", hf_architecture="Qwen3NextForCausalLM",
     from_hf=from_hf, to_hf=to_hf,
@@ -126,4 +142,4 @@ SPEC = register_family(FamilySpec(
     layout_extras=lambda hf, source: dict(hf_shared="mlp.shared_expert.",
                                           **mtp_extras(hf, source)),
     tiny_hf=TINY_HF,
-    qualify=None))
+    qualify=Qualify("qwen3-next", "qwen3_next_80b_a3b.yaml", QUALIFY_ARGS)))
