@@ -142,3 +142,16 @@ def test_vision_language_config_is_refused_with_one_line():
     from ms_llm.models.families import config_from_hf
     with pytest.raises(ValueError, match="vision-language config .* is not built"):
         config_from_hf({"model_type": "qwen3_5_moe_text", "text_config": {}})
+
+
+@pytest.mark.parametrize("yaml,name", [("qwen3_next_80b_a3b.yaml", "qwen3-next"),
+                                       ("qwen35_9b.yaml", "qwen35"),
+                                       ("qwen35_35b_a3b.yaml", "qwen35-moe")])
+def test_a_training_config_exports_as_its_own_family(yaml, name):
+    """A training checkpoint records its TransformerConfig without the family, so export guesses
+    it (``family_for_config``): each hybrid YAML must come back as its own family (Qwen3-Next's
+    has a dense MLP size of its own, which Qwen3.5-MoE has not)."""
+    from ms_llm.config import load_config
+    from ms_llm.models.registry import family_for_config
+    c = load_config(os.path.join(ROOT, "configs", yaml)).model
+    assert family_for_config(c).name == name

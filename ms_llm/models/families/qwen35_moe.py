@@ -69,10 +69,12 @@ SPEC = register_family(FamilySpec(
                   rotary_percent=0.25, mlp_type="moe", moe_shared_expert_gate=True),
     aliases=("qwen3_5_moe", "qwen3.5-moe", "qwen3_5_moe_text"),
     megatron_names=("qwen35-moe", "qwen3_5_moe"),
-    # Qwen3-Next's config.json names its dense layers (mlp_only_layers, read as a
-    # moe_layer_pattern); Qwen3.5-MoE's has no such key, so an unnamed every-layer-MoE hybrid
-    # without a pattern exports as Qwen3.5-MoE and one with a pattern as Qwen3-Next
-    claims=lambda c: is_hybrid(c) and c.mlp_type == "moe" and c.moe_layer_pattern is None,
+    # An unnamed MoE hybrid is Qwen3.5-MoE only when it looks like what from_hf makes: no
+    # moe_layer_pattern (Qwen3-Next's config.json names its dense layers, mlp_only_layers) and
+    # no dense MLP size of its own (Qwen3.5-MoE has none; Qwen3-Next's YAML and config.json
+    # carry intermediate_size 5120); anything else exports as Qwen3-Next
+    claims=lambda c: (is_hybrid(c) and c.mlp_type == "moe" and c.moe_layer_pattern is None
+                      and c.ffn_hidden_size == c.moe_ffn_hidden_size),
     claim_order=4, layer_kinds=layer_kinds,
     layout_extras=lambda hf, source: dict(hf_shared="mlp.shared_expert.",
                                           **mtp_extras(hf, source)),
