@@ -190,3 +190,43 @@ def test_mtp_converts_hf_mg_hf_bit_exact_with_megatron_keys(folder, tmp_path):
     assert set(got) == set(want)
     assert not [k for k in want if not same_bits(got[k], want[k])]
     assert json.load(open(tmp_path / "back" / "config.json"))["mtp_num_hidden_layers"] == 1
+
+
+def test_qwen35_mtp_converts_hf_mg_hf_bit_exact(tmp_path):
+    """Qwen3.5 keeps the same ``mtp.*`` (its decoder layer with Qwen3.5's names): hf -> mg (tp 2)
+    -> hf is bit-exact and the depth lands under ``mtp.layers.0``."""
+    import torch
+    tiny = dict(get_family("qwen35").tiny_hf)
+    tiny.pop("full_attention_interval")
+    types = ["linear_attention", "full_attention"] * (L // 2) + ["full_attention"]
+    big = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+        **dict(tiny, num_hidden_layers=L + 1, layer_types=types)))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in big.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    big.save_pretrained(str(tmp_path / "big"))
+    w = load_file(str(tmp_path / "big" / "model.safetensors"))
+    out = {("mtp.layers.0." + k[len(f"model.layers.{L}."):] if k.startswith(f"model.layers.{L}.")
+            else k): v for k, v in w.items()}
+    H = tiny["hidden_size"]
+    rng = np.random.default_rng(0)
+    out.update({"mtp.fc.weight": rng.standard_normal((H, 2 * H)).astype(np.float32),
+                **{f"mtp.{n}.weight": rng.standard_normal(H).astype(np.float32)
+                   for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    cfg = json.load(open(tmp_path / "big" / "config.json"))
+    cfg.update(num_hidden_layers=L, layer_types=types[:L], mtp_num_hidden_layers=1)
+    os.makedirs(tmp_path / "hf")
+    json.dump(cfg, open(tmp_path / "hf" / "config.json", "w"))
+    save_file(out, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    run_convert("--load-model-type", "hf", "--save-model-type", "mg", "--model-type-hf", "qwen35",
+                "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "mg",
+                "--target-tensor-parallel-size", "2")
+    f = sorted(glob.glob(str(tmp_path / "mg" / "iter_0000001" / "mp_rank_00*" /
+                             "model_optim_rng.pt")))[0]
+    assert "mtp.layers.0.transformer_layer.self_attention.q_proj.weight" in tp.load(f)["model"]
+    run_convert("--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+                tmp_path / "mg", "--save-dir", tmp_path / "back")
+    want, got = read_hf_weights(str(tmp_path / "hf")), read_hf_weights(str(tmp_path / "back"))
+    assert set(got) == set(want)
+    assert not [k for k in want if not same_bits(got[k], want[k])]
