@@ -113,3 +113,13 @@ def test_qwen35_split_projections_fuse_to_the_qwen3_next_tensors(tmp_path):
     assert np.array_equal(np.asarray(sd[a + "in_proj_qkvz.weight"]), np.concatenate(rows))
     assert np.array_equal(np.asarray(sd[a + "in_proj_ba.weight"]), np.concatenate(ba))
     assert np.asarray(sd[a + "in_proj_qkvz.weight"]).shape == (2 * hk * dk + 2 * hv * dv, H)
+
+
+def test_a_loaded_folder_takes_another_chunk_size(next_dirs):
+    """``model.linear_chunk_size`` splits the same computation differently (HF does not record
+    it), so a run may set it on top of a loaded folder's architecture."""
+    from ms_llm.config import load_config
+    root, _ = next_dirs
+    cfg = load_config(None, ["--checkpoint.load", str(root / "hf"),
+                             "--model.linear_chunk_size", "16"])
+    assert cfg.model.linear_chunk_size == 16 and cfg.model.layer_types[0] == "gated_delta_net"
