@@ -208,9 +208,7 @@ def test_muon_training_resumes_exactly_and_is_planned(tmp_path, capsys):
 def test_muon_layouts_not_built_are_refused_in_one_line():
     from ms_llm.config import ConfigError, load_config
     muon = ["--training.optimizer", "muon"]
-    for extra, msg in ((["--parallel.use_distributed_optimizer", "true"],
-                        "use_distributed_optimizer is not built"),
-                       (["--parallel.tensor_model_parallel_size", "2"], "muon_tp_mode duplicated"),
+    for extra, msg in ((["--parallel.tensor_model_parallel_size", "2"], "muon_tp_mode duplicated"),
                        (["--training.muon_scale_mode", "rms"], "training.muon_scale_mode")):
         with pytest.raises(ConfigError) as e:
             load_config(CONFIG, muon + extra)

@@ -1,7 +1,8 @@
 """Muon under real msrun (2 workers) against one process: data parallel (each matrix
 orthogonalised on its owner rank, updates all-gathered), FSDP (shards gathered to the owner,
 uneven ones included: hidden size 65 and ffn 99 make linear_proj and linear_fc2 65 rows, cut
-33/32; each rank keeps its rows of the update), expert parallel with grouped experts
+33/32; each rank keeps its rows of the update), the distributed optimizer (its fp32 main shards
+and momentum on the same uneven cut, gathered to the owner the same way), expert parallel with grouped experts
 (each rank's experts whole, orthogonalised per expert), pipeline parallel, and bf16 with fp32
 main parameters.
 
@@ -25,6 +26,7 @@ MUON = ["--training.optimizer", "muon", "--training.jit", "false", "--training.m
 GROUPED = MOE + ["--model.moe_grouped_gemm", "true"]
 BF16 = ["--training.bf16", "true", "--training.max_steps", "4"]
 PP2 = ["--parallel.pipeline_model_parallel_size", "2"]
+DISTOPT = ["--parallel.use_distributed_optimizer", "true"]
 UNEVEN = ["--model.hidden_size", "65", "--model.ffn_hidden_size", "99"]   # odd dim-0 rows
 
 
@@ -47,14 +49,17 @@ def test_muon_two_workers_match_one_process(tmp_path):
         spec("dp2", MUON, out), spec("ep2_grouped", MUON, GROUPED, out,
                                      ["--parallel.expert_model_parallel_size", "2"]),
         spec("pp2", MUON, PP2, out), spec("dp2_bf16", MUON, BF16, out),
-        spec("fsdp2_uneven", MUON, UNEVEN, out, ["--parallel.fsdp_size", "2"])])
+        spec("fsdp2_uneven", MUON, UNEVEN, out, ["--parallel.fsdp_size", "2"]),
+        spec("distopt2_uneven", MUON, UNEVEN, out, DISTOPT)])
     ref = one_process(tmp_path, "muon", MUON)
     for name in ("dp2", "pp2"):
         for key in ("loss", "grad_norm"):
             np.testing.assert_allclose(res[name][key], ref[key], rtol=RTOL, err_msg=name)
     ref_uneven = one_process(tmp_path, "uneven", MUON, UNEVEN)
-    for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose(res["fsdp2_uneven"][key], ref_uneven[key], rtol=RTOL)
+    for name in ("fsdp2_uneven", "distopt2_uneven"):
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose(res[name][key], ref_uneven[key], rtol=RTOL, err_msg=name)
+    assert res["distopt2_uneven"]["optimizer_bytes"][0] < ref_uneven["optimizer_bytes"][0]
     ref_moe = one_process(tmp_path, "moe", MUON, GROUPED)
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(res["ep2_grouped"][key], ref_moe[key], rtol=RTOL)

@@ -57,10 +57,12 @@ def matrix_view(name: str, shape: Tuple[int, ...], model_config, split_qkv: bool
         return ("qkv", shape[0] // per, [r * d, d, d])
     if c is not None and name.endswith(("experts.weight1", "experts.weight2")) \
             and c.moe_ffn_hidden_size:
-        f, h = c.moe_ffn_hidden_size, c.hidden_size
+        # Stored expert-major in memory, whatever the 2-D shape (``[H, E*2F]``, or the
+        # ``[E*H, 2F]`` rows a distributed-optimizer shard is cut from): E from the count.
+        f, h, n = c.moe_ffn_hidden_size, c.hidden_size, int(np.prod(shape))
         if name.endswith("weight1"):              # [H, E*2F] viewed [E, H, 2F]
-            return ("experts", shape[1] // (2 * f), h, 2 * f)
-        return ("experts", shape[0] // f, f, h)   # [E*F, H] viewed [E, F, H]
+            return ("experts", n // (2 * f * h), h, 2 * f)
+        return ("experts", n // (f * h), f, h)    # [E*F, H] viewed [E, F, H]
     return ("plain",)
 
 
