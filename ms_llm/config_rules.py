@@ -264,10 +264,6 @@ def optimizer_problem(cfg) -> Problem:
     t, p = cfg.training, cfg.parallel
     if t.optimizer != "muon":
         return None
-    if p.tensor_model_parallel_size > 1 and t.muon_tp_mode != "blockwise":
-        return ("training.muon_tp_mode", "parallel.tensor_model_parallel_size"), (
-            f"training.muon_tp_mode {t.muon_tp_mode} is not built; with tensor parallel use "
-            f"blockwise (each rank orthogonalises its own shard)")
     return None
 
 

@@ -205,13 +205,14 @@ def test_muon_training_resumes_exactly_and_is_planned(tmp_path, capsys):
     assert plan.optimizer == sum(kinds.values())
 
 
-def test_muon_layouts_not_built_are_refused_in_one_line():
+def test_muon_bad_options_are_refused_in_one_line():
     from ms_llm.config import ConfigError, load_config
     muon = ["--training.optimizer", "muon"]
-    for extra, msg in ((["--parallel.tensor_model_parallel_size", "2"], "muon_tp_mode duplicated"),
-                       (["--training.muon_scale_mode", "rms"], "training.muon_scale_mode")):
+    for extra, msg in ((["--training.muon_scale_mode", "rms"], "training.muon_scale_mode"),
+                       (["--training.muon_tp_mode", "rows"], "training.muon_tp_mode")):
         with pytest.raises(ConfigError) as e:
             load_config(CONFIG, muon + extra)
         assert msg in str(e.value) and "\n" not in str(e.value)
-    assert load_config(CONFIG, muon + ["--parallel.tensor_model_parallel_size", "2",
-                                       "--training.muon_tp_mode", "blockwise"])
+    for mode in ("blockwise", "duplicated", "distributed"):
+        assert load_config(CONFIG, muon + ["--parallel.tensor_model_parallel_size", "2",
+                                           "--training.muon_tp_mode", mode])

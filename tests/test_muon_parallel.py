@@ -2,7 +2,9 @@
 orthogonalised on its owner rank, updates all-gathered), FSDP (shards gathered to the owner,
 uneven ones included: hidden size 65 and ffn 99 make linear_proj and linear_fc2 65 rows, cut
 33/32; each rank keeps its rows of the update), the distributed optimizer (its fp32 main shards
-and momentum on the same uneven cut, gathered to the owner the same way), expert parallel with grouped experts
+and momentum on the same uneven cut, gathered to the owner the same way), tensor parallel in Megatron's ``duplicated`` (shards
+all-gathered, whole matrix orthogonalised) and ``distributed`` (Gram matrices all-reduced over
+the shards) modes, expert parallel with grouped experts
 (each rank's experts whole, orthogonalised per expert), pipeline parallel, and bf16 with fp32
 main parameters.
 
@@ -25,6 +27,7 @@ BF16_RTOL = {"loss": 1e-3, "grad_norm": 1e-2}
 MUON = ["--training.optimizer", "muon", "--training.jit", "false", "--training.max_steps", "5"]
 GROUPED = MOE + ["--model.moe_grouped_gemm", "true"]
 BF16 = ["--training.bf16", "true", "--training.max_steps", "4"]
+TP2 = ["--parallel.tensor_model_parallel_size", "2"]   # muon_tp_mode duplicated (the default)
 PP2 = ["--parallel.pipeline_model_parallel_size", "2"]
 DISTOPT = ["--parallel.use_distributed_optimizer", "true"]
 UNEVEN = ["--model.hidden_size", "65", "--model.ffn_hidden_size", "99"]   # odd dim-0 rows
@@ -50,9 +53,11 @@ def test_muon_two_workers_match_one_process(tmp_path):
                                      ["--parallel.expert_model_parallel_size", "2"]),
         spec("pp2", MUON, PP2, out), spec("dp2_bf16", MUON, BF16, out),
         spec("fsdp2_uneven", MUON, UNEVEN, out, ["--parallel.fsdp_size", "2"]),
-        spec("distopt2_uneven", MUON, UNEVEN, out, DISTOPT)])
+        spec("distopt2_uneven", MUON, UNEVEN, out, DISTOPT),
+        spec("tp2_duplicated", MUON, TP2, out),
+        spec("tp2_distributed", MUON, TP2, out, ["--training.muon_tp_mode", "distributed"])])
     ref = one_process(tmp_path, "muon", MUON)
-    for name in ("dp2", "pp2"):
+    for name in ("dp2", "pp2", "tp2_duplicated", "tp2_distributed"):
         for key in ("loss", "grad_norm"):
             np.testing.assert_allclose(res[name][key], ref[key], rtol=RTOL, err_msg=name)
     ref_uneven = one_process(tmp_path, "uneven", MUON, UNEVEN)

@@ -20,7 +20,7 @@ each matrix is orthogonalised once, on the rank of its replica group (``dp``/``e
 Megatron's layer-wise optimizer does; every rank then applies identical updates. FSDP: the
 momentum is kept on the shard; the owner gathers the whole matrix, and each rank keeps its rows
 of the update (``OwnerPlan``). Tensor parallel ``blockwise``: each rank orthogonalises its own
-shard.
+shard; ``duplicated`` and ``distributed`` (``muon_tp``) orthogonalise the whole matrix.
 Non-matrix parameters (embeddings, output layer, norms, biases, router) take ``AdamW`` with the
 ``adam_*`` options. Momentum buffers are checkpointed as ``optimizer.momentum_buffer.<name>``.
 """
@@ -36,6 +36,7 @@ from ms_llm.compat import F, float32, zeros
 from ms_llm.parallel import comm
 from ms_llm.parallel.placement import RowShard, grad_replica_dim, placement_of
 from .adamw import AdamW
+from .muon_tp import TensorParallelNS, partition_dim
 from .base import Optimizer, StateTensor
 from .newton_schulz import coefficient_schedule, newton_schulz, scale_factor
 from .param_groups import ParamGroup, assignment, build_groups, is_muon_matrix
@@ -74,7 +75,7 @@ class Muon:
                  nesterov: bool = False, weight_decay: float = 0.01,
                  coefficient_type: str = "quintic", num_ns_steps: int = 5,
                  scale_mode: str = "spectral", extra_scale_factor: float = 1.0,
-                 split_qkv: bool = True, model_config=None,
+                 split_qkv: bool = True, model_config=None, tp_mode: str = "duplicated",
                  groups: Optional[Mapping[str, ParamGroup]] = None,
                  adam: Optional[Callable[..., Optimizer]] = None, pstate=None):
         if groups is None:
@@ -105,6 +106,8 @@ class Muon:
         self.owners = OwnerPlan(self.params, self.muon_idx, self.names, pstate)
         self.views = {i: matrix_view(self.names[i], self.owners.full[i], model_config, split_qkv)
                       for i in self.muon_idx}
+        self.tp_ns = TensorParallelNS(tp_mode, pstate.group("tp") if pstate else None)
+        self.tp_dim = {i: partition_dim(self.params[i]) for i in self.muon_idx}
 
     @property
     def step_count(self) -> int:
@@ -117,7 +120,7 @@ class Muon:
     # ------------------------------------------------------------------ the update
     def orthogonalize(self, i: int, u: Tensor) -> Tensor:
         """The scaled Newton-Schulz update of parameter ``i`` from its momentum ``u``."""
-        view, s = self.views[i], self.extra_scale_factor
+        view, s, dim = self.views[i], self.extra_scale_factor, self.tp_dim[i]
         if view[0] == "qkv":
             ng, rows = view[1], view[2]
             h = u.shape[-1]
@@ -125,16 +128,16 @@ class Muon:
             out = []
             for part in parts:
                 m = part.reshape(-1, h)
-                o = newton_schulz(m, self.schedule)
-                out.append((o * (scale_factor(m.shape[0], h, self.scale_mode) * s))
-                           .reshape(ng, -1, h))
+                o = self.tp_ns(m, dim, self.schedule)
+                size = self.tp_ns.global_shape(m.shape, dim)
+                out.append((o * (scale_factor(*size, self.scale_mode) * s)).reshape(ng, -1, h))
             return mint.cat(out, dim=1).reshape(u.shape)
         if view[0] == "experts":
             e, fan_in, fan_out = view[1:]
             o = newton_schulz(u.reshape(e, fan_in, fan_out), self.schedule)
             return (o * (scale_factor(fan_out, fan_in, self.scale_mode) * s)).reshape(u.shape)
-        o = newton_schulz(u, self.schedule)
-        return o * (scale_factor(u.shape[0], u.shape[1], self.scale_mode) * s)
+        o = self.tp_ns(u, dim, self.schedule)
+        return o * (scale_factor(*self.tp_ns.global_shape(u.shape, dim), self.scale_mode) * s)
 
     def step(self, grads: Sequence[Tensor], lr: Optional[float] = None) -> None:
         lr = self.lr if lr is None else lr

@@ -13,7 +13,7 @@ fp32 rounding.
 from __future__ import annotations
 
 import itertools
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from mindspore import Tensor, mint
 
@@ -62,15 +62,26 @@ def scale_factor(size_out: int, size_in: int, mode: str) -> float:
     raise ValueError(f"training.muon_scale_mode: {mode!r} is not one of {', '.join(SCALE_MODES)}")
 
 
-def newton_schulz(x: Tensor, schedule: Sequence[Coeffs]) -> Tensor:
-    """Orthogonalise fp32 ``x`` (``[m, n]``, or a batch ``[k, m, n]`` of matrices)."""
-    transpose = x.shape[-2] > x.shape[-1]
+def newton_schulz(x: Tensor, schedule: Sequence[Coeffs], transpose: Optional[bool] = None,
+                  reduce: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
+    """Orthogonalise fp32 ``x`` (``[m, n]``, or a batch ``[k, m, n]`` of matrices).
+
+    ``transpose``: iterate on ``x^T`` (default: when ``x`` has more rows than columns, so the
+    Gram matrix is the small one). ``reduce``: a shard of a tensor-parallel matrix
+    (``muon_tp``'s ``distributed`` mode): the squared norm and every Gram matrix are summed
+    over the shards with it (the shards must split the dimension the Gram sums over)."""
+    if transpose is None:
+        transpose = x.shape[-2] > x.shape[-1]
     if transpose:
         x = x.swapaxes(-2, -1)
-    norm = mint.sqrt((x * x).sum(dim=(-2, -1), keepdim=True))
-    x = x / mint.clamp(norm, min=EPS)
+    sq = (x * x).sum(dim=(-2, -1), keepdim=True)
+    if reduce is not None:
+        sq = reduce(sq)
+    x = x / mint.clamp(mint.sqrt(sq), min=EPS)
     for a, b, c in schedule:
         gram = mint.matmul(x, x.swapaxes(-2, -1))
+        if reduce is not None:
+            gram = reduce(gram)
         poly = gram * b + mint.matmul(gram, gram) * c if c != 0.0 else gram * b
         x = x * a + mint.matmul(poly, x)
     return x.swapaxes(-2, -1) if transpose else x
