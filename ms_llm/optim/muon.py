@@ -38,7 +38,7 @@ from ms_llm.parallel.placement import RowShard, grad_replica_dim, placement_of
 from .adamw import AdamW
 from .muon_tp import TensorParallelNS, partition_dim
 from .base import Optimizer, StateTensor
-from .newton_schulz import coefficient_schedule, newton_schulz, scale_factor
+from .newton_schulz import batch_chunks, coefficient_schedule, newton_schulz, scale_factor
 from .param_groups import ParamGroup, assignment, build_groups, is_muon_matrix
 
 FP32 = 4
@@ -118,26 +118,61 @@ class Muon:
         self.adam.step_count = value
 
     # ------------------------------------------------------------------ the update
-    def orthogonalize(self, i: int, u: Tensor) -> Tensor:
-        """The scaled Newton-Schulz update of parameter ``i`` from its momentum ``u``."""
-        view, s, dim = self.views[i], self.extra_scale_factor, self.tp_dim[i]
+    def matrices(self, i: int, u: Tensor) -> List[Tensor]:
+        """The matrices Newton-Schulz sees in parameter ``i``'s momentum ``u`` (``matrix_view``):
+        Q, K and V across the query groups, one ``[E, in, out]`` batch of experts, or ``u``."""
+        view = self.views[i]
         if view[0] == "qkv":
-            ng, rows = view[1], view[2]
-            h = u.shape[-1]
-            parts = mint.split(u.reshape(ng, sum(rows), h), rows, dim=1)
-            out = []
-            for part in parts:
-                m = part.reshape(-1, h)
-                o = self.tp_ns(m, dim, self.schedule)
-                size = self.tp_ns.global_shape(m.shape, dim)
-                out.append((o * (scale_factor(*size, self.scale_mode) * s)).reshape(ng, -1, h))
-            return mint.cat(out, dim=1).reshape(u.shape)
+            ng, rows, h = view[1], view[2], u.shape[-1]
+            return [part.reshape(-1, h) for part in
+                    mint.split(u.reshape(ng, sum(rows), h), rows, dim=1)]
         if view[0] == "experts":
-            e, fan_in, fan_out = view[1:]
-            o = newton_schulz(u.reshape(e, fan_in, fan_out), self.schedule)
-            return (o * (scale_factor(fan_out, fan_in, self.scale_mode) * s)).reshape(u.shape)
-        o = self.tp_ns(u, dim, self.schedule)
-        return o * (scale_factor(*self.tp_ns.global_shape(u.shape, dim), self.scale_mode) * s)
+            return [u.reshape(view[1:])]
+        return [u]
+
+    def assemble(self, i: int, u: Tensor, parts: List[Tensor]) -> Tensor:
+        """``matrices``' inverse: the orthogonalised parts back in ``u``'s layout."""
+        if self.views[i][0] == "qkv":
+            ng = self.views[i][1]
+            return mint.cat([o.reshape(ng, -1, u.shape[-1]) for o in parts], dim=1
+                            ).reshape(u.shape)
+        return parts[0].reshape(u.shape)
+
+    def orthogonalize(self, us: Dict[int, Tensor]) -> Dict[int, Tensor]:
+        """The scaled Newton-Schulz updates of the parameters ``us`` maps to their momenta.
+
+        Matrices of one shape (the same projection of every layer, the experts) go through one
+        batched Newton-Schulz: one dispatch per op for the batch instead of one per matrix,
+        which on CPU is most of the cost for all but the largest matrices. A tensor-parallel
+        shard in ``duplicated``/``distributed`` mode takes its own collective path."""
+        s, items, batches, out = self.extra_scale_factor, [], {}, {}
+        for i, u in us.items():
+            dim = self.tp_dim[i]
+            for k, m in enumerate(self.matrices(i, u)):
+                size = self.tp_ns.global_shape(m.shape, dim)
+                scale = scale_factor(size[0], size[1], self.scale_mode) * s
+                items.append((i, k, m, scale, dim))
+                if self.tp_ns.split_dim(dim) is None:
+                    batches.setdefault(tuple(m.shape[-2:]), []).append(len(items) - 1)
+        done: Dict[int, Tensor] = {}
+        for shape, members in batches.items():
+            for chunk in batch_chunks(members, [items[j][2] for j in members]):
+                mats = [items[j][2] for j in chunk]
+                if len(mats) == 1:
+                    done[chunk[0]] = newton_schulz(mats[0], self.schedule)
+                    continue
+                counts = [int(np.prod(m.shape[:-2])) for m in mats]
+                batch = mint.cat([m.reshape((-1,) + shape) for m in mats])
+                for j, o, m in zip(chunk, mint.split(newton_schulz(batch, self.schedule),
+                                                     counts), mats):
+                    done[j] = o.reshape(m.shape)
+        parts: Dict[int, List[Tensor]] = {}
+        for j, (i, k, m, scale, dim) in enumerate(items):
+            o = done[j] if j in done else self.tp_ns(m, dim, self.schedule)
+            parts.setdefault(i, []).append(o * scale)
+        for i, u in us.items():
+            out[i] = self.assemble(i, u, parts[i])
+        return out
 
     def step(self, grads: Sequence[Tensor], lr: Optional[float] = None) -> None:
         lr = self.lr if lr is None else lr
@@ -148,8 +183,8 @@ class Muon:
             F.copy_(buf, buf + (g - buf) * (1.0 - m))
             us[i] = g + (buf - g) * m if self.nesterov else buf
         full = self.owners.gather(us)
-        updates = {i: self.orthogonalize(i, full[i]) for i in self.muon_idx
-                   if self.owners.mine(i)}
+        updates = self.orthogonalize({i: full[i] for i in self.muon_idx
+                                      if self.owners.mine(i)})
         self.owners.exchange(updates)
         for i in self.muon_idx:
             p, lr_p = self.params[i], lr * self.lr_mult[i]

@@ -34,6 +34,7 @@ COEFFICIENTS: Dict[str, List[Coeffs]] = {
             (2.7215, -3.0494, 1.3169)],
 }
 REPEAT_LAST = ("polar_express", "cans")
+BATCH_ELEMENTS = 1 << 25   # at most 32M fp32 elements (128 MiB) per batched Newton-Schulz input
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 EPS = 1e-15   # emerging_optimizers' default: the norm is clamped to at least this
 
@@ -85,3 +86,20 @@ def newton_schulz(x: Tensor, schedule: Sequence[Coeffs], transpose: Optional[boo
         poly = gram * b + mint.matmul(gram, gram) * c if c != 0.0 else gram * b
         x = x * a + mint.matmul(poly, x)
     return x.swapaxes(-2, -1) if transpose else x
+
+
+def batch_chunks(members: Sequence[int], mats: Sequence[Tensor],
+                 limit: int = BATCH_ELEMENTS) -> List[List[int]]:
+    """``members`` (aligned with their matrices ``mats``) in consecutive runs of at most
+    ``limit`` elements (a lone larger matrix is a run of its own), so a batched Newton-Schulz
+    never holds more than a few such buffers at once."""
+    runs: List[List[int]] = []
+    total = 0
+    for j, m in zip(members, mats):
+        n = int(m.size)
+        if not runs or total + n > limit:
+            runs.append([])
+            total = 0
+        runs[-1].append(j)
+        total += n
+    return runs
