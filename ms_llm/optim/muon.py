@@ -178,10 +178,10 @@ class Muon:
         lr = self.lr if lr is None else lr
         self.adam.step([grads[i] for i in self.adam_idx], lr)
         m, us = self.momentum, {}
-        for i in self.muon_idx:
+        for i in self.muon_idx:     # one fused op per term (lerp), not three
             g, buf = grads[i], self.momentum_buffer[i]
-            F.copy_(buf, buf + (g - buf) * (1.0 - m))
-            us[i] = g + (buf - g) * m if self.nesterov else buf
+            F.copy_(buf, mint.lerp(buf, g, 1.0 - m))
+            us[i] = mint.lerp(g, buf, m) if self.nesterov else buf
         full = self.owners.gather(us)
         updates = self.orthogonalize({i: full[i] for i in self.muon_idx
                                       if self.owners.mine(i)})
@@ -189,9 +189,7 @@ class Muon:
         for i in self.muon_idx:
             p, lr_p = self.params[i], lr * self.lr_mult[i]
             decay = lr_p * self.weight_decay * self.wd_mult[i]
-            if decay:
-                F.copy_(p, p * (1.0 - decay))
-            F.copy_(p, p - updates[i] * lr_p)
+            F.copy_(p, (p * (1.0 - decay) if decay else p) - updates[i] * lr_p)
 
     # ------------------------------------------------------------------ the protocol
     def state_tensors(self, param: Parameter) -> List[StateTensor]:

@@ -4,7 +4,7 @@ coefficient schedules and update scale modes of NVIDIA's ``emerging_optimizers``
 index does not serve it).
 
 For ``X`` (the smaller dimension first, transposing if needed) normalised by its Frobenius norm,
-each step with coefficients ``(a, b, c)`` is ``A = X X^T; X = a X + (b A + c A A) X``. Schedules
+each step with coefficients ``(a, b, c)`` is ``A = X X^T; X = (a I + b A + c A A) X``. Schedules
 that list fewer sets than steps cycle (``simple``, ``quintic``, ``aol``) or repeat their last set
 (``polar_express``, ``cans``), as the reference does. Everything runs in fp32 (Megatron's
 ``muon_fp32_matmul_prec: high``), so the result is deterministic and matches a NumPy reference to
@@ -12,9 +12,11 @@ fp32 rounding.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 from mindspore import Tensor, mint
 
 Coeffs = Tuple[float, float, float]
@@ -79,13 +81,25 @@ def newton_schulz(x: Tensor, schedule: Sequence[Coeffs], transpose: Optional[boo
     if reduce is not None:
         sq = reduce(sq)
     x = x / mint.clamp(mint.sqrt(sq), min=EPS)
+    eye = identity(x.shape[-2])
     for a, b, c in schedule:
+        # (a I + b A + c A^2) X as three GEMMs and two small [m, m] passes: the polynomial is
+        # built on the Gram side, so the wide X is only ever read by the GEMMs.
         gram = mint.matmul(x, x.swapaxes(-2, -1))
         if reduce is not None:
             gram = reduce(gram)
-        poly = gram * b + mint.matmul(gram, gram) * c if c != 0.0 else gram * b
-        x = x * a + mint.matmul(poly, x)
+        if c != 0.0:
+            poly = mint.matmul(gram, gram * c + eye * b) + eye * a
+        else:
+            poly = gram * b + eye * a
+        x = mint.matmul(poly, x)
     return x.swapaxes(-2, -1) if transpose else x
+
+
+@functools.lru_cache(maxsize=32)
+def identity(m: int) -> Tensor:
+    """The fp32 ``[m, m]`` identity (cached: one per matrix side)."""
+    return Tensor(np.eye(m, dtype=np.float32))
 
 
 def batch_chunks(members: Sequence[int], mats: Sequence[Tensor],
