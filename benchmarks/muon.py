@@ -6,7 +6,7 @@ interleaved (AdamW, Muon, AdamW, ...) so load from other processes hits both, an
 ``--reps`` steps after one warm-up is reported with the ratio. Muon orthogonalises every hidden
 matrix (5 quintic Newton-Schulz steps in fp32: ~3 GEMMs of the matrix's smaller side per step)
 and runs AdamW on the embedding, output layer and norms. Its Newton-Schulz is also timed alone,
-same-shape matrices batched (what the step does) against one matrix per call.
+small same-shape matrices batched (what the step does) against one matrix per call.
 
 The FSDP comparison against torch FSDP2 + ``torch.optim.Muon`` is ``benchmarks/muon_fsdp.py``.
 
@@ -85,7 +85,7 @@ def step_times(reps: int) -> None:
     print("|---|---|---|")
     for k in opts:
         print(f"| {k} | {med[k] * 1e3:.0f} | {med[k] / med['AdamW']:.2f}x |")
-    print(f"\nMuon's Newton-Schulz alone: same-shape matrices batched "
+    print(f"\nMuon's Newton-Schulz alone: small same-shape matrices batched (as the step runs) "
           f"{med['NS batched'] * 1e3:.0f} ms, one matrix per call "
           f"{med['NS per matrix'] * 1e3:.0f} ms "
           f"({med['NS per matrix'] / med['NS batched']:.2f}x); {machine()}")

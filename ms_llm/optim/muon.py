@@ -42,6 +42,7 @@ from .newton_schulz import batch_chunks, coefficient_schedule, newton_schulz, sc
 from .param_groups import ParamGroup, assignment, build_groups, is_muon_matrix
 
 FP32 = 4
+BATCH_MAX = 1 << 17   # matrices up to this many elements (e.g. 128 x 1024) are batched by shape
 
 
 def matrix_view(name: str, shape: Tuple[int, ...], model_config, split_qkv: bool) -> tuple:
@@ -141,10 +142,13 @@ class Muon:
     def orthogonalize(self, us: Dict[int, Tensor]) -> Dict[int, Tensor]:
         """The scaled Newton-Schulz updates of the parameters ``us`` maps to their momenta.
 
-        Matrices of one shape (the same projection of every layer, the experts) go through one
-        batched Newton-Schulz: one dispatch per op for the batch instead of one per matrix,
-        which on CPU is most of the cost for all but the largest matrices. A tensor-parallel
-        shard in ``duplicated``/``distributed`` mode takes its own collective path."""
+        Small matrices of one shape (K and V of every layer, ...) go through one batched
+        Newton-Schulz: one dispatch per op for the batch instead of one per matrix, which is
+        most of their cost on CPU. Larger ones (above ``BATCH_MAX`` elements) run alone: there
+        the GEMMs dominate and MindSpore's CPU batched matmul measured slower than a loop of 2-D
+        ones (``benchmarks/muon.py``). Grouped experts are one batch of their own. A
+        tensor-parallel shard in ``duplicated``/``distributed`` mode takes its own collective
+        path."""
         s, items, batches, out = self.extra_scale_factor, [], {}, {}
         for i, u in us.items():
             dim = self.tp_dim[i]
@@ -152,7 +156,7 @@ class Muon:
                 size = self.tp_ns.global_shape(m.shape, dim)
                 scale = scale_factor(size[0], size[1], self.scale_mode) * s
                 items.append((i, k, m, scale, dim))
-                if self.tp_ns.split_dim(dim) is None:
+                if self.tp_ns.split_dim(dim) is None and m.shape[-1] * m.shape[-2] <= BATCH_MAX:
                     batches.setdefault(tuple(m.shape[-2:]), []).append(len(items) - 1)
         done: Dict[int, Tensor] = {}
         for shape, members in batches.items():
