@@ -66,7 +66,8 @@ def test_qk_clip_step_matches_numpy(tmp_path):
     base = TINY_MODEL + ["--training.micro_batch_size", "2", "--training.global_batch_size", "4",
                          "--training.progress_bar", "false", "--training.lr_warmup_steps", "0",
                          "--training.lr", "3e-3", "--training.optimizer", "muon",
-                         "--training.max_steps", "1", "--training.log_interval", "1", "--training.jit", "false"]
+                         "--training.max_steps", "1", "--training.log_interval", "1",
+                         "--training.jit", "false"]
 
     def run(name, *extra):
         trainer = Trainer(load_config(CONFIG, base + ["--training.output_dir",
