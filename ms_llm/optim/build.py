@@ -69,8 +69,8 @@ def refuse_empty_muon_shards(named_params: Sequence[tuple], groups, pstate) -> N
         rows, _ = shard_rows(tuple(q.shape), pl, dim, g.size, 0)
         if g.size > 1 and RowShard(rows[0], g.size, g.size - 1).length == 0:
             raise ValueError(f"parallel.use_distributed_optimizer with training.optimizer muon: "
-                             f"{n} has {rows[0]} rows, too few to give each of {g.size} ranks "
-                             f"some (not built)")
+                             f"{n}'s {rows[0]} rows cut over {g.size} ranks (chunks of "
+                             f"{RowShard(rows[0], g.size, 0).chunk}) leave a rank none (not built)")
 
 
 def state_elements(cfg, name: str, shape: Sequence[int]) -> int:
