@@ -38,6 +38,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ms_llm.models.config import TransformerConfig
 from ms_llm.optim import state_elements
+from .memory_vocab import vocab_head_bytes
 
 GB = 1024 ** 3
 FP32 = 4
@@ -314,6 +315,9 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     copies = ACT["logits"] if tp == 1 else ACT["logits_tp"]
     logits = int(FP32 * copies * b * s_loc * c.padded_vocab_size // tp) if last else 0
     acts = kept + remat + logits
+    # a large vocabulary's [V, h] gradients beside the activations / the gradients (memory_vocab)
+    head_early, head_late = vocab_head_bytes(c, tp, pp) if last else (0, 0)
+    acts += head_early
     # communication buffers
     comm = 0
     replicas = dp * cp       # gradients are summed over data x context parallel (dp_cp)
@@ -335,11 +339,11 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
         comm += 2 * FP32 * b * s_loc * c.moe_router_topk * c.hidden_size
     if pp > 1:
         comm += 2 * FP32 * b * (s_loc // tp if sp else s_loc) * c.hidden_size
-    # Gradient copies: the step's gradients, their clipped copy (``clip_`` scales into new
-    # tensors) and, over several micro-batches, the accumulator plus the new micro-batch's
-    # gradients while they are summed. The accumulator is also live during later forwards.
+    # Gradient copies: the step's gradients (``clip_`` scales them in place) and, over several
+    # micro-batches, the accumulator plus the new micro-batch's gradients while they are summed.
+    # The accumulator is also live during later forwards.
     accum = num_micro > 1
-    grad_phase = (3 if accum else 2) * grad_bytes
+    grad_phase = (3 if accum else 1) * grad_bytes + head_late
     if replicas > 1 and p.fsdp_size == 1:
         # data parallel's per-parameter accumulators and flat buckets (measured, one dp=2 run
         # each; the distributed optimizer's flat reduce-scatter/all-gather buffers add more)
