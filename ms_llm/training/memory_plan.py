@@ -17,8 +17,10 @@ What is counted, per rank (every pipeline stage is planned; the worst one decide
   kept, one score block, the ring's K/V blocks in flight and, for Ulysses, the all-to-all'd
   q/k/v); parameters, gradients and AdamW state are replicated over cp, gradients summed over
   data x context parallel, and the distributed optimizer cuts over that dp-cp group;
-* gradients: the step's gradients plus the copies the optimizer step makes (``clip_`` scales
-  into new tensors; several micro-batches add the accumulator and the sum being formed);
+* gradients: the step's gradients (``clip_`` scales them in place; several micro-batches add
+  the accumulator and the sum being formed);
+* a large vocabulary's ``[V, h]`` gradient copies beside the activations and the gradients
+  (``memory_vocab``: one stage, no tensor parallel);
 * peak = parameters + optimizer state + the larger of (activations, with the micro-batch
   accumulator when there is one) and the gradients' copies + buffers + ``FIXED_BYTES``.
 
