@@ -151,27 +151,6 @@ def split(x: Tensor, split_size_or_sections, dim: int = 0):
     return tuple(out)
 
 
-# MindSpore 2.10 CPU: ``Tensor.mul_(scalar)`` allocates a temporary of the tensor's size (measured:
-# 0.58 GiB more peak RSS scaling a 151936 x 1024 fp32 gradient); the tensor's host view
-# (``asnumpy``: zero-copy and writable for a contiguous CPU tensor) scales it with none.
-_INPLACE_MUL_TEMP = ms.__version__.startswith("2.10.")
-
-
-def mul_scalar_(x: Tensor, c: float) -> Tensor:
-    """``x * c`` for a Python scalar ``c``, in place where that is safe and returns ``x`` (torch's
-    ``mul_``), without a temporary of ``x``'s size on CPU: gradient clipping scales every
-    gradient of the step this way. A non-contiguous view gets a new tensor (MindSpore 2.10's
-    ``mul_``/``copy_`` on a transposed view leave the viewed tensor unchanged): use the result."""
-    if not x.is_contiguous():
-        return x * c
-    if is_cpu() and _INPLACE_MUL_TEMP and x.dtype == ms.float32:
-        a = x.asnumpy()
-        if a.flags.writeable and not a.flags.owndata:   # a view of x's own buffer
-            np.multiply(a, np.float32(c), out=a)
-            return x
-    return x.mul_(c)
-
-
 _VIEW_COPY_BUG = ms.__version__.startswith("2.10.")
 
 

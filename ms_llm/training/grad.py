@@ -113,21 +113,15 @@ def reduce_partial_grads(params: Sequence, grads: List[Tensor], groups) -> List[
 
 
 def clip_(grads: List[Tensor], max_norm: float, norm: float) -> List[Tensor]:
-    """Scale by max_norm / (norm + 1e-6) when the norm exceeds max_norm (torch's rule), in
-    place as torch's ``clip_grad_norm_`` does: a scaled copy of every gradient would hold a
-    second gradient-sized set of tensors at the optimizer step (2.2 GiB at Qwen3-0.6B). The
-    gradients are the step's own tensors (``value_and_grad``'s outputs, the accumulator or the
-    data-parallel reduction's results); a tensor listed twice is scaled once."""
+    """Scale by max_norm / (norm + 1e-6) when the norm exceeds max_norm (torch's rule). The
+    list is updated in place, one tensor at a time, so each old gradient is freed as its scaled
+    one is made: the peak is the gradients plus one gradient, not two sets of them (2.2 GiB at
+    Qwen3-0.6B). Not in place on the tensors: on CPU a reduced gradient's host view need not be
+    the memory MindSpore's next op reads (writing it diverged the dp=2 curve), and 2.10's
+    ``mul_`` is not a reliable in-place update there either."""
     if max_norm <= 0 or norm <= max_norm:
         return grads
     coef = max_norm / (norm + 1e-6)
-    done = {}
-    out = []
-    for g in grads:
-        if g.dtype != float32:          # in-place scaling is fp32 only on CPU
-            out.append(g * coef)
-        else:
-            if id(g) not in done:
-                done[id(g)] = F.mul_scalar_(g, coef)
-            out.append(done[id(g)])
-    return out
+    for i, g in enumerate(grads):
+        grads[i] = g * coef
+    return grads

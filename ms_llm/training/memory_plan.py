@@ -17,8 +17,8 @@ What is counted, per rank (every pipeline stage is planned; the worst one decide
   kept, one score block, the ring's K/V blocks in flight and, for Ulysses, the all-to-all'd
   q/k/v); parameters, gradients and AdamW state are replicated over cp, gradients summed over
   data x context parallel, and the distributed optimizer cuts over that dp-cp group;
-* gradients: the step's gradients (``clip_`` scales them in place; several micro-batches add
-  the accumulator and the sum being formed);
+* gradients: the step's gradients and, while ``clip_`` scales them one at a time, one more of
+  the largest (several micro-batches add the accumulator and the sum being formed);
 * a large vocabulary's ``[V, h]`` gradient copies beside the activations and the gradients
   (``memory_vocab``: one stage, no tensor parallel);
 * peak = parameters + optimizer state + the larger of (activations, with the micro-batch
@@ -341,11 +341,13 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
         comm += 2 * FP32 * b * s_loc * c.moe_router_topk * c.hidden_size
     if pp > 1:
         comm += 2 * FP32 * b * (s_loc // tp if sp else s_loc) * c.hidden_size
-    # Gradient copies: the step's gradients (``clip_`` scales them in place) and, over several
-    # micro-batches, the accumulator plus the new micro-batch's gradients while they are summed.
-    # The accumulator is also live during later forwards.
+    # Gradient copies: the step's gradients plus the largest one's scaled copy (``clip_`` replaces
+    # them one at a time) and, over several micro-batches, the accumulator plus the new
+    # micro-batch's gradients while they are summed. The accumulator is also live during later
+    # forwards.
     accum = num_micro > 1
-    grad_phase = (3 if accum else 1) * grad_bytes + head_late
+    largest = max((q.numel * FP32 for q in trainable), default=0)
+    grad_phase = (3 * grad_bytes if accum else grad_bytes + largest) + head_late
     if replicas > 1 and p.fsdp_size == 1:
         # data parallel's per-parameter accumulators and flat buckets (measured, one dp=2 run
         # each; the distributed optimizer's flat reduce-scatter/all-gather buffers add more)
