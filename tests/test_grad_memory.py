@@ -60,3 +60,10 @@ def test_host_sum_of_squares_chunked_equals_float64():
     got = gradlib.host_sum_of_squares([Tensor(a), Tensor(b)])
     want = float(np.sum(a.astype(np.float64) ** 2) + np.sum(b.astype(np.float64) ** 2))
     assert got == pytest.approx(want, rel=1e-6)      # pairwise fp32 sums: ~1e-7 relative
+
+
+def test_clip_of_a_tuple_returns_scaled_list():
+    a = np.full((3, 4), 2.0, np.float32)
+    out = gradlib.clip_((Tensor(a),), 1.0, 4.0)
+    assert isinstance(out, list)
+    np.testing.assert_allclose(out[0].asnumpy(), a / (4.0 + 1e-6), rtol=1e-6)

@@ -255,7 +255,8 @@ class Trainer:
         total_loss, grads, sumsq = self.executor.run(batches, inv, step)
         # The optimizer's params match the gradients (shards under the distributed optimizer).
         grads = gradlib.reduce_partial_grads(self.optimizer.params, grads, self.pstate.group)
-        grads = mixed_precision.grads_to_fp32(grads)   # bf16-reduced: fp32 for norm, clip, AdamW
+        # bf16-reduced: fp32 for norm, clip, AdamW; a list: clip_ replaces its tensors one by one
+        grads = list(mixed_precision.grads_to_fp32(grads))
         fwd_bwd_timer.stop()
         opt_timer = self.timers("optimizer")
         opt_timer.start()
