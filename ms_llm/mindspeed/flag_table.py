@@ -280,8 +280,7 @@ TABLE: Dict[str, object] = {
                           "restores the RNG"),
     "--no-save-optim": Noop("ms-llm checkpoints always hold the optimizer state (resumable)"),
     "--no-save-rng": Noop("ms-llm checkpoints always hold the RNG state (resumable)"),
-    "--ckpt-format": Noop("--save writes ms-llm's sharded format; `ms-llm convert` writes "
-                          "Megatron's", 1, ("torch", "torch_dist")),
+    "--ckpt-format": Post(),
     "--exit-on-missing-checkpoint": Noop("a missing --load folder is always an error here"),
     "--enable-hf2mg-convert": Noop("ms-llm reads a Hugging Face --load folder directly"),
     "--model-type-hf": Noop("the folder's config.json names the architecture", 1),

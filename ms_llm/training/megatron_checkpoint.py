@@ -1,0 +1,125 @@
+"""The trainer's side of Megatron-Core ``torch_dist`` training checkpoints (``checkpoint.format:
+torch_dist``, ``--ckpt-format torch_dist``; ``checkpoint.resume_from``, ``--load``).
+
+Resume: rank 0 rewrites the torch_dist checkpoint as a one-piece ms-llm checkpoint in a staging
+folder (``ms_llm.checkpoint.torch_dist_train``) and every rank then loads it through the
+trainer's ordinary, layout-free load, so a checkpoint saved at one tp / dp resumes at another.
+Save: every rank writes the ordinary ms-llm checkpoint into the staging folder, then rank 0
+rewrites it as ``save_dir/iter_<step>`` in torch_dist and updates Megatron's tracker (older
+torch_dist iterations are kept: ``checkpoint.keep_last`` prunes ms-llm's own format only).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Callable, Optional
+
+from ms_llm.checkpoint.torch_dist import is_torch_dist_dir
+from ms_llm.checkpoint.torch_dist_train import export_torch_dist, import_torch_dist, \
+    latest_torch_dist
+from ms_llm.config import ConfigError
+
+STAGING = ".ms_llm_staging"
+_FAILED = "FAILED"
+
+
+def is_torch_dist(cfg) -> bool:
+    return cfg.checkpoint.format == "torch_dist"
+
+
+def resume_source(cfg) -> Optional[str]:
+    """The torch_dist ``iter_*`` folder this run resumes from, or None (ms-llm's own resume):
+    ``training.resume auto`` over a torch_dist ``save_dir`` first (a relaunch continues its own
+    saves), else ``checkpoint.resume_from`` (a folder with a tracker, or an ``iter_*`` folder)."""
+    ck = cfg.checkpoint
+    if cfg.training.resume == "auto" and is_torch_dist(cfg) and ck.save_dir:
+        found = latest_torch_dist(ck.save_dir)
+        if found is not None:
+            return found[0]
+    if not ck.resume_from:
+        return None
+    if is_torch_dist_dir(ck.resume_from):
+        return ck.resume_from
+    found = latest_torch_dist(ck.resume_from)
+    if found is None:
+        raise ConfigError(f"checkpoint.resume_from {ck.resume_from}: not a torch_dist training "
+                          f"checkpoint (no latest_checkpointed_iteration.txt naming a torch_dist "
+                          f"iter_* folder)")
+    return found[0]
+
+
+def staging_dir(cfg) -> str:
+    """Shared by every rank (the save folder, or the output folder when there is none)."""
+    return os.path.join(cfg.checkpoint.save_dir or cfg.training.output_dir, STAGING)
+
+
+def _rank0(work: Callable[[], object], where: str, rank: int, barrier) -> None:
+    """Run ``work`` on rank 0; a failure there raises on every rank (no rank waits forever)."""
+    flag = os.path.join(where, _FAILED)
+    if rank == 0:
+        try:
+            if os.path.exists(flag):
+                os.remove(flag)
+            work()
+        except Exception as e:
+            os.makedirs(where, exist_ok=True)
+            with open(flag, "w", encoding="utf-8") as f:
+                f.write(" ".join(f"{type(e).__name__}: {e}".split()))
+            barrier()
+            raise
+    barrier()
+    if rank != 0 and os.path.isfile(flag):
+        with open(flag, encoding="utf-8") as f:
+            raise RuntimeError(f"rank 0 failed on {where}: {f.read().strip()}")
+
+
+def stage_resume(source: str, cfg, state: dict, rank: int, barrier,
+                 say: Callable[[str], None]) -> str:
+    """Collective: the ms-llm checkpoint (in the staging folder) every rank loads instead of
+    ``source``. ``state`` is what torch_dist cannot hold (this run's RNG and model config)."""
+    where = os.path.join(staging_dir(cfg), "import")
+
+    def work():
+        shutil.rmtree(where, ignore_errors=True)
+        try:
+            import_torch_dist(source, where, state,
+                              gated=bool(cfg.model.gated_linear_unit),
+                              global_batch_size=cfg.training.global_batch_size)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.resume_from: {e}") from None
+    if cfg.lora.r or cfg.model.mlp_type == "moe":
+        raise ConfigError(f"checkpoint.resume_from {source}: resuming LoRA or MoE runs from "
+                          f"torch_dist is not built (dense full-parameter training only)")
+    _rank0(work, staging_dir(cfg), rank, barrier)
+    from ms_llm.checkpoint import dcp
+    path = dcp.find_latest_complete(where)
+    say(f"resuming from the torch_dist checkpoint {source} (Megatron's torch RNG state is not "
+        f"taken: MindSpore's generators keep training.seed's)")
+    return path
+
+
+def native_save_dir(cfg) -> str:
+    """Where the trainer's own save writes: ``save_dir``, or the staging folder under it."""
+    return os.path.join(staging_dir(cfg), "export") if is_torch_dist(cfg) else \
+        cfg.checkpoint.save_dir
+
+
+def publish(cfg, native_path: str, rank: int, barrier) -> str:
+    """Collective, after the trainer's save: with ``checkpoint.format torch_dist`` rank 0
+    rewrites ``native_path`` as ``save_dir/iter_<step>`` in torch_dist; returns the path."""
+    if not is_torch_dist(cfg):
+        return native_path
+    t = cfg.training
+    out = {}
+
+    def work():
+        out["path"] = export_torch_dist(
+            native_path, cfg.checkpoint.save_dir, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps, weight_decay=t.weight_decay, global_batch_size=t.global_batch_size,
+            megatron_args={"micro_batch_size": t.micro_batch_size,
+                           "global_batch_size": t.global_batch_size,
+                           "train_iters": t.max_steps, "seed": t.seed})
+        shutil.rmtree(native_path, ignore_errors=True)
+    _rank0(work, staging_dir(cfg), rank, barrier)
+    step = int(os.path.basename(native_path).split("_")[-1])
+    return out.get("path", os.path.join(cfg.checkpoint.save_dir, f"iter_{step:07d}"))
