@@ -30,7 +30,7 @@ import numpy as np
 from . import dcp
 from .dcp_format import LocalChunk, TRACKER
 from .torch_dist import TorchDistReader, TorchDistWriter, is_torch_dist_dir
-from .torch_dist_model import MOMENTS, read_training_state, write_training_state
+from .torch_dist_model import MOMENTS, read_state, read_training_state, write_training_state
 
 OPT = "optimizer."
 _GATED = ("linear_fc1.weight", "linear_fc1.bias")
@@ -72,6 +72,9 @@ def import_torch_dist(path: str, save_dir: str, state: dict, gated: bool,
     if not any(k.startswith(MOMENTS[0] + ".") for k in got["optimizer"]):
         raise ValueError(f"{path}: holds no Adam moments (optimizer.state.exp_avg.*): a "
                          f"weights-only checkpoint; load it with --finetune instead")
+    main = "optimizer.state.fp32_param."
+    if any(k.startswith(main) for k in reader.tensors):   # bf16 runs: the fp32 main params
+        got["model"] = {k[len(main):]: v for k, v in read_state(reader, (main,)).items()}
     iteration = int(got["iteration"] or 0)
     local: Dict[str, LocalChunk] = {}
 

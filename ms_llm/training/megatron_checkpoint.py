@@ -116,10 +116,28 @@ def publish(cfg, native_path: str, rank: int, barrier) -> str:
         out["path"] = export_torch_dist(
             native_path, cfg.checkpoint.save_dir, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps, weight_decay=t.weight_decay, global_batch_size=t.global_batch_size,
-            megatron_args={"micro_batch_size": t.micro_batch_size,
-                           "global_batch_size": t.global_batch_size,
-                           "train_iters": t.max_steps, "seed": t.seed})
+            megatron_args=megatron_args(cfg))
         shutil.rmtree(native_path, ignore_errors=True)
     _rank0(work, staging_dir(cfg), rank, barrier)
     step = int(os.path.basename(native_path).split("_")[-1])
     return out.get("path", os.path.join(cfg.checkpoint.save_dir, f"iter_{step:07d}"))
+
+
+def megatron_args(cfg) -> dict:
+    """The ``args`` Megatron-LM's loader compares against its own (architecture, batch) and
+    reads (``consumed_train_samples`` is added by the export)."""
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    return {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
+            "ffn_hidden_size": m.ffn_hidden_size, "num_attention_heads": m.num_attention_heads,
+            "num_query_groups": m.num_query_groups, "kv_channels": m.kv_channels,
+            "group_query_attention": m.num_query_groups != m.num_attention_heads,
+            "padded_vocab_size": m.padded_vocab_size,
+            "max_position_embeddings": m.max_position_embeddings, "add_position_embedding": False,
+            "position_embedding_type": "rope", "normalization": m.normalization,
+            "swiglu": bool(m.gated_linear_unit), "qk_layernorm": bool(m.qk_layernorm),
+            "untie_embeddings_and_output_weights": bool(m.untie_embeddings_and_output_weights),
+            "tensor_model_parallel_size": p.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+            "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
+            "train_iters": t.max_steps, "seed": t.seed, "lr": t.lr, "min_lr": t.min_lr,
+            "bf16": bool(t.bf16), "fp16": False, "use_distributed_optimizer": False}

@@ -1,0 +1,62 @@
+"""``checkpoint.format: torch_dist``: a run that saves Megatron-Core's torch_dist training
+checkpoints resumes from its own (``training.resume auto``) exactly as from ms-llm's format, and
+the torch_dist checkpoints it cannot take are refused in one line. The cross-lane direction
+(megatron-core saves, ms-llm resumes, and back) is tests/test_cross_lane_curve.py."""
+import os
+
+import numpy as np
+import pytest
+
+from ms_llm.checkpoint.torch_dist import TorchDistWriter, is_torch_dist_dir
+from ms_llm.checkpoint.torch_dist_train import import_torch_dist
+from ms_llm.config import ConfigError, load_config
+from test_training import CONFIG, TINY
+from ms_llm.training.trainer import Trainer
+
+
+def cfg(tmp_path, *extra):
+    return load_config(CONFIG, TINY + ["--training.output_dir", str(tmp_path / "out"),
+                                       "--training.lr_decay_steps", "4", *extra])
+
+
+def losses(c):
+    return [r["loss"] for r in Trainer(c).fit()]
+
+
+def test_a_torch_dist_save_dir_resumes_exactly(tmp_path):
+    """Steps 1-2, a torch_dist save, steps 3-4 resumed from it == 4 uninterrupted steps
+    (no dropout: the RNG torch_dist cannot carry does not matter)."""
+    save = str(tmp_path / "td")
+    full = losses(cfg(tmp_path, "--training.max_steps", "4"))
+    first = losses(cfg(tmp_path, "--training.max_steps", "2", "--checkpoint.save_dir", save,
+                       "--checkpoint.format", "torch_dist"))
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "2"
+    assert is_torch_dist_dir(os.path.join(save, "iter_0000002"))
+    rest = losses(cfg(tmp_path, "--training.max_steps", "4", "--checkpoint.save_dir", save,
+                      "--checkpoint.format", "torch_dist", "--training.resume", "auto"))
+    assert len(rest) == 2
+    np.testing.assert_allclose(first + rest, full, rtol=1e-6)
+
+
+def _folder(tmp_path, keys):
+    w = TorchDistWriter(str(tmp_path / "ck" / "iter_0000003"))
+    for k in keys:
+        w.add(k, (2, 2), (0, 0), np.zeros((2, 2), np.float32))
+    w.close({"iteration": 3})
+    return str(tmp_path / "ck" / "iter_0000003")
+
+
+def test_what_cannot_be_resumed_is_one_line(tmp_path):
+    path = _folder(tmp_path, ["output_layer.weight",
+                              "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.param"])
+    with pytest.raises(ValueError, match=r"iter_0000003: holds the distributed optimizer's "
+                                         r"flat buffers \(optimizer.distributed"):
+        import_torch_dist(path, str(tmp_path / "s"), {}, gated=True, global_batch_size=4)
+    path = _folder(tmp_path, ["output_layer.weight"])
+    with pytest.raises(ValueError, match=r"holds no Adam moments .*--finetune"):
+        import_torch_dist(path, str(tmp_path / "s"), {}, gated=True, global_batch_size=4)
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(ConfigError, match=r"checkpoint.resume_from .*empty: not a torch_dist "
+                                          r"training checkpoint"):
+        Trainer(cfg(tmp_path, "--training.max_steps", "1", "--checkpoint.resume_from",
+                    str(tmp_path / "empty")))
