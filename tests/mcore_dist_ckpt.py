@@ -7,6 +7,8 @@ GQA, QK-norm, SwiGLU, RMSNorm, untied) saved / loaded with its own ``dist_checkp
     python tests/mcore_dist_ckpt.py save_train CKPT_DIR STATE.npz  # + torch AdamW, 2 steps
     python tests/mcore_dist_ckpt.py load_train CKPT_DIR STATE.npz  # + its optimizer state
     python tests/mcore_dist_ckpt.py save_lane SAVE_DIR LANE.pt     # the PyTorch lane's save
+    python tests/mcore_dist_ckpt.py save_legacy SAVE_DIR STATE.npz  # --ckpt-format torch, 2 steps
+    python tests/mcore_dist_ckpt.py load_legacy SAVE_DIR STATE.npz  # torch.load + load_state_dict
 Either way STATE.npz receives the model's state_dict after the operation (the *_train modes add
 ``exp_avg.<name>``, ``exp_avg_sq.<name>`` and ``step``). The optimizer part is what
 megatron-core's ``FP32Optimizer.sharded_state_dict`` builds (its own helpers: the moments as
@@ -54,6 +56,8 @@ def main(mode: str, ckpt: str, out: str) -> None:
     m = model(5 if mode.startswith("save") else 9)
     if mode.endswith("_train"):
         return train_mode(mode, m, ckpt, out)
+    if mode.endswith("_legacy"):
+        return legacy_mode(mode, m, ckpt, out)
     if mode == "save":
         os.makedirs(ckpt, exist_ok=True)
         dist_checkpointing.save({"model": m.sharded_state_dict(), "iteration": 7}, ckpt)
@@ -101,6 +105,53 @@ def train_mode(mode: str, m, ckpt: str, out: str) -> None:
         for k in ("exp_avg", "exp_avg_sq"):
             arrays[f"{k}.{name}"] = moments[i][k].detach().numpy()
     arrays["step"] = np.array(float(step))
+    np.savez(out, **arrays)
+    dist.destroy_process_group()
+
+
+def legacy_mode(mode: str, m, save_dir: str, out: str) -> None:
+    """Megatron-LM's ``--ckpt-format torch`` file at tp = pp = 1 with the non-distributed
+    optimizer: torch AdamW over megatron-core's own ``_get_param_groups`` (decay group, then
+    no-decay), its ``state_dict()`` as the ``optimizer`` entry, as ``save_checkpoint`` writes."""
+    import argparse
+    import torch.distributed as dist
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    groups = _get_param_groups([m], OptimizerConfig(lr=1e-3, min_lr=1e-4, weight_decay=0.1),
+                               None)
+    opt = torch.optim.AdamW([{**g, "weight_decay": 0.1 * g["wd_mult"]} for g in groups],
+                            lr=1e-3, betas=(0.9, 0.95))
+    torch.manual_seed(17)
+    for _ in range(2 if mode == "save_legacy" else 1):   # load: state must exist to load into
+        for p in m.parameters():
+            p.grad = torch.randn_like(p) * 0.01
+        opt.step()
+    path = os.path.join(save_dir, "iter_0000002", "mp_rank_00", "model_optim_rng.pt")
+    if mode == "save_legacy":
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"args": argparse.Namespace(consumed_train_samples=8, iteration=2,
+                                               ckpt_format="torch"),
+                    "checkpoint_version": 3.0, "iteration": 2, "model": m.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "opt_param_scheduler": {"max_lr": 1e-3, "min_lr": 1e-4, "num_steps": 8,
+                                            "lr_warmup_steps": 0, "lr_decay_steps": 80,
+                                            "lr_decay_style": "cosine"},
+                    "rng_state": [{"torch_rng_state": torch.get_rng_state()}]}, path)
+        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("2")
+    else:
+        sd = torch.load(path, weights_only=False)
+        missing, unexpected = m.load_state_dict(sd["model"], strict=False)
+        assert not unexpected and all("_extra_state" in k for k in missing), (missing, unexpected)
+        opt.load_state_dict(sd["optimizer"])
+        assert sd["iteration"] == sd["args"].iteration
+    names = {id(p): n for n, p in m.named_parameters()}
+    arrays = {k: v.detach().numpy() for k, v in m.state_dict().items()
+              if "_extra_state" not in k and v is not None}
+    for p, st in opt.state.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            arrays[f"{k}.{names[id(p)]}"] = st[k].detach().numpy()
+        arrays["step"] = np.array(float(st["step"]))
+    arrays["group_sizes"] = np.array([len(g["params"]) for g in opt.param_groups])
     np.savez(out, **arrays)
     dist.destroy_process_group()
 

@@ -93,3 +93,41 @@ def test_training_checkpoint_with_adam_state_both_ways(tmp_path):
         np.testing.assert_array_equal(back[k], v, err_msg=k)
     again = read_training_state(TorchDistReader(str(tmp_path / "ours")))
     assert again["opt_param_scheduler"] == {"num_steps": 20, "max_lr": 1e-3}
+
+
+def test_legacy_training_checkpoint_both_ways(tmp_path):
+    """``--ckpt-format torch`` (tp = pp = 1, non-distributed optimizer): the file Megatron-LM
+    writes (torch AdamW over megatron-core's ``_get_param_groups``) reads here with each moment
+    on its parameter; written here, ``torch.load`` + ``load_state_dict`` of the model and the
+    torch optimizer built from megatron-core's param groups take it, tensors equal."""
+    from ms_llm.checkpoint import dcp
+    from ms_llm.checkpoint.legacy_train import export_legacy, import_legacy, latest_legacy
+    from ms_llm.checkpoint.torch_dist_train import read_training_dcp, write_training_dcp
+    want = mcore("save_legacy", tmp_path / "mc", tmp_path / "mc.npz")
+    found = latest_legacy(str(tmp_path / "mc"))
+    assert found == (str(tmp_path / "mc" / "iter_0000002"), 2)
+    path, state = import_legacy(found[0], str(tmp_path / "ms"), {}, gated=True,
+                                global_batch_size=4)
+    assert state["step"] == 2 and state["data"] == {"consumed_samples": 8}
+    assert state["opt_param_scheduler"]["num_steps"] == 8 and state["optimizer_step"] == 2
+    model, optim, _, step = read_training_dcp(path)
+    assert step == 2
+    for k, v in want.items():
+        if k in ("step", "group_sizes"):
+            continue
+        np.testing.assert_array_equal(optim[k] if k.startswith("exp_avg") else model[k], v,
+                                      err_msg=k)
+    rng = np.random.default_rng(3)
+    model = {k: v - 1 for k, v in model.items()}
+    optim = {k: rng.random(np.shape(v)).astype(np.float32) if k != "step" else np.int64(7)
+             for k, v in optim.items()}
+    mine, _ = write_training_dcp(str(tmp_path / "ms2"), model, optim, 7,
+                                 {"num_steps": 28}, 28, {}, True, 4, "test")
+    export_legacy(mine, str(tmp_path / "back"), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                  weight_decay=0.1, global_batch_size=4)
+    os.rename(tmp_path / "back" / "iter_0000007", tmp_path / "back" / "iter_0000002")
+    back = mcore("load_legacy", tmp_path / "back", tmp_path / "back.npz")
+    assert float(back["step"]) == 7 and list(back["group_sizes"]) == list(want["group_sizes"])
+    for k, v in {**model, **{k: v for k, v in optim.items() if k != "step"}}.items():
+        np.testing.assert_array_equal(back[k], v, err_msg=k)
+    assert dcp.DCPReader(mine).state["data"] == {"consumed_samples": 28}

@@ -53,7 +53,7 @@ def test_what_cannot_be_resumed_is_one_line(tmp_path):
                                          r"flat buffers \(optimizer.distributed"):
         import_torch_dist(path, str(tmp_path / "s"), {}, gated=True, global_batch_size=4)
     path = _folder(tmp_path, ["output_layer.weight"])
-    with pytest.raises(ValueError, match=r"holds no Adam moments .*--finetune"):
+    with pytest.raises(ValueError, match=r"holds no Adam moments .*weights-only checkpoint"):
         import_torch_dist(path, str(tmp_path / "s"), {}, gated=True, global_batch_size=4)
     os.makedirs(tmp_path / "empty")
     with pytest.raises(ConfigError, match=r"checkpoint.resume_from .*empty: not a torch_dist "

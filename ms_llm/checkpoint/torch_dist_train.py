@@ -71,11 +71,23 @@ def import_torch_dist(path: str, save_dir: str, state: dict, gated: bool,
     got = read_training_state(reader)
     if not any(k.startswith(MOMENTS[0] + ".") for k in got["optimizer"]):
         raise ValueError(f"{path}: holds no Adam moments (optimizer.state.exp_avg.*): a "
-                         f"weights-only checkpoint; load it with --finetune instead")
+                         f"weights-only checkpoint, not a training state to resume")
     main = "optimizer.state.fp32_param."
     if any(k.startswith(main) for k in reader.tensors):   # bf16 runs: the fp32 main params
         got["model"] = {k[len(main):]: v for k, v in read_state(reader, (main,)).items()}
-    iteration = int(got["iteration"] or 0)
+    args = reader.common.get("args")
+    return write_training_dcp(
+        save_dir, got["model"], got["optimizer"], int(got["iteration"] or 0),
+        got["opt_param_scheduler"], getattr(args, "consumed_train_samples", None), state,
+        gated, global_batch_size, path)
+
+
+def write_training_dcp(save_dir: str, model: Dict[str, np.ndarray],
+                       optimizer: Dict[str, np.ndarray], iteration: int,
+                       scheduler: Optional[dict], consumed: Optional[int], state: dict,
+                       gated: bool, global_batch_size: int, source: str) -> Tuple[str, dict]:
+    """A Megatron training state (global tensors under the per-layer Megatron names, moments as
+    ``exp_avg.<name>``, ``step``) as a one-rank ms-llm checkpoint at ``iteration``."""
     local: Dict[str, LocalChunk] = {}
 
     def add(name: str, value: np.ndarray) -> None:
@@ -87,21 +99,18 @@ def import_torch_dist(path: str, save_dir: str, state: dict, gated: bool,
         else:
             local[name] = LocalChunk(value, value.shape)
 
-    for name, value in got["model"].items():
+    for name, value in model.items():
         add(name, value)
         for m in MOMENTS:
             key = f"{m}.{name}"
-            if key not in got["optimizer"]:
-                raise ValueError(f"{path}: no {m} for {name} (optimizer.state.{key})")
-            add(f"{OPT}{key}", got["optimizer"][key])
-    args = reader.common.get("args")
-    consumed = getattr(args, "consumed_train_samples", None) if args is not None else None
-    scheduler = got["opt_param_scheduler"]
+            if key not in optimizer:
+                raise ValueError(f"{source}: no {m} for {name}")
+            add(f"{OPT}{key}", optimizer[key])
     out = dict(state, step=iteration,
-               optimizer_step=int(np.asarray(got["optimizer"].get("step", iteration))),
+               optimizer_step=int(np.asarray(optimizer.get("step", iteration)).reshape(-1)[0]),
                data={"consumed_samples": int(consumed if consumed is not None
                                              else iteration * global_batch_size)},
-               skipped_steps=0, imported_from=os.path.abspath(path))
+               skipped_steps=0, imported_from=os.path.abspath(source))
     if scheduler is not None:
         out["opt_param_scheduler"] = {k: v for k, v in scheduler.items()
                                       if isinstance(v, (int, float, str))}
@@ -111,20 +120,18 @@ def import_torch_dist(path: str, save_dir: str, state: dict, gated: bool,
     return saved, out
 
 
-def export_torch_dist(dcp_path: str, save_dir: str, *, lr: float, betas, eps: float,
-                      weight_decay: float, global_batch_size: int,
-                      megatron_args: Optional[dict] = None) -> str:
-    """Rewrite the complete ms-llm checkpoint ``dcp_path`` as ``save_dir/iter_<step>`` in
-    torch_dist (model, Adam moments, common_step, iteration, opt_param_scheduler, ``args`` with
-    the consumed samples) and point ``save_dir``'s tracker at it; returns the folder."""
+def read_training_dcp(dcp_path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray],
+                                              dict, int]:
+    """``(model, optimizer, state, step)`` of a complete ms-llm checkpoint: global fp32
+    tensors under Megatron's names (``:gate``/``:up`` joined), moments as ``exp_avg.<name>``."""
     with dcp.DCPReader(dcp_path) as r:
         state = r.state
         step = int(r.step)
-        whole: Dict[str, np.ndarray] = {}
+        whole: Dict[str, dict] = {}
         for name in r.names():
             base, _, part = name.partition(":")
             if part not in ("", "gate", "up"):
-                raise ValueError(f"{dcp_path}: tensor {name}: no torch_dist name for its "
+                raise ValueError(f"{dcp_path}: tensor {name}: no Megatron name for its "
                                  f"part {part!r}")
             whole.setdefault(base, {})[part] = r.read(name, dtype=np.float32)
     _check_supported(whole, dcp_path)
@@ -134,6 +141,23 @@ def export_torch_dist(dcp_path: str, save_dir: str, *, lr: float, betas, eps: fl
     optim: Dict[str, np.ndarray] = {k[len(OPT):]: v for k, v in merged.items()
                                     if k.startswith(OPT)}
     optim["step"] = np.int64(state.get("optimizer_step", step))
+    return model, optim, state, step
+
+
+def write_tracker(save_dir: str, step: int) -> None:
+    tmp = os.path.join(save_dir, TRACKER + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(str(step))
+    os.replace(tmp, os.path.join(save_dir, TRACKER))
+
+
+def export_torch_dist(dcp_path: str, save_dir: str, *, lr: float, betas, eps: float,
+                      weight_decay: float, global_batch_size: int,
+                      megatron_args: Optional[dict] = None) -> str:
+    """Rewrite the complete ms-llm checkpoint ``dcp_path`` as ``save_dir/iter_<step>`` in
+    torch_dist (model, Adam moments, common_step, iteration, opt_param_scheduler, ``args`` with
+    the consumed samples) and point ``save_dir``'s tracker at it; returns the folder."""
+    model, optim, state, step = read_training_dcp(dcp_path)
     consumed = int((state.get("data") or {}).get("consumed_samples", step * global_batch_size))
     args = argparse.Namespace(**{**(megatron_args or {}), "iteration": step,
                                  "consumed_train_samples": consumed,
@@ -143,8 +167,5 @@ def export_torch_dist(dcp_path: str, save_dir: str, *, lr: float, betas, eps: fl
                          scheduler=state.get("opt_param_scheduler"), lr=lr, betas=betas,
                          eps=eps, weight_decay=weight_decay,
                          extra_common={"args": args, "checkpoint_version": 3.0})
-    tmp = os.path.join(save_dir, TRACKER + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(str(step))
-    os.replace(tmp, os.path.join(save_dir, TRACKER))
+    write_tracker(save_dir, step)
     return out

@@ -119,9 +119,9 @@ def _finish(tr: Translation, post: Dict[str, List[str]], world_size: Optional[in
     if fmt == "torch_dist":
         k["checkpoint.format"] = "torch_dist"
     elif fmt == "torch":
-        tr.notes.append("--ckpt-format torch: --save writes ms-llm's sharded format (saving "
-                        "Megatron's legacy format in training is not built; `ms-llm convert` "
-                        "writes it)")
+        tr.notes.append("--ckpt-format torch: --save writes ms-llm's sharded format (the legacy "
+                        "format is checkpoint.format torch, dense full-parameter runs only; "
+                        "`ms-llm convert` writes its weights)")
     elif fmt is not None:
         raise ConfigError(f"--ckpt-format {fmt}: not supported (torch_dist and torch are)")
     if "--load" in post:
@@ -213,8 +213,10 @@ def _load(tr: Translation, folder: str, finetune: bool, no_optim: bool = False) 
     PyTorch lane's) resumes from it (``checkpoint.resume_from``)."""
     k = tr.keys
     from ms_llm.checkpoint.torch_dist import is_torch_dist_dir
-    if os.path.isdir(folder) and any(is_torch_dist_dir(os.path.join(folder, d)) for d in
-                                     os.listdir(folder) if d.startswith("iter_")):
+    from ms_llm.checkpoint.legacy_train import latest_legacy
+    if os.path.isdir(folder) and (any(is_torch_dist_dir(os.path.join(folder, d)) for d in
+                                      os.listdir(folder) if d.startswith("iter_")) or
+                                  (not finetune and not no_optim and latest_legacy(folder))):
         if finetune or no_optim:
             raise ConfigError(f"--load {folder}: a torch_dist training checkpoint with "
                               f"{'--finetune' if finetune else '--no-load-optim'}: loading its "
@@ -222,7 +224,7 @@ def _load(tr: Translation, folder: str, finetune: bool, no_optim: bool = False) 
         k["checkpoint.resume_from"] = folder
         if os.path.abspath(folder) == os.path.abspath(str(k.get("checkpoint.save_dir", ""))):
             k["training.resume"] = "auto"   # a relaunch continues its own newest save
-        tr.notes.append(f"--load {folder}: resuming the torch_dist training checkpoint there")
+        tr.notes.append(f"--load {folder}: resuming the Megatron training checkpoint there")
         return
     if not finetune and os.path.abspath(folder) == os.path.abspath(
             str(k.get("checkpoint.save_dir", ""))) and _has_ms_llm_checkpoint(folder):

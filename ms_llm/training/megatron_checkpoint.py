@@ -1,12 +1,13 @@
-"""The trainer's side of Megatron-Core ``torch_dist`` training checkpoints (``checkpoint.format:
-torch_dist``, ``--ckpt-format torch_dist``; ``checkpoint.resume_from``, ``--load``).
+"""The trainer's side of Megatron training checkpoints: Megatron-Core's ``torch_dist`` and the
+legacy ``torch`` format (``checkpoint.format: torch_dist | torch``, ``--ckpt-format torch_dist``;
+``checkpoint.resume_from``, ``--load``).
 
-Resume: rank 0 rewrites the torch_dist checkpoint as a one-piece ms-llm checkpoint in a staging
+Resume: rank 0 rewrites the Megatron checkpoint as a one-piece ms-llm checkpoint in a staging
 folder (``ms_llm.checkpoint.torch_dist_train``) and every rank then loads it through the
 trainer's ordinary, layout-free load, so a checkpoint saved at one tp / dp resumes at another.
 Save: every rank writes the ordinary ms-llm checkpoint into the staging folder, then rank 0
-rewrites it as ``save_dir/iter_<step>`` in torch_dist and updates Megatron's tracker (older
-torch_dist iterations are kept: ``checkpoint.keep_last`` prunes ms-llm's own format only).
+rewrites it as ``save_dir/iter_<step>`` in the Megatron format and updates Megatron's tracker
+(older iterations are kept: ``checkpoint.keep_last`` prunes ms-llm's own format only).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import shutil
 from typing import Callable, Optional
 
+from ms_llm.checkpoint.legacy_train import export_legacy, import_legacy, latest_legacy
 from ms_llm.checkpoint.torch_dist import is_torch_dist_dir
 from ms_llm.checkpoint.torch_dist_train import export_torch_dist, import_torch_dist, \
     latest_torch_dist
@@ -24,28 +26,43 @@ _FAILED = "FAILED"
 
 
 def is_torch_dist(cfg) -> bool:
-    return cfg.checkpoint.format == "torch_dist"
+    """Whether ``save_dir`` holds Megatron's format (torch_dist or legacy torch)."""
+    return cfg.checkpoint.format in ("torch_dist", "torch")
+
+
+def _latest(folder: str) -> Optional[str]:
+    found = latest_torch_dist(folder) or latest_legacy(folder)
+    return None if found is None else found[0]
 
 
 def resume_source(cfg) -> Optional[str]:
-    """The torch_dist ``iter_*`` folder this run resumes from, or None (ms-llm's own resume):
-    ``training.resume auto`` over a torch_dist ``save_dir`` first (a relaunch continues its own
-    saves), else ``checkpoint.resume_from`` (a folder with a tracker, or an ``iter_*`` folder)."""
+    """The Megatron ``iter_*`` folder this run resumes from, or None (ms-llm's own resume):
+    ``training.resume auto`` over a Megatron-format ``save_dir`` first (a relaunch continues
+    its own saves), else ``checkpoint.resume_from`` (a folder with a tracker, or an ``iter_*``
+    folder)."""
     ck = cfg.checkpoint
+    if (is_torch_dist(cfg) or ck.resume_from) and (cfg.lora.r or cfg.model.mlp_type == "moe"):
+        raise ConfigError(f"checkpoint.format {ck.format} / checkpoint.resume_from: Megatron "
+                          f"training checkpoints of LoRA or MoE runs are not built (dense "
+                          f"full-parameter training only)")
     if cfg.training.resume == "auto" and is_torch_dist(cfg) and ck.save_dir:
-        found = latest_torch_dist(ck.save_dir)
+        found = _latest(ck.save_dir)
         if found is not None:
-            return found[0]
+            return found
     if not ck.resume_from:
         return None
-    if is_torch_dist_dir(ck.resume_from):
+    if is_torch_dist_dir(ck.resume_from) or _is_legacy_iter(ck.resume_from):
         return ck.resume_from
-    found = latest_torch_dist(ck.resume_from)
+    found = _latest(ck.resume_from)
     if found is None:
-        raise ConfigError(f"checkpoint.resume_from {ck.resume_from}: not a torch_dist training "
-                          f"checkpoint (no latest_checkpointed_iteration.txt naming a torch_dist "
-                          f"iter_* folder)")
-    return found[0]
+        raise ConfigError(f"checkpoint.resume_from {ck.resume_from}: not a Megatron training "
+                          f"checkpoint (no latest_checkpointed_iteration.txt naming an iter_* "
+                          f"folder in torch_dist, or in torch format with an optimizer entry)")
+    return found
+
+
+def _is_legacy_iter(path: str) -> bool:
+    return os.path.isdir(path) and any(d.startswith("mp_rank_") for d in os.listdir(path))
 
 
 def staging_dir(cfg) -> str:
@@ -82,19 +99,16 @@ def stage_resume(source: str, cfg, state: dict, rank: int, barrier,
     def work():
         shutil.rmtree(where, ignore_errors=True)
         try:
-            import_torch_dist(source, where, state,
-                              gated=bool(cfg.model.gated_linear_unit),
-                              global_batch_size=cfg.training.global_batch_size)
+            read = import_torch_dist if is_torch_dist_dir(source) else import_legacy
+            read(source, where, state, gated=bool(cfg.model.gated_linear_unit),
+                 global_batch_size=cfg.training.global_batch_size)
         except ValueError as e:
             raise ConfigError(f"checkpoint.resume_from: {e}") from None
-    if cfg.lora.r or cfg.model.mlp_type == "moe":
-        raise ConfigError(f"checkpoint.resume_from {source}: resuming LoRA or MoE runs from "
-                          f"torch_dist is not built (dense full-parameter training only)")
     _rank0(work, staging_dir(cfg), rank, barrier)
     from ms_llm.checkpoint import dcp
     path = dcp.find_latest_complete(where)
-    say(f"resuming from the torch_dist checkpoint {source} (Megatron's torch RNG state is not "
-        f"taken: MindSpore's generators keep training.seed's)")
+    say(f"resuming from the Megatron checkpoint {source} (its torch RNG state is not taken: "
+        f"MindSpore's generators keep training.seed's)")
     return path
 
 
@@ -105,15 +119,16 @@ def native_save_dir(cfg) -> str:
 
 
 def publish(cfg, native_path: str, rank: int, barrier) -> str:
-    """Collective, after the trainer's save: with ``checkpoint.format torch_dist`` rank 0
-    rewrites ``native_path`` as ``save_dir/iter_<step>`` in torch_dist; returns the path."""
+    """Collective, after the trainer's save: with ``checkpoint.format torch_dist`` / ``torch``
+    rank 0 rewrites ``native_path`` as ``save_dir/iter_<step>`` in it; returns the path."""
     if not is_torch_dist(cfg):
         return native_path
     t = cfg.training
     out = {}
 
     def work():
-        out["path"] = export_torch_dist(
+        write = export_torch_dist if cfg.checkpoint.format == "torch_dist" else export_legacy
+        out["path"] = write(
             native_path, cfg.checkpoint.save_dir, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps, weight_decay=t.weight_decay, global_batch_size=t.global_batch_size,
             megatron_args=megatron_args(cfg))
