@@ -173,3 +173,21 @@ def test_load_of_a_torch_dist_training_checkpoint_resumes_from_it(tmp_path):
         translate(argv + ["--finetune"])
     with pytest.raises(ConfigError, match=r"--ckpt-format zarr: not supported"):
         translate(argv + ["--ckpt-format", "zarr"])
+
+
+def test_load_of_a_legacy_training_checkpoint_resumes_unless_weights_only(tmp_path):
+    """A legacy ``--ckpt-format torch`` folder whose file holds an optimizer entry resumes
+    (``checkpoint.resume_from``); with ``--no-load-optim`` (the published scripts' converted
+    weights) it stays ``checkpoint.load``, the weights only, as before."""
+    from ms_llm.checkpoint import torch_pickle
+    d = tmp_path / "ck" / "iter_0000003" / "mp_rank_00"
+    d.mkdir(parents=True)
+    torch_pickle.save({"iteration": 3, "model": {}, "optimizer": {"state": {}}},
+                      str(d / "model_optim_rng.pt"))
+    (tmp_path / "ck" / "latest_checkpointed_iteration.txt").write_text("3")
+    argv = SCRIPTS["qwen3/pretrain_qwen3_0point6b_4K_ptd.sh"]["argv"] + \
+        ["--load", str(tmp_path / "ck")]
+    resume = [a for a in argv if a not in ("--no-load-optim", "--no-load-rng")]
+    assert translate(resume).keys["checkpoint.resume_from"] == str(tmp_path / "ck")
+    keys = translate(argv).keys
+    assert keys["checkpoint.load"] == str(tmp_path / "ck") and "checkpoint.resume_from" not in keys

@@ -23,19 +23,23 @@ def losses(c):
     return [r["loss"] for r in Trainer(c).fit()]
 
 
-def test_a_torch_dist_save_dir_resumes_exactly(tmp_path):
-    """Steps 1-2, a torch_dist save, steps 3-4 resumed from it == 4 uninterrupted steps
-    (no dropout: the RNG torch_dist cannot carry does not matter)."""
-    save = str(tmp_path / "td")
+def test_megatron_format_save_dirs_resume_exactly(tmp_path):
+    """Steps 1-2 then a save, steps 3-4 resumed from it == 4 uninterrupted steps, for a
+    torch_dist and a legacy torch save_dir (no dropout: the RNG they cannot carry does not
+    matter; the tiny model ties its embedding, so the legacy order has no output layer)."""
     full = losses(cfg(tmp_path, "--training.max_steps", "4"))
-    first = losses(cfg(tmp_path, "--training.max_steps", "2", "--checkpoint.save_dir", save,
-                       "--checkpoint.format", "torch_dist"))
-    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "2"
-    assert is_torch_dist_dir(os.path.join(save, "iter_0000002"))
-    rest = losses(cfg(tmp_path, "--training.max_steps", "4", "--checkpoint.save_dir", save,
-                      "--checkpoint.format", "torch_dist", "--training.resume", "auto"))
-    assert len(rest) == 2
-    np.testing.assert_allclose(first + rest, full, rtol=1e-6)
+    for fmt in ("torch_dist", "torch"):
+        save = str(tmp_path / fmt)
+        first = losses(cfg(tmp_path, "--training.max_steps", "2", "--checkpoint.save_dir", save,
+                           "--checkpoint.format", fmt))
+        assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "2"
+        it = os.path.join(save, "iter_0000002")
+        assert is_torch_dist_dir(it) if fmt == "torch_dist" else \
+            os.path.isfile(os.path.join(it, "mp_rank_00", "model_optim_rng.pt"))
+        rest = losses(cfg(tmp_path, "--training.max_steps", "4", "--checkpoint.save_dir", save,
+                          "--checkpoint.format", fmt, "--training.resume", "auto"))
+        assert len(rest) == 2
+        np.testing.assert_allclose(first + rest, full, rtol=1e-6, err_msg=fmt)
 
 
 def _folder(tmp_path, keys):
@@ -56,7 +60,7 @@ def test_what_cannot_be_resumed_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"holds no Adam moments .*weights-only checkpoint"):
         import_torch_dist(path, str(tmp_path / "s"), {}, gated=True, global_batch_size=4)
     os.makedirs(tmp_path / "empty")
-    with pytest.raises(ConfigError, match=r"checkpoint.resume_from .*empty: not a torch_dist "
+    with pytest.raises(ConfigError, match=r"checkpoint.resume_from .*empty: not a Megatron "
                                           r"training checkpoint"):
         Trainer(cfg(tmp_path, "--training.max_steps", "1", "--checkpoint.resume_from",
                     str(tmp_path / "empty")))

@@ -274,8 +274,7 @@ TABLE: Dict[str, object] = {
     "--load": Post(),
     "--save": Map("checkpoint.save_dir"),
     "--save-interval": Map("checkpoint.save_interval"),
-    "--no-load-optim": Noop("a --load folder gives the weights only; a resume of an ms-llm "
-                            "run restores the optimizer"),
+    "--no-load-optim": Post(0),   # (whether --load of a Megatron training checkpoint resumes)
     "--no-load-rng": Noop("a --load folder gives the weights only; a resume of an ms-llm run "
                           "restores the RNG"),
     "--no-save-optim": Noop("ms-llm checkpoints always hold the optimizer state (resumable)"),

@@ -124,6 +124,10 @@ def _finish(tr: Translation, post: Dict[str, List[str]], world_size: Optional[in
                         "`ms-llm convert` writes its weights)")
     elif fmt is not None:
         raise ConfigError(f"--ckpt-format {fmt}: not supported (torch_dist and torch are)")
+    if "--no-load-optim" in post:
+        tr.notes.append("--no-load-optim: no-op (a --load folder gives the weights only; a "
+                        "resume of an ms-llm or Megatron training checkpoint restores the "
+                        "optimizer)")
     if "--load" in post:
         _load(tr, post["--load"][0], "--finetune" in post, "--no-load-optim" in post)
 
