@@ -64,3 +64,21 @@ def test_what_cannot_be_resumed_is_one_line(tmp_path):
                                           r"training checkpoint"):
         Trainer(cfg(tmp_path, "--training.max_steps", "1", "--checkpoint.resume_from",
                     str(tmp_path / "empty")))
+
+
+def test_a_relaunch_resumes_its_own_save_not_the_lane_checkpoint(tmp_path):
+    """``--load X --save X`` over the lane's torch_dist folder, saving ms-llm's format: once the
+    run has saved there, a relaunch resumes its own newest checkpoint, not the lane's."""
+    from ms_llm.checkpoint import dcp
+    from ms_llm.checkpoint.dcp_format import LocalChunk
+    from ms_llm.training.megatron_checkpoint import resume_source
+    lane = _folder(tmp_path, ["output_layer.weight"])
+    root = os.path.dirname(lane)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
+    c = cfg(tmp_path, "--checkpoint.save_dir", root, "--checkpoint.resume_from", root,
+            "--training.resume", "auto")
+    assert resume_source(c) == lane
+    dcp.save_checkpoint(root, 5, {"w": LocalChunk(np.zeros(2, np.float32), (2,))}, {},
+                        rank=0, world_size=1, barrier=lambda: None)
+    assert resume_source(c) is None

@@ -37,18 +37,21 @@ def _latest(folder: str) -> Optional[str]:
 
 def resume_source(cfg) -> Optional[str]:
     """The Megatron ``iter_*`` folder this run resumes from, or None (ms-llm's own resume):
-    ``training.resume auto`` over a Megatron-format ``save_dir`` first (a relaunch continues
-    its own saves), else ``checkpoint.resume_from`` (a folder with a tracker, or an ``iter_*``
-    folder)."""
+    under ``training.resume auto`` the run's own newest save in ``save_dir`` first (a relaunch
+    continues its own saves, in either format), else ``checkpoint.resume_from`` (a folder with
+    a tracker, or an ``iter_*`` folder)."""
     ck = cfg.checkpoint
     if (is_torch_dist(cfg) or ck.resume_from) and (cfg.lora.r or cfg.model.mlp_type == "moe"):
         raise ConfigError(f"checkpoint.format {ck.format} / checkpoint.resume_from: Megatron "
                           f"training checkpoints of LoRA or MoE runs are not built (dense "
                           f"full-parameter training only)")
-    if cfg.training.resume == "auto" and is_torch_dist(cfg) and ck.save_dir:
-        found = _latest(ck.save_dir)
-        if found is not None:
-            return found
+    if cfg.training.resume == "auto" and ck.save_dir:
+        if is_torch_dist(cfg):
+            found = _latest(ck.save_dir)
+            if found is not None:
+                return found
+        elif _has_own_checkpoint(ck.save_dir):   # a relaunch continues its own ms-llm saves
+            return None
     if not ck.resume_from:
         return None
     if is_torch_dist_dir(ck.resume_from) or _is_legacy_iter(ck.resume_from):
@@ -59,6 +62,11 @@ def resume_source(cfg) -> Optional[str]:
                           f"checkpoint (no latest_checkpointed_iteration.txt naming an iter_* "
                           f"folder in torch_dist, or in torch format with an optimizer entry)")
     return found
+
+
+def _has_own_checkpoint(save_dir: str) -> bool:
+    from ms_llm.checkpoint import dcp
+    return dcp.find_latest_complete(save_dir, "size", report=lambda _m: None) is not None
 
 
 def _is_legacy_iter(path: str) -> bool:
