@@ -178,7 +178,7 @@ def test_resume_from_the_pytorch_lane_at_10_continues_its_curve(setup, lane_ckpt
     want = dict(np.load(str(root / "lane20_ckpt") + ".npz"))
     assert float(got.pop("step")) == 20
     for key, value in got.items():
-        moment, _, name = key.rpartition(".") if False else ("", "", key)
+        moment, name = "", key
         for m in ("exp_avg_sq.", "exp_avg."):
             if key.startswith(m):
                 moment, name = "optimizer.state." + m, key[len(m):]
