@@ -152,6 +152,8 @@ def legacy_mode(mode: str, m, save_dir: str, out: str) -> None:
             arrays[f"{k}.{names[id(p)]}"] = st[k].detach().numpy()
         arrays["step"] = np.array(float(st["step"]))
     arrays["group_sizes"] = np.array([len(g["params"]) for g in opt.param_groups])
+    arrays["group_names"] = np.array([names[id(p)] for g in opt.param_groups
+                                      for p in g["params"]])
     np.savez(out, **arrays)
     dist.destroy_process_group()
 

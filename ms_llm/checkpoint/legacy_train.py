@@ -10,10 +10,11 @@ and 1-D tensors), each in the GPTModel's ``named_parameters`` order.
 
 Layouts: a legacy folder is fixed to the tensor / pipeline sizes that wrote it (one
 ``mp_rank_TT[_PPP]`` file per rank, each holding its shards and their moments); dp is free
-without the distributed optimizer (every dp rank's state is the same). Here one-file folders are
-read and written (tp = pp = 1); the import is then resharded to any layout by ms-llm's load.
-Refused with one line: several ``mp_rank_*`` files, ``distrib_optim.pt`` (the distributed
-optimizer's flat buffers), MoE.
+without the distributed optimizer (every dp rank's state is the same). Reading merges any tp /
+pp (the converter's merge rules, applied to the moments as to the weights) and the import is
+then resharded to any layout by ms-llm's load; writing is one file (tp = pp = 1), which Megatron
+resumes at tp = pp = 1 only. Refused with one line: ``distrib_optim.pt`` (the distributed
+optimizer's flat buffers), expert parallel, virtual pipeline stages, MoE.
 """
 from __future__ import annotations
 
@@ -81,53 +82,112 @@ def latest_legacy(folder: str) -> Optional[Tuple[str, int]]:
     return (path, int(text)) if has_optim else None
 
 
-def _one_file(path: str) -> str:
-    ranks = sorted(d for d in os.listdir(path) if d.startswith("mp_rank_"))
-    if len(ranks) != 1:
-        raise ValueError(f"{path}: {len(ranks)} mp_rank_* folders: legacy training checkpoints "
-                         f"at tensor / pipeline parallel > 1 are not built (the format fixes "
-                         f"tp and pp; save torch_dist, which is layout-free)")
-    if os.path.isfile(os.path.join(path, ranks[0], DISTRIB)):
-        raise ValueError(f"{os.path.join(path, ranks[0], DISTRIB)}: the distributed optimizer's "
-                         f"flat buffers are not built (save without --use-distributed-optimizer)")
-    return os.path.join(path, ranks[0], FILE)
+def _arr(v) -> np.ndarray:
+    return np.asarray(v.numpy() if hasattr(v, "numpy") else v, np.float32)
 
 
-def import_legacy(path: str, save_dir: str, state: dict, gated: bool,
-                  global_batch_size: int) -> Tuple[str, dict]:
-    """The legacy training checkpoint folder ``path`` (``iter_N``) as a one-rank ms-llm
-    checkpoint in ``save_dir``: ``(its path, the state it records)``."""
-    f = _one_file(path)
-    sd = load_torch_file(f)
-    model = {k: np.asarray(v, np.float32) for k, v in sd["model"].items()
+def _rank_state(sd: dict, where: str) -> Tuple[Dict[str, np.ndarray], Dict[str, dict], object]:
+    """One rank file's ``(weights, {moment: {name: array}}, step)``: its optimizer ids put back
+    on its parameters through Megatron's param-group order of the names it holds."""
+    model = {k: v for k, v in sd["model"].items()
              if not k.endswith("_extra_state") and v is not None}
     opt = sd.get("optimizer")
     if not opt:
-        raise ValueError(f"{f}: holds no optimizer entry: a weights-only checkpoint, not a "
+        raise ValueError(f"{where}: holds no optimizer entry: a weights-only checkpoint, not a "
                          f"training state to resume")
     inner = opt.get("optimizer", opt) if "fp32_from_fp16_params" in opt else opt
-    groups = param_groups({k: v.shape for k, v in model.items()}, f)
+    groups = param_groups({k: tuple(v.shape) for k, v in model.items()}, where)
     if len(inner["param_groups"]) != len(groups) or any(
             len(g["params"]) != len(want) for g, want in zip(inner["param_groups"], groups)):
-        raise ValueError(f"{f}: optimizer param groups of sizes "
+        raise ValueError(f"{where}: optimizer param groups of sizes "
                          f"{[len(g['params']) for g in inner['param_groups']]}, Megatron's "
                          f"order gives {[len(g) for g in groups]} for this model")
-    optim: Dict[str, np.ndarray] = {}
+    weights = {k: _arr(v) for k, v in model.items()}
+    moments: Dict[str, dict] = {m: {} for m in MOMENTS}
+    step = None
     for gi, (g, names) in enumerate(zip(inner["param_groups"], groups)):
         for j, (pid, name) in enumerate(zip(g["params"], names)):
             st = inner["state"].get(pid)
             if st is None:
-                raise ValueError(f"{f}: no optimizer state for param {pid} ({name})")
+                raise ValueError(f"{where}: no optimizer state for param {pid} ({name})")
             for m in MOMENTS:
-                optim[f"{m}.{name}"] = np.asarray(st[m], np.float32)
-            optim["step"] = np.asarray(st["step"])
+                moments[m][name] = _arr(st[m])
+            step = _arr(st["step"])
             if "fp32_from_fp16_params" in opt:   # bf16: the fp32 main params are the weights
-                model[name] = np.asarray(opt["fp32_from_fp16_params"][gi][j], np.float32)
+                weights[name] = _arr(opt["fp32_from_fp16_params"][gi][j])
+    return weights, moments, step
+
+
+def _rank_files(path: str) -> List[str]:
+    ranks = sorted(d for d in os.listdir(path) if d.startswith("mp_rank_"))
+    for d in ranks:
+        if os.path.isfile(os.path.join(path, d, DISTRIB)):
+            raise ValueError(f"{os.path.join(path, d, DISTRIB)}: the distributed optimizer's "
+                             f"flat buffers are not built (save without "
+                             f"--use-distributed-optimizer)")
+    return [os.path.join(path, d, FILE) for d in ranks]
+
+
+def _merged(path: str, model_type_hf: Optional[str]):
+    """Several ``mp_rank_*`` files (tp / pp > 1): each rank's weights and moments, merged into
+    whole tensors by the converter's own tp / pp rules (moments shard like their weights)."""
+    from .convert import MegatronSource
+    folder = os.path.dirname(os.path.abspath(path))
+    tracker = os.path.join(folder, TRACKER)
+    named = open(tracker, encoding="utf-8").read().strip() if os.path.isfile(tracker) else ""
+    if not named.isdigit() or f"iter_{int(named):07d}" != os.path.basename(path):
+        raise ValueError(f"{path}: a tp / pp > 1 legacy checkpoint is read through its folder's "
+                         f"{TRACKER}, which names another iteration ({named!r})")
+    src = MegatronSource(folder, model_type_hf)
+    try:
+        r = src.reader
+        if r.ep > 1 or any(len(c) > 1 for c in r.models.values()):
+            raise ValueError(f"{path}: legacy training checkpoints with expert parallel or "
+                             f"virtual pipeline stages are not built")
+        ranks, step = {}, None
+        for key, ck in r.files.items():
+            weights, moments, step = _rank_state(ck.obj, ck.archive.path)
+            ranks[key] = {"model": weights, **moments}
+
+        def whole(kind: str) -> Dict[str, np.ndarray]:
+            for key in r.models:
+                r.models[key][0] = ranks[key][kind]
+            out = {"embedding.word_embeddings.weight": src.embedding(padded=True),
+                   "decoder.final_layernorm.weight": src.final_norm()}
+            if src.output(padded=True) is not None:
+                out["output_layer.weight"] = src.output(padded=True)
+            for i in range(src.spec.num_layers):
+                out.update({f"decoder.layers.{i}.{k}": v for k, v in src.layer(i).items()})
+            return out
+        model = whole("model")
+        optim = {f"{m}.{k}": v for m in MOMENTS for k, v in whole(m).items()}
+    finally:
+        src.close()
+    return model, optim, step
+
+
+def import_legacy(path: str, save_dir: str, state: dict, gated: bool,
+                  global_batch_size: int, model_type_hf: Optional[str] = None
+                  ) -> Tuple[str, dict]:
+    """The legacy training checkpoint folder ``path`` (``iter_N``) as a one-rank ms-llm
+    checkpoint in ``save_dir``: ``(its path, the state it records)``. Several rank files (tp /
+    pp > 1) are merged through their ``args`` (``model_type_hf`` names the family when the
+    args do not)."""
+    files = _rank_files(path)
+    if not files:
+        raise ValueError(f"{path}: no mp_rank_*/{FILE}")
+    sd = load_torch_file(files[0])
+    if len(files) == 1:
+        model, moments, step = _rank_state(sd, files[0])
+        optim = {f"{m}.{k}": v for m, d in moments.items() for k, v in d.items()}
+    else:
+        model, optim, step = _merged(path, model_type_hf)
+    optim["step"] = np.asarray(step)
     args = sd.get("args")
     return write_training_dcp(save_dir, model, optim, int(sd["iteration"]),
                               sd.get("opt_param_scheduler"),
                               getattr(args, "consumed_train_samples", None), state, gated,
-                              global_batch_size, f)
+                              global_batch_size, files[0])
 
 
 def export_legacy(dcp_path: str, save_dir: str, *, lr: float, betas, eps: float,

@@ -107,9 +107,12 @@ def stage_resume(source: str, cfg, state: dict, rank: int, barrier,
     def work():
         shutil.rmtree(where, ignore_errors=True)
         try:
-            read = import_torch_dist if is_torch_dist_dir(source) else import_legacy
-            read(source, where, state, gated=bool(cfg.model.gated_linear_unit),
-                 global_batch_size=cfg.training.global_batch_size)
+            kw = {"gated": bool(cfg.model.gated_linear_unit),
+                  "global_batch_size": cfg.training.global_batch_size}
+            if is_torch_dist_dir(source):
+                import_torch_dist(source, where, state, **kw)
+            else:
+                import_legacy(source, where, state, model_type_hf=cfg.model.family, **kw)
         except ValueError as e:
             raise ConfigError(f"checkpoint.resume_from: {e}") from None
     _rank0(work, staging_dir(cfg), rank, barrier)
