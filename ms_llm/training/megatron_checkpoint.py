@@ -112,7 +112,7 @@ def stage_resume(source: str, cfg, state: dict, rank: int, barrier,
             if is_torch_dist_dir(source):
                 import_torch_dist(source, where, state, **kw)
             else:
-                import_legacy(source, where, state, model_type_hf=cfg.model.family, **kw)
+                import_legacy(source, where, state, model_type_hf=cfg.model_family, **kw)
         except ValueError as e:
             raise ConfigError(f"checkpoint.resume_from: {e}") from None
     _rank0(work, staging_dir(cfg), rank, barrier)
