@@ -13,6 +13,7 @@ from mindspore import Tensor, ops
 from ms_llm import ops as hot
 from ms_llm.compat import float32, nn
 from .config import TransformerConfig
+from .fused_decode import layer_step as fused_layer_step
 from .kv_cache import KVCache
 from .layers import TransformerLayer, norm
 from .gated_delta_net import GatedDeltaNet
@@ -58,8 +59,9 @@ class TransformerBlock(nn.Module):
         for i, layer in enumerate(self.layers):
             if kv_cache is None:
                 x = layer(x, cos, sin, attention_mask)
-            else:
-                x = layer(x, cos, sin, attention_mask, kv_cache=kv_cache[i])
+            else:   # one new token: the fused decode kernels when they cover the layer
+                y = fused_layer_step(layer, x, cos, sin, attention_mask, kv_cache[i])
+                x = layer(x, cos, sin, attention_mask, kv_cache=kv_cache[i]) if y is None else y
         return self.final_layernorm(x)
 
 

@@ -38,6 +38,9 @@ class LayerKVCache:
         self.length = 0
         self.k: Optional[Tensor] = None
         self.v: Optional[Tensor] = None
+        # The fused decode step's arguments for this layer (ms_llm.models.fused_decode), found
+        # on the first one-token step: None = not looked at yet, False = not covered.
+        self.fused = None
 
     def update(self, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
         """Write ``k``, ``v`` ``[b, ng, s, d]`` at the fill point. Returns what the queries attend
