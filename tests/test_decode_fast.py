@@ -1,8 +1,8 @@
 """The fused one-token decode step (``ms_llm.models.fused_decode``) against the module path.
 
 * Every decode step's logits with the fused kernels equal the module path's (the same model and
-  cache, ``fused_decode.set_enabled(False)``) within 1e-5 (fp32; the two sum in different orders:
-  BLAS gemv against the composed ops, ~1e-6 observed), for the attention variants the kernels
+  cache, ``fused_decode.set_enabled(False)``) within 1e-5 of the largest logit (fp32; the two sum
+  in different orders, BLAS gemv against the composed ops: ~1e-6 relative observed), for the attention variants the kernels
   cover: MHA, GQA with QKV bias and biased projections, QK-norm with MQA, the Qwen3-Next output
   gate with zero-centred norms and partial rotary (also next to a Gated DeltaNet layer, which
   keeps its own recurrent cache), a MoE layer (fused attention, module MLP), left-padded rows
