@@ -24,29 +24,26 @@ from .layers import MLP, RMSNorm, SelfAttention
 if TYPE_CHECKING:
     from .layers import TransformerLayer
 
-_STATE: dict = {"wanted": True}
+_STATE: dict = {}
 
 
 def enabled() -> bool:
     """Whether decode steps take the fused kernels: CPU with the BLAS kernels (the library that
     holds them; ``runtime.blas_kernels: false`` turns both off), unless ``set_enabled(False)``."""
-    if not _STATE["wanted"]:
+    if "linear" not in _STATE:
+        _STATE["linear"] = hot.resolve_paths().get("linear") == "aot"
+    if not _STATE["linear"]:
         return False
-    if "available" not in _STATE:
-        ok = hot.resolve_paths().get("linear") == "aot"
-        if ok:
-            from ms_llm.ops.cpu_kernels import decode
-            ok = decode.available()
-        _STATE["available"] = ok
-    return _STATE["available"]
+    from ms_llm.ops.cpu_kernels import decode
+    return decode.available()
 
 
 def set_enabled(on: bool) -> bool:
-    """Turn the fused decode step on or off (the module path is the reference: tests and
-    ``benchmarks/generate.py --breakdown`` compare the two); returns the previous wish."""
-    before = _STATE["wanted"]
-    _STATE["wanted"] = bool(on)
-    return before
+    """Turn the fused decode step (and the one-call cache attention) on or off: the module path
+    is the reference tests and ``benchmarks/generate.py`` compare with. Returns the previous
+    setting."""
+    from ms_llm.ops.cpu_kernels import decode
+    return decode.set_enabled(on)
 
 
 def _plain_linear(m) -> bool:

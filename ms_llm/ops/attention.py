@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 from mindspore import Tensor, ops
+from mindspore import bool_
 
 from ms_llm.compat import F, bfloat16, float16, float32
 from . import cpu_kernels
@@ -91,12 +92,24 @@ def cache_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor,
     ng, sk = k.shape[1], k.shape[2]
     r = nh // ng
     dtype = q.dtype
+    if attention_mask.dtype == bool_ and _decode_kernel(q.dtype, k.dtype, v.dtype):   # one C++ call over the filled slots
+        from .cpu_kernels import decode
+        out = decode.cache_attention(q.reshape(b, ng, r * s, d), k, v, attention_mask, scale)
+        return out.reshape(b, nh, s, v.shape[-1])
     q = q.astype(float32).reshape(b, ng, r * s, d)
     scores = bmm(q, k.astype(float32), transpose_b=True).reshape(b, ng, r, s, sk) * scale
     bias = F.where(attention_mask, Tensor(_MASK_VALUE, float32), Tensor(0.0, float32))
     scores = scores + bias.reshape(bias.shape[0], 1, 1, s, sk)
     probs = F.softmax(scores, -1).reshape(b, ng, r * s, sk)
     return bmm(probs, v.astype(float32)).reshape(b, nh, s, d).astype(dtype)
+
+
+def _decode_kernel(*dtypes) -> bool:
+    """The BLAS library's cache attention kernel takes fp32 on CPU with the BLAS kernels."""
+    if path_for("linear") != "aot" or any(d != float32 for d in dtypes):
+        return False
+    from .cpu_kernels import decode
+    return decode.available()
 
 
 # Never run on an Ascend device: written against MindSpore 2.10's documented contract of

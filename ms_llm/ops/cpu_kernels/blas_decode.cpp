@@ -204,3 +204,67 @@ MSLLM_EXPORT int DecodeMlpBlock(int nparam, void **params, int *ndims, int64_t *
   for (int64_t j = 0; j < m * h; ++j) out[j] += x[j];
   return 0;
 }
+
+// CacheAttnFwd(q [B,G,R*S,D], k [B,G,C,D], v [B,G,C,DV], mask [MB,1,S,C] bool (True = hidden),
+//              scale fp32 [1]) -> o [B,G,R*S,DV]
+// Attention of S new queries (rows h*S + i, the grouped layout of ops/attention.py) over a whole
+// cache buffer, in one call instead of a matmul / mask / softmax / matmul chain; columns past the
+// last visible one of a batch row are never read (the unfilled slots). A row that sees nothing
+// gets zeros (the composed form's uniform average of masked slots is never used either).
+MSLLM_EXPORT int CacheAttnFwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                              void *) {
+  if (nparam != 6) return kErrNParam;
+  if (!f32_all(dtypes, {0, 1, 2, 4, 5}) || std::strcmp(dtypes[3], "bool") != 0) return kErrDtype;
+  if (ndims[0] != 4 || ndims[1] != 4 || ndims[2] != 4 || ndims[3] != 4) return kErrShape;
+  const int64_t b = shapes[1][0], g = shapes[1][1], cap = shapes[1][2], d = shapes[1][3], dv = shapes[2][3];
+  const int64_t s = shapes[3][2], mb = shapes[3][0];
+  if (shapes[0][0] != b || shapes[0][1] != g || shapes[0][3] != d || shapes[0][2] % s || shapes[2][0] != b ||
+      shapes[2][1] != g || shapes[2][2] != cap || shapes[3][3] != cap || (mb != 1 && mb != b))
+    return kErrShape;
+  const int64_t r = shapes[0][2] / s;
+  const float *q = static_cast<const float *>(params[0]);
+  const float *k = static_cast<const float *>(params[1]);
+  const float *v = static_cast<const float *>(params[2]);
+  const bool *mask = static_cast<const bool *>(params[3]);
+  const float scale = static_cast<const float *>(params[4])[0];
+  float *o = static_cast<float *>(params[5]);
+  std::vector<float> scores;
+  for (int64_t i = 0; i < b; ++i) {
+    const bool *mi = mask + (mb == 1 ? 0 : i) * s * cap;
+    int64_t kmax = 0;
+    for (int64_t j = 0; j < s * cap; ++j)
+      if (!mi[j] && j % cap + 1 > kmax) kmax = j % cap + 1;
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const float *qg = q + (i * g + gi) * r * s * d;
+      const float *kg = k + (i * g + gi) * cap * d, *vg = v + (i * g + gi) * cap * dv;
+      float *og = o + (i * g + gi) * r * s * dv;
+      if (kmax == 0) {
+        std::memset(og, 0, sizeof(float) * r * s * dv);
+        continue;
+      }
+      scores.resize(r * s * kmax);
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(r * s),
+                        static_cast<blasint>(kmax), static_cast<blasint>(d), scale, qg, static_cast<blasint>(d), kg,
+                        static_cast<blasint>(d), 0.0f, scores.data(), static_cast<blasint>(kmax));
+      for (int64_t row = 0; row < r * s; ++row) {
+        const bool *mr = mi + (row % s) * cap;
+        float *sr = scores.data() + row * kmax;
+        float hi = -INFINITY;
+        for (int64_t j = 0; j < kmax; ++j)
+          if (!mr[j] && sr[j] > hi) hi = sr[j];
+        float sum = 0.f;
+        for (int64_t j = 0; j < kmax; ++j) {
+          const float e = mr[j] ? 0.f : exp_f(sr[j] - hi);
+          sr[j] = e;
+          sum += e;
+        }
+        const float inv = sum > 0.f ? 1.0f / sum : 0.f;
+        for (int64_t j = 0; j < kmax; ++j) sr[j] *= inv;
+      }
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<blasint>(r * s),
+                        static_cast<blasint>(dv), static_cast<blasint>(kmax), 1.0f, scores.data(),
+                        static_cast<blasint>(kmax), vg, static_cast<blasint>(dv), 0.0f, og, static_cast<blasint>(dv));
+    }
+  }
+  return 0;
+}

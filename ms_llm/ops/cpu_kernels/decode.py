@@ -6,6 +6,10 @@ tens). ``attention_block`` runs a layer's whole attention half (norm, QKV, QK-no
 write of the new K/V into the cache, attention over the filled slots, output gate, projection,
 residual) as one call, ``mlp_block`` its SwiGLU MLP half as another.
 
+``cache_attention`` is the attention over a cache alone (one call instead of a matmul / mask /
+softmax / matmul chain), for the layers the fused blocks do not cover (MLA, prefill chunks into
+a filled cache).
+
 Forward only (no ``bprop``: decoding never differentiates). ``attention_block`` writes into the
 cache tensors it is given, in place, a side effect MindSpore's graph compiler cannot see: call it
 eagerly (PyNative), never under ``mindspore.jit``.
@@ -22,9 +26,21 @@ from .build import blas_available, blas_library_path
 _PRIMS: dict = {}
 
 
+_WANTED = {"on": True}
+
+
 def available() -> bool:
-    """True when the BLAS kernel library (which holds these kernels) is built and loadable."""
-    return bool(blas_available())
+    """True when the BLAS kernel library (which holds these kernels) is built and loadable and
+    :func:`set_enabled` did not turn them off."""
+    return _WANTED["on"] and bool(blas_available())
+
+
+def set_enabled(on: bool) -> bool:
+    """Use these kernels (True, the default) or the module / composed paths they replace (the
+    reference: tests and ``benchmarks/generate.py`` compare the two); returns the previous one."""
+    before = _WANTED["on"]
+    _WANTED["on"] = bool(on)
+    return before
 
 
 def _prims() -> dict:
@@ -37,6 +53,9 @@ def _prims() -> dict:
                                     out_dtype=lambda x, *_: x, func_type="aot")
         _PRIMS["mlp"] = ops.Custom(f"{path}:DecodeMlpBlock", out_shape=lambda x, *_: x,
                                    out_dtype=lambda x, *_: x, func_type="aot")
+        _PRIMS["cache_attn"] = ops.Custom(
+            f"{path}:CacheAttnFwd", out_shape=lambda q, k, v, *_: list(q[:-1]) + [v[-1]],
+            out_dtype=lambda q, *_: q, func_type="aot")
     return _PRIMS
 
 
@@ -57,6 +76,14 @@ def _const(values: tuple, dtype) -> Tensor:
 def _or_dummy(t: Optional[Tensor]) -> Tensor:
     """An absent optional weight: a one-element tensor the kernel never reads (flagged off)."""
     return _const((0.0,), np.float32) if t is None else t
+
+
+def cache_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention of new queries over a whole cache buffer in one call: q [b, ng, r*s, d] (rows
+    ``h*s + i``), k [b, ng, C, d], v [b, ng, C, dv] fp32, mask bool [b or 1, 1, s, C] (True =
+    hidden) -> [b, ng, r*s, dv]. Slots past the last visible one are not read; a query that
+    sees no slot gets zeros."""
+    return _prims()["cache_attn"](q, k, v, mask, _const((float(scale),), np.float32))
 
 
 class AttentionBlock:
