@@ -90,39 +90,46 @@ def run_hf(model, prompt: np.ndarray, new: int) -> Dict[str, float]:
     return {"total": total, "step": statistics.median(np.diff(clock.times[2:]))}
 
 
+class Profiled(Clock):
+    """A streamer that records token times and profiles everything after the first new token
+    (the decode steps, not the prefill) when ``profile`` is set."""
+
+    def __init__(self, profile: bool):
+        super().__init__()
+        self.prof = cProfile.Profile() if profile else None
+
+    def put(self, value) -> None:
+        super().put(value)
+        if self.prof is not None and len(self.times) == 2:
+            self.prof.enable()
+
+    def end(self) -> None:
+        if self.prof is not None:
+            self.prof.disable()
+
+
 def breakdown(model, new: int = 24, context: int = 512) -> None:
     """Decode steps at batch 1 after ``context`` tokens: time per part, dispatches per step."""
-    from ms_llm.compat import no_grad
-    from ms_llm.inference.generate import _CachedSteps  # noqa: benchmark of a private loop
-    from ms_llm.inference.sampling import greedy
+    from ms_llm.inference import generate
     from ms_llm.models import fused_decode
     ids = np.random.default_rng(1).integers(0, VOCAB, (1, context))
-    print(f"\nwhere a decode step goes (batch 1, context {context}, {new} steps profiled):")
+    print(f"\nwhere a decode step goes (batch 1, context {context}, {new} steps):")
     print("| path | ms/step (no profiler) | op dispatches / step | AOT kernel calls / step "
           "| top parts (share of profiled step time) |")
     print("|---|---|---|---|---|")
     for fused in (False, True):
-        fused_decode.set_enabled(fused)
-        with no_grad(), _one_thread():
-            steps = _CachedSteps(model, ids, np.ones(ids.shape, bool), 2 * new + 4, None)
-            logits = steps.prefill()
-            for _ in range(3):
-                logits = steps.next(greedy(logits))
-            times = []
-            for _ in range(new):
-                t = time.perf_counter()
-                logits = steps.next(greedy(logits))
-                times.append(time.perf_counter() - t)
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(new):
-                logits = steps.next(greedy(logits))
-            prof.disable()
-        fused_decode.set_enabled(True)
-        stats = pstats.Stats(prof).stats
+        before = fused_decode.set_enabled(fused)
+        try:
+            clock = Profiled(False)
+            generate(model, ids, new + 1, streamer=clock)
+            traced = Profiled(True)
+            generate(model, ids, new + 1, streamer=traced)
+        finally:
+            fused_decode.set_enabled(before)
+        stats = pstats.Stats(traced.prof).stats
         dispatch = aot = 0
         cum: Dict[str, float] = {}
-        total = 0.0
+        total = traced.times[-1] - traced.times[1]
         for (path, _line, name), (_cc, ncalls, _tt, ct, _callers) in stats.items():
             if name == "run_op_async" or (name.startswith("<built-in method") and "pyboost" in name):
                 dispatch += ncalls
@@ -131,13 +138,11 @@ def breakdown(model, new: int = 24, context: int = 512) -> None:
             label = _part(path, name)
             if label:
                 cum[label] = cum.get(label, 0.0) + ct
-            if name == "next" and path.endswith("generate.py"):
-                total = ct
         shares = sorted(cum.items(), key=lambda kv: -kv[1])
         top = "; ".join(f"{k} {100 * v / total:.0f}%" for k, v in shares if v > 0.02 * total)
         print(f"| {'fused kernels' if fused else 'module path (before)'} | "
-              f"{1e3 * statistics.median(times):.1f} | {dispatch / new:.0f} | {aot / new:.0f} "
-              f"| {top} |")
+              f"{1e3 * statistics.median(np.diff(clock.times[1:])):.1f} | {dispatch / new:.0f} "
+              f"| {aot / new:.0f} | {top} |")
 
 
 def _part(path: str, name: str):
@@ -148,11 +153,12 @@ def _part(path: str, name: str):
         ("attention.py", "cache_attention"): "attention over the cache (softmax chain)",
         ("rope.py", "apply_rope"): "RoPE",
         ("rms_norm.py", "rms_norm"): "RMSNorm",
-        ("linear.py", "forward"): "linears (incl. LM head)",
+        ("linear.py", "forward"): "linears (layers)",
         ("swiglu.py", "swiglu"): "SwiGLU",
         ("decode.py", "__call__"): "fused layer kernels",
         ("kv_cache.py", "attention_mask"): "mask",
         ("gpt.py", "_cached_cos_sin"): "RoPE table slice",
+        ("gpt.py", "_head"): "LM head (logits)",
         ("sampling.py", "greedy"): "sampler (host argmax)",
     }
     for (file, fn), label in table.items():
@@ -163,19 +169,6 @@ def _part(path: str, name: str):
     return None
 
 
-class _one_thread:
-    """generate's one-BLAS-thread decode setting, for the profiled steps run outside it."""
-
-    def __enter__(self):
-        from ms_llm.ops.cpu_kernels import blas
-        self.before = blas.blas_threads()
-        blas.set_blas_threads(1)
-
-    def __exit__(self, *exc):
-        from ms_llm.ops.cpu_kernels import blas
-        blas.set_blas_threads(self.before)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", default="1,8")
@@ -184,6 +177,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--hf", default=None, help="an HF folder to use instead of the random Qwen3")
     p.add_argument("--no-breakdown", action="store_true")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="torch.set_num_threads for transformers (0: torch's default)")
     args = p.parse_args()
     started = time.perf_counter()
     import torch
@@ -191,6 +186,8 @@ def main() -> None:
     from ms_llm.checkpoint import from_pretrained
     from ms_llm.compat import setup_device
     setup_device("CPU")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     with tempfile.TemporaryDirectory(prefix="ms_llm_bench_generate_") as tmp:
         folder = args.hf or write_folder(os.path.join(tmp, "qwen3"))
         ms_model = from_pretrained(folder)
