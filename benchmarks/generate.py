@@ -131,7 +131,7 @@ def breakdown(model, new: int = 24, context: int = 512) -> None:
         cum: Dict[str, float] = {}
         total = traced.times[-1] - traced.times[1]
         for (path, _line, name), (_cc, ncalls, _tt, ct, _callers) in stats.items():
-            if name == "run_op_async" or (name.startswith("<built-in method") and "pyboost" in name):
+            if name == "run_op_async" or (name.startswith("<built-in") and "pyboost" in name):
                 dispatch += ncalls
             if name == "__call__" and path.endswith("custom_ops.py"):
                 aot += ncalls

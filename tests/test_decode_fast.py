@@ -3,10 +3,10 @@
 * Every decode step's logits with the fused kernels equal the module path's (the same model and
   cache, ``fused_decode.set_enabled(False)``) within 1e-5 of the largest logit (fp32; the two sum
   in different orders, BLAS gemv against the composed ops: ~1e-6 relative observed), for the
-  attention variants the kernels cover: MHA, GQA with QKV bias and biased projections, QK-norm with MQA, the Qwen3-Next output
-  gate with zero-centred norms and partial rotary (also next to a Gated DeltaNet layer, which
-  keeps its own recurrent cache), a MoE layer (fused attention, module MLP), left-padded rows
-  (per-row positions and padding slots).
+  attention variants the kernels cover: MHA, GQA with QKV bias and biased projections, QK-norm
+  with MQA, the Qwen3-Next output gate with zero-centred norms and partial rotary (also next to
+  a Gated DeltaNet layer, which keeps its own recurrent cache), a MoE layer (fused attention,
+  module MLP), left-padded rows (per-row positions and padding slots).
 * Greedy generation with the fused cache equals recomputing the whole sequence without a cache
   (the old uncached forward), token for token, batch 1 and a padded batch.
 * Layers the fused blocks do not cover (MLA) keep the module path; their attention over the

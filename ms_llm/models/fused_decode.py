@@ -4,8 +4,9 @@ Why: a PyNative decode step dispatched ~30 ops per layer; the layer's arithmetic
 few matrix-vector products, so dispatch set the token rate (0.24-0.38x transformers' ``generate``
 on a 23M Qwen3). ``layer_step`` runs the layer's attention half as one kernel call and, for a
 dense SwiGLU MLP, its MLP half as another; anything else the layer holds (MoE, MLA, Gated
-DeltaNet, tensor-parallel or LoRA-wrapped linears, bf16 weights, training mode) keeps the ordinary
-module path, which stays the reference the fused path is tested against (``tests/test_decode_fast.py``).
+DeltaNet, tensor-parallel or LoRA-wrapped linears, bf16 weights, training mode) keeps the
+ordinary module path, which stays the reference the fused path is tested against
+(``tests/test_decode_fast.py``).
 
 PyNative only: the kernel writes the new K/V into the cache buffers in place.
 """

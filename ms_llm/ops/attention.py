@@ -84,7 +84,9 @@ def cache_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor,
     2.10 makes views contiguous at ~0.2 GB/s on CPU (2.5 ms per layer and per step for 2048
     cached positions of one KV head pair), while the BLAS batched matmul reads the contiguous
     buffer directly; masked slots get zero probability, so the result is attention over the
-    filled part."""
+    filled part. On CPU with the BLAS kernels (fp32, bool mask) it is one C++ call
+    (``cpu_kernels.decode.cache_attention``) instead of the matmul / mask / softmax / matmul
+    chain; a query that sees no slot then gets zeros rather than the chain's uniform average."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if path_for("attention") == "native":
         return _flash_attention_ascend(q, k, v, scale, attention_mask)
@@ -92,7 +94,8 @@ def cache_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor,
     ng, sk = k.shape[1], k.shape[2]
     r = nh // ng
     dtype = q.dtype
-    if attention_mask.dtype == bool_ and _decode_kernel(q.dtype, k.dtype, v.dtype):   # one C++ call over the filled slots
+    if attention_mask.dtype == bool_ and _decode_kernel(q.dtype, k.dtype, v.dtype):
+        # CPU: one C++ call that reads only the slots up to the last visible one
         from .cpu_kernels import decode
         out = decode.cache_attention(q.reshape(b, ng, r * s, d), k, v, attention_mask, scale)
         return out.reshape(b, nh, s, v.shape[-1])
