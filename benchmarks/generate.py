@@ -14,14 +14,14 @@ exactly ``batch * new`` tokens):
   spikes on a shared machine hit both alike. torch runs with its default threads (the cores),
   ms-llm's one-token steps with one OpenBLAS thread (``generate``'s default, see there).
 
-``--breakdown`` (default on) profiles decode steps at batch 1 after a 512-token prompt, with the
+The breakdown (``--no-breakdown`` skips it) profiles decode steps at batch 1 after a 512-token prompt, with the
 fused decode kernels (``ms_llm.models.fused_decode``, the default) and with the module path
 (``fused_decode.set_enabled(False)``, what ms-llm ran before): per-step time by part and the number
 of MindSpore op dispatches per step. cProfile's own overhead inflates the Python-side shares; the
 ms/step column outside the profiler is the one to compare.
 
 Usage: ``python benchmarks/generate.py [--batch 1,8] [--prompts 128,512,2048] [--new 64]
-[--rounds 2] [--no-breakdown] [--hf FOLDER]``
+[--rounds 2] [--no-breakdown] [--torch-threads N] [--hf FOLDER]``
 """
 from __future__ import annotations
 
