@@ -247,7 +247,7 @@ def test_predicted_peak_within_20_percent_of_measured(tmp_path):
 # above the pre-model RSS that ``python benchmarks/memory.py --layers L --steps 3`` measured
 # (max over steps: the allocator's second step holds more than the first), GiB; too large for
 # CI to re-measure (6-14 GiB), so the figures are recorded here as the small configs' are above.
-QWEN3_0P6B_MEASURED = {4: 5.90, 8: 6.64}
+QWEN3_0P6B_MEASURED = {4: 6.19, 8: 6.65}
 
 
 @pytest.mark.parametrize("layers", sorted(QWEN3_0P6B_MEASURED))
