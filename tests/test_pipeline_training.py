@@ -18,6 +18,7 @@ RTOL = 1e-5
 LAYERS = ["--model.num_layers", "4", "--training.max_steps", "5", "--training.lr_decay_steps", "5"]
 UNTIED = ["--model.untie_embeddings_and_output_weights", "true"]
 NOOP = ["--parallel.noop_layers", "1"]
+MB2 = ["--training.micro_batch_size", "2"]
 
 
 def _record(extra):
@@ -77,8 +78,13 @@ def test_two_stages(tmp_path, refs):
         # backward's forward re-run are not counted twice (the bias update would differ).
         spec("pp2_moe", LAYERS, MOE, pp(2)),
         spec("pp2_moe_bias", LAYERS, MOE, MOE_DEAD, pp(2)),
+        # GPipe keeps every backward closure (no forward re-run), ZB-H1 splits B and W
+        # (4 micro-batches of 2: the reference's 2 of 4 differ only in the order of fp32 sums)
+        spec("pp2_gpipe", LAYERS, pp(2), MB2, ["--parallel.schedules_method", "gpipe"]),
+        spec("pp2_zbh1", LAYERS, UNTIED, pp(2), MB2, ["--parallel.schedules_method", "zbh1"]),
     ])
-    for name, key in (("pp2", "tied"), ("pp2_untied", "untied"), ("pp2_uneven", "tied"),
+    for name, key in (("pp2_gpipe", "tied"), ("pp2_zbh1", "untied"),
+                      ("pp2", "tied"), ("pp2_untied", "untied"), ("pp2_uneven", "tied"),
                       ("pp2_noop", "noop"), ("pp2_vpp2", "tied"), ("pp2_moe", "moe"),
                       ("pp2_moe_bias", "moe_bias")):
         check(res[name], refs[key], name)
