@@ -274,6 +274,17 @@ def test_zero_bubble_h1_bubble_and_memory_match_the_paper(pp, m):
     assert all(row[pp - 1] is not None for row in rounds[pp - 1:])
 
 
+@pytest.mark.parametrize("method", ["gpipe", "zbh1"])
+def test_new_methods_simulate_without_deadlock_for_any_m(method):
+    for pp, m in PLAIN:      # also fewer micro-batches than stages
+        schedule = build_schedule(pp, m, method=method)
+        rounds = plan_rounds(schedule, pp)
+        for rank, actions in enumerate(schedule):
+            assert [row[rank] for row in rounds if row[rank] is not None] == actions
+        consumed = [t for row in describe_rounds(rounds, pp) for t in row.transfers]
+        assert len(consumed) == len(set(consumed)) == 2 * m * (pp - 1)
+
+
 @pytest.mark.parametrize("pp,m", PLAIN, ids=_ids(PLAIN))
 def test_gpipe_reverses_backwards_with_1f1b_bubble(pp, m):
     sched = build_schedule(pp, m, method="gpipe")

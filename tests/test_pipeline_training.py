@@ -108,6 +108,8 @@ def test_four_workers(tmp_path, refs):
         spec("pp2_ep2_megamoe", LAYERS, MOE, pp(2), ["--parallel.expert_model_parallel_size", "2",
                                                       "--moe.dispatcher", "megamoe"]),
         spec("pp4", LAYERS, pp(4)),
+        # middle ranks: kept and re-run closures mixed, B/W split, transfers to two neighbours
+        spec("pp4_zbh1", LAYERS, pp(4), MB2, ["--parallel.schedules_method", "zbh1"]),
         spec("pp2_dp2", LAYERS, pp(2)),
         spec("pp2_tp2_sp", LAYERS, UNTIED, pp(2), ["--parallel.tensor_model_parallel_size", "2",
                                                    "--parallel.sequence_parallel", "true"]),
@@ -125,6 +127,7 @@ def test_four_workers(tmp_path, refs):
             "full", "--training.recompute_norm", "true"]),
     ])
     check(res["pp4"], refs["tied"], "pp4")
+    check(res["pp4_zbh1"], refs["tied"], "pp4_zbh1")
     check(res["pp2_dp2"], refs["tied"], "pp2_dp2")
     check(res["pp2_tp2_sp"], refs["untied"], "pp2_tp2_sp")
     check(res["pp2_fsdp2"], refs["tied"], "pp2_fsdp2")
@@ -164,3 +167,12 @@ def test_schedule_command_prints_the_config_schedule(capsys):
     assert rows[0][0] == "F0.0" and rows[1][0] == "."    # rank 1 waits for rank 0's output
     assert main(["schedule", *args, "--workers", "3"]) == 2
     assert "not divisible" in capsys.readouterr().err
+
+
+def test_unknown_schedules_method_is_refused_at_launch():
+    from ms_llm.config import ConfigError
+    for method, match in (("dualpipev", "'dualpipev' is unknown"), ("zbh1", "one model chunk")):
+        args = pp(2, 2 if method == "zbh1" else 1) + ["--parallel.schedules_method", method]
+        with pytest.raises(ConfigError, match=match) as e:
+            load_config(CONFIG, BASE + LAYERS + args, world_size=2)
+        assert "\n" not in str(e.value) and "parallel.schedules_method" in str(e.value)

@@ -16,10 +16,12 @@ one action:
   1F1B middle rank's). The rest keep only the stage input and re-run the forward inside ``B``
   (``DeferredVJP``).
 
-After each round every rank exchanges the round's outputs with the ranks that need them, through
-``comm.batch_isend_irecv`` (one global order, so blocking point-to-point cannot deadlock); receive
-buffers have shapes known in advance (``[micro-batch, seq / sp, hidden]``), nothing is exchanged
-about shapes per step.
+After each round every rank posts the round's outputs to the ranks that need them, through
+``comm.batch_isend_irecv`` (one global order, so blocking point-to-point cannot deadlock), and
+goes on computing: on CPU the transfers run on the communication thread, and a received tensor
+is waited for only by the action that reads it (the schedule's next rounds overlap the
+exchange). Receive buffers have shapes known in advance (``[micro-batch, seq / sp, hidden]``),
+nothing is exchanged about shapes per step.
 """
 from __future__ import annotations
 
@@ -61,10 +63,30 @@ class PipelineExecutor:
             self.store = WeightGradStore()
             self.split_linears = sum(split_weight_grads(c, self.store) for c in self.chunks)
         self.param_index = [{id(p): i for i, p in enumerate(ps)} for ps in self.params]
-        # (kind, microbatch, chunk, t0, t1) with perf_counter times of the last step: "F"/"B"
-        # compute spans and "comm" spans (the round's exchange), for timelines and benchmarks.
+        # transfers in flight: receive key -> handle, and the sends' handles
+        self._recv_work: Dict[tuple, object] = {}
+        self._send_work: List[object] = []
+        comm.open_pairs(self.pp_ranks[r] for r in self._peers())
+        # (kind, microbatch, chunk, t0, t1) with perf_counter times of the last step: "F"/"B"/"W"
+        # compute spans, "comm" spans (posting the round's exchange) and "wait" spans (blocked on
+        # a transfer still in flight), for timelines and benchmarks.
         self.events: List[tuple] = []
         self.timed = False      # synchronise after each action (benchmarks' timelines)
+
+    def _peers(self) -> set:
+        """Pipeline ranks this rank exchanges with (its neighbours, and the ring's wrap)."""
+        return {r for row in self.rounds for src, dst, *_ in
+                transfers_after(row, self.pp, self.vpp, self.num_stages)
+                if self.rank in (src, dst) for r in (src, dst)} - {self.rank}
+
+    def _await(self, act) -> None:
+        """Wait for the transfer that brings ``act``'s input (nothing if it arrived)."""
+        key = ("act" if act.kind == "F" else "grad", act.microbatch, act.chunk)
+        work = self._recv_work.pop(key, None)
+        if work is not None:
+            t0 = time.perf_counter()
+            work.wait()
+            self._span("wait", act.microbatch, act.chunk, t0)
 
     def _collect_counts(self, chunk: int, keep: bool) -> None:
         """The routed-token counts of the chunk's MoE layers only (no walk of a dense chunk)."""
@@ -92,6 +114,8 @@ class PipelineExecutor:
         for actions in self.rounds:
             act = actions[self.rank]
             outbox: Dict[tuple, Tensor] = {}
+            if act is not None and act.kind != "W":
+                self._await(act)
             t0 = time.perf_counter()
             if act is not None:
                 if act.kind == "F":
@@ -117,9 +141,12 @@ class PipelineExecutor:
                 self._span(act.kind, act.microbatch, act.chunk, t0)
             t0 = time.perf_counter()
             self._exchange(actions, outbox, inbox)
-            if self.timed:
-                self._sync(list(inbox.values()))
             self._span("comm", -1, -1, t0)
+        t0 = time.perf_counter()
+        for work in self._send_work + list(self._recv_work.values()):
+            work.wait()
+        self._send_work, self._recv_work = [], {}
+        self._span("wait", -1, -1, t0)
         if self.store is not None and self.store.records:
             raise RuntimeError(f"pipeline: step ended with deferred weight gradients of "
                                f"{sorted(self.store.records)}")
@@ -186,7 +213,7 @@ class PipelineExecutor:
             acc[i] = acc[i] + (g if g.dtype == self.grad_dtype else g.astype(self.grad_dtype))
 
     def _exchange(self, actions, outbox, inbox) -> None:
-        ops = []
+        ops, recv_keys = [], []
         for src, dst, kind, mb, dst_chunk in transfers_after(actions, self.pp, self.vpp,
                                                              self.num_stages):
             if self.rank not in (src, dst):
@@ -202,8 +229,13 @@ class PipelineExecutor:
                 buf = F.zeros(*self.act_shape, dtype=self.act_dtype)
                 inbox[(kind, mb, dst_chunk)] = buf
                 ops.append(comm.P2POp("irecv", buf, self.pp_ranks[src]))
-        if ops:
-            for work in comm.batch_isend_irecv(ops):
-                work.wait()
+                recv_keys.append((kind, mb, dst_chunk))
+        if ops:   # posted; each receive is waited for by the action that reads it
+            works = comm.batch_isend_irecv(ops)
+            for op, work in zip(ops, works):
+                if op.kind == "isend":
+                    self._send_work.append(work)
+            for key, work in zip(recv_keys, [w for o, w in zip(ops, works) if o.kind == "irecv"]):
+                self._recv_work[key] = work
         if outbox:
             raise RuntimeError(f"pipeline: outputs {sorted(outbox)} were never sent")
