@@ -71,9 +71,10 @@ def analytic_bubble(pp: int, m: int, method) -> float:
     return (pp - 1) / (3 * m + pp - 1) if method == "zbh1" else (pp - 1) / (m + pp - 1)
 
 
-def shape_args(shape: dict, small: bool) -> list:
-    model = TINY_MODEL if small else MODEL
-    seq = 32 if small else shape["seq"]
+def shape_args(shape: dict, a) -> list:
+    """The model and batch of a row's shape (``--layers`` and ``--seq-long`` scale it down)."""
+    model = TINY_MODEL if a.small else MODEL + ["--model.num_layers", str(a.layers)]
+    seq = 32 if a.small else (a.seq_long if shape is LONG else shape["seq"])
     return model + COMMON + ["--data.seq_length", str(seq),
                              "--training.micro_batch_size", str(shape["micro"]),
                              "--training.global_batch_size", str(shape["global"])]
@@ -165,7 +166,7 @@ class _null:
 
 def run_torch(tmp: str, layout: str, shape: dict, a) -> float:
     out = os.path.join(tmp, f"torch_{layout}_{shape['seq']}.json")
-    seq = 32 if a.small else shape["seq"]
+    seq = 32 if a.small else shape["seq"]     # (torch peers: the data-parallel rows only)
     args = [os.path.abspath(__file__), "--torch-worker", "--layout", layout, "--seq", str(seq),
             "--micro", str(shape["micro"]), "--global-batch", str(shape["global"]),
             "--steps", str(a.steps), "--out", out] + (["--small"] if a.small else [])
@@ -190,6 +191,8 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of the median")
     ap.add_argument("--torch", action="store_true", help="torch DDP / FSDP2 peers (gloo)")
     ap.add_argument("--small", action="store_true", help="the tests' tiny model (a smoke run)")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the 55M model")
+    ap.add_argument("--seq-long", type=int, default=1024, help="seq of the model-parallel rows")
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--layout", help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, help=argparse.SUPPRESS)
@@ -210,16 +213,17 @@ def main() -> None:
             label, extra, shape, peer, pipe = ROWS[name]
             key = shape["seq"]
             if key not in bases:
-                recs = run_pretrain(tmp, f"one_{key}", 1, shape_args(shape, a.small), a.steps)
+                recs = run_pretrain(tmp, f"one_{key}", 1, shape_args(shape, a), a.steps)
                 bases[key] = tokens_per_s(recs, a.skip)
-            recs = run_pretrain(tmp, name, 2, shape_args(shape, a.small) + extra, a.steps)
+            recs = run_pretrain(tmp, name, 2, shape_args(shape, a) + extra, a.steps)
             results[name] = tokens_per_s(recs, a.skip)
             if a.torch and peer:
                 if ("single", key) not in peers:
                     peers[("single", key)] = run_torch(tmp, "single", shape, a)
                 peers[(peer, key)] = run_torch(tmp, peer, shape, a)
+    what = " (tiny model)" if a.small else f", 55M Llama at {a.layers} layers"
     print(f"\nms-llm, 2 workers vs one process, {a.steps} steps (median of steps > {a.skip}), "
-          f"fp32 PyNative{' (tiny model)' if a.small else ', 55M Llama'}; {machine()}")
+          f"fp32 PyNative{what}, model-parallel rows at seq {a.seq_long}; {machine()}")
     print("| layout | seq | 1 process tok/s | 2 workers tok/s | ratio | analytic bubble | "
           "torch peer ratio |")
     print("|---|---|---|---|---|---|---|")
@@ -231,7 +235,8 @@ def main() -> None:
         if peer and (peer, key) in peers:
             tp = f"{peer}: {peers[(peer, key)] / peers[('single', key)]:.2f} " \
                  f"({peers[(peer, key)]:.0f} / {peers[('single', key)]:.0f} tok/s)"
-        print(f"| {label} | {key} | {bases[key]:.0f} | {results[name]:.0f} | "
+        key_seq = a.seq_long if shape is LONG and not a.small else key
+        print(f"| {label} | {key_seq} | {bases[key]:.0f} | {results[name]:.0f} | "
               f"{results[name] / bases[key]:.2f} | {bubble} | {tp} |")
 
 
