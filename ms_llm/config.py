@@ -89,7 +89,7 @@ class TrainingConfig(_Section):
     muon_num_ns_steps: int = 5
     muon_scale_mode: str = "spectral"  # spectral | shape_scaling | unit_rms_norm
     muon_extra_scale_factor: float = 1.0
-    muon_tp_mode: str = "duplicated"  # blockwise | duplicated | distributed (tp > 1: blockwise)
+    muon_tp_mode: str = "duplicated"  # blockwise | duplicated | distributed (ms_llm.optim.muon_tp)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95

@@ -145,6 +145,8 @@ RULES: Dict[str, Rule] = {
     "model.hidden_dropout": _PROBABILITY,
     "model.attention_dropout": _PROBABILITY,
     "model.rotary_percent": _within(0, 1),
+    "model.qk_clip_alpha": _within(0, 1),
+    "model.qk_clip_threshold": _POSITIVE,
     "model.normalization": _one_of("RMSNorm"),
     "model.position_embedding_type": _one_of("rope", "yarn"),
     **{f"model.{k}": _POSITIVE for k in (

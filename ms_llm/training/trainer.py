@@ -35,6 +35,7 @@ from . import mixed_precision
 from . import checkpointing as ckpt
 from . import rng_state
 from .callbacks import CallbackList, TrainerCallback
+from .qk_clip import QKClip
 from .data_setup import build_data
 from .dpo import DPOObjective, dpo_pieces, reference_for
 from .evaluate import Evaluator
@@ -138,6 +139,10 @@ class Trainer:
             self.callbacks.append(ExpertBiasUpdate(self.model, self._sum_over_dp,
                                                    collect=self.pipeline is None))
         self.callbacks.append(self.observe)
+        if cfg.model.qk_clip or cfg.model.log_max_attention_logit:   # MuonClip (qk_clip.py)
+            self.callbacks.append(QKClip(self.model, self.optimizer.checkpoint_tensor,
+                                         self.dp_cp_group, cfg.model.qk_clip_threshold,
+                                         cfg.model.qk_clip_alpha, cfg.model.qk_clip))
         for callback in callbacks:
             self.callbacks.append(callback)
         self._maybe_resume()
