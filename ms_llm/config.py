@@ -159,6 +159,8 @@ class CheckpointConfig(_Section):
     save_interval: int = 0            # 0 = only at the end when save_dir is set
     keep_last: Optional[int] = None   # prune older complete checkpoints
     load: Optional[str] = None        # Hugging Face or Megatron folder to initialise the model
+    format: str = "ms_llm"            # save_dir holds: ms_llm | torch_dist | torch (Megatron's)
+    resume_from: Optional[str] = None  # a Megatron torch_dist / torch training checkpoint
 
 
 @dataclass
