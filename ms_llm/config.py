@@ -129,6 +129,7 @@ class ParallelConfig(_Section):
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int = 1   # model chunks per pipeline rank (interleaved)
+    schedules_method: Optional[str] = None   # null: 1F1B, interleaved | gpipe | zbh1 (MindSpeed)
     num_layer_list: List[int] = field(default_factory=list)  # layers per stage, e.g. 3,5
     noop_layers: List[int] = field(default_factory=list)     # global indices passed through
     context_parallel_size: int = 1
@@ -158,6 +159,8 @@ class CheckpointConfig(_Section):
     save_interval: int = 0            # 0 = only at the end when save_dir is set
     keep_last: Optional[int] = None   # prune older complete checkpoints
     load: Optional[str] = None        # Hugging Face or Megatron folder to initialise the model
+    format: str = "ms_llm"            # save_dir holds: ms_llm | torch_dist | torch (Megatron's)
+    resume_from: Optional[str] = None  # a Megatron torch_dist / torch training checkpoint
 
 
 @dataclass

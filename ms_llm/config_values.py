@@ -114,6 +114,8 @@ RULES: Dict[str, Rule] = {
     "checkpoint.save_interval": _NON_NEGATIVE,
     "checkpoint.keep_last": _ge(1),
     "checkpoint.load": _existing_dir(),
+    "checkpoint.format": _one_of("ms_llm", "torch_dist", "torch"),
+    "checkpoint.resume_from": _existing_dir(),
     "quant.recipe": _one_of("mxfp8", null=True),
     "quant.scale_mode": _one_of("floor", "rceil"),
     "quant.elem_dtype": _one_of("float8_e4m3fn", "float8_e5m2"),

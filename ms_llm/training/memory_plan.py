@@ -17,8 +17,10 @@ What is counted, per rank (every pipeline stage is planned; the worst one decide
   kept, one score block, the ring's K/V blocks in flight and, for Ulysses, the all-to-all'd
   q/k/v); parameters, gradients and AdamW state are replicated over cp, gradients summed over
   data x context parallel, and the distributed optimizer cuts over that dp-cp group;
-* gradients: the step's gradients plus the copies the optimizer step makes (``clip_`` scales
-  into new tensors; several micro-batches add the accumulator and the sum being formed);
+* gradients: the step's gradients and, while ``clip_`` scales them one at a time, one more of
+  the largest (several micro-batches add the accumulator and the sum being formed);
+* a large vocabulary's ``[V, h]`` gradient copies beside the activations and the gradients
+  (``memory_vocab``: one stage, no tensor parallel);
 * peak = parameters + optimizer state + the larger of (activations, with the micro-batch
   accumulator when there is one) and the gradients' copies + buffers + ``FIXED_BYTES``.
 
@@ -38,6 +40,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ms_llm.models.config import TransformerConfig
 from ms_llm.optim import state_elements
+from .memory_vocab import vocab_head_bytes
 
 GB = 1024 ** 3
 FP32 = 4
@@ -320,6 +323,9 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     copies = ACT["logits"] if tp == 1 else ACT["logits_tp"]
     logits = int(FP32 * copies * b * s_loc * c.padded_vocab_size // tp) if last else 0
     acts = kept + remat + logits
+    # a large vocabulary's [V, h] gradients beside the activations / the gradients (memory_vocab)
+    head_early, head_late = vocab_head_bytes(c, tp, pp) if last else (0, 0)
+    acts += head_early
     # communication buffers
     comm = 0
     replicas = dp * cp       # gradients are summed over data x context parallel (dp_cp)
@@ -341,11 +347,13 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
         comm += 2 * FP32 * b * s_loc * c.moe_router_topk * c.hidden_size
     if pp > 1:
         comm += 2 * FP32 * b * (s_loc // tp if sp else s_loc) * c.hidden_size
-    # Gradient copies: the step's gradients, their clipped copy (``clip_`` scales into new
-    # tensors) and, over several micro-batches, the accumulator plus the new micro-batch's
-    # gradients while they are summed. The accumulator is also live during later forwards.
+    # Gradient copies: the step's gradients plus the largest one's scaled copy (``clip_`` replaces
+    # them one at a time) and, over several micro-batches, the accumulator plus the new
+    # micro-batch's gradients while they are summed. The accumulator is also live during later
+    # forwards.
     accum = num_micro > 1
-    grad_phase = (3 if accum else 2) * grad_bytes
+    largest = max((q.numel * FP32 for q in trainable), default=0)
+    grad_phase = (3 * grad_bytes if accum else grad_bytes + largest) + head_late
     if replicas > 1 and p.fsdp_size == 1:
         # data parallel's per-parameter accumulators and flat buckets (measured, one dp=2 run
         # each; the distributed optimizer's flat reduce-scatter/all-gather buffers add more)
