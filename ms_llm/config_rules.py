@@ -150,11 +150,10 @@ def _mtp_problem(cfg) -> Problem:
 
 
 def _gated_delta_net_problem(cfg) -> Problem:
-    """Gated DeltaNet layers (Qwen3-Next) are not split over tensor / context parallel."""
+    """Gated DeltaNet layers (Qwen3-Next) are not split over context parallel."""
     if "gated_delta_net" not in (cfg.model.layer_types or ()):
         return None
-    for key, what in (("tensor_model_parallel_size", "tensor"), ("context_parallel_size",
-                                                                  "context")):
+    for key, what in (("context_parallel_size", "context"),):
         if getattr(cfg.parallel, key) > 1:
             return (f"parallel.{key}", "model.layer_types"), (
                 f"parallel.{key} > 1 with gated_delta_net layers: {what} parallel of Gated "

@@ -148,10 +148,12 @@ class GatedDeltaNet(nn.Module):
         if attention_mask is not None and kv_cache is None:
             raise ValueError("gated_delta_net: attention masks (padding, packed documents) are "
                              "not built for Gated DeltaNet layers")
-        bs, s = x.shape[0], x.shape[1]
         if kv_cache is not None:
             kv_cache.check_unpadded()
-        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        qkvz = self.in_proj_qkvz(x)
+        # the projections' sequence (sequence parallel gathers x's shards in them)
+        bs, s = qkvz.shape[0], qkvz.shape[1]
+        q, k, v, z, b, a = self._split(qkvz, self.in_proj_ba(x))
         groups = q.shape[2]
         mixed = F.cat([q.reshape(bs, s, -1), k.reshape(bs, s, -1), v.reshape(bs, s, -1)], -1)
         past = kv_cache.conv if kv_cache is not None else None
