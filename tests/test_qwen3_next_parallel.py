@@ -4,6 +4,8 @@ exactly as in one process: dp=2, ep=2 (two experts per rank, all-to-all dispatch
 uneven stages (layers DeltaNet + attention | DeltaNet), fsdp=2, and dp=2 with full activation
 recompute of every layer (with the aux loss on, every part but the router re-runs in backward:
 norms, the DeltaNet's chunk scan, the gated attention, the experts and the shared expert).
+Context parallel (cp=2: four 8-token chunks, rank 0 holding the first and last) hands the conv
+inputs and the recurrent state of the DeltaNet layers from chunk to chunk across the ranks.
 Tensor parallel (tp=2, and tp=2 with sequence parallel) splits both layer kinds by heads
 (DeltaNet: whole key-head groups per rank); MoE under tp is not built (expert tensor parallel),
 so those runs use a dense MLP and are compared with a dense one-process run.
@@ -29,6 +31,7 @@ RUNS = {
     "fsdp2": ["--parallel.fsdp_size", "2"],
     "dp2_recompute": ["--training.recompute_granularity", "full",
                       "--training.recompute_method", "uniform"],
+    "cp2": ["--parallel.context_parallel_size", "2"],
 }
 DENSE = ["--model.mlp_type", "dense"]
 TP_RUNS = {
@@ -39,7 +42,7 @@ TP_RUNS = {
 
 
 @pytest.mark.msrun
-def test_dp2_ep2_pp2_fsdp2_recompute_tp2_match_one_process(tmp_path):
+def test_dp2_ep2_pp2_fsdp2_recompute_cp2_tp2_match_one_process(tmp_path):
     ref = run_record(Trainer(load_config(Q3N_CONFIG, Q3N_BASE)))
     assert len(ref.get("expert_counts", [])) == 3      # every layer routed
     dense = run_record(Trainer(load_config(Q3N_CONFIG, Q3N_BASE + DENSE)))

@@ -30,7 +30,8 @@ from mindspore.common import dtype as mstype
 
 from ms_llm.compat import F, float32
 
-__all__ = ["l2norm", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
+__all__ = ["l2norm", "chunk_gated_delta_rule", "chunk_gated_delta_rule_segment",
+           "recurrent_gated_delta_rule"]
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -62,14 +63,12 @@ def _unit_lower_inverse(a: Tensor, chunk: int) -> Tensor:
     return inv
 
 
-def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                           chunk_size: int = 64, initial_state: Optional[Tensor] = None
-                           ) -> Tuple[Tensor, Tensor]:
-    """The chunked parallel form (see the module docstring)."""
-    dtype, work, q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    b, h, s, dk = k.shape
-    dv = v.shape[-1]
-    c = chunk_size
+def _chunk_terms(q, k, v, g, beta, c: int, work):
+    """The parallel part of the chunked form over ``[b, h, s, d]`` inputs: per chunk the new
+    values ``u``, the decayed keys ``w`` that read the state, the intra-chunk scores, the
+    decayed queries and keys and the chunk's total decay. Padding (zero k, v, q, beta, g at the
+    end) leaves the state untouched."""
+    b, h, s, _ = k.shape
     pad = (c - s % c) % c
     if pad:
         q, k, v = (F.cat([t, mint.zeros((b, h, pad, t.shape[-1]), dtype=work)], 2)
@@ -93,15 +92,58 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     q_dec = q * F.exp(cum).unsqueeze(-1)
     k_dec = k * F.exp(cum[..., -1:] - cum).unsqueeze(-1)
     chunk_decay = F.exp(cum[..., -1]).unsqueeze(-1).unsqueeze(-1)   # [b, h, n, 1, 1]
-    state = initial_state.astype(work) if initial_state is not None else \
-        mint.zeros((b, h, dk, dv), dtype=work)
+    return u, w, intra, q_dec, k_dec, chunk_decay
+
+
+def _scan(terms, state: Tensor) -> Tuple[Tensor, Tensor]:
+    """The sequential part: chunk by chunk, ``v_new = u - w S``, output ``q_dec S + intra
+    v_new`` and ``S <- decay S + k_dec^T v_new``. Returns ``[b, h, n*C, dv]`` and the state."""
+    u, w, intra, q_dec, k_dec, chunk_decay = terms
+    b, h, n, c, dv = u.shape
     outs = []
     for i in range(n):
         v_new = u[:, :, i] - F.matmul(w[:, :, i], state)
         outs.append(F.matmul(q_dec[:, :, i], state) + F.matmul(intra[:, :, i], v_new))
         state = state * chunk_decay[:, :, i] + F.matmul(k_dec[:, :, i].swapaxes(-1, -2), v_new)
-    out = F.stack(outs, 2).reshape(b, h, n * c, dv)[:, :, :s]
-    return out.swapaxes(1, 2).astype(dtype), state
+    return F.stack(outs, 2).reshape(b, h, n * c, dv), state
+
+
+def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                           chunk_size: int = 64, initial_state: Optional[Tensor] = None
+                           ) -> Tuple[Tensor, Tensor]:
+    """The chunked parallel form (see the module docstring)."""
+    dtype, work, q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+    terms = _chunk_terms(q, k, v, g, beta, chunk_size, work)
+    state = initial_state.astype(work) if initial_state is not None else \
+        mint.zeros((b, h, dk, dv), dtype=work)
+    out, state = _scan(terms, state)
+    return out[:, :, :s].swapaxes(1, 2).astype(dtype), state
+
+
+def chunk_gated_delta_rule_segment(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                   chunk_size: int = 64
+                                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One segment of a longer sequence whose initial state ``S0`` is not known yet (context
+    parallel: an earlier rank holds the tokens before it). Output and final state are affine in
+    ``S0``, so one scan of the augmented state ``[S | M]`` (``M`` starting at the identity, the
+    values padded with zeros for it) gives everything::
+
+        out = out0 + P @ S0          (per head: out0 [s, dv], P [s, dk])
+        S_end = M @ S0 + B           (M [dk, dk], B [dk, dv])
+
+    Returns ``(out0, P, B, M)``, ``out0`` / ``P`` as ``[b, h, s, *]``, in the working dtype."""
+    _, work, q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+    u, *rest = _chunk_terms(q, k, v, g, beta, chunk_size, work)
+    u = F.cat([u, mint.zeros(tuple(u.shape[:-1]) + (dk,), dtype=work)], -1)
+    eye = Tensor(np.eye(dk), work).reshape(1, 1, dk, dk).broadcast_to((b, h, dk, dk))
+    state = F.cat([mint.zeros((b, h, dk, dv), dtype=work), eye], -1)
+    out, state = _scan((u, *rest), state)
+    out = out[:, :, :s]
+    return out[..., :dv], out[..., dv:], state[..., :dv], state[..., dv:]
 
 
 def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,

@@ -1,8 +1,9 @@
-"""Tensor parallel of Gated DeltaNet, the host-side rules (the numerics run under msrun in
-tests/test_qwen3_next_parallel.py): a rank's in-memory shard of every DeltaNet tensor is the
+"""Tensor and context parallel of Gated DeltaNet, the host-side rules (the numerics run under
+msrun in tests/test_qwen3_next_parallel.py): a rank's in-memory shard of every DeltaNet tensor is the
 shard the hf <-> mg converter writes for that tp rank (so Megatron tp checkpoints and tp training
 agree), and the ``row_parts`` regions a training checkpoint stores (``conv1d.weight:q/k/v``)
-tile the global tensor exactly under tp x FSDP. Bit-exact: only indices move."""
+tile the global tensor exactly under tp x FSDP. Bit-exact: only indices move. Context
+parallel refuses chunks shorter than the conv's reach and packed-document masks with one line."""
 from __future__ import annotations
 
 import numpy as np
@@ -83,3 +84,18 @@ def test_row_parts_regions_tile_the_tensor_under_tp_and_fsdp():
 def test_key_heads_not_divisible_by_tp_is_one_line():
     with pytest.raises(ValueError, match="model.linear_num_key_heads \\(2\\) is not divisible"):
         validate_gated_delta_net_tp(_config(hk=2, hv=4), 4)
+
+
+def test_context_parallel_refuses_short_chunks_and_packed_masks():
+    from types import SimpleNamespace
+    import mindspore as ms
+    from ms_llm.parallel.context_parallel.delta_rule import ContextParallelConv1d
+    mixer = GatedDeltaNet(_config())
+    conv = ContextParallelConv1d(mixer.conv1d, SimpleNamespace(cp=2, cp_rank=0, group=None))
+    x = ms.Tensor(np.zeros((1, 4, mixer.conv1d.weight.shape[0]), np.float32))
+    with pytest.raises(ValueError, match="shorter than the Gated DeltaNet conv kernel - 1"):
+        conv(x)
+    h = ms.Tensor(np.zeros((1, 4, 32), np.float32))
+    with pytest.raises(ValueError, match="not built for Gated DeltaNet"):
+        mixer(h, attention_mask=SimpleNamespace(causal=False))
+    assert mixer(h, attention_mask=SimpleNamespace(causal=True)).shape == (1, 4, 32)
