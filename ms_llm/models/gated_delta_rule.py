@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import numpy as np
-from mindspore import Tensor, mint
+from mindspore import Tensor, mint, ops
 from mindspore.common import dtype as mstype
 
 from ms_llm.compat import F, float32
@@ -100,11 +100,15 @@ def _scan(terms, state: Tensor) -> Tuple[Tensor, Tensor]:
     v_new`` and ``S <- decay S + k_dec^T v_new``. Returns ``[b, h, n*C, dv]`` and the state."""
     u, w, intra, q_dec, k_dec, chunk_decay = terms
     b, h, n, c, dv = u.shape
+    # one unstack per tensor, not a slice per chunk: a slice's backward writes a zero tensor of
+    # the full size (n of them per tensor), unstack's is one stack
+    per_chunk = [ops.unstack(t, 2) for t in (u, w, intra, q_dec, k_dec.swapaxes(-1, -2),
+                                              chunk_decay)]
     outs = []
-    for i in range(n):
-        v_new = u[:, :, i] - F.matmul(w[:, :, i], state)
-        outs.append(F.matmul(q_dec[:, :, i], state) + F.matmul(intra[:, :, i], v_new))
-        state = state * chunk_decay[:, :, i] + F.matmul(k_dec[:, :, i].swapaxes(-1, -2), v_new)
+    for u_i, w_i, intra_i, q_i, kt_i, decay_i in zip(*per_chunk):
+        v_new = u_i - F.matmul(w_i, state)
+        outs.append(F.matmul(q_i, state) + F.matmul(intra_i, v_new))
+        state = state * decay_i + F.matmul(kt_i, v_new)
     return F.stack(outs, 2).reshape(b, h, n * c, dv), state
 
 
