@@ -52,15 +52,15 @@ def _prepare(q, k, v, g, beta):
 
 def _unit_lower_inverse(a: Tensor, chunk: int) -> Tensor:
     """``(I + a)^-1`` for strictly lower triangular ``a`` ``[..., C, C]``."""
-    n = -a
-    eye = Tensor(np.eye(chunk), a.dtype)
-    inv = eye + n
+    shape = a.shape
+    n = -a.reshape(-1, chunk, chunk)
+    inv = Tensor(np.eye(chunk), a.dtype) + n
     power, covered = n, 2
     while covered < chunk:
         power = F.matmul(power, power)
-        inv = inv + F.matmul(inv, power)
+        inv = ops.baddbmm(inv, inv, power)           # inv + inv @ power, one op
         covered *= 2
-    return inv
+    return inv.reshape(shape)
 
 
 def _chunk_terms(q, k, v, g, beta, c: int, work):
@@ -87,29 +87,33 @@ def _chunk_terms(q, k, v, g, beta, c: int, work):
     kk = F.matmul(k_beta, k.swapaxes(-1, -2)) * decay * strict.astype(work)
     inv = _unit_lower_inverse(kk, c)
     u = F.matmul(inv, v_beta)                                       # new values
-    w = F.matmul(inv, k_beta * F.exp(cum).unsqueeze(-1))        # decayed keys reading S
+    exp_cum = F.exp(cum).unsqueeze(-1)
+    w = F.matmul(inv, k_beta * exp_cum)                          # decayed keys reading S
     intra = F.matmul(q, k.swapaxes(-1, -2)) * decay
-    q_dec = q * F.exp(cum).unsqueeze(-1)
+    q_dec = q * exp_cum
     k_dec = k * F.exp(cum[..., -1:] - cum).unsqueeze(-1)
     chunk_decay = F.exp(cum[..., -1]).unsqueeze(-1).unsqueeze(-1)   # [b, h, n, 1, 1]
     return u, w, intra, q_dec, k_dec, chunk_decay
 
 
 def _scan(terms, state: Tensor) -> Tuple[Tensor, Tensor]:
-    """The sequential part: chunk by chunk, ``v_new = u - w S``, output ``q_dec S + intra
-    v_new`` and ``S <- decay S + k_dec^T v_new``. Returns ``[b, h, n*C, dv]`` and the state."""
+    """The sequential part: chunk by chunk, ``v_new = u - w S`` and ``S <- decay S + k_dec^T
+    v_new``; the outputs ``q_dec S + intra v_new`` need no state update, so they are one
+    batched matmul pair over all chunks afterwards (fewer ops in the serial loop, which
+    dominates in PyNative). Returns ``[b, h, n*C, dv]`` and the final state."""
     u, w, intra, q_dec, k_dec, chunk_decay = terms
     b, h, n, c, dv = u.shape
     # one unstack per tensor, not a slice per chunk: a slice's backward writes a zero tensor of
     # the full size (n of them per tensor), unstack's is one stack
-    per_chunk = [ops.unstack(t, 2) for t in (u, w, intra, q_dec, k_dec.swapaxes(-1, -2),
-                                              chunk_decay)]
-    outs = []
-    for u_i, w_i, intra_i, q_i, kt_i, decay_i in zip(*per_chunk):
+    per_chunk = [ops.unstack(t, 2) for t in (u, w, k_dec.swapaxes(-1, -2), chunk_decay)]
+    states, news = [], []
+    for u_i, w_i, kt_i, decay_i in zip(*per_chunk):
+        states.append(state)
         v_new = u_i - F.matmul(w_i, state)
-        outs.append(F.matmul(q_i, state) + F.matmul(intra_i, v_new))
+        news.append(v_new)
         state = state * decay_i + F.matmul(kt_i, v_new)
-    return F.stack(outs, 2).reshape(b, h, n * c, dv), state
+    out = F.matmul(q_dec, F.stack(states, 2)) + F.matmul(intra, F.stack(news, 2))
+    return out.reshape(b, h, n * c, dv), state
 
 
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
