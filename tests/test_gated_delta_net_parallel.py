@@ -1,6 +1,6 @@
 """Tensor and context parallel of Gated DeltaNet, the host-side rules (the numerics run under
-msrun in tests/test_qwen3_next_parallel.py): a rank's in-memory shard of every DeltaNet tensor is the
-shard the hf <-> mg converter writes for that tp rank (so Megatron tp checkpoints and tp training
+msrun in tests/test_qwen3_next_parallel.py): a rank's in-memory shard of every DeltaNet tensor
+is the shard the hf <-> mg converter writes for that tp rank (so Megatron tp checkpoints and tp training
 agree), and the ``row_parts`` regions a training checkpoint stores (``conv1d.weight:q/k/v``)
 tile the global tensor exactly under tp x FSDP. Bit-exact: only indices move. Context
 parallel refuses chunks shorter than the conv's reach and packed-document masks with one line."""
@@ -126,7 +126,8 @@ def test_training_checkpoint_with_conv_parts_exports_to_hf(tmp_path):
     named = list(model.named_parameters())
     ck = ckpt.save(str(tmp_path / "ck"), 1, named,
                    AdamW([(n, p) for n, p in named if p.requires_grad]),
-                   initialize_model_parallel(), {"step": 1, "model_config": dataclasses.asdict(cfg)},
+                   initialize_model_parallel(),
+                   {"step": 1, "model_config": dataclasses.asdict(cfg)},
                    barrier=lambda: None, rank=0, world=1)
     with dcp.DCPReader(ck) as reader:
         stored = [n for n in reader.names() if "conv1d" in n]
