@@ -5,7 +5,8 @@ Both optimizers step the same model's parameters with the same random gradients;
 interleaved (AdamW, Muon, AdamW, ...) so load from other processes hits both, and the median of
 ``--reps`` steps after one warm-up is reported with the ratio. Muon orthogonalises every hidden
 matrix (5 quintic Newton-Schulz steps in fp32: ~3 GEMMs of the matrix's smaller side per step)
-and runs AdamW on the embedding, output layer and norms.
+and runs AdamW on the embedding, output layer and norms. Its Newton-Schulz is also timed alone,
+small same-shape matrices batched (what the step does) against one matrix per call.
 
 The FSDP comparison against torch FSDP2 + ``torch.optim.Muon`` is ``benchmarks/muon_fsdp.py``.
 
@@ -60,11 +61,21 @@ def step_times(reps: int) -> None:
     opts = {"AdamW": adam(named, lr=1e-4),
             "Muon": Muon(named, lr=1e-4, weight_decay=0.1, model_config=cfg.model, adam=adam)}
     groups = param_groups.build_groups(named, muon=True)
-    times = {k: [] for k in opts}
+    muon = opts["Muon"]
+    us = {i: grads[i] for i in muon.muon_idx}
+
+    def per_matrix():   # the same Newton-Schulz one matrix per call (the unbatched baseline)
+        return {i: muon.orthogonalize({i: u})[i] for i, u in us.items()}
+    runs = {**{k: functools.partial(opt.step, grads, 1e-4) for k, opt in opts.items()},
+            "NS batched": functools.partial(muon.orthogonalize, us),
+            "NS per matrix": per_matrix}
+    times = {k: [] for k in runs}
     for i in range(reps + 1):
-        for name, opt in opts.items():
+        for name, run in runs.items():
             t0 = time.perf_counter()
-            opt.step(grads, 1e-4)
+            out = run()
+            for t in (out or {}).values():
+                t.asnumpy()                  # wait for the result
             if i:
                 times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -72,8 +83,12 @@ def step_times(reps: int) -> None:
           f"({', '.join(f'{g.label} {g.numel / 1e6:.1f}M' for g in groups)}); {machine()}")
     print("| optimizer | step (ms, median) | vs AdamW |")
     print("|---|---|---|")
-    for k, v in med.items():
-        print(f"| {k} | {v * 1e3:.0f} | {v / med['AdamW']:.2f}x |")
+    for k in opts:
+        print(f"| {k} | {med[k] * 1e3:.0f} | {med[k] / med['AdamW']:.2f}x |")
+    print(f"\nMuon's Newton-Schulz alone: small same-shape matrices batched (as the step runs) "
+          f"{med['NS batched'] * 1e3:.0f} ms, one matrix per call "
+          f"{med['NS per matrix'] * 1e3:.0f} ms "
+          f"({med['NS per matrix'] / med['NS batched']:.2f}x); {machine()}")
 
 
 def main(argv=None) -> int:

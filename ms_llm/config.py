@@ -89,7 +89,7 @@ class TrainingConfig(_Section):
     muon_num_ns_steps: int = 5
     muon_scale_mode: str = "spectral"  # spectral | shape_scaling | unit_rms_norm
     muon_extra_scale_factor: float = 1.0
-    muon_tp_mode: str = "duplicated"  # blockwise | duplicated | distributed (tp > 1: blockwise)
+    muon_tp_mode: str = "duplicated"  # blockwise | duplicated | distributed (ms_llm.optim.muon_tp)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -158,6 +158,8 @@ class CheckpointConfig(_Section):
     save_interval: int = 0            # 0 = only at the end when save_dir is set
     keep_last: Optional[int] = None   # prune older complete checkpoints
     load: Optional[str] = None        # Hugging Face or Megatron folder to initialise the model
+    format: str = "ms_llm"            # save_dir holds: ms_llm | torch_dist | torch (Megatron's)
+    resume_from: Optional[str] = None  # a Megatron torch_dist / torch training checkpoint
 
 
 @dataclass

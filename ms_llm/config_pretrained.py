@@ -20,7 +20,9 @@ TRAINING_MODEL_KEYS = frozenset({
     "moe_router_bias_update_rate", "moe_grouped_gemm",
     # fewer MTP depths than the folder has: the rest are skipped (said) on load
     "mtp_num_layers", "mtp_loss_scaling_factor",
-    "cross_entropy_loss_fusion"})
+    "cross_entropy_loss_fusion",
+    # the Gated DeltaNet's chunk of its parallel form: the same function, another work split
+    "linear_chunk_size"})
 # The config ms-llm train uses when no file is named: its model section describes the default
 # small model, not a request about a loaded folder (same path as ms_llm.train.DEFAULT_CONFIG).
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

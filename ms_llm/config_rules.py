@@ -247,18 +247,24 @@ def bf16_problem(cfg) -> Problem:
 
 
 def optimizer_problem(cfg) -> Problem:
-    """Layouts ``training.optimizer`` muon does not support (``ms_llm.optim.muon``)."""
-    t, p = cfg.training, cfg.parallel
-    if t.optimizer != "muon":
+    """Layouts QK-clip (``ms_llm.training.qk_clip``) does not support."""
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    if not (m.qk_clip or m.log_max_attention_logit):
         return None
-    if p.use_distributed_optimizer:
-        return ("training.optimizer", "parallel.use_distributed_optimizer"), (
-            "training.optimizer muon with parallel.use_distributed_optimizer is not built "
-            "(gathering its dim-0 shards to an owner rank is not implemented; FSDP is)")
-    if p.tensor_model_parallel_size > 1 and t.muon_tp_mode != "blockwise":
-        return ("training.muon_tp_mode", "parallel.tensor_model_parallel_size"), (
-            f"training.muon_tp_mode {t.muon_tp_mode} is not built; with tensor parallel use "
-            f"blockwise (each rank orthogonalises its own shard)")
+    key = "model.qk_clip" if m.qk_clip else "model.log_max_attention_logit"
+    for other, on, why in (
+            ("training.jit", t.jit, "the max logit is recorded in PyNative; set it false"),
+            ("parallel.context_parallel_size", p.context_parallel_size > 1,
+             "ring attention does not record the max logit"),
+            ("model.multi_latent_attention", m.multi_latent_attention, "MLA's clip is not built"),
+            ("model.attention_output_gate", m.attention_output_gate,
+             "the gated QKV layout's clip is not built"),
+            ("parallel.use_distributed_optimizer", p.use_distributed_optimizer and m.qk_clip,
+             "clipping sharded main parameters is not built"),
+            ("parallel.fsdp_size", p.fsdp_size > 1 and m.qk_clip,
+             "clipping FSDP shards is not built")):
+        if on:
+            return (key, other), f"{key} with {other}: {why}"
     return None
 
 

@@ -114,6 +114,8 @@ RULES: Dict[str, Rule] = {
     "checkpoint.save_interval": _NON_NEGATIVE,
     "checkpoint.keep_last": _ge(1),
     "checkpoint.load": _existing_dir(),
+    "checkpoint.format": _one_of("ms_llm", "torch_dist", "torch"),
+    "checkpoint.resume_from": _existing_dir(),
     "quant.recipe": _one_of("mxfp8", null=True),
     "quant.scale_mode": _one_of("floor", "rceil"),
     "quant.elem_dtype": _one_of("float8_e4m3fn", "float8_e5m2"),
@@ -121,9 +123,11 @@ RULES: Dict[str, Rule] = {
     "lora.alpha": _POSITIVE,
     "lora.dropout": _within(0, 1, hi_open=True),
     "lora.target_modules": _rule(
-        "linear_qkv, linear_proj, linear_fc1, linear_fc2 or a glob ending in one of them",
+        "linear_qkv, linear_proj, linear_fc1, linear_fc2 (Gated DeltaNet: in_proj_qkvz, "
+        "in_proj_ba, out_proj) or a glob ending in one of them",
         lambda v: v.rsplit(".", 1)[-1] in ("linear_qkv", "linear_proj", "linear_fc1",
-                                           "linear_fc2", "*")),
+                                           "linear_fc2", "in_proj_qkvz", "in_proj_ba",
+                                           "out_proj", "*")),
     "quant.mx_path": _one_of("auto", "native", "emulated"),
     "runtime.log_level": _one_of("debug", "info", "warning", "error", "critical", case=False),
     "runtime.cpu_threads": _ge(1),
@@ -145,6 +149,8 @@ RULES: Dict[str, Rule] = {
     "model.hidden_dropout": _PROBABILITY,
     "model.attention_dropout": _PROBABILITY,
     "model.rotary_percent": _within(0, 1),
+    "model.qk_clip_alpha": _within(0, 1),
+    "model.qk_clip_threshold": _POSITIVE,
     "model.normalization": _one_of("RMSNorm"),
     "model.position_embedding_type": _one_of("rope", "yarn"),
     **{f"model.{k}": _POSITIVE for k in (

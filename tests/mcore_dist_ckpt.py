@@ -6,6 +6,9 @@ GQA, QK-norm, SwiGLU, RMSNorm, untied) saved / loaded with its own ``dist_checkp
     python tests/mcore_dist_ckpt.py load CKPT_DIR STATE.npz   # fresh model (seed 9), load
     python tests/mcore_dist_ckpt.py save_train CKPT_DIR STATE.npz  # + torch AdamW, 2 steps
     python tests/mcore_dist_ckpt.py load_train CKPT_DIR STATE.npz  # + its optimizer state
+    python tests/mcore_dist_ckpt.py save_lane SAVE_DIR LANE.pt     # the PyTorch lane's save
+    python tests/mcore_dist_ckpt.py save_legacy SAVE_DIR STATE.npz  # --ckpt-format torch, 2 steps
+    python tests/mcore_dist_ckpt.py load_legacy SAVE_DIR STATE.npz  # torch.load + load_state_dict
 Either way STATE.npz receives the model's state_dict after the operation (the *_train modes add
 ``exp_avg.<name>``, ``exp_avg_sq.<name>`` and ``step``). The optimizer part is what
 megatron-core's ``FP32Optimizer.sharded_state_dict`` builds (its own helpers: the moments as
@@ -48,9 +51,13 @@ def main(mode: str, ckpt: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     from megatron.core import dist_checkpointing, parallel_state
     parallel_state.initialize_model_parallel(1, 1)
+    if mode == "save_lane":
+        return save_lane(ckpt, out)
     m = model(5 if mode.startswith("save") else 9)
     if mode.endswith("_train"):
         return train_mode(mode, m, ckpt, out)
+    if mode.endswith("_legacy"):
+        return legacy_mode(mode, m, ckpt, out)
     if mode == "save":
         os.makedirs(ckpt, exist_ok=True)
         dist_checkpointing.save({"model": m.sharded_state_dict(), "iteration": 7}, ckpt)
@@ -99,6 +106,131 @@ def train_mode(mode: str, m, ckpt: str, out: str) -> None:
             arrays[f"{k}.{name}"] = moments[i][k].detach().numpy()
     arrays["step"] = np.array(float(step))
     np.savez(out, **arrays)
+    dist.destroy_process_group()
+
+
+def legacy_mode(mode: str, m, save_dir: str, out: str) -> None:
+    """Megatron-LM's ``--ckpt-format torch`` file at tp = pp = 1 with the non-distributed
+    optimizer: torch AdamW over megatron-core's own ``_get_param_groups`` (decay group, then
+    no-decay), its ``state_dict()`` as the ``optimizer`` entry, as ``save_checkpoint`` writes."""
+    import argparse
+    import torch.distributed as dist
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+    groups = _get_param_groups([m], OptimizerConfig(lr=1e-3, min_lr=1e-4, weight_decay=0.1),
+                               None)
+    opt = torch.optim.AdamW([{**g, "weight_decay": 0.1 * g["wd_mult"]} for g in groups],
+                            lr=1e-3, betas=(0.9, 0.95))
+    torch.manual_seed(17)
+    for _ in range(2 if mode == "save_legacy" else 1):   # load: state must exist to load into
+        for p in m.parameters():
+            p.grad = torch.randn_like(p) * 0.01
+        opt.step()
+    path = os.path.join(save_dir, "iter_0000002", "mp_rank_00", "model_optim_rng.pt")
+    if mode == "save_legacy":
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"args": argparse.Namespace(consumed_train_samples=8, iteration=2,
+                                               ckpt_format="torch"),
+                    "checkpoint_version": 3.0, "iteration": 2, "model": m.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "opt_param_scheduler": {"max_lr": 1e-3, "min_lr": 1e-4, "num_steps": 8,
+                                            "lr_warmup_steps": 0, "lr_decay_steps": 80,
+                                            "lr_decay_style": "cosine"},
+                    "rng_state": [{"torch_rng_state": torch.get_rng_state()}]}, path)
+        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("2")
+    else:
+        sd = torch.load(path, weights_only=False)
+        missing, unexpected = m.load_state_dict(sd["model"], strict=False)
+        assert not unexpected and all("_extra_state" in k for k in missing), (missing, unexpected)
+        opt.load_state_dict(sd["optimizer"])
+        assert sd["iteration"] == sd["args"].iteration
+    names = {id(p): n for n, p in m.named_parameters()}
+    arrays = {k: v.detach().numpy() for k, v in m.state_dict().items()
+              if "_extra_state" not in k and v is not None}
+    for p, st in opt.state.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            arrays[f"{k}.{names[id(p)]}"] = st[k].detach().numpy()
+        arrays["step"] = np.array(float(st["step"]))
+    arrays["group_sizes"] = np.array([len(g["params"]) for g in opt.param_groups])
+    arrays["group_names"] = np.array([names[id(p)] for g in opt.param_groups
+                                      for p in g["params"]])
+    np.savez(out, **arrays)
+    dist.destroy_process_group()
+
+
+def megatron_layout(hf: dict, heads: int, groups: int, head_dim: int) -> dict:
+    """Per-layer HF Qwen3 tensors (or Adam moments shaped like them) in Megatron-Core's
+    torch_dist keys: layers stacked, TE names for the norms, qkv grouped per KV group."""
+    layers = sorted({int(k.split(".")[2]) for k in hf if k.startswith("model.layers.")})
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"],
+           "output_layer.weight": hf["lm_head.weight"]}
+    per = {}
+    for i in layers:
+        g = lambda n: hf[f"model.layers.{i}.{n}"]   # noqa: E731
+        hidden = g("self_attn.q_proj.weight").shape[1]
+        q = g("self_attn.q_proj.weight").reshape(groups, heads // groups * head_dim, hidden)
+        k = g("self_attn.k_proj.weight").reshape(groups, head_dim, hidden)
+        v = g("self_attn.v_proj.weight").reshape(groups, head_dim, hidden)
+        layer = {
+            "self_attention.linear_qkv.layer_norm_weight": g("input_layernorm.weight"),
+            "self_attention.linear_qkv.weight": torch.cat([q, k, v], 1).reshape(-1, hidden),
+            "self_attention.q_layernorm.weight": g("self_attn.q_norm.weight"),
+            "self_attention.k_layernorm.weight": g("self_attn.k_norm.weight"),
+            "self_attention.linear_proj.weight": g("self_attn.o_proj.weight"),
+            "mlp.linear_fc1.layer_norm_weight": g("post_attention_layernorm.weight"),
+            "mlp.linear_fc1.weight": torch.cat([g("mlp.gate_proj.weight"),
+                                                g("mlp.up_proj.weight")], 0),
+            "mlp.linear_fc2.weight": g("mlp.down_proj.weight")}
+        for name, t in layer.items():
+            per.setdefault(name, []).append(t)
+    return out, per
+
+
+def save_lane(save_dir: str, lane_file: str) -> None:
+    """What Megatron-LM's ``save_checkpoint`` writes for the PyTorch lane's state at its
+    iteration (``LANE.pt`` from tests/pytorch_lane.dump): model, the FP32Optimizer's moments
+    and ``common_step``, ``opt_param_scheduler``, ``args`` (consumed samples), the torch RNG as a
+    ShardedObject, then the tracker; also ``SAVE_DIR.npz`` with the Megatron-layout tensors."""
+    import argparse
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    lane = torch.load(lane_file, weights_only=False)
+    it = int(lane["iteration"])
+    sharded, flat = {}, {}
+
+    def shard(prefix: str, tensors: dict) -> dict:
+        whole, per = megatron_layout(tensors, lane["heads"], lane["groups"], lane["head_dim"])
+        got = {}
+        for name, t in whole.items():
+            got[name] = ShardedTensor.from_rank_offsets(prefix + name, t.contiguous())
+            flat[prefix + name] = t.numpy()
+        for name, ts in per.items():
+            key = prefix + "decoder.layers." + name
+            got[key] = [ShardedTensor.from_rank_offsets(key, t.contiguous().unsqueeze(0),
+                                                        (0, i, len(ts)), prepend_axis_num=0)
+                        for i, t in enumerate(ts)]
+            flat[key] = torch.stack(ts).numpy()
+        return got
+
+    model = shard("", lane["model"])
+    state = {"common_step": torch.tensor(float(lane["step"]))}
+    for i, moment in enumerate(("exp_avg", "exp_avg_sq")):
+        state[i] = {moment: shard(f"optimizer.state.{moment}.", lane[moment])}
+    args = argparse.Namespace(consumed_train_samples=lane["consumed"], iteration=it,
+                              ckpt_format="torch_dist")
+    rng = ShardedObject("rng_state", [{"random_rng_state": None, "np_rng_state": None,
+                                       "torch_rng_state": torch.get_rng_state()}], (1,), (0,))
+    path = os.path.join(save_dir, f"iter_{it:07d}")
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save({"model": model, "optimizer": {"state": state,
+                                                           "param_groups": lane["groups_sd"]},
+                             "opt_param_scheduler": lane["scheduler"], "iteration": it,
+                             "args": args, "checkpoint_version": 3.0, "rng_state": rng}, path)
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(it))
+    np.savez(save_dir + ".npz", **flat)
     dist.destroy_process_group()
 
 

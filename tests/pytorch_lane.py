@@ -131,3 +131,22 @@ def train(lane: Lane, a: LaneArgs, iters: Optional[int] = None) -> List[dict]:
         out.append({"loss": total, "grad_norm": norm,
                     "lr": lane.optimizer.param_groups[0]["lr"]})
     return out
+
+
+def dump(lane: Lane, a: LaneArgs, path: str, heads: int, groups: int, head_dim: int) -> None:
+    """The lane's training state at its iteration for ``mcore_dist_ckpt.py save_lane`` (which
+    saves it through megatron-core's dist_checkpointing, as Megatron-LM would)."""
+    names = {id(p): n for n, p in lane.model.named_parameters()}
+    moments = {"exp_avg": {}, "exp_avg_sq": {}}
+    step = 0
+    for p, st in lane.optimizer.state.items():
+        for k in moments:
+            moments[k][names[id(p)]] = st[k].detach().clone()
+        step = int(st["step"])
+    groups_sd = [{k: v for k, v in g.items() if k != "params"}
+                 for g in lane.optimizer.state_dict()["param_groups"]]
+    torch.save({"model": {n: p.detach().clone() for n, p in lane.model.named_parameters()},
+                **moments, "step": step, "iteration": lane.iteration,
+                "consumed": lane.iteration * a.global_batch_size,
+                "scheduler": lane.scheduler.state_dict(), "groups_sd": groups_sd,
+                "heads": heads, "groups": groups, "head_dim": head_dim}, path)

@@ -153,13 +153,41 @@ def test_entry_prints_the_config_and_refuses_in_one_line(tmp_path):
         "is not built"]
 
 
-def test_load_of_a_torch_dist_training_checkpoint_is_one_line(tmp_path):
+def test_load_of_a_torch_dist_training_checkpoint_resumes_from_it(tmp_path):
+    """``--load`` of the PyTorch lane's torch_dist checkpoint resumes from it
+    (``checkpoint.resume_from``) and ``--ckpt-format torch_dist`` saves in that format; with
+    ``--finetune`` (weights only) it is refused in one line."""
     from ms_llm.checkpoint.torch_dist import TorchDistWriter
     import numpy as np
     w = TorchDistWriter(str(tmp_path / "ck" / "iter_0000010"))
     w.add("output_layer.weight", (2, 2), (0, 0), np.zeros((2, 2), np.float32))
     w.close({"iteration": 10})
-    with pytest.raises(ConfigError, match=r"--load .*ck: a --ckpt-format torch_dist training "
-                                          r"checkpoint: resuming from it is not built yet"):
-        translate(SCRIPTS["qwen3/pretrain_qwen3_0point6b_4K_ptd.sh"]["argv"] +
-                  ["--load", str(tmp_path / "ck")])
+    argv = SCRIPTS["qwen3/pretrain_qwen3_0point6b_4K_ptd.sh"]["argv"] + \
+        ["--load", str(tmp_path / "ck")]
+    argv = [a for a in argv if a not in ("--no-load-optim", "--no-load-rng", "--finetune")]
+    keys = translate(argv + ["--ckpt-format", "torch_dist"]).keys
+    assert keys["checkpoint.resume_from"] == str(tmp_path / "ck")
+    assert keys["checkpoint.format"] == "torch_dist" and "checkpoint.load" not in keys
+    with pytest.raises(ConfigError, match=r"--load .*ck: a torch_dist training checkpoint with "
+                                          r"--finetune: loading its weights alone is not built"):
+        translate(argv + ["--finetune"])
+    with pytest.raises(ConfigError, match=r"--ckpt-format zarr: not supported"):
+        translate(argv + ["--ckpt-format", "zarr"])
+
+
+def test_load_of_a_legacy_training_checkpoint_resumes_unless_weights_only(tmp_path):
+    """A legacy ``--ckpt-format torch`` folder whose file holds an optimizer entry resumes
+    (``checkpoint.resume_from``); with ``--no-load-optim`` (the published scripts' converted
+    weights) it stays ``checkpoint.load``, the weights only, as before."""
+    from ms_llm.checkpoint import torch_pickle
+    d = tmp_path / "ck" / "iter_0000003" / "mp_rank_00"
+    d.mkdir(parents=True)
+    torch_pickle.save({"iteration": 3, "model": {}, "optimizer": {"state": {}}},
+                      str(d / "model_optim_rng.pt"))
+    (tmp_path / "ck" / "latest_checkpointed_iteration.txt").write_text("3")
+    argv = SCRIPTS["qwen3/pretrain_qwen3_0point6b_4K_ptd.sh"]["argv"] + \
+        ["--load", str(tmp_path / "ck")]
+    resume = [a for a in argv if a not in ("--no-load-optim", "--no-load-rng")]
+    assert translate(resume).keys["checkpoint.resume_from"] == str(tmp_path / "ck")
+    keys = translate(argv).keys
+    assert keys["checkpoint.load"] == str(tmp_path / "ck") and "checkpoint.resume_from" not in keys

@@ -205,15 +205,37 @@ def test_muon_training_resumes_exactly_and_is_planned(tmp_path, capsys):
     assert plan.optimizer == sum(kinds.values())
 
 
-def test_muon_layouts_not_built_are_refused_in_one_line():
+def test_muon_bad_options_are_refused_in_one_line():
     from ms_llm.config import ConfigError, load_config
     muon = ["--training.optimizer", "muon"]
-    for extra, msg in ((["--parallel.use_distributed_optimizer", "true"],
-                        "use_distributed_optimizer is not built"),
-                       (["--parallel.tensor_model_parallel_size", "2"], "muon_tp_mode duplicated"),
-                       (["--training.muon_scale_mode", "rms"], "training.muon_scale_mode")):
+    for extra, msg in ((["--training.muon_scale_mode", "rms"], "training.muon_scale_mode"),
+                       (["--training.muon_tp_mode", "rows"], "training.muon_tp_mode")):
         with pytest.raises(ConfigError) as e:
             load_config(CONFIG, muon + extra)
         assert msg in str(e.value) and "\n" not in str(e.value)
-    assert load_config(CONFIG, muon + ["--parallel.tensor_model_parallel_size", "2",
-                                       "--training.muon_tp_mode", "blockwise"])
+    for mode in ("blockwise", "duplicated", "distributed"):
+        assert load_config(CONFIG, muon + ["--parallel.tensor_model_parallel_size", "2",
+                                           "--training.muon_tp_mode", mode])
+
+
+def test_muon_distributed_optimizer_refuses_an_empty_cut_in_one_line():
+    """Under the distributed optimizer every rank of the group must hold rows of each Muon
+    matrix (uneven cuts are fine); 5 rows over 4 ranks in chunks of 2 leave the last one empty:
+    refused before any collective, the same on every rank (it depends on sizes only)."""
+    from ms_llm.optim.build import refuse_empty_muon_shards
+    group = SimpleNamespace(size=4, rank=0)
+    pstate = SimpleNamespace(sizes=SimpleNamespace(cp=1), group=lambda dim: group)
+
+    def named(rows):
+        return [("decoder.layers.0.mlp.linear_fc2.weight",
+                 Parameter(Tensor(np.zeros((rows, 8), np.float32)), name="w"))]
+    for rows, empty in ((5, True), (7, False), (4, False)):
+        params = named(rows)
+        groups = param_groups.assignment(param_groups.build_groups(params, muon=True))
+        if not empty:
+            refuse_empty_muon_shards(params, groups, pstate)
+            continue
+        with pytest.raises(ValueError) as e:
+            refuse_empty_muon_shards(params, groups, pstate)
+        assert "linear_fc2.weight's 5 rows cut over 4 ranks" in str(e.value)
+        assert "\n" not in str(e.value)

@@ -1,9 +1,13 @@
 """Muon under real msrun (2 workers) against one process: data parallel (each matrix
 orthogonalised on its owner rank, updates all-gathered), FSDP (shards gathered to the owner,
 uneven ones included: hidden size 65 and ffn 99 make linear_proj and linear_fc2 65 rows, cut
-33/32; each rank keeps its rows of the update), expert parallel with grouped experts
-(each rank's experts whole, orthogonalised per expert), pipeline parallel, and bf16 with fp32
-main parameters.
+33/32; each rank keeps its rows of the update), the distributed optimizer (its fp32 main shards
+and momentum on the same uneven cut, gathered to the owner the same way), tensor parallel in
+Megatron's ``duplicated`` (shards all-gathered, whole matrix orthogonalised) and
+``distributed`` (Gram matrices all-reduced over the shards) modes, QK-clip under dp (the
+per-head max logits reduced over the replicas), expert parallel with grouped experts (each
+rank's experts whole, orthogonalised per expert), pipeline parallel, and bf16 with fp32 main
+parameters.
 
 Tolerance: rtol 1e-5 on loss and gradient norm (fp32), as test_parallel_training: the parallel
 runs sum the gradients in another order (~1e-7 relative), and Newton-Schulz, a smooth matrix
@@ -24,7 +28,11 @@ BF16_RTOL = {"loss": 1e-3, "grad_norm": 1e-2}
 MUON = ["--training.optimizer", "muon", "--training.jit", "false", "--training.max_steps", "5"]
 GROUPED = MOE + ["--model.moe_grouped_gemm", "true"]
 BF16 = ["--training.bf16", "true", "--training.max_steps", "4"]
+TP2 = ["--parallel.tensor_model_parallel_size", "2"]   # muon_tp_mode duplicated (the default)
+# a threshold every query group passes: each step clips, from maxima reduced over dp
+QK_CLIP = ["--model.qk_clip", "true", "--model.qk_clip_threshold", "0.05"]
 PP2 = ["--parallel.pipeline_model_parallel_size", "2"]
+DISTOPT = ["--parallel.use_distributed_optimizer", "true"]
 UNEVEN = ["--model.hidden_size", "65", "--model.ffn_hidden_size", "99"]   # odd dim-0 rows
 
 
@@ -47,17 +55,26 @@ def test_muon_two_workers_match_one_process(tmp_path):
         spec("dp2", MUON, out), spec("ep2_grouped", MUON, GROUPED, out,
                                      ["--parallel.expert_model_parallel_size", "2"]),
         spec("pp2", MUON, PP2, out), spec("dp2_bf16", MUON, BF16, out),
-        spec("fsdp2_uneven", MUON, UNEVEN, out, ["--parallel.fsdp_size", "2"])])
+        spec("fsdp2_uneven", MUON, UNEVEN, out, ["--parallel.fsdp_size", "2"]),
+        spec("distopt2_uneven", MUON, UNEVEN, out, DISTOPT),
+        spec("tp2_duplicated", MUON, TP2, out),
+        spec("tp2_distributed", MUON, TP2, out, ["--training.muon_tp_mode", "distributed"]),
+        spec("dp2_qk_clip", MUON, QK_CLIP, out)])
     ref = one_process(tmp_path, "muon", MUON)
-    for name in ("dp2", "pp2"):
+    for name in ("dp2", "pp2", "tp2_duplicated", "tp2_distributed"):
         for key in ("loss", "grad_norm"):
             np.testing.assert_allclose(res[name][key], ref[key], rtol=RTOL, err_msg=name)
     ref_uneven = one_process(tmp_path, "uneven", MUON, UNEVEN)
-    for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose(res["fsdp2_uneven"][key], ref_uneven[key], rtol=RTOL)
+    for name in ("fsdp2_uneven", "distopt2_uneven"):
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose(res[name][key], ref_uneven[key], rtol=RTOL, err_msg=name)
+    assert res["distopt2_uneven"]["optimizer_bytes"][0] < ref_uneven["optimizer_bytes"][0]
     ref_moe = one_process(tmp_path, "moe", MUON, GROUPED)
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(res["ep2_grouped"][key], ref_moe[key], rtol=RTOL)
+    ref_clip = one_process(tmp_path, "qk_clip", MUON, QK_CLIP)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(res["dp2_qk_clip"][key], ref_clip[key], rtol=RTOL)
     ref_bf16 = one_process(tmp_path, "bf16", MUON, BF16)
     for key, rtol in BF16_RTOL.items():
         np.testing.assert_allclose(res["dp2_bf16"][key], ref_bf16[key], rtol=rtol)

@@ -60,7 +60,7 @@ class HFSource:
         self._used = set()
         names = set(self.reader.names())
         self.spec.mtp_layers = MTP.present_depths(
-            self.spec, lambda j: f"{MTP.hf_prefix(self.spec, j)}eh_proj.weight" in names, path)
+            self.spec, lambda j: MTP.hf_marker(self.spec, j) in names, path)
         expected = {n: s for n, s in L.hf_names(self.spec)}
         for name, shape in expected.items():
             if name not in self.reader:

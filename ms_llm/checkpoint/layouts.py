@@ -32,6 +32,7 @@ import numpy as np
 from . import layouts_deepseek as DS
 from . import layouts_mtp as MTP
 from . import layouts_qwen3_next  # noqa: F401  (registers Qwen3-Next's layer kinds)
+from . import layouts_qwen35  # noqa: F401  (registers Qwen3.5's split DeltaNet layer kind)
 from .layouts_attention import (LAYER_KINDS, LayerKind, fuse_qkv, layer_kind,  # noqa: F401
                                 register_layer_kind, split_qkv)
 from .layouts_spec import (ModelSpec, ParallelLayout, default_megatron_name,  # noqa: F401

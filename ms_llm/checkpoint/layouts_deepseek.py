@@ -214,7 +214,10 @@ def moe_extra_merge(spec, part: Callable[[int, int, str], np.ndarray], tp: int,
 
 
 def is_mtp_tensor(spec, name: str) -> bool:
-    """HF keeps DeepSeek's / GLM's MTP module as ``model.layers.{num_layers + j}.*``."""
+    """HF keeps DeepSeek's / GLM's MTP module as ``model.layers.{num_layers + j}.*``
+    (Qwen3-Next's / Qwen3.5's as ``mtp.*``)."""
+    if spec.mtp_hf == "mtp":
+        return name.startswith("mtp.")
     if not spec.mtp_layers or not name.startswith("model.layers."):
         return False
     idx = name.split(".")[2]

@@ -11,6 +11,12 @@ with the main model, so HF's per-layer copies are not stored; writing HF puts th
 back (DeepSeek's release stores the same values there, so HF -> Megatron -> HF is bit-exact).
 With pipeline parallel the last stage also gets the word embedding (the MTP block embeds the
 shifted tokens there), as Megatron-Core's MTP stage holds it.
+
+Qwen3-Next / Qwen3.5 (``spec.mtp_hf == "mtp"``) keep one depth under ``mtp.``: ``fc`` (eh_proj),
+``pre_fc_norm_embedding`` (enorm), ``pre_fc_norm_hidden`` (hnorm), ``layers.0.*`` (a full-
+attention decoder layer, HF's per-layer names) and ``norm`` (final_layernorm), with no embedding
+or head copies -- the names MindSpeed-LLM's ``qwen3-next`` converter maps to the same Megatron
+keys (its ``remap_mtp_keys`` moves ``mtp.layers.j`` to ``model.layers.{L + j}``, as here).
 """
 from __future__ import annotations
 
@@ -25,14 +31,42 @@ EXTRA = "_extra_state"
 _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
 
 
+_QWEN = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+         "hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "eh_proj.weight": "mtp.fc.weight"}
+_QWEN_FINAL = "mtp.norm.weight"
+
+
 def hf_prefix(spec, j: int) -> str:
     return f"model.layers.{spec.num_layers + j}."
+
+
+def _qwen(spec) -> bool:
+    return spec.mtp_hf == "mtp"
+
+
+def hf_marker(spec, j: int) -> str:
+    """The HF tensor whose presence says a folder holds MTP depth ``j`` (Qwen's ``mtp.`` has
+    one depth: a second is never present)."""
+    if _qwen(spec):
+        return "mtp.fc.weight" if j == 0 else f"mtp.{j}.fc.weight"
+    return hf_prefix(spec, j) + "eh_proj.weight"
+
+
+def _qwen_name(spec, j: int, name: str) -> str:
+    """A decoder-layer HF name of MTP depth ``j`` (``model.layers.{L + j}.X``) -> ``mtp.layers.
+    {j}.X``."""
+    p = hf_prefix(spec, j)
+    return f"mtp.layers.{j}." + name[len(p):] if name.startswith(p) else name
 
 
 def mtp_hf_names(spec, j: int, layer_names: Callable[[object, int], List[Tuple[str, tuple]]]
                  ) -> List[Tuple[str, tuple]]:
     """HF tensor names and shapes of MTP depth ``j``; ``layer_names`` gives a decoder layer's."""
     p, H, V = hf_prefix(spec, j), spec.hidden, spec.vocab
+    if _qwen(spec):
+        return ([(_QWEN[k], (H, 2 * H) if k == "eh_proj.weight" else (H,)) for k in _OWN]
+                + [(_qwen_name(spec, j, n), s) for n, s in layer_names(spec, spec.num_layers + j)]
+                + [(_QWEN_FINAL, (H,))])
     return ([(p + "embed_tokens.weight", (V, H)), (p + "enorm.weight", (H,)),
              (p + "hnorm.weight", (H,)), (p + "eh_proj.weight", (H, 2 * H))]
             + layer_names(spec, spec.num_layers + j)
@@ -45,6 +79,12 @@ def mtp_hf_to_full(spec, get: Callable[[str], np.ndarray], j: int, layer_to_full
     embedding / head copies are checked against the main model's (a checkpoint whose copies
     differ cannot be expressed with Megatron's shared ones: said, then dropped)."""
     p = hf_prefix(spec, j)
+    if _qwen(spec):
+        full = OrderedDict((k, get(_QWEN[k])) for k in _OWN)
+        inner = layer_to_full(spec, lambda n: get(_qwen_name(spec, j, n)), spec.num_layers + j)
+        full.update(("transformer_layer." + k, v) for k, v in inner.items())
+        full["final_layernorm.weight"] = get(_QWEN_FINAL)
+        return full
     full = OrderedDict((k, get(p + k)) for k in _OWN)
     for k, v in layer_to_full(spec, get, spec.num_layers + j).items():
         full["transformer_layer." + k] = v
@@ -61,10 +101,16 @@ def mtp_hf_to_full(spec, get: Callable[[str], np.ndarray], j: int, layer_to_full
 def mtp_full_to_hf(spec, full: Dict, j: int, layer_to_hf, embedding: np.ndarray,
                    output: np.ndarray) -> Dict[str, np.ndarray]:
     p = hf_prefix(spec, j)
-    hf = {p + "embed_tokens.weight": embedding}
-    hf.update({p + k: full[k] for k in _OWN})
     inner = OrderedDict((k[len("transformer_layer."):], v) for k, v in full.items()
                         if k.startswith("transformer_layer."))
+    if _qwen(spec):
+        hf = {_QWEN[k]: full[k] for k in _OWN}
+        hf.update((_qwen_name(spec, j, n), v)
+                  for n, v in layer_to_hf(spec, inner, spec.num_layers + j).items())
+        hf[_QWEN_FINAL] = full["final_layernorm.weight"]
+        return hf
+    hf = {p + "embed_tokens.weight": embedding}
+    hf.update({p + k: full[k] for k in _OWN})
     hf.update(layer_to_hf(spec, inner, spec.num_layers + j))
     hf[p + "shared_head.norm.weight"] = full["final_layernorm.weight"]
     hf[p + "shared_head.head.weight"] = output

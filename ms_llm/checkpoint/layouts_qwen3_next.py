@@ -1,8 +1,13 @@
 """Qwen3-Next's two layer kinds (``register_layer_kind``; the family names one per layer).
 
-``gated_attention``: HF ``q_proj`` holds per head ``[q (d) | gate (d)]``; Megatron-Core's
-``attention_output_gate`` fuses per KV group ``[q (r*d) | gate (r*d) | k (d) | v (d)]`` into
-``linear_qkv`` (r = heads per group), tp ranks hold whole groups. QK-norm weights replicated.
+``gated_attention``: HF ``q_proj`` holds per head ``[q (d) | gate (d)]``; the model (Megatron-
+Core's ``attention_output_gate``) fuses per KV group ``[q (r*d) | gate (r*d) | k (d) | v (d)]``
+into ``linear_qkv`` (r = heads per group). The Megatron files keep MindSpeed-LLM's Qwen3-Next
+names (its ``qwen3_next_full_attention`` and ``convert_ckpt_v2`` ``qkv_type: mix``): separate
+``self_attention.q_proj`` (HF's per-head ``[q | gate]`` rows), ``k_proj``, ``v_proj``, plus
+``linear_proj`` and the QK-norms; so ``shard`` unfuses and ``merge`` fuses again. At tp > 1
+(MindSpeed's converter refuses it) the three are column-parallel: contiguous dim-0 chunks
+(whole heads / KV groups), ``linear_proj`` dim-1 chunks; QK-norm weights replicated.
 
 ``gated_delta_net``: the names are HF's under ``self_attention.`` (MindSpeed-LLM's Qwen3-Next
 spec keeps ``in_proj_qkvz`` / ``in_proj_ba`` / ``conv1d`` / ``dt_bias`` / ``A_log`` / ``norm`` /
@@ -18,9 +23,7 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
-# gated attention shards and merges as plain GQA ([q|gate|k|v] rows stay per query group;
-# Qwen3-Next has QK-norm and no QKV bias, which the spec says)
-from .layouts_attention import A, EXTRA, LayerKind, _gqa_merge, _gqa_shard, register_layer_kind
+from .layouts_attention import A, EXTRA, LayerKind, register_layer_kind
 
 HF_ATTN, HF_LIN = "self_attn.", "linear_attn."
 GDN = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log",
@@ -65,6 +68,30 @@ def _ga_full_to_hf(spec, full: Dict, p: str) -> Dict:
             a + "o_proj.weight": full[A + "linear_proj.weight"],
             a + "q_norm.weight": full[A + "q_layernorm.weight"],
             a + "k_norm.weight": full[A + "k_layernorm.weight"]}
+
+
+MS_ATTN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "linear_proj.weight")
+
+
+def _ga_shard(spec, full: Dict, tp: int, t: int) -> "OrderedDict":
+    hf = _ga_full_to_hf(spec, full, "")
+    out = OrderedDict()
+    for n in MS_ATTN:
+        w = hf[HF_ATTN + ("o_proj.weight" if n == "linear_proj.weight" else n)]
+        out[A + n] = np.split(w, tp, axis=1 if n == "linear_proj.weight" else 0)[t]
+        out[A + n[:-len("weight")] + EXTRA] = None
+    out[A + "q_layernorm.weight"] = full[A + "q_layernorm.weight"]
+    out[A + "k_layernorm.weight"] = full[A + "k_layernorm.weight"]
+    return out
+
+
+def _ga_merge(spec, part, tp: int) -> "OrderedDict":
+    hf = {HF_ATTN + ("o_proj.weight" if n == "linear_proj.weight" else n): np.concatenate(
+        [part(t, 0, A + n) for t in range(tp)], axis=1 if n == "linear_proj.weight" else 0)
+        for n in MS_ATTN}
+    hf[HF_ATTN + "q_norm.weight"] = part(0, 0, A + "q_layernorm.weight")
+    hf[HF_ATTN + "k_norm.weight"] = part(0, 0, A + "k_layernorm.weight")
+    return _ga_hf_to_full(spec, hf.__getitem__, "")
 
 
 # ----------------------------------------------------------------------------- Gated DeltaNet
@@ -130,6 +157,6 @@ def _gdn_merge(spec, part, tp: int) -> "OrderedDict":
 
 
 register_layer_kind("gated_attention", LayerKind(_ga_hf_names, _ga_hf_to_full, _ga_full_to_hf,
-                                                 _gqa_shard, _gqa_merge))
+                                                 _ga_shard, _ga_merge))
 register_layer_kind("gated_delta_net", LayerKind(_gdn_hf_names, _gdn_hf_to_full,
                                                  _gdn_full_to_hf, _gdn_shard, _gdn_merge))

@@ -78,6 +78,12 @@ class ModelSpec:
     # Gated DeltaNet sizes (key heads, value heads, key / value head dims, conv kernel).
     linear: Tuple[int, ...] = ()
     mtp_layers: int = 0
+    # Where HF keeps the MTP depths (layouts_mtp): "layers" = DeepSeek's model.layers.{L + j};
+    # "mtp" = Qwen3-Next's / Qwen3.5's mtp.* (one depth).
+    mtp_hf: str = "layers"
+    # Layout of the MTP layers; empty: the last decoder layer's (a hybrid model's MTP layer is
+    # full attention whatever its last decoder layer is).
+    mtp_kind: str = ""
     # Checkpoint layout name of each decoder layer (``layouts.LAYER_KINDS``); empty: every layer
     # "mla" when ``mla`` else "attention". The config the spec was read from (None when built
     # by hand).
@@ -93,6 +99,8 @@ class ModelSpec:
     def kind(self, hf_layer: int) -> str:
         """Layout name of layer ``hf_layer`` (an MTP layer is built like the last decoder
         layer)."""
+        if hf_layer >= self.num_layers and self.mtp_kind:
+            return self.mtp_kind
         if self.layer_kinds:
             return self.layer_kinds[min(hf_layer, self.num_layers - 1)]
         return "mla" if self.mla else "attention"

@@ -62,6 +62,10 @@ def _spec_of(state: dict) -> L.ModelSpec:
 
 def peft_tensors(ad, spec: L.ModelSpec) -> Dict[str, np.ndarray]:
     """HF-named PEFT tensors of the fused adapters (see the module docstring)."""
+    if any(k != "attention" for k in spec.layer_kinds):
+        raise AdapterError(f"export --lora-only: PEFT adapters of a {spec.family} model (gated "
+                           f"attention / Gated DeltaNet layers) are not built; export merged "
+                           f"weights instead")
     out: Dict[str, np.ndarray] = {}
     for (i, mod), (a, b) in sorted(ad.fused.items()):
         hfs = MODULES[mod]

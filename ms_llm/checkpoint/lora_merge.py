@@ -26,6 +26,10 @@ MODULES = OrderedDict([
     ("self_attention.linear_proj", ("self_attn.o_proj",)),
     ("mlp.linear_fc1", ("mlp.gate_proj", "mlp.up_proj")),
     ("mlp.linear_fc2", ("mlp.down_proj",)),
+    # Gated DeltaNet (merged in Megatron's fused form; the layer kind writes HF's layout)
+    ("self_attention.in_proj_qkvz", ("linear_attn.in_proj_qkvz",)),
+    ("self_attention.in_proj_ba", ("linear_attn.in_proj_ba",)),
+    ("self_attention.out_proj", ("linear_attn.out_proj",)),
 ])
 HF_TO_MODULE = {hf.rsplit(".", 1)[-1]: mod for mod, hfs in MODULES.items() for hf in hfs}
 _KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight(:gate|:up)?$")
@@ -118,7 +122,18 @@ def _hf_shapes(spec: L.ModelSpec, mod: str) -> List[tuple]:
                                           (spec.groups * d, H)],
             "self_attention.linear_proj": [(H, spec.heads * d)],
             "mlp.linear_fc1": [(spec.ffn, H), (spec.ffn, H)],
-            "mlp.linear_fc2": [(H, spec.ffn)]}[mod]
+            "mlp.linear_fc2": [(H, spec.ffn)],
+            **_gdn_shapes(spec)}[mod]
+
+
+def _gdn_shapes(spec: L.ModelSpec) -> Dict[str, List[tuple]]:
+    if not spec.linear:
+        return {}
+    hk, hv, dk, dv, _ = spec.linear
+    H = spec.hidden
+    return {"self_attention.in_proj_qkvz": [(2 * hk * dk + 2 * hv * dv, H)],
+            "self_attention.in_proj_ba": [(2 * hv, H)],
+            "self_attention.out_proj": [(H, hv * dv)]}
 
 
 # ------------------------------------------------------------------------------ reading

@@ -133,7 +133,7 @@ def _hf_to_mcore(hf: dict, hf_cfg: dict, cfg: TransformerConfig, source: str) ->
             full = experts_to_grouped(full, spec.num_experts)
         out.update({f"decoder.layers.{i}.{k}": v for k, v in full.items()})
     spec.mtp_layers = MTP.present_depths(
-        spec, lambda j: f"{MTP.hf_prefix(spec, j)}eh_proj.weight" in hf, source)
+        spec, lambda j: MTP.hf_marker(spec, j) in hf, source)
     depths = mtp_depths(spec, cfg, source)
     for j in range(depths):
         out.update(mtp_state(MTP.mtp_hf_to_full(spec, get, j, L.hf_layer_to_full, source),

@@ -95,7 +95,8 @@ def write_training_state(writer: TorchDistWriter, model: Dict[str, np.ndarray],
                          optimizer: Dict[str, np.ndarray], iteration: int,
                          scheduler: Optional[dict] = None, lr: float = 0.0,
                          betas=(0.9, 0.999), eps: float = 1e-8,
-                         weight_decay: float = 0.0) -> None:
+                         weight_decay: float = 0.0,
+                         extra_common: Optional[dict] = None) -> None:
     """The inverse of ``read_training_state``: the moments under Megatron-Core's keys, the step
     as its ``common_step``, and one torch AdamW param group, so megatron-core's loader restores
     them (``FP32Optimizer`` layout: fp32 parameters, moments shaped like them)."""
@@ -118,4 +119,5 @@ def write_training_state(writer: TorchDistWriter, model: Dict[str, np.ndarray],
     # (no "params" ids: megatron-core keeps them out of the checkpoint, the loader's own stay)
     if scheduler is not None:
         common["opt_param_scheduler"] = scheduler
+    common.update(extra_common or {})   # e.g. Megatron-LM's ``args`` (consumed samples)
     writer.close(common)

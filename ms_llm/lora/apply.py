@@ -4,7 +4,7 @@ in ``parallelize_model`` after MXFP8 (an MXFP8 base keeps its recipe; the adapte
 and before tensor parallel and FSDP, which shard the adapters like their base weights.
 
 Selection: candidates are the decoder's ``linear_qkv``, ``linear_proj``, ``linear_fc1`` and
-``linear_fc2``. A target without dots or glob characters names the last component
+``linear_fc2`` (and Gated DeltaNet's ``in_proj_qkvz``, ``in_proj_ba``, ``out_proj``). A target without dots or glob characters names the last component
 (``linear_qkv``); anything else is an ``fnmatch`` glob over the full module name (``*`` crosses
 dots), e.g. ``decoder.layers.*.self_attention.linear_qkv``. MoE: attention and dense-MLP layers
 get adapters; routed and shared experts do not (the bare names skip them; a glob that selects
@@ -53,8 +53,8 @@ def select_targets(model: ms_nn.Cell, patterns: Sequence[str]) -> List[Tuple[str
                                  f"LoRA on routed/shared experts is not built yet")
             continue
         example = f" (candidates look like '{candidates[0][0]}')" if candidates else ""
-        raise ValueError(f"lora.target_modules: {p!r} matches no linear_qkv / linear_proj / "
-                         f"linear_fc1 / linear_fc2 module{example}")
+        raise ValueError(f"lora.target_modules: {p!r} matches no {' / '.join(TARGETS)} "
+                         f"module{example}")
     return [(n, c) for n, c in candidates if any(_matches(n, p) for p in patterns)]
 
 

@@ -14,7 +14,10 @@ import os
 from typing import Dict, List, Optional
 
 STATE_KEY = "lora"
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")   # lora.target_modules
+# lora.target_modules: the attention / MLP linears, and Gated DeltaNet's projections
+# (Qwen3-Next / Qwen3.5 hybrid layers)
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj_qkvz", "in_proj_ba",
+           "out_proj")
 _BLOCK = 1 << 20
 
 

@@ -274,14 +274,12 @@ TABLE: Dict[str, object] = {
     "--load": Post(),
     "--save": Map("checkpoint.save_dir"),
     "--save-interval": Map("checkpoint.save_interval"),
-    "--no-load-optim": Noop("a --load folder gives the weights only; a resume of an ms-llm "
-                            "run restores the optimizer"),
+    "--no-load-optim": Post(0),   # (whether --load of a Megatron training checkpoint resumes)
     "--no-load-rng": Noop("a --load folder gives the weights only; a resume of an ms-llm run "
                           "restores the RNG"),
     "--no-save-optim": Noop("ms-llm checkpoints always hold the optimizer state (resumable)"),
     "--no-save-rng": Noop("ms-llm checkpoints always hold the RNG state (resumable)"),
-    "--ckpt-format": Noop("--save writes ms-llm's sharded format; `ms-llm convert` writes "
-                          "Megatron's", 1, ("torch", "torch_dist")),
+    "--ckpt-format": Post(),
     "--exit-on-missing-checkpoint": Noop("a missing --load folder is always an error here"),
     "--enable-hf2mg-convert": Noop("ms-llm reads a Hugging Face --load folder directly"),
     "--model-type-hf": Noop("the folder's config.json names the architecture", 1),

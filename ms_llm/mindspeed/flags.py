@@ -115,8 +115,21 @@ def _finish(tr: Translation, post: Dict[str, List[str]], world_size: Optional[in
         k["data.dataset_type"] = "sft"
     elif stage is not None:
         raise ConfigError(f"--stage {stage}: not supported (sft and dpo are built)")
+    fmt = post.get("--ckpt-format", [None])[0]
+    if fmt == "torch_dist":
+        k["checkpoint.format"] = "torch_dist"
+    elif fmt == "torch":
+        tr.notes.append("--ckpt-format torch: --save writes ms-llm's sharded format (the legacy "
+                        "format is checkpoint.format torch, dense full-parameter runs only; "
+                        "`ms-llm convert` writes its weights)")
+    elif fmt is not None:
+        raise ConfigError(f"--ckpt-format {fmt}: not supported (torch_dist and torch are)")
+    if "--no-load-optim" in post:
+        tr.notes.append("--no-load-optim: no-op (a --load folder gives the weights only; a "
+                        "resume of an ms-llm or Megatron training checkpoint restores the "
+                        "optimizer)")
     if "--load" in post:
-        _load(tr, post["--load"][0], "--finetune" in post)
+        _load(tr, post["--load"][0], "--finetune" in post, "--no-load-optim" in post)
 
 
 def _architecture(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
@@ -197,17 +210,26 @@ def _layout(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
         k["parallel.virtual_pipeline_model_parallel_size"] = layers // (per * pp)
 
 
-def _load(tr: Translation, folder: str, finetune: bool) -> None:
+def _load(tr: Translation, folder: str, finetune: bool, no_optim: bool = False) -> None:
     """``--load``: the weights of a Hugging Face or Megatron folder (``checkpoint.load``); the
     same folder as ``--save`` holding an ms-llm checkpoint resumes that run instead
-    (``training.resume auto``) unless ``--finetune``."""
+    (``training.resume auto``) unless ``--finetune``; a torch_dist training checkpoint (the
+    PyTorch lane's) resumes from it (``checkpoint.resume_from``)."""
     k = tr.keys
     from ms_llm.checkpoint.torch_dist import is_torch_dist_dir
-    if os.path.isdir(folder) and any(is_torch_dist_dir(os.path.join(folder, d)) for d in
-                                     os.listdir(folder) if d.startswith("iter_")):
-        raise ConfigError(f"--load {folder}: a --ckpt-format torch_dist training checkpoint: "
-                          f"resuming from it is not built yet (ms_llm.checkpoint.torch_dist "
-                          f"reads its tensors); save with --ckpt-format torch and convert")
+    from ms_llm.checkpoint.legacy_train import latest_legacy
+    if os.path.isdir(folder) and (any(is_torch_dist_dir(os.path.join(folder, d)) for d in
+                                      os.listdir(folder) if d.startswith("iter_")) or
+                                  (not finetune and not no_optim and latest_legacy(folder))):
+        if finetune or no_optim:
+            raise ConfigError(f"--load {folder}: a torch_dist training checkpoint with "
+                              f"{'--finetune' if finetune else '--no-load-optim'}: loading its "
+                              f"weights alone is not built (drop the flag to resume the run)")
+        k["checkpoint.resume_from"] = folder
+        if os.path.abspath(folder) == os.path.abspath(str(k.get("checkpoint.save_dir", ""))):
+            k["training.resume"] = "auto"   # a relaunch continues its own newest save
+        tr.notes.append(f"--load {folder}: resuming the Megatron training checkpoint there")
+        return
     if not finetune and os.path.abspath(folder) == os.path.abspath(
             str(k.get("checkpoint.save_dir", ""))) and _has_ms_llm_checkpoint(folder):
         k["training.resume"] = "auto"
@@ -255,7 +277,8 @@ _POST_KEYS = {"model.num_query_groups": "--num-query-groups",
               "training.global_batch_size": "--global-batch-size",
               "training.eval_interval": "--eval-interval", "training.eval_iters": "--eval-iters",
               "training.stage": "--stage", "checkpoint.load": "--load",
-              "training.resume": "--load"}
+              "training.resume": "--load", "checkpoint.resume_from": "--load",
+              "checkpoint.format": "--ckpt-format"}
 FLAG_OF = {**_POST_KEYS, **{e.key: f for f, e in TABLE.items() if isinstance(e, Map)}}
 
 

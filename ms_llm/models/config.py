@@ -99,6 +99,13 @@ class TransformerConfig:
     linear_chunk_size: int = 64                    # chunk of the parallel delta-rule form
     attention_output_gate: bool = False            # out * sigmoid(gate), gate from linear_qkv
     layernorm_zero_centered_gamma: bool = False    # RMSNorm scales by (1 + weight), weight 0-init
+    # QK-clip (Kimi K2's MuonClip, Megatron-Core's names; ms_llm.training.qk_clip): after each
+    # step, a query group whose max attention logit passed the threshold has its W_q rows scaled
+    # by eta^alpha and W_k rows by eta^(1-alpha), eta = threshold / max logit
+    qk_clip: bool = False
+    qk_clip_alpha: float = 0.5
+    qk_clip_threshold: float = 100.0
+    log_max_attention_logit: bool = False          # log it without clipping (qk_clip logs too)
 
     @property
     def rotary_dim(self) -> int:

@@ -4,11 +4,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Optional
 
-from mindspore import Tensor
+from mindspore import Tensor, mint
 
 from ms_llm import ops as hot
 from ms_llm.compat import F, float32, nn
 from .config import TransformerConfig
+from .max_logit import max_attention_logits
 
 if TYPE_CHECKING:
     from .kv_cache import LayerKVCache
@@ -45,11 +46,21 @@ def output_init_std(config: TransformerConfig) -> float:
 
 class CoreAttention(nn.Module):
     """``softmax(q k^T / sqrt(d) + mask) v`` (Megatron's ``core_attention``): its own module so
-    that it can be recomputed (selective recompute) or swapped from outside; no parameters."""
+    that it can be recomputed (selective recompute) or swapped from outside; no parameters.
+
+    ``record_max_logit`` (set by ``training.qk_clip``): each training forward folds the per-head
+    max attention logit into ``current_max_attn_logits`` (Megatron-Core's name; the reader
+    resets it to None)."""
+    record_max_logit = False
+    current_max_attn_logits: Optional[Tensor] = None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor,
                 attention_mask: Optional[Tensor] = None) -> Tensor:
         if k.shape[2] == q.shape[2]:
+            if self.record_max_logit and self.training:
+                m = max_attention_logits(q, k, attention_mask)
+                prev = self.current_max_attn_logits
+                self.current_max_attn_logits = m if prev is None else mint.maximum(prev, m)
             return hot.causal_attention(q, k, v, attention_mask=attention_mask)
         return hot.cache_attention(q, k, v, attention_mask)     # queries over a KV cache
 

@@ -3,7 +3,8 @@
 ``mtp.layers.{k}`` (depth ``k + 1``) holds Megatron-Core's modules: ``enorm`` and ``hnorm``
 (RMSNorms of the shifted token embedding and of the previous depth's hidden states),
 ``eh_proj`` ``[H, 2H]`` (applied to ``[enorm(emb); hnorm(h)]``, embedding first),
-``transformer_layer`` (a decoder layer like the last one of the decoder: MLA / MoE when it is)
+``transformer_layer`` (a decoder layer like the last one of the decoder: MLA / MoE when it is;
+full (gated) attention in a hybrid model, whose MTP layer is never a Gated DeltaNet)
 and ``final_layernorm`` before the shared output head. The embedding and the output head are
 the main model's (HF's per-layer ``embed_tokens`` / ``shared_head.head`` copies are not kept).
 
@@ -27,7 +28,7 @@ from mindspore import Tensor
 from ms_llm import ops as hot
 from ms_llm.compat import F, nn
 from .config import TransformerConfig
-from .layers import RMSNorm, TransformerLayer
+from .layers import TransformerLayer, norm
 
 
 def roll_left(x: Tensor) -> Tensor:
@@ -40,12 +41,14 @@ class MultiTokenPredictionLayer(nn.Module):
                  attention: Optional[nn.Module] = None):
         super().__init__()
         c = config
-        self.enorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, c.params_dtype)
-        self.hnorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, c.params_dtype)
+        # the config's RMSNorm: zero-centred (1 + weight) in Qwen3-Next / Qwen3.5, whose MTP
+        # norms are the decoder's kind
+        self.enorm = norm(c, c.hidden_size)
+        self.hnorm = norm(c, c.hidden_size)
         self.eh_proj = hot.Linear(2 * c.hidden_size, c.hidden_size, bias=False,
                                   init_std=c.init_method_std, dtype=c.params_dtype)
         self.transformer_layer = TransformerLayer(c, mlp, attention)
-        self.final_layernorm = RMSNorm(c.hidden_size, c.layernorm_epsilon, c.params_dtype)
+        self.final_layernorm = norm(c, c.hidden_size)
 
     def forward(self, hidden: Tensor, embedded: Tensor, cos: Tensor, sin: Tensor,
                 attention_mask: Optional[Tensor] = None) -> Tensor:

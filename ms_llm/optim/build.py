@@ -7,6 +7,8 @@ import functools
 from typing import Sequence
 
 from ms_llm.compat import float32
+from ms_llm.parallel.distributed_optimizer import shard_rows
+from ms_llm.parallel.placement import RowShard, grad_replica_dim, placement_of
 from .adamw import AdamW
 from .base import Optimizer
 from .distributed import DistributedOptimizer
@@ -36,6 +38,7 @@ def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = Fals
             weight_decay=t.weight_decay, coefficient_type=t.muon_coefficient_type,
             num_ns_steps=t.muon_num_ns_steps, scale_mode=t.muon_scale_mode,
             extra_scale_factor=t.muon_extra_scale_factor, split_qkv=t.muon_split_qkv,
+            tp_mode=t.muon_tp_mode,
             model_config=model_config or cfg.model, groups=groups, adam=adam, pstate=pstate)
     else:
         make = functools.partial(adam, groups=groups)
@@ -43,9 +46,31 @@ def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = Fals
         if any(q.dtype != float32 for _, q in named_params):   # training.bf16
             return MainParams(named_params, make)
         return make(named_params)
+    if muon:
+        refuse_empty_muon_shards(named_params, groups, pstate)
     overlap = p.ddp_overlap and not jit and pstate.sizes.pp == 1
     return DistributedOptimizer(named_params, pstate, make, bucket_mb=p.ddp_bucket_mb,
                                 overlap=overlap, grad_dtype=grad_dtype(cfg))
+
+
+def refuse_empty_muon_shards(named_params: Sequence[tuple], groups, pstate) -> None:
+    """Under the distributed optimizer Muon gathers each matrix from every rank of its group,
+    so every rank must hold some rows of it (uneven cuts are fine, an empty one is not built).
+    The same answer on every rank (it depends on sizes only), so all of them stop together."""
+    for n, q in named_params:
+        if groups[n].optimizer != "muon":
+            continue
+        pl = placement_of(q)
+        dim = grad_replica_dim(pl)
+        if dim is None:        # FSDP-cut: the distributed optimizer refuses it in one line
+            continue
+        dim += "_cp" if pstate.sizes.cp > 1 else ""
+        g = pstate.group(dim)
+        rows, _ = shard_rows(tuple(q.shape), pl, dim, g.size, 0)
+        if g.size > 1 and RowShard(rows[0], g.size, g.size - 1).length == 0:
+            raise ValueError(f"parallel.use_distributed_optimizer with training.optimizer muon: "
+                             f"{n}'s {rows[0]} rows cut over {g.size} ranks (chunks of "
+                             f"{RowShard(rows[0], g.size, 0).chunk}) leave a rank none (not built)")
 
 
 def state_elements(cfg, name: str, shape: Sequence[int]) -> int:

@@ -20,7 +20,7 @@ each matrix is orthogonalised once, on the rank of its replica group (``dp``/``e
 Megatron's layer-wise optimizer does; every rank then applies identical updates. FSDP: the
 momentum is kept on the shard; the owner gathers the whole matrix, and each rank keeps its rows
 of the update (``OwnerPlan``). Tensor parallel ``blockwise``: each rank orthogonalises its own
-shard.
+shard; ``duplicated`` and ``distributed`` (``muon_tp``) orthogonalise the whole matrix.
 Non-matrix parameters (embeddings, output layer, norms, biases, router) take ``AdamW`` with the
 ``adam_*`` options. Momentum buffers are checkpointed as ``optimizer.momentum_buffer.<name>``.
 """
@@ -36,11 +36,13 @@ from ms_llm.compat import F, float32, zeros
 from ms_llm.parallel import comm
 from ms_llm.parallel.placement import RowShard, grad_replica_dim, placement_of
 from .adamw import AdamW
+from .muon_tp import TensorParallelNS, partition_dim
 from .base import Optimizer, StateTensor
-from .newton_schulz import coefficient_schedule, newton_schulz, scale_factor
+from .newton_schulz import batch_chunks, coefficient_schedule, newton_schulz, scale_factor
 from .param_groups import ParamGroup, assignment, build_groups, is_muon_matrix
 
 FP32 = 4
+BATCH_MAX = 1 << 17   # matrices up to this many elements (e.g. 128 x 1024) are batched by shape
 
 
 def matrix_view(name: str, shape: Tuple[int, ...], model_config, split_qkv: bool) -> tuple:
@@ -57,10 +59,12 @@ def matrix_view(name: str, shape: Tuple[int, ...], model_config, split_qkv: bool
         return ("qkv", shape[0] // per, [r * d, d, d])
     if c is not None and name.endswith(("experts.weight1", "experts.weight2")) \
             and c.moe_ffn_hidden_size:
-        f, h = c.moe_ffn_hidden_size, c.hidden_size
+        # Stored expert-major in memory, whatever the 2-D shape (``[H, E*2F]``, or the
+        # ``[E*H, 2F]`` rows a distributed-optimizer shard is cut from): E from the count.
+        f, h, n = c.moe_ffn_hidden_size, c.hidden_size, int(np.prod(shape))
         if name.endswith("weight1"):              # [H, E*2F] viewed [E, H, 2F]
-            return ("experts", shape[1] // (2 * f), h, 2 * f)
-        return ("experts", shape[0] // f, f, h)   # [E*F, H] viewed [E, F, H]
+            return ("experts", n // (2 * f * h), h, 2 * f)
+        return ("experts", n // (f * h), f, h)    # [E*F, H] viewed [E, F, H]
     return ("plain",)
 
 
@@ -72,7 +76,7 @@ class Muon:
                  nesterov: bool = False, weight_decay: float = 0.01,
                  coefficient_type: str = "quintic", num_ns_steps: int = 5,
                  scale_mode: str = "spectral", extra_scale_factor: float = 1.0,
-                 split_qkv: bool = True, model_config=None,
+                 split_qkv: bool = True, model_config=None, tp_mode: str = "duplicated",
                  groups: Optional[Mapping[str, ParamGroup]] = None,
                  adam: Optional[Callable[..., Optimizer]] = None, pstate=None):
         if groups is None:
@@ -103,6 +107,8 @@ class Muon:
         self.owners = OwnerPlan(self.params, self.muon_idx, self.names, pstate)
         self.views = {i: matrix_view(self.names[i], self.owners.full[i], model_config, split_qkv)
                       for i in self.muon_idx}
+        self.tp_ns = TensorParallelNS(tp_mode, pstate.group("tp") if pstate else None)
+        self.tp_dim = {i: partition_dim(self.params[i]) for i in self.muon_idx}
 
     @property
     def step_count(self) -> int:
@@ -113,45 +119,81 @@ class Muon:
         self.adam.step_count = value
 
     # ------------------------------------------------------------------ the update
-    def orthogonalize(self, i: int, u: Tensor) -> Tensor:
-        """The scaled Newton-Schulz update of parameter ``i`` from its momentum ``u``."""
-        view, s = self.views[i], self.extra_scale_factor
+    def matrices(self, i: int, u: Tensor) -> List[Tensor]:
+        """The matrices Newton-Schulz sees in parameter ``i``'s momentum ``u`` (``matrix_view``):
+        Q, K and V across the query groups, one ``[E, in, out]`` batch of experts, or ``u``."""
+        view = self.views[i]
         if view[0] == "qkv":
-            ng, rows = view[1], view[2]
-            h = u.shape[-1]
-            parts = mint.split(u.reshape(ng, sum(rows), h), rows, dim=1)
-            out = []
-            for part in parts:
-                m = part.reshape(-1, h)
-                o = newton_schulz(m, self.schedule)
-                out.append((o * (scale_factor(m.shape[0], h, self.scale_mode) * s))
-                           .reshape(ng, -1, h))
-            return mint.cat(out, dim=1).reshape(u.shape)
+            ng, rows, h = view[1], view[2], u.shape[-1]
+            return [part.reshape(-1, h) for part in
+                    mint.split(u.reshape(ng, sum(rows), h), rows, dim=1)]
         if view[0] == "experts":
-            e, fan_in, fan_out = view[1:]
-            o = newton_schulz(u.reshape(e, fan_in, fan_out), self.schedule)
-            return (o * (scale_factor(fan_out, fan_in, self.scale_mode) * s)).reshape(u.shape)
-        o = newton_schulz(u, self.schedule)
-        return o * (scale_factor(u.shape[0], u.shape[1], self.scale_mode) * s)
+            return [u.reshape(view[1:])]
+        return [u]
+
+    def assemble(self, i: int, u: Tensor, parts: List[Tensor]) -> Tensor:
+        """``matrices``' inverse: the orthogonalised parts back in ``u``'s layout."""
+        if self.views[i][0] == "qkv":
+            ng = self.views[i][1]
+            return mint.cat([o.reshape(ng, -1, u.shape[-1]) for o in parts], dim=1
+                            ).reshape(u.shape)
+        return parts[0].reshape(u.shape)
+
+    def orthogonalize(self, us: Dict[int, Tensor]) -> Dict[int, Tensor]:
+        """The scaled Newton-Schulz updates of the parameters ``us`` maps to their momenta.
+
+        Small matrices of one shape (K and V of every layer, ...) go through one batched
+        Newton-Schulz: one dispatch per op for the batch instead of one per matrix, which is
+        most of their cost on CPU. Larger ones (above ``BATCH_MAX`` elements) run alone: there
+        the GEMMs dominate and MindSpore's CPU batched matmul measured slower than a loop of 2-D
+        ones (``benchmarks/muon.py``). Grouped experts are one batch of their own. A
+        tensor-parallel shard in ``duplicated``/``distributed`` mode takes its own collective
+        path."""
+        s, items, batches, out = self.extra_scale_factor, [], {}, {}
+        for i, u in us.items():
+            dim = self.tp_dim[i]
+            for k, m in enumerate(self.matrices(i, u)):
+                size = self.tp_ns.global_shape(m.shape, dim)
+                scale = scale_factor(size[0], size[1], self.scale_mode) * s
+                items.append((i, k, m, scale, dim))
+                if self.tp_ns.split_dim(dim) is None and m.shape[-1] * m.shape[-2] <= BATCH_MAX:
+                    batches.setdefault(tuple(m.shape[-2:]), []).append(len(items) - 1)
+        done: Dict[int, Tensor] = {}
+        for shape, members in batches.items():
+            for chunk in batch_chunks(members, [items[j][2] for j in members]):
+                mats = [items[j][2] for j in chunk]
+                if len(mats) == 1:
+                    done[chunk[0]] = newton_schulz(mats[0], self.schedule)
+                    continue
+                counts = [int(np.prod(m.shape[:-2])) for m in mats]
+                batch = mint.cat([m.reshape((-1,) + shape) for m in mats])
+                for j, o, m in zip(chunk, mint.split(newton_schulz(batch, self.schedule),
+                                                     counts), mats):
+                    done[j] = o.reshape(m.shape)
+        parts: Dict[int, List[Tensor]] = {}
+        for j, (i, k, m, scale, dim) in enumerate(items):
+            o = done[j] if j in done else self.tp_ns(m, dim, self.schedule)
+            parts.setdefault(i, []).append(o * scale)
+        for i, u in us.items():
+            out[i] = self.assemble(i, u, parts[i])
+        return out
 
     def step(self, grads: Sequence[Tensor], lr: Optional[float] = None) -> None:
         lr = self.lr if lr is None else lr
         self.adam.step([grads[i] for i in self.adam_idx], lr)
         m, us = self.momentum, {}
-        for i in self.muon_idx:
+        for i in self.muon_idx:     # one fused op per term (lerp), not three
             g, buf = grads[i], self.momentum_buffer[i]
-            F.copy_(buf, buf + (g - buf) * (1.0 - m))
-            us[i] = g + (buf - g) * m if self.nesterov else buf
+            F.copy_(buf, mint.lerp(buf, g, 1.0 - m))
+            us[i] = mint.lerp(g, buf, m) if self.nesterov else buf
         full = self.owners.gather(us)
-        updates = {i: self.orthogonalize(i, full[i]) for i in self.muon_idx
-                   if self.owners.mine(i)}
+        updates = self.orthogonalize({i: full[i] for i in self.muon_idx
+                                      if self.owners.mine(i)})
         self.owners.exchange(updates)
         for i in self.muon_idx:
             p, lr_p = self.params[i], lr * self.lr_mult[i]
             decay = lr_p * self.weight_decay * self.wd_mult[i]
-            if decay:
-                F.copy_(p, p * (1.0 - decay))
-            F.copy_(p, p - updates[i] * lr_p)
+            F.copy_(p, (p * (1.0 - decay) if decay else p) - updates[i] * lr_p)
 
     # ------------------------------------------------------------------ the protocol
     def state_tensors(self, param: Parameter) -> List[StateTensor]:

@@ -4,7 +4,7 @@ coefficient schedules and update scale modes of NVIDIA's ``emerging_optimizers``
 index does not serve it).
 
 For ``X`` (the smaller dimension first, transposing if needed) normalised by its Frobenius norm,
-each step with coefficients ``(a, b, c)`` is ``A = X X^T; X = a X + (b A + c A A) X``. Schedules
+each step with coefficients ``(a, b, c)`` is ``A = X X^T; X = (a I + b A + c A A) X``. Schedules
 that list fewer sets than steps cycle (``simple``, ``quintic``, ``aol``) or repeat their last set
 (``polar_express``, ``cans``), as the reference does. Everything runs in fp32 (Megatron's
 ``muon_fp32_matmul_prec: high``), so the result is deterministic and matches a NumPy reference to
@@ -12,9 +12,11 @@ fp32 rounding.
 """
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 from mindspore import Tensor, mint
 
 Coeffs = Tuple[float, float, float]
@@ -34,6 +36,7 @@ COEFFICIENTS: Dict[str, List[Coeffs]] = {
             (2.7215, -3.0494, 1.3169)],
 }
 REPEAT_LAST = ("polar_express", "cans")
+BATCH_ELEMENTS = 1 << 25   # at most 32M fp32 elements (128 MiB) per batched Newton-Schulz input
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 EPS = 1e-15   # emerging_optimizers' default: the norm is clamped to at least this
 
@@ -62,15 +65,55 @@ def scale_factor(size_out: int, size_in: int, mode: str) -> float:
     raise ValueError(f"training.muon_scale_mode: {mode!r} is not one of {', '.join(SCALE_MODES)}")
 
 
-def newton_schulz(x: Tensor, schedule: Sequence[Coeffs]) -> Tensor:
-    """Orthogonalise fp32 ``x`` (``[m, n]``, or a batch ``[k, m, n]`` of matrices)."""
-    transpose = x.shape[-2] > x.shape[-1]
+def newton_schulz(x: Tensor, schedule: Sequence[Coeffs], transpose: Optional[bool] = None,
+                  reduce: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
+    """Orthogonalise fp32 ``x`` (``[m, n]``, or a batch ``[k, m, n]`` of matrices).
+
+    ``transpose``: iterate on ``x^T`` (default: when ``x`` has more rows than columns, so the
+    Gram matrix is the small one). ``reduce``: a shard of a tensor-parallel matrix
+    (``muon_tp``'s ``distributed`` mode): the squared norm and every Gram matrix are summed
+    over the shards with it (the shards must split the dimension the Gram sums over)."""
+    if transpose is None:
+        transpose = x.shape[-2] > x.shape[-1]
     if transpose:
         x = x.swapaxes(-2, -1)
-    norm = mint.sqrt((x * x).sum(dim=(-2, -1), keepdim=True))
-    x = x / mint.clamp(norm, min=EPS)
+    sq = (x * x).sum(dim=(-2, -1), keepdim=True)
+    if reduce is not None:
+        sq = reduce(sq)
+    x = x / mint.clamp(mint.sqrt(sq), min=EPS)
+    eye = identity(x.shape[-2])
     for a, b, c in schedule:
+        # (a I + b A + c A^2) X as three GEMMs and two small [m, m] passes: the polynomial is
+        # built on the Gram side, so the wide X is only ever read by the GEMMs.
         gram = mint.matmul(x, x.swapaxes(-2, -1))
-        poly = gram * b + mint.matmul(gram, gram) * c if c != 0.0 else gram * b
-        x = x * a + mint.matmul(poly, x)
+        if reduce is not None:
+            gram = reduce(gram)
+        if c != 0.0:
+            poly = mint.matmul(gram, gram * c + eye * b) + eye * a
+        else:
+            poly = gram * b + eye * a
+        x = mint.matmul(poly, x)
     return x.swapaxes(-2, -1) if transpose else x
+
+
+@functools.lru_cache(maxsize=32)
+def identity(m: int) -> Tensor:
+    """The fp32 ``[m, m]`` identity (cached: one per matrix side)."""
+    return Tensor(np.eye(m, dtype=np.float32))
+
+
+def batch_chunks(members: Sequence[int], mats: Sequence[Tensor],
+                 limit: int = BATCH_ELEMENTS) -> List[List[int]]:
+    """``members`` (aligned with their matrices ``mats``) in consecutive runs of at most
+    ``limit`` elements (a lone larger matrix is a run of its own), so a batched Newton-Schulz
+    never holds more than a few such buffers at once."""
+    runs: List[List[int]] = []
+    total = 0
+    for j, m in zip(members, mats):
+        n = int(m.size)
+        if not runs or total + n > limit:
+            runs.append([])
+            total = 0
+        runs[-1].append(j)
+        total += n
+    return runs

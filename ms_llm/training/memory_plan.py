@@ -186,7 +186,8 @@ def _cp_attention_bytes(c: TransformerConfig, b: int, s: int, tp: int, cp: int, 
 
 
 def _layer_activation_bytes(c: TransformerConfig, b: int, s: int, tp: int, sp: bool,
-                            t, moe_layer: bool, cp: int = 1, u: int = 1) -> Tuple[int, int]:
+                            t, moe_layer: bool, cp: int = 1, u: int = 1,
+                            kind: str = "attention") -> Tuple[int, int]:
     """(kept through forward, re-materialized while its backward runs) for one layer and one
     micro-batch, under the recompute settings ``t``; ``cp``/``u``: context parallel size and
     its Ulysses degree (this rank's tokens are ``s / cp`` of each sequence)."""
@@ -205,7 +206,12 @@ def _layer_activation_bytes(c: TransformerConfig, b: int, s: int, tp: int, sp: b
     mlp = FP32 * ACT["ffn"] * tokens * ffn
     if moe_layer:   # routed copies of the hidden states: permuted in, expert outputs back
         mlp += FP32 * ACT["moe_routed"] * tokens * c.moe_router_topk * h
-    if cp > 1:
+    if kind == "gated_delta_net":     # no [s, s] scores: chunk and state terms (hybrid)
+        from .memory_plan_hybrid import gdn_activation_bytes
+        qkv = 0
+        scores, transient = gdn_activation_bytes(c, b, s, tp)
+        rerun_transient = transient
+    elif cp > 1:
         scores, transient = _cp_attention_bytes(c, b, full_s, tp, cp, u)
         rerun_transient = transient
     else:
@@ -218,7 +224,7 @@ def _layer_activation_bytes(c: TransformerConfig, b: int, s: int, tp: int, sp: b
     whole = hidden + qkv + mlp + scores
     if t.recompute_granularity == "full":
         return FP32 * t_sp * h, whole + rerun_transient
-    if t.recompute_granularity == "selective":
+    if t.recompute_granularity == "selective" and kind != "gated_delta_net":
         return whole - scores, scores + transient
     return whole, transient
 
@@ -292,7 +298,7 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     chunk_kept, remat = [0] * chunks, 0
     for pos, i in enumerate(layers):
         k, r = _layer_activation_bytes(c, b, s, tp, sp, _recomputed(t, pos % per_chunk),
-                                       c.is_moe_layer(i), cp, u)
+                                       c.is_moe_layer(i), cp, u, c.layer_type(i))
         chunk_kept[min(pos // per_chunk, chunks - 1)] += k
         remat = max(remat, r)
     if stage == pp - 1:
@@ -392,6 +398,7 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
     """Plan ``cfg`` on ``nproc`` workers. ``distributed_optimizer`` None: the config's setting
     (what-if otherwise). ``model_config``: the architecture (default: ``planned_model_config``)."""
     from ms_llm.parallel.parallelize import jit_blockers
+    from ms_llm.parallel.plan_experts import fold_experts, unfold_params, unfold_shapes
     from ms_llm.parallel.plan_shapes import full_shapes, plan_state, rank_params
     from ms_llm.parallel.state import ParallelSizes
     check_layout(cfg, nproc)
@@ -404,8 +411,11 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
         tp = cfg.parallel.tensor_model_parallel_size
         check_heads(c.num_attention_heads // tp, c.num_query_groups // tp, u,
                     "parallel.context_parallel_algo: ")
-    shapes = _shapes or full_shapes(c)
     p = cfg.parallel
+    # many small experts: built folded, unfolded to the real count (ms_llm.parallel.plan_experts)
+    built, fold = fold_experts(c, p.expert_model_parallel_size)
+    built_shapes = full_shapes(built) if fold > 1 or _shapes is None else None
+    shapes = _shapes or unfold_shapes(built_shapes, fold)
     sizes = ParallelSizes(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                           cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
                           world=nproc)
@@ -418,7 +428,8 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
                p.virtual_pipeline_model_parallel_size, tuple(p.num_layer_list),
                tuple(p.noop_layers))
         if key not in cache:
-            cache[key] = rank_params(cfg, c, sizes, rank, shapes)
+            cache[key] = unfold_params(rank_params(cfg, built, sizes, rank, built_shapes or
+                                                   shapes), fold)
         params = cache[key]
         stages.append(plan_stage(cfg, c, params, stage, rank, nproc, distributed_optimizer,
                                  shapes))

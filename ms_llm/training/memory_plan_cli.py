@@ -13,7 +13,9 @@ def plan_with_fix(cfg, nproc: int, device_memory_gb: Optional[float] = None,
     that does (``plan.suggestion``)."""
     c = planned_model_config(cfg)
     from ms_llm.parallel.plan_shapes import full_shapes   # imports MindSpore: not for --help
-    shapes, cache = full_shapes(c), {}
+    from ms_llm.parallel.plan_experts import fold_experts, unfold_shapes
+    built, fold = fold_experts(c, cfg.parallel.expert_model_parallel_size)
+    shapes, cache = unfold_shapes(full_shapes(built), fold), {}
     plan = plan_memory(cfg, nproc, device_memory_gb, distributed_optimizer, c, shapes, cache)
     if plan.fits is False:
         distopt = plan.layout["distributed_optimizer"]

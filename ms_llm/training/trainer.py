@@ -33,8 +33,10 @@ from ms_llm.parallel.state import initialize_model_parallel
 from . import grad as gradlib
 from . import mixed_precision
 from . import checkpointing as ckpt
+from . import megatron_checkpoint
 from . import rng_state
 from .callbacks import CallbackList, TrainerCallback
+from .qk_clip import QKClip
 from .data_setup import build_data
 from .dpo import DPOObjective, dpo_pieces, reference_for
 from .evaluate import Evaluator
@@ -138,6 +140,10 @@ class Trainer:
             self.callbacks.append(ExpertBiasUpdate(self.model, self._sum_over_dp,
                                                    collect=self.pipeline is None))
         self.callbacks.append(self.observe)
+        if cfg.model.qk_clip or cfg.model.log_max_attention_logit:   # MuonClip (qk_clip.py)
+            self.callbacks.append(QKClip(self.model, self.optimizer.checkpoint_tensor,
+                                         self.dp_cp_group, cfg.model.qk_clip_threshold,
+                                         cfg.model.qk_clip_alpha, cfg.model.qk_clip))
         for callback in callbacks:
             self.callbacks.append(callback)
         self._maybe_resume()
@@ -187,10 +193,18 @@ class Trainer:
     def _maybe_resume(self) -> None:
         ck = self.cfg.checkpoint
         auto = self.cfg.training.resume == "auto"
-        latest = dcp.resolve_resume("auto", ck.save_dir, report=self._say) if auto else None
-        guard_save_dir(ck.save_dir, latest, dataclasses.asdict(self.cfg.model), self._say,
-                       self.dist.rank)   # never write over checkpoints that do not verify
-        if not auto:
+        megatron = megatron_checkpoint.resume_source(self.cfg)   # a torch_dist checkpoint
+        if megatron is not None:
+            latest = megatron_checkpoint.stage_resume(
+                megatron, self.cfg, {"rng": rng_state.capture(),
+                                     "model_config": dataclasses.asdict(self.cfg.model)},
+                self.dist.rank, comm.barrier, self._say)
+        else:
+            latest = dcp.resolve_resume("auto", ck.save_dir, report=self._say) if auto else None
+        if not megatron_checkpoint.is_torch_dist(self.cfg):
+            guard_save_dir(ck.save_dir, latest, dataclasses.asdict(self.cfg.model), self._say,
+                           self.dist.rank)   # never write over checkpoints that do not verify
+        if not auto and megatron is None:
             return
         if latest is None:
             self._say(f"resume=auto: no complete checkpoint in {ck.save_dir}, starting fresh")
@@ -230,11 +244,12 @@ class Trainer:
                     self.cfg.lora, self.cfg.checkpoint.load,
                     lora_module_names(self.model))
             state[lora_base.STATE_KEY] = self._lora_state
-        return ckpt.save(self.cfg.checkpoint.save_dir, self.step, self._checkpointed(),
-                         self.optimizer,
+        path = ckpt.save(megatron_checkpoint.native_save_dir(self.cfg), self.step,
+                         self._checkpointed(), self.optimizer,
                          self.pstate, state, barrier=comm.barrier, rank=self.dist.rank,
                          all_finite=ckpt.all_ranks_finite(self.dist.world_size),
                          world=self.dist.world_size, keep_last=self.cfg.checkpoint.keep_last)
+        return megatron_checkpoint.publish(self.cfg, path, self.dist.rank, comm.barrier)
 
     def train_step(self) -> Dict[str, float]:
         """One optimizer step over ``accum_steps`` micro-batches per data-parallel rank."""

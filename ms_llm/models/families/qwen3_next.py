@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import List, Mapping
 
 from ..config import TransformerConfig
-from ..registry import FamilySpec, register_family
+from ..registry import FamilySpec, Qualify, register_family
 from .common import check_heads, decoder_fields, decoder_to_hf, need, refuse_attention_bias
 from .glm45 import partial_rotary_factor
 from .qwen3_moe import moe_fields
@@ -33,6 +33,24 @@ def layer_types_from_hf(hf: Mapping, source: str) -> List[str]:
         raise ValueError(f"{source}: layer_types {types} must name 'linear_attention' or "
                          f"'full_attention' for each of the {n} layers")
     return [HF_KINDS[t] for t in types]
+
+
+def mtp_extras(hf: Mapping, source: str) -> dict:
+    """The MTP layout facts of a Qwen3-Next / Qwen3.5 ``config.json``: ``mtp_num_hidden_layers``
+    (also read as ``num_nextn_predict_layers``) depths kept under ``mtp.`` with one set of
+    ``fc`` / norms, whose layer is full attention."""
+    n = int(hf.get("mtp_num_hidden_layers", hf.get("num_nextn_predict_layers", 0)) or 0)
+    if n > 1:
+        raise ValueError(f"{source}: mtp_num_hidden_layers {n}: more than one MTP layer is not "
+                         f"built for this family (its mtp.fc / norms are one set)")
+    return dict(mtp_layers=n, mtp_hf="mtp", mtp_kind="gated_attention")
+
+
+def mtp_to_hf(c: TransformerConfig) -> dict:
+    if (c.mtp_num_layers or 0) > 1:
+        raise ValueError(f"export: HF Qwen3-Next / Qwen3.5 hold one MTP layer, not "
+                         f"{c.mtp_num_layers}")
+    return {"mtp_num_hidden_layers": c.mtp_num_layers or 0, "mtp_use_dedicated_embeddings": False}
 
 
 def from_hf(hf: Mapping, source: str = "config.json") -> TransformerConfig:
@@ -62,8 +80,6 @@ def to_hf(c: TransformerConfig) -> dict:
                                   or c.moe_router_enable_expert_bias
                                   or not c.moe_shared_expert_gate):
         why = "this router / shared expert (HF routes with softmax, gates its shared expert)"
-    elif c.mtp_num_layers:
-        why = "multi-token prediction layers (not built for this family)"
     if why:
         raise ValueError(f"export: HF Qwen3-Next cannot express {why}")
     cfg = decoder_to_hf(c, "qwen3_next", "Qwen3NextForCausalLM")
@@ -73,6 +89,7 @@ def to_hf(c: TransformerConfig) -> dict:
     inverse = {v: k for k, v in HF_KINDS.items()}
     cfg.update({k: getattr(c, k) for k in LINEAR_KEYS})
     cfg["layer_types"] = [inverse[t] for t in c.layer_types]
+    cfg.update(mtp_to_hf(c))
     if c.mlp_type == "moe":
         cfg.update(num_experts=c.num_moe_experts, num_experts_per_tok=c.moe_router_topk,
                    moe_intermediate_size=c.moe_ffn_hidden_size,
@@ -95,6 +112,22 @@ TINY_HF = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_at
                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                 "partial_rotary_factor": 0.25})
 
+# ``ms-llm qualify``'s row: the 80B YAML shrunk (Gated DeltaNet / gated attention / Gated
+# DeltaNet, chunks of 16 so a 32-token sequence carries a state across chunks, 4 experts top 2
+# with a gated shared expert and the aux loss; 16 value heads so in_proj_ba's 32 rows take
+# MXFP8's 32-blocks)
+QUALIFY_ARGS = ("--model.num_layers", "3",
+                "--model.layer_types", "gated_delta_net,attention,gated_delta_net",
+                "--model.hidden_size", "64", "--model.ffn_hidden_size", "96",
+                "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
+                "--model.kv_channels", "16", "--model.max_position_embeddings", "64",
+                "--model.linear_key_head_dim", "16", "--model.linear_value_head_dim", "16",
+                "--model.linear_num_key_heads", "2", "--model.linear_num_value_heads", "16",
+                "--model.linear_chunk_size", "16", "--model.num_moe_experts", "4",
+                "--model.moe_router_topk", "2", "--model.moe_ffn_hidden_size", "32",
+                "--model.moe_shared_expert_intermediate_size", "32",
+                "--model.moe_aux_loss_coeff", "0.01")
+
 SPEC = register_family(FamilySpec(
     name="qwen3-next", hf_model_type="qwen3_next", hf_architecture="Qwen3NextForCausalLM",
     from_hf=from_hf, to_hf=to_hf,
@@ -106,6 +139,7 @@ SPEC = register_family(FamilySpec(
     claim_order=5,
     layer_kinds=lambda c: tuple("gated_attention" if t == "attention" else t
                                 for t in (c.layer_types or ["attention"] * c.num_layers)),
-    layout_extras=lambda hf, source: dict(hf_shared="mlp.shared_expert."),
+    layout_extras=lambda hf, source: dict(hf_shared="mlp.shared_expert.",
+                                          **mtp_extras(hf, source)),
     tiny_hf=TINY_HF,
-    qualify=None))
+    qualify=Qualify("qwen3-next", "qwen3_next_80b_a3b.yaml", QUALIFY_ARGS)))

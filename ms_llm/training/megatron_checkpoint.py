@@ -1,0 +1,169 @@
+"""The trainer's side of Megatron training checkpoints: Megatron-Core's ``torch_dist`` and the
+legacy ``torch`` format (``checkpoint.format: torch_dist | torch``, ``--ckpt-format torch_dist``;
+``checkpoint.resume_from``, ``--load``).
+
+Resume: rank 0 rewrites the Megatron checkpoint as a one-piece ms-llm checkpoint in a staging
+folder (``ms_llm.checkpoint.torch_dist_train``) and every rank then loads it through the
+trainer's ordinary, layout-free load, so a checkpoint saved at one tp / dp resumes at another.
+Save: every rank writes the ordinary ms-llm checkpoint into the staging folder, then rank 0
+rewrites it as ``save_dir/iter_<step>`` in the Megatron format and updates Megatron's tracker
+(older iterations are kept: ``checkpoint.keep_last`` prunes ms-llm's own format only).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Callable, Optional
+
+from ms_llm.checkpoint.legacy_train import export_legacy, import_legacy, latest_legacy
+from ms_llm.checkpoint.torch_dist import is_torch_dist_dir
+from ms_llm.checkpoint.torch_dist_train import export_torch_dist, import_torch_dist, \
+    latest_torch_dist
+from ms_llm.config import ConfigError
+
+STAGING = ".ms_llm_staging"
+_FAILED = "FAILED"
+
+
+def is_torch_dist(cfg) -> bool:
+    """Whether ``save_dir`` holds Megatron's format (torch_dist or legacy torch)."""
+    return cfg.checkpoint.format in ("torch_dist", "torch")
+
+
+def _latest(folder: str) -> Optional[str]:
+    found = latest_torch_dist(folder) or latest_legacy(folder)
+    return None if found is None else found[0]
+
+
+def resume_source(cfg) -> Optional[str]:
+    """The Megatron ``iter_*`` folder this run resumes from, or None (ms-llm's own resume):
+    under ``training.resume auto`` the run's own newest save in ``save_dir`` first (a relaunch
+    continues its own saves, in either format), else ``checkpoint.resume_from`` (a folder with
+    a tracker, or an ``iter_*`` folder)."""
+    ck = cfg.checkpoint
+    if (is_torch_dist(cfg) or ck.resume_from) and (cfg.lora.r or cfg.model.mlp_type == "moe"):
+        raise ConfigError(f"checkpoint.format {ck.format} / checkpoint.resume_from: Megatron "
+                          f"training checkpoints of LoRA or MoE runs are not built (dense "
+                          f"full-parameter training only)")
+    if cfg.training.resume == "auto" and ck.save_dir:
+        if is_torch_dist(cfg):
+            found = _latest(ck.save_dir)
+            if found is not None:
+                return found
+        elif _has_own_checkpoint(ck.save_dir):   # a relaunch continues its own ms-llm saves
+            return None
+    if not ck.resume_from:
+        return None
+    if is_torch_dist_dir(ck.resume_from) or _is_legacy_iter(ck.resume_from):
+        return ck.resume_from
+    found = _latest(ck.resume_from)
+    if found is None:
+        raise ConfigError(f"checkpoint.resume_from {ck.resume_from}: not a Megatron training "
+                          f"checkpoint (no latest_checkpointed_iteration.txt naming an iter_* "
+                          f"folder in torch_dist, or in torch format with an optimizer entry)")
+    return found
+
+
+def _has_own_checkpoint(save_dir: str) -> bool:
+    from ms_llm.checkpoint import dcp
+    return dcp.find_latest_complete(save_dir, "size", report=lambda _m: None) is not None
+
+
+def _is_legacy_iter(path: str) -> bool:
+    return os.path.isdir(path) and any(d.startswith("mp_rank_") for d in os.listdir(path))
+
+
+def staging_dir(cfg) -> str:
+    """Shared by every rank (the save folder, or the output folder when there is none)."""
+    return os.path.join(cfg.checkpoint.save_dir or cfg.training.output_dir, STAGING)
+
+
+def _rank0(work: Callable[[], object], where: str, rank: int, barrier) -> None:
+    """Run ``work`` on rank 0; a failure there raises on every rank (no rank waits forever)."""
+    flag = os.path.join(where, _FAILED)
+    if rank == 0:
+        try:
+            if os.path.exists(flag):
+                os.remove(flag)
+            work()
+        except Exception as e:
+            os.makedirs(where, exist_ok=True)
+            with open(flag, "w", encoding="utf-8") as f:
+                f.write(" ".join(f"{type(e).__name__}: {e}".split()))
+            barrier()
+            raise
+    barrier()
+    if rank != 0 and os.path.isfile(flag):
+        with open(flag, encoding="utf-8") as f:
+            raise RuntimeError(f"rank 0 failed on {where}: {f.read().strip()}")
+
+
+def stage_resume(source: str, cfg, state: dict, rank: int, barrier,
+                 say: Callable[[str], None]) -> str:
+    """Collective: the ms-llm checkpoint (in the staging folder) every rank loads instead of
+    ``source``. ``state`` is what torch_dist cannot hold (this run's RNG and model config)."""
+    where = os.path.join(staging_dir(cfg), "import")
+
+    def work():
+        shutil.rmtree(where, ignore_errors=True)
+        try:
+            kw = {"gated": bool(cfg.model.gated_linear_unit),
+                  "global_batch_size": cfg.training.global_batch_size}
+            if is_torch_dist_dir(source):
+                import_torch_dist(source, where, state, **kw)
+            else:
+                import_legacy(source, where, state, model_type_hf=cfg.model_family, **kw)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.resume_from: {e}") from None
+    _rank0(work, staging_dir(cfg), rank, barrier)
+    from ms_llm.checkpoint import dcp
+    path = dcp.find_latest_complete(where)
+    say(f"resuming from the Megatron checkpoint {source} (its torch RNG state is not taken: "
+        f"MindSpore's generators keep training.seed's)")
+    return path
+
+
+def native_save_dir(cfg) -> str:
+    """Where the trainer's own save writes: ``save_dir``, or the staging folder under it."""
+    return os.path.join(staging_dir(cfg), "export") if is_torch_dist(cfg) else \
+        cfg.checkpoint.save_dir
+
+
+def publish(cfg, native_path: str, rank: int, barrier) -> str:
+    """Collective, after the trainer's save: with ``checkpoint.format torch_dist`` / ``torch``
+    rank 0 rewrites ``native_path`` as ``save_dir/iter_<step>`` in it; returns the path."""
+    if not is_torch_dist(cfg):
+        return native_path
+    t = cfg.training
+    out = {}
+
+    def work():
+        write = export_torch_dist if cfg.checkpoint.format == "torch_dist" else export_legacy
+        out["path"] = write(
+            native_path, cfg.checkpoint.save_dir, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps, weight_decay=t.weight_decay, global_batch_size=t.global_batch_size,
+            megatron_args=megatron_args(cfg))
+        shutil.rmtree(native_path, ignore_errors=True)
+    _rank0(work, staging_dir(cfg), rank, barrier)
+    step = int(os.path.basename(native_path).split("_")[-1])
+    return out.get("path", os.path.join(cfg.checkpoint.save_dir, f"iter_{step:07d}"))
+
+
+def megatron_args(cfg) -> dict:
+    """The ``args`` Megatron-LM's loader compares against its own (architecture, batch) and
+    reads (``consumed_train_samples`` is added by the export)."""
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    return {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
+            "ffn_hidden_size": m.ffn_hidden_size, "num_attention_heads": m.num_attention_heads,
+            "num_query_groups": m.num_query_groups, "kv_channels": m.kv_channels,
+            "group_query_attention": m.num_query_groups != m.num_attention_heads,
+            "padded_vocab_size": m.padded_vocab_size,
+            "max_position_embeddings": m.max_position_embeddings, "add_position_embedding": False,
+            "position_embedding_type": "rope", "normalization": m.normalization,
+            "swiglu": bool(m.gated_linear_unit), "qk_layernorm": bool(m.qk_layernorm),
+            "untie_embeddings_and_output_weights": bool(m.untie_embeddings_and_output_weights),
+            "tensor_model_parallel_size": p.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+            "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
+            "train_iters": t.max_steps, "seed": t.seed, "lr": t.lr, "min_lr": t.min_lr,
+            "bf16": bool(t.bf16), "fp16": False, "use_distributed_optimizer": False}
