@@ -1,36 +1,48 @@
-"""Generation throughput of a ~55M-parameter Llama-style model: prefill, and decode with the KV
-cache against recomputing the whole sequence for every token.
+"""Decoding speed: ``ms_llm.inference.generate`` against transformers' ``generate`` on the same
+Hugging Face folder, in one run, plus where an ms-llm decode step goes.
 
-Model: hidden 512, 8 layers, 8 heads / 2 KV heads, FFN 1408, vocab 32000, fp32, random weights,
-batch 1. Everything goes through ``ms_llm.inference.generate`` (greedy); a streamer records the
-time of every token, so the figures include the whole loop (forward, logits to host, argmax):
+Model: a random-weight Qwen3 written by transformers (``--hf`` reuses a folder): hidden 384,
+6 layers, 6 heads / 2 KV heads of 64, QK-norm, FFN 1024, vocab 32000, tied embeddings: 21.7 M
+parameters (the ~23M Qwen3 of issue #31), fp32. Both sides decode greedily ``--new`` tokens after
+random prompts of each ``--prompts`` length at each ``--batch`` size, with no EOS (every run makes
+exactly ``batch * new`` tokens):
 
-* prefill tok/s: prompt tokens / time to the first new token (one forward over the prompt);
-* decode tok/s (cache): 1 / median time between later tokens, one-token forward over the cache;
-* decode tok/s (recompute): the same without the cache, a forward over the whole sequence each
-  token (``use_cache=False``).
+* tok/s: ``batch * new`` / wall time of the whole ``generate`` call (prefill included, as the
+  issue measures); the ratio column is ms-llm / transformers;
+* ms/step: the median time between later tokens (a streamer records each one), the decode step;
+* each figure is the best of ``--rounds`` rounds, ms-llm and transformers interleaved, so load
+  spikes on a shared machine hit both alike. torch runs with its default threads (the cores),
+  ms-llm's one-token steps with one OpenBLAS thread (``generate``'s default, see there).
 
-The decode slope is a least-squares fit of the cached per-token time against the context length;
-a flat decode shows as a slope that is small next to the per-token time.
+The breakdown (``--no-breakdown`` skips it) profiles decode steps at batch 1 after a 512-token prompt, with the
+fused decode kernels (``ms_llm.models.fused_decode``, the default) and with the module path
+(``fused_decode.set_enabled(False)``, what ms-llm ran before): per-step time by part and the number
+of MindSpore op dispatches per step. cProfile's own overhead inflates the Python-side shares; the
+ms/step column outside the profiler is the one to compare.
 
-Each figure is the best of ``--rounds`` interleaved rounds (on a shared machine the minimum is
-the least disturbed measurement).
-
-Usage: ``python benchmarks/generate.py [--contexts 128,512,2048] [--new 16] [--recompute 3]
-[--rounds 3]``
+Usage: ``python benchmarks/generate.py [--batch 1,8] [--prompts 128,512,2048] [--new 64]
+[--rounds 2] [--no-breakdown] [--torch-threads N] [--hf FOLDER]``
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import os
+import pstats
 import statistics
+import tempfile
 import time
 from typing import Dict, List
 
 import numpy as np
 
-from bench_util import llama_model
+from bench_util import machine
 
-H, LAYERS, HEADS, KV, FFN, VOCAB = 512, 8, 8, 2, 1408, 32000
+VOCAB = 32000
+QWEN3 = dict(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+             num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+             max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6,
+             rms_norm_eps=1e-6)
 
 
 class Clock:
@@ -46,58 +58,169 @@ class Clock:
         pass
 
 
-def build_model():
-    return llama_model(LAYERS, H, HEADS, KV, FFN, VOCAB)
+def write_folder(path: str) -> str:
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3)).save_pretrained(path)
+    return path
 
 
-def timed(model, context: int, new: int, use_cache: bool) -> Dict[str, float]:
+def run_ms(model, prompt: np.ndarray, new: int) -> Dict[str, float]:
     from ms_llm.inference import generate
-    prompt = np.random.default_rng(context).integers(0, VOCAB, (1, context))
     clock = Clock()
-    out = generate(model, prompt, new, use_cache=use_cache, streamer=clock)
-    assert out.shape[1] == context + new
-    steps = np.diff(clock.times[1:])
-    return {"prefill_s": clock.times[1] - clock.times[0],
-            "decode_s": statistics.median(steps) if len(steps) else float("nan")}
+    t = time.perf_counter()
+    out = generate(model, prompt, new, streamer=clock)
+    total = time.perf_counter() - t
+    assert out.shape == (prompt.shape[0], prompt.shape[1] + new)
+    return {"total": total, "step": statistics.median(np.diff(clock.times[2:]))}
+
+
+def run_hf(model, prompt: np.ndarray, new: int) -> Dict[str, float]:
+    import torch
+    ids = torch.tensor(prompt)
+    clock = Clock()
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, streamer=clock,
+                             pad_token_id=0)
+    total = time.perf_counter() - t
+    assert tuple(out.shape) == (prompt.shape[0], prompt.shape[1] + new)
+    return {"total": total, "step": statistics.median(np.diff(clock.times[2:]))}
+
+
+class Profiled(Clock):
+    """A streamer that records token times and profiles everything after the first new token
+    (the decode steps, not the prefill) when ``profile`` is set."""
+
+    def __init__(self, profile: bool):
+        super().__init__()
+        self.prof = cProfile.Profile() if profile else None
+
+    def put(self, value) -> None:
+        super().put(value)
+        if self.prof is not None and len(self.times) == 2:
+            self.prof.enable()
+
+    def end(self) -> None:
+        if self.prof is not None:
+            self.prof.disable()
+
+
+def breakdown(model, new: int = 24, context: int = 512) -> None:
+    """Decode steps at batch 1 after ``context`` tokens: time per part, dispatches per step."""
+    from ms_llm.inference import generate
+    from ms_llm.models import fused_decode
+    ids = np.random.default_rng(1).integers(0, VOCAB, (1, context))
+    print(f"\nwhere a decode step goes (batch 1, context {context}, {new} steps):")
+    print("| path | ms/step (no profiler) | op dispatches / step | AOT kernel calls / step "
+          "| top parts (share of profiled step time) |")
+    print("|---|---|---|---|---|")
+    for fused in (False, True):
+        before = fused_decode.set_enabled(fused)
+        try:
+            clock = Profiled(False)
+            generate(model, ids, new + 1, streamer=clock)
+            traced = Profiled(True)
+            generate(model, ids, new + 1, streamer=traced)
+        finally:
+            fused_decode.set_enabled(before)
+        stats = pstats.Stats(traced.prof).stats
+        dispatch = aot = 0
+        cum: Dict[str, float] = {}
+        total = traced.times[-1] - traced.times[1]
+        for (path, _line, name), (_cc, ncalls, _tt, ct, _callers) in stats.items():
+            if name == "run_op_async" or (name.startswith("<built-in") and "pyboost" in name):
+                dispatch += ncalls
+            if name == "__call__" and path.endswith("custom_ops.py"):
+                aot += ncalls
+            label = _part(path, name)
+            if label:
+                cum[label] = cum.get(label, 0.0) + ct
+        shares = sorted(cum.items(), key=lambda kv: -kv[1])
+        top = "; ".join(f"{k} {100 * v / total:.0f}%" for k, v in shares if v > 0.02 * total)
+        print(f"| {'fused kernels' if fused else 'module path (before)'} | "
+              f"{1e3 * statistics.median(np.diff(clock.times[1:])):.1f} | {dispatch / new:.0f} "
+              f"| {aot / new:.0f} | {top} |")
+
+
+def _part(path: str, name: str):
+    """The breakdown part a profiled function's cumulative time counts towards (parts do not
+    nest in each other, so their shares add up to at most 100 %)."""
+    table = {
+        ("kv_cache.py", "update"): "cache write",
+        ("attention.py", "cache_attention"): "attention over the cache (softmax chain)",
+        ("rope.py", "apply_rope"): "RoPE",
+        ("rms_norm.py", "rms_norm"): "RMSNorm",
+        ("linear.py", "forward"): "linears (layers)",
+        ("swiglu.py", "swiglu"): "SwiGLU",
+        ("decode.py", "__call__"): "fused layer kernels",
+        ("kv_cache.py", "attention_mask"): "mask",
+        ("gpt.py", "_cached_cos_sin"): "RoPE table slice",
+        ("gpt.py", "_head"): "LM head (logits)",
+        ("sampling.py", "greedy"): "sampler (host argmax)",
+    }
+    for (file, fn), label in table.items():
+        if path.endswith(file) and name == fn:
+            return label
+    if name == "<method 'asnumpy' of 'TensorPy' objects>" or name.endswith("asnumpy"):
+        return "logits to host"
+    return None
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", default="128,512,2048")
-    p.add_argument("--new", type=int, default=16, help="new tokens per cached run")
-    p.add_argument("--recompute", type=int, default=3, help="new tokens per uncached run")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds over all contexts; the best round counts (shared machines)")
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--prompts", default="128,512,2048")
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--hf", default=None, help="an HF folder to use instead of the random Qwen3")
+    p.add_argument("--no-breakdown", action="store_true")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="torch.set_num_threads for transformers (0: torch's default)")
     args = p.parse_args()
-    contexts = [int(c) for c in args.contexts.split(",")]
-    model = build_model()
-    print(f"model: {model.num_parameters() / 1e6:.1f} M parameters, fp32, CPU, batch 1")
-    timed(model, 64, 4, True)            # warm-up: kernels, rope tables
-    timed(model, 64, 2, False)
-    best: Dict[int, Dict[str, float]] = {c: {} for c in contexts}
-    for _ in range(args.rounds):         # interleaved, so load spikes hit every context alike
-        for c in contexts:
-            cached = timed(model, c, args.new, True)
-            recompute = timed(model, c, args.recompute, False)
-            for key, value in (("prefill_s", cached["prefill_s"]),
-                               ("decode_s", cached["decode_s"]),
-                               ("recompute_s", recompute["decode_s"])):
-                best[c][key] = min(best[c].get(key, float("inf")), value)
-    rows = [dict(context=c, **best[c]) for c in contexts]
-    print("\n| context | prefill tok/s | decode tok/s (cache) | ms/token (cache) "
-          "| decode tok/s (recompute) | cache speed-up |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['context']} | {r['context'] / r['prefill_s']:.0f} | "
-              f"{1 / r['decode_s']:.1f} | {1e3 * r['decode_s']:.1f} | "
-              f"{1 / r['recompute_s']:.2f} | {r['recompute_s'] / r['decode_s']:.1f}x |")
-    ctx = np.array([r["context"] for r in rows], dtype=np.float64)
-    ms = np.array([1e3 * r["decode_s"] for r in rows])
-    if len(rows) > 1:
-        slope, intercept = np.polyfit(ctx, ms, 1)
-        print(f"\ncached decode: {slope * 1000:.2f} ms per token per 1000 context tokens "
-              f"(intercept {intercept:.1f} ms); {ms[-1] / ms[0]:.2f}x the per-token time from "
-              f"{int(ctx[0])} to {int(ctx[-1])} context tokens")
+    started = time.perf_counter()
+    import torch
+    import transformers
+    from ms_llm.checkpoint import from_pretrained
+    from ms_llm.compat import setup_device
+    setup_device("CPU")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    with tempfile.TemporaryDirectory(prefix="ms_llm_bench_generate_") as tmp:
+        folder = args.hf or write_folder(os.path.join(tmp, "qwen3"))
+        ms_model = from_pretrained(folder)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32).eval()
+    print(f"CPU: {machine()} (figures are noisy when other jobs run)")
+    print(f"model: {ms_model.num_parameters() / 1e6:.1f} M parameters, fp32; greedy, "
+          f"{args.new} new tokens; torch {torch.__version__} threads {torch.get_num_threads()}, "
+          f"transformers {transformers.__version__}")
+    warm = np.random.default_rng(0).integers(0, VOCAB, (1, 16))
+    run_ms(ms_model, warm, 4)
+    run_hf(hf_model, warm, 4)
+    if not args.no_breakdown:
+        breakdown(ms_model)
+    grid = [(int(b), int(s)) for b in args.batch.split(",") for s in args.prompts.split(",")]
+    best: Dict[tuple, Dict[str, float]] = {}
+    for _ in range(args.rounds):
+        for b, s in grid:
+            prompt = np.random.default_rng(s + b).integers(0, VOCAB, (b, s))
+            for side, fn, model in (("ms", run_ms, ms_model), ("hf", run_hf, hf_model)):
+                r = fn(model, prompt, args.new)
+                for key, value in r.items():
+                    k = (b, s, side, key)
+                    best[k] = min(best.get(k, float("inf")), value)
+    print(f"\n| batch | prompt | ms-llm tok/s | transformers tok/s | ratio | ms-llm ms/step "
+          f"| transformers ms/step |")
+    print("|---|---|---|---|---|---|---|")
+    for b, s in grid:
+        ms_tps = b * args.new / best[(b, s, "ms", "total")]
+        hf_tps = b * args.new / best[(b, s, "hf", "total")]
+        print(f"| {b} | {s} | {ms_tps:.1f} | {hf_tps:.1f} | {ms_tps / hf_tps:.2f}x | "
+              f"{1e3 * best[(b, s, 'ms', 'step')]:.1f} | {1e3 * best[(b, s, 'hf', 'step')]:.1f} |")
+    print(f"\nCPU at the end: {machine()}; run took {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ tokens/s, speed-up over both pp=1 baselines at the same m, the measured bubble p
 1 - (F + B compute) / step wall time (max over ranks; the step includes the gradient norm and
 AdamW, which no schedule removes) and the same over the pipeline's own window (first action to
 last exchange), next to the analytic bubble, (p-1)/(m+p-1) for 1F1B and (p-1)/(m*vpp+p-1)
-interleaved, and the schedule simulator's ``bubble_fraction`` with B costing 3 F (each backward
-re-runs its stage's forward on MindSpore 2.10, see ``compat.autograd.DeferredVJP``).
+interleaved, and the schedule simulator's ``bubble_fraction`` with B costing 3 F (a backward that
+re-runs its stage's forward; the executor keeps the closure where the schedule lets it,
+``schedules.kept_backwards``).
 
 Finally one step of pp=2 m=4 (1F1B) and of pp=2 x vpp=2 m=4 is drawn from both ranks' event
 timestamps (perf_counter is the system-wide monotonic clock, so two processes share the axis).
@@ -99,13 +100,13 @@ def step_record(trainer, barrier) -> dict:
     if ex is None:
         return rec
     events = [list(e) for e in ex.events]
-    compute = sum(e[4] - e[3] for e in events if e[0] in ("F", "B"))
+    compute = sum(e[4] - e[3] for e in events if e[0] in ("F", "B", "W"))
     window = max(e[4] for e in events) - min(e[3] for e in events)
     f_s = [e[4] - e[3] for e in events if e[0] == "F"]
     b_s = [e[4] - e[3] for e in events if e[0] == "B"]
     rec.update(events=events, compute_s=compute, window_s=window, f_s=sum(f_s) / len(f_s),
                b_s=sum(b_s) / len(b_s), action_s=action_means(events),
-               comm_s=sum(e[4] - e[3] for e in events if e[0] == "comm"),
+               comm_s=sum(e[4] - e[3] for e in events if e[0] in ("comm", "wait")),
                bubble_step=1 - compute / rec["step_s"], bubble_pipe=1 - compute / window)
     return rec
 
@@ -360,7 +361,8 @@ def print_table(rows: list[dict], args) -> None:
 
 def panel(ax, ranks: list[dict], spec: str, title: str) -> None:
     """Both ranks' last recorded step of ``spec`` on one time axis (ms from the step start)."""
-    colors = {"F": "#4C72B0", "B": "#55A868", "comm": "#DD8452"}
+    colors = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "comm": "#DD8452",
+              "wait": "#C44E52"}
     steps = [r["runs"][spec][-1] for r in ranks]
     origin = min(s["t0"] for s in steps)
     _, vpp, _ = parse_spec(spec)
@@ -368,11 +370,12 @@ def panel(ax, ranks: list[dict], spec: str, title: str) -> None:
         ax.barh(rank, (step["t1"] - step["t0"]) * 1e3, left=(step["t0"] - origin) * 1e3,
                 height=0.8, color="#EEEEEE", edgecolor="#999999", linewidth=0.4)
         for kind, mb, chunk, t0, t1 in step["events"]:
-            y = rank + (0.28 if kind == "comm" else -0.08)
-            h = 0.18 if kind == "comm" else 0.5
+            link = kind in ("comm", "wait")
+            y = rank + (0.28 if link else -0.08)
+            h = 0.18 if link else 0.5
             ax.barh(y, (t1 - t0) * 1e3, left=(t0 - origin) * 1e3, height=h, color=colors[kind],
                     edgecolor="black", linewidth=0.3)
-            if kind != "comm":
+            if not link:
                 label = f"{kind}{mb}" + (f".{chunk}" if vpp > 1 else "")
                 ax.text((t0 + t1) / 2 * 1e3 - origin * 1e3, y, label, ha="center",
                         va="center", fontsize=6, color="white")

@@ -304,6 +304,7 @@ def check_launch(cfg, world_size: int) -> None:
     if sizes.pp > 1:
         try:
             build_schedule(sizes.pp, t.global_batch_size // mb_total,
-                           p.virtual_pipeline_model_parallel_size)
+                           p.virtual_pipeline_model_parallel_size, p.schedules_method)
         except ValueError as e:
-            _fail(cfg, mesh_keys[2:3] + ("training.global_batch_size",), str(e))
+            _fail(cfg, mesh_keys[2:3] + ("training.global_batch_size",
+                                         "parallel.schedules_method"), str(e))

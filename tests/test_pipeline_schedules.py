@@ -15,7 +15,9 @@ from ms_llm.parallel.pipeline.schedules import (
     build_schedule,
     describe_rounds,
     format_schedule,
+    gpipe,
     interleaved_1f1b,
+    kept_backwards,
     one_f_one_b,
     plan_rounds,
     stage_of,
@@ -232,7 +234,7 @@ def test_malformed_schedules_are_rejected(bad, match):
 
 
 def test_bad_cost_is_rejected():
-    with pytest.raises(ValueError, match="positive 'F' and 'B'"):
+    with pytest.raises(ValueError, match="positive 'F', 'B'"):
         plan_rounds(build_schedule(2, 2), 2, cost={"F": 1})
 
 
@@ -243,3 +245,78 @@ def test_format_schedule():
     table = format_schedule(schedule, plan_rounds(schedule, 2)).splitlines()
     assert table == ["rank 0: F0.0 F1.0    . B0.0    . B1.0",
                      "rank 1:    . F0.0 B0.0 F1.0 B1.0    ."]
+
+
+ZB = [(pp, m) for pp in range(1, 7) for m in range(pp, 14)]
+
+
+@pytest.mark.parametrize("pp,m", ZB, ids=_ids(ZB))
+def test_zero_bubble_h1_bubble_and_memory_match_the_paper(pp, m):
+    """ZB-H1 (Qi et al. 2024, section 3.1): at unit F, B, W every rank idles (p - 1)(F + B - W)
+    = p - 1 slots against 1F1B's (p - 1)(F + B + W) = 3(p - 1) (B and W fused into one 2-unit
+    backward), and no rank holds more than 1F1B's first-stage peak of p micro-batches (from F
+    until W frees them)."""
+    zb = build_schedule(pp, m, method="zbh1")
+    rounds = plan_rounds(zb, pp)
+    assert len(rounds) - 3 * m == pp - 1
+    # 1F1B at the same costs (its B = B + W = 2 units): (m + p - 1) x 3 units, idle 3(p - 1)
+    assert bubble_fraction(rounds) == pytest.approx((pp - 1) / (3 * m + pp - 1))
+    assert bubble_fraction(rounds) < bubble_fraction(plan_rounds(build_schedule(pp, m), pp)) \
+        or pp == 1
+    for rank, actions in enumerate(zb):
+        assert [row[rank] for row in rounds if row[rank] is not None] == actions
+        live = peak = 0
+        for a in actions:
+            live += {"F": 1, "B": 0, "W": -1}[a.kind]
+            peak = max(peak, live)
+        assert peak <= pp and live == 0
+    # the last rank never waits once its first forward arrived
+    assert all(row[pp - 1] is not None for row in rounds[pp - 1:])
+
+
+@pytest.mark.parametrize("method", ["gpipe", "zbh1"])
+def test_new_methods_simulate_without_deadlock_for_any_m(method):
+    for pp, m in PLAIN:      # also fewer micro-batches than stages
+        schedule = build_schedule(pp, m, method=method)
+        rounds = plan_rounds(schedule, pp)
+        for rank, actions in enumerate(schedule):
+            assert [row[rank] for row in rounds if row[rank] is not None] == actions
+        consumed = [t for row in describe_rounds(rounds, pp) for t in row.transfers]
+        assert len(consumed) == len(set(consumed)) == 2 * m * (pp - 1)
+
+
+@pytest.mark.parametrize("pp,m", PLAIN, ids=_ids(PLAIN))
+def test_gpipe_reverses_backwards_with_1f1b_bubble(pp, m):
+    sched = build_schedule(pp, m, method="gpipe")
+    assert sched[0] == gpipe(pp, 0, m)
+    assert [a.microbatch for a in sched[0] if a.kind == "B"] == list(reversed(range(m)))
+    assert bubble_fraction(plan_rounds(sched, pp)) == pytest.approx(
+        bubble_fraction(plan_rounds(build_schedule(pp, m), pp)))
+
+
+def test_kept_backwards_nest_like_mindspores_pending_vjp_stack():
+    """A pending backward closure can run only from the top of MindSpore's stack, so the kept
+    F..B spans must nest: all of GPipe's, every other one of 1F1B's crossing spans, all of the
+    last rank's (F and B adjacent)."""
+    assert kept_backwards(gpipe(2, 0, 4)) == {(mb, 0) for mb in range(4)}
+    assert kept_backwards(one_f_one_b(2, 0, 4)) == {(0, 0), (2, 0)}
+    assert kept_backwards(one_f_one_b(2, 1, 4)) == {(mb, 0) for mb in range(4)}
+    for pp, m in PLAIN:
+        for rank, acts in enumerate(build_schedule(pp, m, method="zbh1")):
+            kept = kept_backwards(acts)
+            stack = []
+            for a in acts:           # replay: a kept B always pops the top
+                key = (a.microbatch, a.chunk)
+                if a.kind == "F" and key in kept:
+                    stack.append(key)
+                elif a.kind == "B" and key in kept:
+                    assert stack.pop() == key
+            assert not stack
+
+
+def test_unknown_schedule_method_is_refused_in_one_line():
+    for method, vpp, match in (("dualpipe", 1, "unknown; choose one of"),
+                               ("zbh1", 2, "one model chunk per rank")):
+        with pytest.raises(ValueError, match=match) as e:
+            build_schedule(2, 4, vpp, method=method)
+        assert "\n" not in str(e.value) and "parallel.schedules_method" in str(e.value)

@@ -18,6 +18,7 @@ RTOL = 1e-5
 LAYERS = ["--model.num_layers", "4", "--training.max_steps", "5", "--training.lr_decay_steps", "5"]
 UNTIED = ["--model.untie_embeddings_and_output_weights", "true"]
 NOOP = ["--parallel.noop_layers", "1"]
+MB2 = ["--training.micro_batch_size", "2"]
 
 
 def _record(extra):
@@ -77,8 +78,13 @@ def test_two_stages(tmp_path, refs):
         # backward's forward re-run are not counted twice (the bias update would differ).
         spec("pp2_moe", LAYERS, MOE, pp(2)),
         spec("pp2_moe_bias", LAYERS, MOE, MOE_DEAD, pp(2)),
+        # GPipe keeps every backward closure (no forward re-run), ZB-H1 splits B and W
+        # (4 micro-batches of 2: the reference's 2 of 4 differ only in the order of fp32 sums)
+        spec("pp2_gpipe", LAYERS, pp(2), MB2, ["--parallel.schedules_method", "gpipe"]),
+        spec("pp2_zbh1", LAYERS, UNTIED, pp(2), MB2, ["--parallel.schedules_method", "zbh1"]),
     ])
-    for name, key in (("pp2", "tied"), ("pp2_untied", "untied"), ("pp2_uneven", "tied"),
+    for name, key in (("pp2_gpipe", "tied"), ("pp2_zbh1", "untied"),
+                      ("pp2", "tied"), ("pp2_untied", "untied"), ("pp2_uneven", "tied"),
                       ("pp2_noop", "noop"), ("pp2_vpp2", "tied"), ("pp2_moe", "moe"),
                       ("pp2_moe_bias", "moe_bias")):
         check(res[name], refs[key], name)
@@ -102,6 +108,8 @@ def test_four_workers(tmp_path, refs):
         spec("pp2_ep2_megamoe", LAYERS, MOE, pp(2), ["--parallel.expert_model_parallel_size", "2",
                                                       "--moe.dispatcher", "megamoe"]),
         spec("pp4", LAYERS, pp(4)),
+        # middle ranks: kept and re-run closures mixed, B/W split, transfers to two neighbours
+        spec("pp4_zbh1", LAYERS, pp(4), MB2, ["--parallel.schedules_method", "zbh1"]),
         spec("pp2_dp2", LAYERS, pp(2)),
         spec("pp2_tp2_sp", LAYERS, UNTIED, pp(2), ["--parallel.tensor_model_parallel_size", "2",
                                                    "--parallel.sequence_parallel", "true"]),
@@ -119,6 +127,7 @@ def test_four_workers(tmp_path, refs):
             "full", "--training.recompute_norm", "true"]),
     ])
     check(res["pp4"], refs["tied"], "pp4")
+    check(res["pp4_zbh1"], refs["tied"], "pp4_zbh1")
     check(res["pp2_dp2"], refs["tied"], "pp2_dp2")
     check(res["pp2_tp2_sp"], refs["untied"], "pp2_tp2_sp")
     check(res["pp2_fsdp2"], refs["tied"], "pp2_fsdp2")
@@ -158,3 +167,12 @@ def test_schedule_command_prints_the_config_schedule(capsys):
     assert rows[0][0] == "F0.0" and rows[1][0] == "."    # rank 1 waits for rank 0's output
     assert main(["schedule", *args, "--workers", "3"]) == 2
     assert "not divisible" in capsys.readouterr().err
+
+
+def test_unknown_schedules_method_is_refused_at_launch():
+    from ms_llm.config import ConfigError
+    for method, match in (("dualpipev", "'dualpipev' is unknown"), ("zbh1", "one model chunk")):
+        args = pp(2, 2 if method == "zbh1" else 1) + ["--parallel.schedules_method", method]
+        with pytest.raises(ConfigError, match=match) as e:
+            load_config(CONFIG, BASE + LAYERS + args, world_size=2)
+        assert "\n" not in str(e.value) and "parallel.schedules_method" in str(e.value)

@@ -39,7 +39,8 @@ class DeferredVJP:
     stack: only the most recent one may run first ("Can not find top cell for backward" for any
     other; ``tests/test_deferred_vjp.py`` shows it). Until that changes, ``backward`` runs the
     forward again under ``vjp`` and its backward at once, so only the input is kept in between
-    (the forward costs twice; dropout must draw the same mask, which a zero rate does).
+    (the forward costs twice; dropout must draw the same mask, which a zero rate does). Where
+    the backwards do come last-in first-out, ``PendingVJP`` keeps the closure instead.
     """
 
     def __init__(self, fn, x, weights):
@@ -55,4 +56,21 @@ class DeferredVJP:
         return grads_in, grads_w
 
 
-__all__ = ["Function", "DeferredVJP", "is_recomputing", "recomputing"]
+class PendingVJP:
+    """``out = fn(x)`` now, ``(dx, dweights) = backward(dy)`` later, through the backward closure
+    ``mindspore.vjp`` returns: the forward runs once and its activations stay alive until
+    ``backward``. MindSpore 2.10 runs pending closures last-in first-out only, so a caller keeps
+    one only when no younger closure is still pending at its ``backward`` (the pipeline plans
+    that from its schedule, ``parallel.pipeline.schedules.kept_backwards``), else it uses
+    ``DeferredVJP``. Same interface as ``DeferredVJP``."""
+
+    def __init__(self, fn, x, weights):
+        import mindspore as ms
+        self.output, self._vjp = ms.vjp(fn, x, weights=list(weights))
+
+    def backward(self, dy):
+        vjp, self._vjp = self._vjp, None
+        return vjp(dy)
+
+
+__all__ = ["Function", "DeferredVJP", "PendingVJP", "is_recomputing", "recomputing"]

@@ -13,6 +13,7 @@ from mindspore import Tensor, ops
 from ms_llm import ops as hot
 from ms_llm.compat import float32, nn
 from .config import TransformerConfig
+from .fused_decode import layer_step as fused_layer_step
 from .kv_cache import KVCache
 from .layers import TransformerLayer, norm
 from .gated_delta_net import GatedDeltaNet
@@ -58,8 +59,9 @@ class TransformerBlock(nn.Module):
         for i, layer in enumerate(self.layers):
             if kv_cache is None:
                 x = layer(x, cos, sin, attention_mask)
-            else:
-                x = layer(x, cos, sin, attention_mask, kv_cache=kv_cache[i])
+            else:   # one new token: the fused decode kernels when they cover the layer
+                y = fused_layer_step(layer, x, cos, sin, attention_mask, kv_cache[i])
+                x = layer(x, cos, sin, attention_mask, kv_cache=kv_cache[i]) if y is None else y
         return self.final_layernorm(x)
 
 
@@ -128,15 +130,17 @@ class GPTModel(nn.Module):
     def _cached_cos_sin(self, seq_len: int, position_ids: Optional[Tensor], offset: int,
                         rows: int):
         """Inference (PyNative only): cos, sin for positions ``offset..offset+s-1`` or at
-        ``position_ids``, all below ``rows``, from one table that grows as the cache does."""
+        ``position_ids``, all below ``rows``, from one table that grows as the cache does.
+        The table is kept on the host and sliced there: a decode step then dispatches no
+        slicing or gather op for it (the same fp32 values)."""
         if self._table_rows < rows:
             self._table_rows = max(rows, 2 * self._table_rows)
-            self._table = self._rope_tables(self._table_rows)
+            self._table = tuple(t.asnumpy() for t in self._rope_tables(self._table_rows))
         cos, sin = self._table
         if position_ids is None:
-            return cos[offset:offset + seq_len], sin[offset:offset + seq_len]
-        return (ops.gather(cos, position_ids, 0).expand_dims(1),
-                ops.gather(sin, position_ids, 0).expand_dims(1))
+            return Tensor(cos[offset:offset + seq_len]), Tensor(sin[offset:offset + seq_len])
+        idx = position_ids.asnumpy()
+        return Tensor(cos[idx][:, None]), Tensor(sin[idx][:, None])
 
     def _rope_tables(self, rows: int):
         c = self.config

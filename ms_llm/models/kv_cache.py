@@ -9,8 +9,10 @@ What the queries attend over: the first write (the prompt, into an empty cache) 
 the new K/V themselves, a plain causal square that keeps the fused attention kernels. Every
 later step attends over the whole buffer with the unfilled slots masked
 (``ops.cache_attention``): the filled prefix ``[:, :, :length]`` is a strided view, which
-MindSpore 2.10 copies to contiguous memory at ~0.2 GB/s on CPU, slower than reading the empty
-slots; ``reserve`` grows the buffers before the mask is built, so mask and buffers agree.
+MindSpore 2.10 copies to contiguous memory at ~0.2 GB/s on CPU, so the whole buffer goes to the
+kernel, which reads only the slots up to the last visible one; ``reserve`` grows the buffers
+before the mask is built, so mask and buffers agree. On CPU a one-token step of a plain layer
+skips all of this: ``ms_llm.models.fused_decode`` writes the slot and attends inside one kernel.
 
 The layer's buffers are allocated on its first write, from the shapes it writes: the model reads
 its number of local query groups from ``linear_qkv``'s output width (tensor parallel shards it),
@@ -38,6 +40,9 @@ class LayerKVCache:
         self.length = 0
         self.k: Optional[Tensor] = None
         self.v: Optional[Tensor] = None
+        # The fused decode step's arguments for this layer (ms_llm.models.fused_decode), found
+        # on the first one-token step: None = not looked at yet, False = not covered.
+        self.fused = None
 
     def update(self, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
         """Write ``k``, ``v`` ``[b, ng, s, d]`` at the fill point. Returns what the queries attend

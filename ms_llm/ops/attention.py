@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 from mindspore import Tensor, ops
+from mindspore import bool_
 
 from ms_llm.compat import F, bfloat16, float16, float32
 from . import cpu_kernels
@@ -83,7 +84,9 @@ def cache_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor,
     2.10 makes views contiguous at ~0.2 GB/s on CPU (2.5 ms per layer and per step for 2048
     cached positions of one KV head pair), while the BLAS batched matmul reads the contiguous
     buffer directly; masked slots get zero probability, so the result is attention over the
-    filled part."""
+    filled part. On CPU with the BLAS kernels (fp32, bool mask) it is one C++ call
+    (``cpu_kernels.decode.cache_attention``) instead of the matmul / mask / softmax / matmul
+    chain; a query that sees no slot then gets zeros rather than the chain's uniform average."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if path_for("attention") == "native":
         return _flash_attention_ascend(q, k, v, scale, attention_mask)
@@ -91,12 +94,25 @@ def cache_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor,
     ng, sk = k.shape[1], k.shape[2]
     r = nh // ng
     dtype = q.dtype
+    if attention_mask.dtype == bool_ and _decode_kernel(q.dtype, k.dtype, v.dtype):
+        # CPU: one C++ call that reads only the slots up to the last visible one
+        from .cpu_kernels import decode
+        out = decode.cache_attention(q.reshape(b, ng, r * s, d), k, v, attention_mask, scale)
+        return out.reshape(b, nh, s, v.shape[-1])
     q = q.astype(float32).reshape(b, ng, r * s, d)
     scores = bmm(q, k.astype(float32), transpose_b=True).reshape(b, ng, r, s, sk) * scale
     bias = F.where(attention_mask, Tensor(_MASK_VALUE, float32), Tensor(0.0, float32))
     scores = scores + bias.reshape(bias.shape[0], 1, 1, s, sk)
     probs = F.softmax(scores, -1).reshape(b, ng, r * s, sk)
     return bmm(probs, v.astype(float32)).reshape(b, nh, s, d).astype(dtype)
+
+
+def _decode_kernel(*dtypes) -> bool:
+    """The BLAS library's cache attention kernel takes fp32 on CPU with the BLAS kernels."""
+    if path_for("linear") != "aot" or any(d != float32 for d in dtypes):
+        return False
+    from .cpu_kernels import decode
+    return decode.available()
 
 
 # Never run on an Ascend device: written against MindSpore 2.10's documented contract of

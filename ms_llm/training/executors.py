@@ -110,7 +110,7 @@ def build_pipeline(chunks, cfg, pstate, accum_steps: int, model_config) -> Pipel
     a schedule the layout cannot run (the caller names the config keys)."""
     p = cfg.parallel
     vpp = p.virtual_pipeline_model_parallel_size
-    schedule = build_schedule(pstate.sizes.pp, accum_steps, vpp)
+    schedule = build_schedule(pstate.sizes.pp, accum_steps, vpp, p.schedules_method)
     tp = pstate.group("tp").size
     seq = cfg.data.seq_length // (tp if p.sequence_parallel else 1)
     seq //= pstate.sizes.cp    # context parallel: each rank's stages carry its chunks

@@ -46,16 +46,23 @@ def main(argv: List[str]) -> int:
                               f"({t.micro_batch_size} x {dp})")
         m = t.global_batch_size // (t.micro_batch_size * dp)
         pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-        schedule = build_schedule(pp, m, vpp)
+        method = par.schedules_method
+        schedule = build_schedule(pp, m, vpp, method)
     except (ConfigError, ValueError) as e:
         print(f"ms-llm schedule: {e}", file=sys.stderr)
         return 2
     rounds = plan_rounds(schedule, pp, vpp)
-    kind = "interleaved 1F1B" if vpp > 1 else "1F1B"
-    print(f"{kind}: pp={pp} vpp={vpp} micro-batches={m} (dp={dp}); actions F|B<microbatch>."
+    kind = {"gpipe": "GPipe", "zbh1": "ZB-H1"}.get(method) or \
+        ("interleaved 1F1B" if vpp > 1 else "1F1B")
+    print(f"{kind}: pp={pp} vpp={vpp} micro-batches={m} (dp={dp}); actions F|B|W<microbatch>."
           f"<chunk>, one column per round")
     print(format_schedule(schedule, rounds))
-    print(f"simulated bubble: {bubble_fraction(rounds):.3f} (F=B), "
-          f"{bubble_fraction(rounds, {'F': 1, 'B': 2}):.3f} (B=2F); 1F1B's analytic "
-          f"(p-1)/(m+p-1) = {(pp - 1) / (m + pp - 1):.3f}")
+    if method == "zbh1":
+        print(f"simulated bubble: {bubble_fraction(rounds):.3f} (F=B=W); ZB-H1's analytic "
+              f"(p-1)/(3m+p-1) = {(pp - 1) / (3 * m + pp - 1):.3f}, 1F1B's (p-1)/(m+p-1) = "
+              f"{(pp - 1) / (m + pp - 1):.3f}")
+    else:
+        print(f"simulated bubble: {bubble_fraction(rounds):.3f} (F=B), "
+              f"{bubble_fraction(rounds, {'F': 1, 'B': 2}):.3f} (B=2F); 1F1B's analytic "
+              f"(p-1)/(m+p-1) = {(pp - 1) / (m + pp - 1):.3f}")
     return 0

@@ -86,8 +86,10 @@ for dname, (dt, tol) in DTYPES.items():
     check(f"broadcast_{dname}", to_np(t), ins[W - 1], tol)
     # send/recv ring: each rank sends to the next, receives from the previous (batched)
     t_recv = to_ms(np.zeros((4, 3)), dt)
-    comm.batch_isend_irecv([comm.P2POp("isend", to_ms(ins[R], dt), (R + 1) % W),
-                            comm.P2POp("irecv", t_recv, (R - 1) % W)])
+    works = comm.batch_isend_irecv([comm.P2POp("isend", to_ms(ins[R], dt), (R + 1) % W),
+                                    comm.P2POp("irecv", t_recv, (R - 1) % W)])
+    for w in works:      # asynchronous, as torch's: the receive is complete after wait()
+        w.wait()
     check(f"batch_isend_irecv_ring_{dname}", to_np(t_recv), ins[(R - 1) % W], tol)
 
 # blocking send/recv between 0 and 1

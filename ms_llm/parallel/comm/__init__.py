@@ -40,7 +40,7 @@ from .collectives import (all_gather, all_gather_into_tensor, all_gather_object,
                           is_deterministic, reduce_scatter_tensor, set_deterministic)
 from .groups import (ProcessGroup, get_rank, get_world_size, mark_initialized, new_group,
                      world_group)
-from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from .p2p import P2POp, batch_isend_irecv, irecv, isend, open_pairs, recv, send
 from .watchdog import set_collective_timeout
 from .work import Work
 
@@ -50,5 +50,5 @@ __all__ = [
     "all_gather_object",
     "all_gather_into_tensor", "reduce_scatter_tensor", "exchange_split_sizes",
     "all_to_all_single", "all_to_all_v", "broadcast", "barrier", "send", "recv", "isend",
-    "irecv", "batch_isend_irecv", "set_deterministic", "is_deterministic",
+    "irecv", "batch_isend_irecv", "open_pairs", "set_deterministic", "is_deterministic",
 ]

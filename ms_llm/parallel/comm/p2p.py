@@ -14,9 +14,11 @@ from typing import List, Optional, Sequence
 from mindspore import Tensor
 
 from ms_llm.compat import F, is_cpu
+from ms_llm.compat.environment import setting
 
 from .backend import dist, log_once
 from .collectives import broadcast
+from .comm_thread import submit
 from .groups import ProcessGroup, get_rank, new_group
 from .work import Work
 
@@ -25,6 +27,15 @@ def _pair(a: int, b: int) -> ProcessGroup:
     if a == b:
         raise ValueError(f"send/recv: peer is this rank ({a})")
     return new_group([a, b])
+
+
+def open_pairs(peers: Sequence[int]) -> None:
+    """Create this rank's two-rank groups with ``peers`` now, in ascending pair order (every
+    member derives it alike), so none is created while the communication thread transfers."""
+    if is_cpu():
+        me = get_rank()
+        for lo, hi in sorted({(min(me, p), max(me, p)) for p in peers if p != me}):
+            _pair(lo, hi)
 
 
 def send(tensor: Tensor, dst: int, group: Optional[ProcessGroup] = None) -> None:
@@ -71,18 +82,44 @@ def irecv(tensor: Tensor, src: int, group: Optional[ProcessGroup] = None) -> Wor
 
 def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> List[Work]:
     """Run the exchanges in one global order (peer pairs ascending, then the lower rank's sends
-    before the higher rank's), so any set of matching sends/recvs completes without deadlock."""
+    before the higher rank's), so any set of matching sends/recvs completes without deadlock.
+
+    On CPU the transfers run on the communication thread (``comm_thread``; inline with
+    ``runtime.comm_thread: false``) and the returned handles join it, so the caller computes
+    while they move, as torch's asynchronous batch does: send tensors are copied now (the caller
+    may reuse them), receive buffers are filled by ``wait()``."""
     me = get_rank()
     by_pair = {}
     for i, p in enumerate(p2p_ops):
         by_pair.setdefault((min(me, p.peer), max(me, p.peer)), []).append((i, p))
+    if not is_cpu():
+        for lo, hi in sorted(by_pair):
+            for sender in (lo, hi):
+                for _, p in by_pair[(lo, hi)]:
+                    if p.kind == "isend" and sender == me:
+                        send(p.tensor, p.peer, p.group)
+                    elif p.kind == "irecv" and sender == p.peer:
+                        recv(p.tensor, p.peer, p.group)
+        return [Work() for _ in p2p_ops]
+    log_once("batch_isend_irecv", "broadcasts in two-rank groups on the communication thread"
+             if setting("runtime.comm_thread") else "broadcasts in two-rank groups, inline")
+    steps = []           # (tensor, src, two-rank group), groups and copies made on this thread
     for lo, hi in sorted(by_pair):
-        ops_ = by_pair[(lo, hi)]
-        # Sends from `lo` first, then sends from `hi`; each side orders its ops the same way.
+        group = _pair(lo, hi)
         for sender in (lo, hi):
-            for _, p in ops_:
+            for _, p in by_pair[(lo, hi)]:
                 if p.kind == "isend" and sender == me:
-                    send(p.tensor, p.peer, p.group)
+                    steps.append((F.clone(p.tensor), me, group))
                 elif p.kind == "irecv" and sender == p.peer:
-                    recv(p.tensor, p.peer, p.group)
-    return [Work() for _ in p2p_ops]
+                    steps.append((p.tensor, p.peer, group))
+
+    def calls():
+        for tensor, src, group in steps:
+            broadcast(tensor, src=src, group=group)
+    if not steps:
+        return [Work() for _ in p2p_ops]
+    if not setting("runtime.comm_thread"):
+        calls()
+        return [Work() for _ in p2p_ops]
+    work = submit(calls)
+    return [work for _ in p2p_ops]

@@ -9,13 +9,19 @@ one action:
   (1F1B's memory bound comes from the schedule);
 * ``B``: the vector-Jacobian product with the received output gradient (1 for the last stage's
   loss), accumulating the chunk's weight gradients and producing the input gradient to send back.
-  On MindSpore 2.10 a pending backward can only run last-in first-out, so ``compat``'s
-  ``DeferredVJP`` keeps the stage input and re-runs the forward inside ``B``.
+  ``F`` keeps the micro-batch's backward closure (``compat.autograd.PendingVJP``), so ``B`` does
+  not compute the forward again, wherever the rank's schedule allows: MindSpore 2.10 runs pending
+  backward closures last-in first-out only, so the kept F..B spans must nest
+  (``schedules.kept_backwards``: all of GPipe's and of the last stage's, every other one of a
+  1F1B middle rank's). The rest keep only the stage input and re-run the forward inside ``B``
+  (``DeferredVJP``).
 
-After each round every rank exchanges the round's outputs with the ranks that need them, through
-``comm.batch_isend_irecv`` (one global order, so blocking point-to-point cannot deadlock); receive
-buffers have shapes known in advance (``[micro-batch, seq / sp, hidden]``), nothing is exchanged
-about shapes per step.
+After each round every rank posts the round's outputs to the ranks that need them, through
+``comm.batch_isend_irecv`` (one global order, so blocking point-to-point cannot deadlock), and
+goes on computing: on CPU the transfers run on the communication thread, and a received tensor
+is waited for only by the action that reads it (the schedule's next rounds overlap the
+exchange). Receive buffers have shapes known in advance (``[micro-batch, seq / sp, hidden]``),
+nothing is exchanged about shapes per step.
 """
 from __future__ import annotations
 
@@ -26,10 +32,11 @@ import numpy as np
 from mindspore import Tensor
 
 from ms_llm.compat import F, float32
-from ms_llm.compat.autograd import DeferredVJP
+from ms_llm.compat.autograd import DeferredVJP, PendingVJP
 from ms_llm.models.moe import collect_router_counts
 from .. import comm
-from .schedules import plan_rounds, stage_of, transfers_after, virtual_stage
+from .schedules import kept_backwards, plan_rounds, stage_of, transfers_after, virtual_stage
+from .weight_grad import WeightGradStore, split_weight_grads
 
 
 class PipelineExecutor:
@@ -45,10 +52,41 @@ class PipelineExecutor:
         self.params = [[p for p in c.trainable_params()] for c in self.chunks]
         # FSDP reduce-scatters a chunk's gradients on its last backward of the step only.
         self.last_backward = {a.chunk: a for a in schedule[self.rank] if a.kind == "B"}
-        # (kind, microbatch, chunk, t0, t1) with perf_counter times of the last step: "F"/"B"
-        # compute spans and "comm" spans (the round's exchange), for timelines and benchmarks.
+        # (microbatch, chunk) whose backward closure F keeps alive (no forward re-run in B)
+        self.kept = kept_backwards(schedule[self.rank])
+        # Zero-bubble schedules: B gives the input gradient, W the linears' weight gradients.
+        self.store: Optional[WeightGradStore] = None
+        if any(a.kind == "W" for a in schedule[self.rank]):
+            if any(hasattr(c, "set_requires_gradient_sync") for c in self.chunks):
+                raise ValueError("parallel.schedules_method zbh1 with parallel.fsdp_size > 1 is "
+                                 "not built: FSDP reduce-scatters in B, before W's gradients")
+            self.store = WeightGradStore()
+            self.split_linears = sum(split_weight_grads(c, self.store) for c in self.chunks)
+        self.param_index = [{id(p): i for i, p in enumerate(ps)} for ps in self.params]
+        # transfers in flight: receive key -> handle, and the sends' handles
+        self._recv_work: Dict[tuple, object] = {}
+        self._send_work: List[object] = []
+        comm.open_pairs(self.pp_ranks[r] for r in self._peers())
+        # (kind, microbatch, chunk, t0, t1) with perf_counter times of the last step: "F"/"B"/"W"
+        # compute spans, "comm" spans (posting the round's exchange) and "wait" spans (blocked on
+        # a transfer still in flight), for timelines and benchmarks.
         self.events: List[tuple] = []
         self.timed = False      # synchronise after each action (benchmarks' timelines)
+
+    def _peers(self) -> set:
+        """Pipeline ranks this rank exchanges with (its neighbours, and the ring's wrap)."""
+        return {r for row in self.rounds for src, dst, *_ in
+                transfers_after(row, self.pp, self.vpp, self.num_stages)
+                if self.rank in (src, dst) for r in (src, dst)} - {self.rank}
+
+    def _await(self, act) -> None:
+        """Wait for the transfer that brings ``act``'s input (nothing if it arrived)."""
+        key = ("act" if act.kind == "F" else "grad", act.microbatch, act.chunk)
+        work = self._recv_work.pop(key, None)
+        if work is not None:
+            t0 = time.perf_counter()
+            work.wait()
+            self._span("wait", act.microbatch, act.chunk, t0)
 
     def _collect_counts(self, chunk: int, keep: bool) -> None:
         """The routed-token counts of the chunk's MoE layers only (no walk of a dense chunk)."""
@@ -76,6 +114,8 @@ class PipelineExecutor:
         for actions in self.rounds:
             act = actions[self.rank]
             outbox: Dict[tuple, Tensor] = {}
+            if act is not None and act.kind != "W":
+                self._await(act)
             t0 = time.perf_counter()
             if act is not None:
                 if act.kind == "F":
@@ -88,9 +128,11 @@ class PipelineExecutor:
                         loss = loss + out
                     else:
                         outbox[("act", act.microbatch, act.chunk)] = out
+                elif act.kind == "W":
+                    self._weight_grads(act, grads)
                 else:
                     gx = self._backward(act, inbox, vjps, grads)
-                    # The backward re-ran the forward: its routing was counted in F already.
+                    # A re-run forward's routing was counted in F already (no-op when kept).
                     self._collect_counts(act.chunk, keep=False)
                     if gx is not None:
                         outbox[("grad", act.microbatch, act.chunk)] = gx
@@ -99,9 +141,15 @@ class PipelineExecutor:
                 self._span(act.kind, act.microbatch, act.chunk, t0)
             t0 = time.perf_counter()
             self._exchange(actions, outbox, inbox)
-            if self.timed:
-                self._sync(list(inbox.values()))
             self._span("comm", -1, -1, t0)
+        t0 = time.perf_counter()
+        for work in self._send_work + list(self._recv_work.values()):
+            work.wait()
+        self._send_work, self._recv_work = [], {}
+        self._span("wait", -1, -1, t0)
+        if self.store is not None and self.store.records:
+            raise RuntimeError(f"pipeline: step ended with deferred weight gradients of "
+                               f"{sorted(self.store.records)}")
         if vjps or inbox:
             raise RuntimeError(f"pipeline: step ended with {len(vjps)} forwards without backward "
                                f"and {len(inbox)} unread messages")
@@ -119,16 +167,20 @@ class PipelineExecutor:
             def fn(*_):
                 return self._finish(chunk, chunk(tokens, seq, batch["labels"], *extra,
                                                  tokens=tokens), batch, loss_fn)
-            step = DeferredVJP(fn, Tensor(np.zeros((), np.float32)), self.params[act.chunk])
+            step = self._vjp_kind(act)(fn, Tensor(np.zeros((), np.float32)),
+                                       self.params[act.chunk])
         else:
             x = inbox.pop(("act", act.microbatch, act.chunk))
 
             def fn(h):
                 return self._finish(chunk, chunk(h, seq, batch["labels"], *extra,
                                                  tokens=batch["tokens"]), batch, loss_fn)
-            step = DeferredVJP(fn, x, self.params[act.chunk])
+            step = self._vjp_kind(act)(fn, x, self.params[act.chunk])
         vjps[(act.microbatch, act.chunk)] = step
         return step.output
+
+    def _vjp_kind(self, act):
+        return PendingVJP if (act.microbatch, act.chunk) in self.kept else DeferredVJP
 
     @staticmethod
     def _finish(chunk, out, batch, loss_fn):
@@ -141,14 +193,27 @@ class PipelineExecutor:
         vjp = vjps.pop((act.microbatch, act.chunk))
         dy = Tensor(np.ones((), np.float32)) if chunk.last else \
             inbox.pop(("grad", act.microbatch, act.chunk))
-        gx, gw = vjp.backward(dy)
+        if self.store is not None:
+            with self.store.collecting((act.microbatch, act.chunk)):
+                gx, gw = vjp.backward(dy)
+        else:
+            gx, gw = vjp.backward(dy)
         acc = grads[act.chunk]
         gw = [g if g.dtype == self.grad_dtype else g.astype(self.grad_dtype) for g in gw]
         grads[act.chunk] = list(gw) if acc is None else [a + g for a, g in zip(acc, gw)]
         return None if chunk.first else gx[0]
 
+    def _weight_grads(self, act, grads) -> None:
+        """W: the weight gradients B deferred, added to the chunk's sums (B ran first, so the
+        sums exist; the deferred entries hold zeros from B)."""
+        acc, index = grads[act.chunk], self.param_index[act.chunk]
+        for weight, x, dy in self.store.pop((act.microbatch, act.chunk)):
+            g = WeightGradStore.weight_grad(x, dy)
+            i = index[id(weight)]
+            acc[i] = acc[i] + (g if g.dtype == self.grad_dtype else g.astype(self.grad_dtype))
+
     def _exchange(self, actions, outbox, inbox) -> None:
-        ops = []
+        ops, recv_keys = [], []
         for src, dst, kind, mb, dst_chunk in transfers_after(actions, self.pp, self.vpp,
                                                              self.num_stages):
             if self.rank not in (src, dst):
@@ -164,8 +229,13 @@ class PipelineExecutor:
                 buf = F.zeros(*self.act_shape, dtype=self.act_dtype)
                 inbox[(kind, mb, dst_chunk)] = buf
                 ops.append(comm.P2POp("irecv", buf, self.pp_ranks[src]))
-        if ops:
-            for work in comm.batch_isend_irecv(ops):
-                work.wait()
+                recv_keys.append((kind, mb, dst_chunk))
+        if ops:   # posted; each receive is waited for by the action that reads it
+            works = comm.batch_isend_irecv(ops)
+            for op, work in zip(ops, works):
+                if op.kind == "isend":
+                    self._send_work.append(work)
+            for key, work in zip(recv_keys, [w for o, w in zip(ops, works) if o.kind == "irecv"]):
+                self._recv_work[key] = work
         if outbox:
             raise RuntimeError(f"pipeline: outputs {sorted(outbox)} were never sent")

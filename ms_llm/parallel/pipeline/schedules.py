@@ -19,7 +19,9 @@ Transfer = tuple[int, int, str, int, int]  # (src_rank, dst_rank, "act"|"grad", 
 
 @dataclass(frozen=True)
 class Action:
-    """One step on one rank: forward ("F") or backward ("B") of ``microbatch`` through ``chunk``."""
+    """One step on one rank: forward ("F"), backward ("B") or, in zero-bubble schedules, the
+    deferred weight gradient ("W", after its "B", which then gives the input gradient only) of
+    ``microbatch`` through ``chunk``."""
     kind: str
     microbatch: int
     chunk: int = 0
@@ -119,11 +121,65 @@ def interleaved_1f1b(pp: int, rank: int, num_microbatches: int, vpp: int) -> lis
             if a.microbatch < num_microbatches]
 
 
-def build_schedule(pp: int, num_microbatches: int, vpp: int = 1) -> list[list[Action]]:
-    """Action lists for every rank: 1F1B for ``vpp == 1``, the interleaved schedule otherwise."""
+def gpipe(pp: int, rank: int, num_microbatches: int) -> list[Action]:
+    """GPipe with backwards in reverse micro-batch order: all forwards, then all backwards,
+    last micro-batch first. Its bubble equals 1F1B's ((p-1)/(m+p-1)); it holds every
+    micro-batch's activations (1F1B: ``pp - rank``), and its backwards run last-in first-out,
+    the only order MindSpore 2.10 can run pending backward closures in (``kept_backwards``)."""
+    _check_sizes(pp, num_microbatches)
+    return [Action("F", mb) for mb in range(num_microbatches)] + \
+        [Action("B", mb) for mb in reversed(range(num_microbatches))]
+
+
+def build_schedule(pp: int, num_microbatches: int, vpp: int = 1,
+                   method: str | None = None) -> list[list[Action]]:
+    """Action lists for every rank. ``method`` (``parallel.schedules_method``): None for
+    Megatron's 1F1B (``vpp == 1``) or interleaved 1F1B, ``gpipe``, or ``zbh1`` (zero bubble)."""
+    if method not in SCHEDULE_METHODS:
+        raise ValueError(f"parallel.schedules_method {method!r} is unknown; choose one of "
+                         f"{', '.join(str(m) for m in SCHEDULE_METHODS)}")
+    if method is not None and vpp != 1:
+        raise ValueError(f"parallel.schedules_method {method} runs one model chunk per rank: "
+                         f"set parallel.virtual_pipeline_model_parallel_size 1 (got {vpp})")
+    if method == "gpipe":
+        return [gpipe(pp, r, num_microbatches) for r in range(pp)]
+    if method == "zbh1":
+        from .zero_bubble import zero_bubble_h1
+        return zero_bubble_h1(pp, num_microbatches)
     if vpp == 1:
         return [one_f_one_b(pp, r, num_microbatches) for r in range(pp)]
     return [interleaved_1f1b(pp, r, num_microbatches, vpp) for r in range(pp)]
+
+
+# None: Megatron's default (1F1B, interleaved with vpp > 1); the others by the names of the
+# zero-bubble paper (ZB-H1) and torch.distributed.pipelining (GPipe).
+SCHEDULE_METHODS = (None, "gpipe", "zbh1")
+
+
+def kept_backwards(actions: list[Action]) -> set[tuple[int, int]]:
+    """(microbatch, chunk) pairs whose backward closure can stay alive from F to B on one rank.
+
+    MindSpore 2.10 PyNative holds pending ``mindspore.vjp`` closures on a stack: only the most
+    recent may run ("Can not find top cell for backward" otherwise, ``tests/test_deferred_vjp``).
+    So the kept F..B spans of a rank must nest (never cross); the others keep their input and
+    re-run the forward in B. Spans are taken greedily by earliest B, which is optimal when
+    backwards follow forwards' order (1F1B: no span nests in another); GPipe's reversed
+    backwards nest entirely and keep all."""
+    start: dict[tuple[int, int], int] = {}
+    spans = []
+    for i, a in enumerate(actions):
+        if a.kind == "F":
+            start[(a.microbatch, a.chunk)] = i
+        elif a.kind == "B":
+            key = (a.microbatch, a.chunk)
+            spans.append((start[key], i, key))
+    kept: list[tuple[int, int]] = []
+    out = set()
+    for s, e, key in spans:     # spans come in order of their B
+        if all(not (s0 < s < e0 < e or s < s0 < e < e0) for s0, e0 in kept):
+            kept.append((s, e))
+            out.add(key)
+    return out
 
 
 def validate_schedule(schedule: list[list[Action]], pp: int, vpp: int = 1) -> int:
@@ -132,7 +188,8 @@ def validate_schedule(schedule: list[list[Action]], pp: int, vpp: int = 1) -> in
     if len(schedule) != pp:
         raise ValueError(f"pipeline schedule has {len(schedule)} ranks, expected pp={pp}")
     num_mb = 1 + max((a.microbatch for acts in schedule for a in acts), default=-1)
-    expected = {(k, mb, c) for k in "FB" for mb in range(num_mb) for c in range(vpp)}
+    kinds = "FBW" if any(a.kind == "W" for acts in schedule for a in acts) else "FB"
+    expected = {(k, mb, c) for k in kinds for mb in range(num_mb) for c in range(vpp)}
     for rank, actions in enumerate(schedule):
         seen: set[tuple[str, int, int]] = set()
         for a in actions:
@@ -141,6 +198,8 @@ def validate_schedule(schedule: list[list[Action]], pp: int, vpp: int = 1) -> in
                 raise ValueError(f"pipeline schedule rank {rank}: unexpected or repeated action {a}")
             if a.kind == "B" and ("F", a.microbatch, a.chunk) not in seen:
                 raise ValueError(f"pipeline schedule rank {rank}: {a} comes before its forward")
+            if a.kind == "W" and ("B", a.microbatch, a.chunk) not in seen:
+                raise ValueError(f"pipeline schedule rank {rank}: {a} comes before its backward")
             seen.add(key)
         if seen != expected:
             missing = " ".join(str(Action(*k)) for k in sorted(expected - seen))
@@ -152,6 +211,8 @@ def _needs(action: Action, rank: int, pp: int, nvs: int) -> list[tuple[str, int,
     """(kind, microbatch, virtual stage) that must be finished in an earlier round."""
     vs = virtual_stage(rank, action.chunk, pp)
     mb = action.microbatch
+    if action.kind == "W":      # the same rank's B of the micro-batch
+        return [("B", mb, vs)]
     if action.kind == "F":
         return [("F", mb, vs - 1)] if vs > 0 else []
     need = [("F", mb, vs)]
@@ -159,9 +220,12 @@ def _needs(action: Action, rank: int, pp: int, nvs: int) -> list[tuple[str, int,
 
 
 def _check_cost(cost: dict | None) -> dict:
-    cost = {"F": 1.0, "B": 1.0} if cost is None else cost
-    if set(cost) != {"F", "B"} or min(cost.values()) <= 0:
-        raise ValueError(f"pipeline cost must give positive 'F' and 'B' times, got {cost}")
+    """Action times: 'F' and 'B' (B is the whole backward), and 'W' for zero-bubble schedules
+    (then 'B' is the input-gradient part only); default 1 each."""
+    cost = {"F": 1.0, "B": 1.0, "W": 1.0} if cost is None else dict(cost)
+    if not {"F", "B"} <= set(cost) <= {"F", "B", "W"} or min(cost.values()) <= 0:
+        raise ValueError(f"pipeline cost must give positive 'F', 'B' (and 'W') times, got {cost}")
+    cost.setdefault("W", 1.0)
     return cost
 
 

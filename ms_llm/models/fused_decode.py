@@ -1,0 +1,120 @@
+"""The fused one-token decode step of a ``TransformerLayer`` (``ms_llm.ops.cpu_kernels.decode``).
+
+Why: a PyNative decode step dispatched ~30 ops per layer; the layer's arithmetic at one token is a
+few matrix-vector products, so dispatch set the token rate (0.24-0.38x transformers' ``generate``
+on a 23M Qwen3). ``layer_step`` runs the layer's attention half as one kernel call and, for a
+dense SwiGLU MLP, its MLP half as another; anything else the layer holds (MoE, MLA, Gated
+DeltaNet, tensor-parallel or LoRA-wrapped linears, bf16 weights, training mode) keeps the
+ordinary module path, which stays the reference the fused path is tested against
+(``tests/test_decode_fast.py``).
+
+PyNative only: the kernel writes the new K/V into the cache buffers in place.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional
+
+from mindspore import Tensor
+
+from ms_llm import ops as hot
+from ms_llm.compat import float32
+from .kv_cache import LayerKVCache
+from .layers import MLP, RMSNorm, SelfAttention
+
+if TYPE_CHECKING:
+    from .layers import TransformerLayer
+
+_STATE: dict = {}
+
+
+def enabled() -> bool:
+    """Whether decode steps take the fused kernels: CPU with the BLAS kernels (the library that
+    holds them; ``runtime.blas_kernels: false`` turns both off), unless ``set_enabled(False)``."""
+    if "linear" not in _STATE:
+        _STATE["linear"] = hot.resolve_paths().get("linear") == "aot"
+    if not _STATE["linear"]:
+        return False
+    from ms_llm.ops.cpu_kernels import decode
+    return decode.available()
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the fused decode step (and the one-call cache attention) on or off: the module path
+    is the reference tests and ``benchmarks/generate.py`` compare with. Returns the previous
+    setting."""
+    from ms_llm.ops.cpu_kernels import decode
+    return decode.set_enabled(on)
+
+
+def _plain_linear(m) -> bool:
+    return type(m) is hot.Linear and m.weight.dtype == float32 and (
+        m.bias is None or m.bias.dtype == float32)
+
+
+def _plain_norm(m) -> bool:
+    return type(m) is RMSNorm and m.weight.dtype == float32
+
+
+def _attention_ok(layer, a) -> bool:
+    if type(a) is not SelfAttention or not (_plain_linear(a.linear_qkv)
+                                            and _plain_linear(a.linear_proj)):
+        return False
+    norms = [layer.input_layernorm] + ([a.q_layernorm, a.k_layernorm]
+                                       if a.q_layernorm is not None else [])
+    return all(_plain_norm(n) and n.eps == layer.input_layernorm.eps
+               and n.zero_centered == layer.input_layernorm.zero_centered for n in norms)
+
+
+def _mlp_ok(layer) -> bool:
+    m = layer.mlp
+    return (type(m) is MLP and m.config.swiglu and _plain_linear(m.linear_fc1)
+            and _plain_linear(m.linear_fc2) and _plain_norm(layer.pre_mlp_layernorm))
+
+
+def _plan(layer: "TransformerLayer"):
+    """``(attention block, MLP block or None)`` for this layer, or False when the fused kernels
+    do not cover its attention."""
+    a = layer.self_attention
+    if not _attention_ok(layer, a):
+        return False
+    from ms_llm.ops.cpu_kernels import decode
+    n = layer.input_layernorm
+    attn = decode.AttentionBlock(
+        n.weight, a.linear_qkv.weight, a.linear_qkv.bias,
+        None if a.q_layernorm is None else a.q_layernorm.weight,
+        None if a.k_layernorm is None else a.k_layernorm.weight,
+        a.linear_proj.weight, a.linear_proj.bias, a.heads_per_group, a.gated, n.zero_centered,
+        n.eps, 1.0 / math.sqrt(a.d))
+    mlp = None
+    if _mlp_ok(layer):
+        m, n = layer.mlp, layer.pre_mlp_layernorm
+        mlp = decode.MlpBlock(n.weight, m.linear_fc1.weight, m.linear_fc1.bias,
+                              m.linear_fc2.weight, m.linear_fc2.bias, n.zero_centered, n.eps)
+    return attn, mlp
+
+
+def layer_step(layer: "TransformerLayer", x: Tensor, cos: Tensor, sin: Tensor,
+               attention_mask: Optional[Tensor], kv_cache: "LayerKVCache") -> Optional[Tensor]:
+    """The layer's output for one new token per row through the fused kernels, or None when
+    this layer, input or cache is not one they cover (the caller then runs the modules).
+
+    What the layer holds is inspected once per cache (``LayerKVCache.fused``): a cache belongs
+    to one generation (or one chat) of one model."""
+    if (x.shape[1] != 1 or type(kv_cache) is not LayerKVCache or kv_cache.k is None
+            or attention_mask is None or layer.training or not enabled()):
+        return None
+    plan = kv_cache.fused
+    if plan is None:
+        plan = kv_cache.fused = _plan(layer)
+    if (plan is False or x.dtype != float32 or kv_cache.k.dtype != float32
+            or kv_cache.length >= kv_cache.capacity
+            or attention_mask.shape[-1] != kv_cache.capacity):
+        return None
+    attn, mlp = plan
+    pos = kv_cache.length
+    h = attn(x, cos, sin, kv_cache.k, kv_cache.v, attention_mask, pos)
+    kv_cache.length = pos + 1
+    if mlp is not None:
+        return mlp(h)
+    return h + layer.mlp(layer.pre_mlp_layernorm(h))
