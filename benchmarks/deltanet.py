@@ -25,7 +25,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import mindspore as ms  # noqa: E402
 
-ms.set_device("CPU")
+from ms_llm.compat import setup_device  # noqa: E402
+
+# as training runs it: MindSpore's CPU kernel threads from runtime.cpu_threads (default 1; the
+# elementwise kernels stall ~4 ms per op at 2+ threads on this 2-core VM, mindspore-cpu.md)
+setup_device("CPU")
 
 from bench_util import machine  # noqa: E402
 from ms_llm.compat import nn  # noqa: E402

@@ -149,19 +149,6 @@ def _mtp_problem(cfg) -> Problem:
     return None
 
 
-def _gated_delta_net_problem(cfg) -> Problem:
-    """Gated DeltaNet layers (Qwen3-Next) are not split over tensor / context parallel."""
-    if "gated_delta_net" not in (cfg.model.layer_types or ()):
-        return None
-    for key, what in (("tensor_model_parallel_size", "tensor"), ("context_parallel_size",
-                                                                  "context")):
-        if getattr(cfg.parallel, key) > 1:
-            return (f"parallel.{key}", "model.layer_types"), (
-                f"parallel.{key} > 1 with gated_delta_net layers: {what} parallel of Gated "
-                f"DeltaNet is not built; use data / expert / pipeline parallel or FSDP")
-    return None
-
-
 def _eval_split_problem(cfg) -> Problem:
     """Evaluation needs a validation part of ``data.split`` (its weight above 0)."""
     if cfg.training.eval_interval is None:
@@ -284,7 +271,7 @@ def optimizer_problem(cfg) -> Problem:
 _LOW = ("bfloat16", "bf16")
 CROSS_KEY_CHECKS = (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora)
 CROSS_KEY_RULES = (stage_problem, _mtp_problem, _eval_split_problem, bf16_problem,
-                   cross_entropy_fusion_problem, optimizer_problem, _gated_delta_net_problem)
+                   cross_entropy_fusion_problem, optimizer_problem)
 
 
 def check_launch(cfg, world_size: int) -> None:

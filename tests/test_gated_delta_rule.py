@@ -97,3 +97,20 @@ def test_gradients_float64(form):
         fd = (f_np(plus) - f_np(minus)) / (2 * eps)
         np.testing.assert_allclose((gr.asnumpy() * d).sum(), fd, rtol=1e-6, atol=1e-8,
                                    err_msg=f"input {i}")
+
+
+def test_segments_composed_through_their_affine_state_maps_float64():
+    """Context parallel's form: a sequence cut into segments (lengths not multiples of the
+    chunk), each run alone with an unknown initial state, then chained on the host with
+    ``S_end = M S0 + B`` and ``out = out0 + P S0``, equals the sequential recurrence."""
+    from ms_llm.models.gated_delta_rule import chunk_gated_delta_rule_segment
+    *x, s0 = inputs(2, s=29)
+    ref, ref_s = numpy_rule(*x, s0)
+    state, outs = s0, []
+    for lo, hi in ((0, 11), (11, 13), (13, 29)):
+        seg = ms64([a[:, lo:hi] for a in x])
+        out0, p, b, m = (t.asnumpy() for t in chunk_gated_delta_rule_segment(*seg, chunk_size=4))
+        outs.append((out0 + p @ state).transpose(0, 2, 1, 3))
+        state = m @ state + b
+    np.testing.assert_allclose(np.concatenate(outs, 1), ref, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(state, ref_s, rtol=1e-10, atol=1e-10)

@@ -163,13 +163,3 @@ def test_published_config_matches_transformers_config_class():
         "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(48)]
     back = config_from_hf(cls.to_dict())
     assert back.replace(moe_layer_pattern=None) == c and back.moe_layer_pattern == [1] * 48
-
-
-def test_tensor_and_context_parallel_are_refused_with_one_line(tmp_path):
-    import os
-    from ms_llm.config import load_config
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    yaml = os.path.join(root, "configs", "qwen3_next_80b_a3b.yaml")
-    for key in ("tensor_model_parallel_size", "context_parallel_size"):
-        with pytest.raises(Exception, match="of Gated DeltaNet is not built"):
-            load_config(yaml, [f"--parallel.{key}", "2", "--model.mlp_type", "dense"])

@@ -10,7 +10,8 @@ the end.
 What the training checkpoint stores differently from the converter's full layer form (and is
 undone in ``_Source.layer``):
 
-* a gated ``linear_fc1`` as ``<name>:gate`` / ``<name>:up`` (``training/checkpointing.py``);
+* a gated ``linear_fc1`` as ``<name>:gate`` / ``<name>:up`` (``training/checkpointing.py``), a
+  Gated DeltaNet ``conv1d.weight`` as ``:q`` / ``:k`` / ``:v`` (placement layout ``row_parts``);
 * grouped experts (``moe_grouped_gemm``): ``mlp.experts.weight1`` as rows of 2F, global shape
   ``[E*H, 2F]`` (memory view ``[E, H, 2F]`` = expert e's ``linear_fc1.T``), ``weight2``
   ``[E*F, H]`` (view ``[E, F, H]`` = ``linear_fc2.T``); per-expert weights are already under
@@ -37,6 +38,8 @@ __all__ = ["export_hf", "export_megatron", "hf_config_from_transformer_config"]
 
 _MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
 _EXPERTS = "mlp.experts.local_experts."
+# the named dim-0 parts a stored tensor may be cut into, in their order in the full tensor
+PART_ORDERS = (("gate", "up"), ("q", "k", "v"))
 
 
 def hf_config_from_transformer_config(config, model_type_hf: Optional[str] = None
@@ -134,21 +137,20 @@ class _Source:
         raw = {n[len(self.prefix) + len(pre):]: self._get(n[len(self.prefix):])
                for n in (self.layers[i] if names is None else names)}
         full = OrderedDict()
+        parts: Dict[str, Dict[str, np.ndarray]] = {}
         for key in sorted(raw):
             base, colon, part = key.partition(":")
-            if not colon:
+            if colon:
+                parts.setdefault(base, {})[part] = raw[key]
+            else:
                 full[key] = raw[key]
-                continue
-            if part not in ("gate", "up"):
-                raise DCPError(f"{where}{key}: unknown split ':{part}' (expected :gate / :up)")
-            if part == "up":
-                continue
-            if base + ":up" not in raw:
-                raise DCPError(f"{where}{base}:gate has no matching ':up' half")
-            full[base] = np.concatenate([raw[key], raw[base + ":up"]], axis=0)
-        for key in raw:
-            if key.endswith(":up") and key[:-3] + ":gate" not in raw:
-                raise DCPError(f"{where}{key} has no matching ':gate' half")
+        for base, got in parts.items():
+            order = next((o for o in PART_ORDERS if set(o) == set(got)), None)
+            if order is None:
+                want = " or ".join("/".join(":" + p for p in o) for o in PART_ORDERS)
+                raise DCPError(f"{where}{base}: parts {sorted(':' + p for p in got)} are not "
+                               f"one of {want}")
+            full[base] = np.concatenate([got[p] for p in order], axis=0)
         self._ungroup(full, where)
         bias = None if self.spec.expert_bias else full.pop("mlp.router.expert_bias", None)
         if bias is not None and np.any(np.asarray(bias, dtype=np.float32) != 0):

@@ -26,7 +26,8 @@ from .gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from .kv_cache import KVCache, LayerKVCache
 from .layers import output_init_std
 
-__all__ = ["GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "LinearAttentionState"]
+__all__ = ["GatedDeltaNet", "GatedRMSNorm", "CausalConv1d", "ChunkGatedDeltaRule",
+           "LinearAttentionState"]
 
 
 class LinearAttentionState(LayerKVCache):
@@ -100,6 +101,21 @@ class CausalConv1d(nn.Module):
         return out
 
 
+class ChunkGatedDeltaRule(nn.Module):
+    """The chunked delta rule as a parameter-free module, the DeltaNet's counterpart of
+    ``CoreAttention``: context parallel (``ms_llm.parallel``) swaps it from outside for the form
+    that hands the recurrent state from rank to rank."""
+
+    def __init__(self, chunk_size: int):
+        super().__init__()
+        self.chunk_size = chunk_size
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                initial_state: Optional[Tensor] = None):
+        return chunk_gated_delta_rule(q, k, v, g, beta, self.chunk_size,
+                                      initial_state=initial_state)
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
@@ -119,6 +135,7 @@ class GatedDeltaNet(nn.Module):
         # A = exp(A_log) in [1, 16] (MindSpeed / transformers draw it uniformly in (0, 16))
         self.A_log = nn.new_parameter((self.hv,), dtype=c.params_dtype,
                                       values=lambda: np.log(nn.rng().uniform(1.0, 16.0, self.hv)))
+        self.core_delta_rule = ChunkGatedDeltaRule(c.linear_chunk_size)
         self.norm = GatedRMSNorm(self.dv, c.layernorm_epsilon, c.params_dtype)
         self.out_proj = hot.Linear(self.value_dim, c.hidden_size, bias=False,
                                    init_std=output_init_std(c), dtype=c.params_dtype)
@@ -145,13 +162,18 @@ class GatedDeltaNet(nn.Module):
                 kv_cache: Optional[LinearAttentionState] = None) -> Tensor:
         """``cos``/``sin`` are unused (no positions in a recurrence); ``attention_mask`` only as
         an inference cache passes it (padding and packed documents are not built here)."""
-        if attention_mask is not None and kv_cache is None:
+        # a mask object that says it is the plain causal mask (context parallel's micro-batch
+        # plan, ``causal`` True without packed documents) asks nothing of a recurrence
+        if attention_mask is not None and kv_cache is None and \
+                not getattr(attention_mask, "causal", False):
             raise ValueError("gated_delta_net: attention masks (padding, packed documents) are "
                              "not built for Gated DeltaNet layers")
-        bs, s = x.shape[0], x.shape[1]
         if kv_cache is not None:
             kv_cache.check_unpadded()
-        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        qkvz = self.in_proj_qkvz(x)
+        # the projections' sequence (sequence parallel gathers x's shards in them)
+        bs, s = qkvz.shape[0], qkvz.shape[1]
+        q, k, v, z, b, a = self._split(qkvz, self.in_proj_ba(x))
         groups = q.shape[2]
         mixed = F.cat([q.reshape(bs, s, -1), k.reshape(bs, s, -1), v.reshape(bs, s, -1)], -1)
         past = kv_cache.conv if kv_cache is not None else None
@@ -179,8 +201,7 @@ class GatedDeltaNet(nn.Module):
         if kv_cache is not None and s == 1 and state is not None:
             out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
         else:
-            out, state = chunk_gated_delta_rule(q, k, v, g, beta, self.config.linear_chunk_size,
-                                                initial_state=state)
+            out, state = self.core_delta_rule(q, k, v, g, beta, initial_state=state)
         if kv_cache is not None:
             kv_cache.recurrent = state
             kv_cache.length = kv_cache.length + s

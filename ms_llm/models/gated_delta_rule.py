@@ -25,12 +25,13 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import numpy as np
-from mindspore import Tensor, mint
+from mindspore import Tensor, mint, ops
 from mindspore.common import dtype as mstype
 
 from ms_llm.compat import F, float32
 
-__all__ = ["l2norm", "chunk_gated_delta_rule", "recurrent_gated_delta_rule"]
+__all__ = ["l2norm", "chunk_gated_delta_rule", "chunk_gated_delta_rule_segment",
+           "recurrent_gated_delta_rule"]
 
 
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -51,25 +52,23 @@ def _prepare(q, k, v, g, beta):
 
 def _unit_lower_inverse(a: Tensor, chunk: int) -> Tensor:
     """``(I + a)^-1`` for strictly lower triangular ``a`` ``[..., C, C]``."""
-    n = -a
-    eye = Tensor(np.eye(chunk), a.dtype)
-    inv = eye + n
+    shape = a.shape
+    n = -a.reshape(-1, chunk, chunk)
+    inv = Tensor(np.eye(chunk), a.dtype) + n
     power, covered = n, 2
     while covered < chunk:
         power = F.matmul(power, power)
-        inv = inv + F.matmul(inv, power)
+        inv = ops.baddbmm(inv, inv, power)           # inv + inv @ power, one op
         covered *= 2
-    return inv
+    return inv.reshape(shape)
 
 
-def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                           chunk_size: int = 64, initial_state: Optional[Tensor] = None
-                           ) -> Tuple[Tensor, Tensor]:
-    """The chunked parallel form (see the module docstring)."""
-    dtype, work, q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    b, h, s, dk = k.shape
-    dv = v.shape[-1]
-    c = chunk_size
+def _chunk_terms(q, k, v, g, beta, c: int, work):
+    """The parallel part of the chunked form over ``[b, h, s, d]`` inputs: per chunk the new
+    values ``u``, the decayed keys ``w`` that read the state, the intra-chunk scores, the
+    decayed queries and keys and the chunk's total decay. Padding (zero k, v, q, beta, g at the
+    end) leaves the state untouched."""
+    b, h, s, _ = k.shape
     pad = (c - s % c) % c
     if pad:
         q, k, v = (F.cat([t, mint.zeros((b, h, pad, t.shape[-1]), dtype=work)], 2)
@@ -88,20 +87,71 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     kk = F.matmul(k_beta, k.swapaxes(-1, -2)) * decay * strict.astype(work)
     inv = _unit_lower_inverse(kk, c)
     u = F.matmul(inv, v_beta)                                       # new values
-    w = F.matmul(inv, k_beta * F.exp(cum).unsqueeze(-1))        # decayed keys reading S
+    exp_cum = F.exp(cum).unsqueeze(-1)
+    w = F.matmul(inv, k_beta * exp_cum)                          # decayed keys reading S
     intra = F.matmul(q, k.swapaxes(-1, -2)) * decay
-    q_dec = q * F.exp(cum).unsqueeze(-1)
+    q_dec = q * exp_cum
     k_dec = k * F.exp(cum[..., -1:] - cum).unsqueeze(-1)
     chunk_decay = F.exp(cum[..., -1]).unsqueeze(-1).unsqueeze(-1)   # [b, h, n, 1, 1]
+    return u, w, intra, q_dec, k_dec, chunk_decay
+
+
+def _scan(terms, state: Tensor) -> Tuple[Tensor, Tensor]:
+    """The sequential part: chunk by chunk, ``v_new = u - w S`` and ``S <- decay S + k_dec^T
+    v_new``; the outputs ``q_dec S + intra v_new`` need no state update, so they are one
+    batched matmul pair over all chunks afterwards (fewer ops in the serial loop, which
+    dominates in PyNative). Returns ``[b, h, n*C, dv]`` and the final state."""
+    u, w, intra, q_dec, k_dec, chunk_decay = terms
+    b, h, n, c, dv = u.shape
+    # one unstack per tensor, not a slice per chunk: a slice's backward writes a zero tensor of
+    # the full size (n of them per tensor), unstack's is one stack
+    per_chunk = [ops.unstack(t, 2) for t in (u, w, k_dec.swapaxes(-1, -2), chunk_decay)]
+    states, news = [], []
+    for u_i, w_i, kt_i, decay_i in zip(*per_chunk):
+        states.append(state)
+        v_new = u_i - F.matmul(w_i, state)
+        news.append(v_new)
+        state = state * decay_i + F.matmul(kt_i, v_new)
+    out = F.matmul(q_dec, F.stack(states, 2)) + F.matmul(intra, F.stack(news, 2))
+    return out.reshape(b, h, n * c, dv), state
+
+
+def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                           chunk_size: int = 64, initial_state: Optional[Tensor] = None
+                           ) -> Tuple[Tensor, Tensor]:
+    """The chunked parallel form (see the module docstring)."""
+    dtype, work, q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+    terms = _chunk_terms(q, k, v, g, beta, chunk_size, work)
     state = initial_state.astype(work) if initial_state is not None else \
         mint.zeros((b, h, dk, dv), dtype=work)
-    outs = []
-    for i in range(n):
-        v_new = u[:, :, i] - F.matmul(w[:, :, i], state)
-        outs.append(F.matmul(q_dec[:, :, i], state) + F.matmul(intra[:, :, i], v_new))
-        state = state * chunk_decay[:, :, i] + F.matmul(k_dec[:, :, i].swapaxes(-1, -2), v_new)
-    out = F.stack(outs, 2).reshape(b, h, n * c, dv)[:, :, :s]
-    return out.swapaxes(1, 2).astype(dtype), state
+    out, state = _scan(terms, state)
+    return out[:, :, :s].swapaxes(1, 2).astype(dtype), state
+
+
+def chunk_gated_delta_rule_segment(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                   chunk_size: int = 64
+                                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One segment of a longer sequence whose initial state ``S0`` is not known yet (context
+    parallel: an earlier rank holds the tokens before it). Output and final state are affine in
+    ``S0``, so one scan of the augmented state ``[S | M]`` (``M`` starting at the identity, the
+    values padded with zeros for it) gives everything::
+
+        out = out0 + P @ S0          (per head: out0 [s, dv], P [s, dk])
+        S_end = M @ S0 + B           (M [dk, dk], B [dk, dv])
+
+    Returns ``(out0, P, B, M)``, ``out0`` / ``P`` as ``[b, h, s, *]``, in the working dtype."""
+    _, work, q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, h, s, dk = k.shape
+    dv = v.shape[-1]
+    u, *rest = _chunk_terms(q, k, v, g, beta, chunk_size, work)
+    u = F.cat([u, mint.zeros(tuple(u.shape[:-1]) + (dk,), dtype=work)], -1)
+    eye = Tensor(np.eye(dk), work).reshape(1, 1, dk, dk).broadcast_to((b, h, dk, dk))
+    state = F.cat([mint.zeros((b, h, dk, dv), dtype=work), eye], -1)
+    out, state = _scan((u, *rest), state)
+    out = out[:, :, :s]
+    return out[..., :dv], out[..., dv:], state[..., :dv], state[..., dv:]
 
 
 def recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,

@@ -23,6 +23,9 @@ Layouts:
 * ``glu_halves``: a fused ``[gate; up]`` weight (dim 0). Tensor parallel splits each half, so a
   rank holds ``[gate_r; up_r]``; FSDP then cuts that concatenation. Checkpoints store the halves
   as ``<name>:gate`` and ``<name>:up``, each one rectangle whatever the layout.
+* ``row_parts``: like ``glu_halves`` with named parts of any sizes along dim 0 (Gated DeltaNet's
+  conv1d channels ``[q; k; v]``): ``row_parts`` names them with their global row counts, tensor
+  parallel splits each part, checkpoints store ``<name>:<part>``.
 * ``row_blocks``: the tensor is stored as rows of ``row_width`` (grouped experts' ``weight1``
   ``[H, E*2F]`` viewed ``[E*H, 2F]``); an expert-parallel shard is a block of memory, i.e. a
   block of those rows, and FSDP's dim-0 rows map to whole rows of the view.
@@ -66,7 +69,7 @@ class RowShard:
         return self.rows % self.world == 0
 
 
-LAYOUTS = ("plain", "glu_halves", "row_blocks")
+LAYOUTS = ("plain", "glu_halves", "row_parts", "row_blocks")
 # emb: the first and last pipeline stage of one (tp, cp, dp) coordinate, which both hold the
 # tied embedding weight (a singleton group on the other stages); dp_cp / edp_cp: data parallel
 # (expert-data parallel) together with context parallel, Megatron's dp-cp group, over which FSDP
@@ -84,6 +87,7 @@ class Placement:
     shards: Tuple[Tuple[str, Optional[int]], ...] = ()
     layout: str = "plain"
     row_width: Optional[int] = None                # row_blocks: width of the stored rows
+    row_parts: Tuple[Tuple[str, int], ...] = ()    # row_parts: (name, global rows), in order
     partial: Tuple[str, ...] = ()                  # mesh dims the local gradient is partial over
     global_index: Tuple[Tuple[str, int, int], ...] = ()   # (name component, local, global)
     global_shape: Optional[Tuple[int, ...]] = None  # shape before any shard (None: unsharded)
@@ -99,6 +103,8 @@ class Placement:
                 raise ValueError(f"Placement: unknown mesh dim {mesh_dim!r} (one of {MESH_DIMS})")
         if self.layout == "row_blocks" and not self.row_width:
             raise ValueError("Placement: layout row_blocks needs row_width")
+        if self.layout == "row_parts" and not self.row_parts:
+            raise ValueError("Placement: layout row_parts needs row_parts")
 
     @property
     def mesh_dims(self) -> Tuple[str, ...]:
@@ -261,7 +267,9 @@ def checkpoint_regions(name: str, shape: Sequence[int], pl: Placement, mesh: Mes
     if pl.layout == "row_blocks":
         return [_row_block_region(name, gshape, shape, pl, mesh)]
     if pl.layout == "glu_halves" and split_glu:
-        return _glu_regions(name, gshape, pl, mesh)
+        return _part_regions(name, gshape, pl, mesh, glu_parts(gshape[0]))
+    if pl.layout == "row_parts" and split_glu:
+        return _part_regions(name, gshape, pl, mesh, pl.row_parts)
     off, size = _apply(gshape, pl.shards, mesh)
     return [Region(name, tuple(gshape), tuple(off), tuple(size), 0, size[0])]
 
@@ -289,30 +297,43 @@ def _row_block_region(name, gshape, shape, pl: Placement, mesh: Mesh) -> Region:
     return Region(name, (total_rows, w), (start, 0), (rows, w), 0, rows)
 
 
-def _glu_regions(name, gshape, pl: Placement, mesh: Mesh) -> List[Region]:
-    """``[gate; up]``: shards before FSDP split each half; FSDP cuts the local concatenation."""
-    half = gshape[0] // 2
+def glu_parts(rows: int) -> Tuple[Tuple[str, int], ...]:
+    """A fused ``[gate; up]`` weight's two named parts."""
+    return (("gate", rows // 2), ("up", rows // 2))
+
+
+def _part_regions(name, gshape, pl: Placement, mesh: Mesh, parts) -> List[Region]:
+    """Named dim-0 parts (``[gate; up]``, ``[q; k; v]``): shards before the data-parallel cut
+    split each part, so a rank holds ``[part0_r; part1_r; ...]``; FSDP (or the distributed
+    optimizer) then cuts that local concatenation."""
     rest = list(gshape[1:])
+    if sum(rows for _, rows in parts) != gshape[0]:
+        raise ValueError(f"checkpoint: {name}: parts {parts} do not add up to {gshape[0]} rows")
     # the data-parallel cut (FSDP's, or the distributed optimizer's: DP_CUTS) is the last
     outer = [s for s in pl.shards if s[0] not in DP_CUTS]
     fsdp = [s for s in pl.shards if s[0] in DP_CUTS]
     if any(tdim != 0 for _, tdim in fsdp) or len(fsdp) > 1:
-        raise ValueError(f"checkpoint: {name}: a GLU weight is cut once along dim 0 over dp")
-    off, size = _apply([half] + rest, outer, mesh)
-    local_half = size[0]
-    start, length = 0, 2 * local_half
+        raise ValueError(f"checkpoint: {name}: a weight of named parts is cut once along dim 0 "
+                         f"over dp")
+    local = []
+    for _, rows in parts:
+        off, size = _apply([rows] + rest, outer, mesh)
+        local.append((off, size))
+    total = sum(size[0] for _, size in local)
+    start, length = 0, total
     if fsdp:
         dim = fsdp[0][0]
-        rs = RowShard(2 * local_half, mesh.size[dim], mesh.rank[dim])
+        rs = RowShard(total, mesh.size[dim], mesh.rank[dim])
         start, length = rs.start, rs.length
-    out = []
-    for i, part in enumerate(("gate", "up")):
-        lo, hi = max(start, i * local_half), min(start + length, (i + 1) * local_half)
+    out, base = [], 0
+    for (part, rows), (off, size) in zip(parts, local):
+        lo, hi = max(start, base), min(start + length, base + size[0])
         n = max(0, hi - lo)
-        first = (off[0] + lo - i * local_half) if n else 0
-        out.append(Region(f"{name}:{part}", (half,) + tuple(rest),
+        first = (off[0] + lo - base) if n else 0
+        out.append(Region(f"{name}:{part}", (rows,) + tuple(rest),
                           (first,) + tuple(off[1:]), (n,) + tuple(size[1:]),
                           lo - start if n else 0, n))
+        base += size[0]
     return out
 
 

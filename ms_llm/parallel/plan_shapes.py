@@ -127,7 +127,8 @@ def rank_params(cfg, model_cfg: TransformerConfig, sizes: ParallelSizes, rank: i
             continue
         seen.add(gname)
         shape, layout, itemsize = shapes[gname]
-        full_pl = replace(pl, global_shape=shape, layout=layout.layout, row_width=layout.row_width)
+        full_pl = replace(pl, global_shape=shape, layout=layout.layout, row_width=layout.row_width,
+                          row_parts=layout.row_parts)
         numel = sum(int(np.prod(r.sizes)) for r in checkpoint_regions(name, shape, full_pl, mesh))
         out.append(LocalParam(gname, numel, int(np.prod(shape)), itemsize, bool(p.requires_grad),
                               pl.sharded_over("ep"), pl.dp_cut is not None, units.get(id(p))))

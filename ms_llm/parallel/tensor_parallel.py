@@ -34,7 +34,10 @@ from ms_llm.compat import F, float32, int32, nn
 from ms_llm import ops as hot
 from ms_llm.ops import IGNORE_INDEX
 from ms_llm.lora.modules import LoRABranch, LoRALinear, LoRAWeight
+from ms_llm.models.gated_delta_net import GatedDeltaNet
 from . import autograd as pa
+from .gated_delta_net_tp import (apply_gated_delta_net_tensor_parallel,
+                                 validate_gated_delta_net_tp)
 from .placement import add_partial, add_shard, placement_of, set_placement
 
 
@@ -46,8 +49,9 @@ def _shard_param(full: Parameter, dim: int, rank: int, size: int,
     else:
         n = data.shape[dim] // size
         part = np.take(data, np.arange(rank * n, (rank + 1) * n), axis=dim)
-    if rows is not None and placement_of(full).layout != "glu_halves":
-        raise ValueError("tensor parallel: a [gate; up] split needs a glu_halves placement")
+    if rows is not None and placement_of(full).layout not in ("glu_halves", "row_parts"):
+        raise ValueError("tensor parallel: a split of named parts ([gate; up], [q; k; v]) needs "
+                         "a glu_halves / row_parts placement")
     p = Parameter(Tensor(np.ascontiguousarray(part)).astype(full.dtype),
                   requires_grad=full.requires_grad)
     set_placement(p, add_shard(full, full.shape, "tp", dim))
@@ -258,6 +262,8 @@ def validate_tp(config, tp: int) -> None:
         if value % tp:
             raise ValueError(f"{key} ({value}) is not divisible by "
                              f"parallel.tensor_model_parallel_size ({tp})")
+    if "gated_delta_net" in (config.layer_types or ()):
+        validate_gated_delta_net_tp(config, tp)
 
 
 def _tp_logits(h: Tensor, weight: Tensor, group, sequence_parallel: bool) -> Tensor:
@@ -304,9 +310,16 @@ def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None
     # eh_proj / final_layernorm stay replicated (full inputs, identical gradients per rank;
     # under sequence parallel they see this rank's shard: partial gradients, marked below).
     extra = [m.transformer_layer for m in mtp.layers] if mtp is not None else []
+
+    def shard(param, dim, rows=None):
+        return _shard_param(param, dim, group.rank, tp, rows)
+
     for layer in list(model.decoder.layers) + extra:
         attn = layer.self_attention
-        if c.multi_latent_attention:
+        if isinstance(attn, GatedDeltaNet):
+            apply_gated_delta_net_tensor_parallel(attn, group, _column, _row, shard, _mark_partial,
+                                                  sequence_parallel=sp)
+        elif c.multi_latent_attention:
             apply_mla_tensor_parallel(attn, group, sp)
         else:
             attn.linear_qkv = _column(attn.linear_qkv, group, sequence_parallel=sp)
