@@ -14,20 +14,10 @@ rank ``r + 1``, and the last rank's chunk ``c`` feeds rank 0's chunk ``c + 1``.
 """
 from dataclasses import dataclass
 
+from .actions import Action, check_sizes as _check_sizes
+from .zero_bubble import zero_bubble_h1
+
 Transfer = tuple[int, int, str, int, int]  # (src_rank, dst_rank, "act"|"grad", microbatch, dst_chunk)
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step on one rank: forward ("F"), backward ("B") or, in zero-bubble schedules, the
-    deferred weight gradient ("W", after its "B", which then gives the input gradient only) of
-    ``microbatch`` through ``chunk``."""
-    kind: str
-    microbatch: int
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}.{self.chunk}"
 
 
 @dataclass
@@ -46,12 +36,6 @@ def virtual_stage(rank: int, chunk: int, pp: int) -> int:
 def stage_of(virtual_stage: int, pp: int) -> tuple[int, int]:
     """(rank, chunk) holding ``virtual_stage``; inverse of ``virtual_stage``."""
     return virtual_stage % pp, virtual_stage // pp
-
-
-def _check_sizes(pp: int, num_microbatches: int, vpp: int = 1) -> None:
-    if pp < 1 or vpp < 1 or num_microbatches < 1:
-        raise ValueError(f"pipeline schedule needs pp >= 1, vpp >= 1 and at least one microbatch "
-                         f"(got pp={pp}, vpp={vpp}, microbatches={num_microbatches})")
 
 
 def _one_f_one_b_order(forwards: list[Action], backwards: list[Action],
@@ -144,7 +128,6 @@ def build_schedule(pp: int, num_microbatches: int, vpp: int = 1,
     if method == "gpipe":
         return [gpipe(pp, r, num_microbatches) for r in range(pp)]
     if method == "zbh1":
-        from .zero_bubble import zero_bubble_h1
         return zero_bubble_h1(pp, num_microbatches)
     if vpp == 1:
         return [one_f_one_b(pp, r, num_microbatches) for r in range(pp)]

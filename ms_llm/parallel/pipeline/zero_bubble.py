@@ -11,7 +11,7 @@ never idles after its first forward, and the bubble is ``(p - 1)(F + B - W)`` ag
 """
 from __future__ import annotations
 
-from .schedules import Action, _check_sizes
+from .actions import Action, check_sizes as _check_sizes
 
 
 def zero_bubble_h1_rank(pp: int, rank: int, num_microbatches: int) -> list[Action]:
