@@ -17,6 +17,7 @@ import pytest
 
 import transformers  # noqa: F401  (test extra)
 
+from hf_parity import loss_and_grad_norm
 from ms_llm.models.registry import get_family
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,31 +66,11 @@ def test_logits_longer_than_a_chunk(pair):
 
 
 def test_loss_and_grad_norm(pair):
-    import mindspore as ms
-    import torch
     hf, model = pair
-    ids = _ids(seed=4)
-    hf.train()
-    hf.zero_grad()
-    logits = hf(torch.tensor(ids)).logits
-    want_loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                  torch.tensor(ids[:, 1:]).reshape(-1))
-    want_loss.backward()
-    want_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters()
-                                     if p.grad is not None)))
-    labels = np.concatenate([ids[:, 1:], np.zeros((2, 1), np.int64)], 1).astype(np.int32)
-    mask = np.ones(labels.shape, np.float32)
-    mask[:, -1] = 0
-    params = model.trainable_params()
-
-    def fn(x, y, m):
-        return (model(x, labels=y) * m).sum() / m.sum()
-
-    loss, grads = ms.value_and_grad(fn, None, params)(
-        ms.Tensor(ids.astype(np.int32)), ms.Tensor(labels), ms.Tensor(mask))
-    got_norm = float(np.sqrt(sum((g.asnumpy().astype(np.float64) ** 2).sum() for g in grads)))
-    assert abs(float(loss.asnumpy()) - float(want_loss)) < 1e-5
+    got_loss, want_loss, got_norm, want_norm = loss_and_grad_norm(hf, model, _ids(seed=4))
+    assert abs(got_loss - want_loss) < 1e-5
     assert abs(got_norm - want_norm) / want_norm < 1e-5, (got_norm, want_norm)
+    params = model.trainable_params()
     assert sum(int(np.prod(p.shape)) for p in params) == sum(p.numel() for p in hf.parameters())
 
 
