@@ -22,10 +22,10 @@ from typing import Mapping, Optional
 
 from ..config import TransformerConfig
 from ..registry import FamilySpec, register_family
-from .common import check_heads, decoder_fields, decoder_to_hf, need, refuse_attention_bias
+from .common import check_heads, decoder_fields, need, refuse_attention_bias
 from .glm45 import partial_rotary_factor
-from .qwen3_next import (HF_KINDS, LINEAR_KEYS, TINY_HF as NEXT_TINY, layer_types_from_hf,
-                         mtp_extras, mtp_to_hf)
+from .qwen3_next import (LINEAR_KEYS, TINY_HF as NEXT_TINY, hybrid_to_hf, layer_types_from_hf,
+                         mtp_extras)
 
 
 def refuse_vision_language(hf: Mapping, source: str) -> None:
@@ -53,18 +53,6 @@ def hybrid_refusal(c: TransformerConfig) -> Optional[str]:
     if c.layer_types is None:
         return "a model without layer_types"
     return None
-
-
-def hybrid_to_hf(c: TransformerConfig, model_type: str, architecture: str) -> dict:
-    cfg = decoder_to_hf(c, model_type, architecture)
-    cfg.pop("rope_theta")
-    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": c.rotary_base,
-                              "partial_rotary_factor": c.rotary_percent}
-    inverse = {v: k for k, v in HF_KINDS.items()}
-    cfg.update({k: getattr(c, k) for k in LINEAR_KEYS})
-    cfg["layer_types"] = [inverse[t] for t in c.layer_types]
-    cfg.update(mtp_to_hf(c))
-    return cfg
 
 
 def is_hybrid(c: TransformerConfig) -> bool:

@@ -70,6 +70,20 @@ def from_hf(hf: Mapping, source: str = "config.json") -> TransformerConfig:
                              rotary_percent=partial_rotary_factor(hf))
 
 
+def hybrid_to_hf(c: TransformerConfig, model_type: str, architecture: str) -> dict:
+    """The HF config fields every hybrid family writes alike (Qwen3-Next, Qwen3.5): partial
+    rotary as ``rope_parameters``, the linear-attention sizes, ``layer_types`` and MTP."""
+    cfg = decoder_to_hf(c, model_type, architecture)
+    cfg.pop("rope_theta")
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": c.rotary_base,
+                              "partial_rotary_factor": c.rotary_percent}
+    inverse = {v: k for k, v in HF_KINDS.items()}
+    cfg.update({k: getattr(c, k) for k in LINEAR_KEYS})
+    cfg["layer_types"] = [inverse[t] for t in c.layer_types]
+    cfg.update(mtp_to_hf(c))
+    return cfg
+
+
 def to_hf(c: TransformerConfig) -> dict:
     why = None
     if not (c.attention_output_gate and c.layernorm_zero_centered_gamma and c.qk_layernorm):
@@ -82,14 +96,7 @@ def to_hf(c: TransformerConfig) -> dict:
         why = "this router / shared expert (HF routes with softmax, gates its shared expert)"
     if why:
         raise ValueError(f"export: HF Qwen3-Next cannot express {why}")
-    cfg = decoder_to_hf(c, "qwen3_next", "Qwen3NextForCausalLM")
-    cfg.pop("rope_theta")
-    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": c.rotary_base,
-                              "partial_rotary_factor": c.rotary_percent}
-    inverse = {v: k for k, v in HF_KINDS.items()}
-    cfg.update({k: getattr(c, k) for k in LINEAR_KEYS})
-    cfg["layer_types"] = [inverse[t] for t in c.layer_types]
-    cfg.update(mtp_to_hf(c))
+    cfg = hybrid_to_hf(c, "qwen3_next", "Qwen3NextForCausalLM")
     if c.mlp_type == "moe":
         cfg.update(num_experts=c.num_moe_experts, num_experts_per_tok=c.moe_router_topk,
                    moe_intermediate_size=c.moe_ffn_hidden_size,
