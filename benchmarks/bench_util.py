@@ -19,6 +19,32 @@ TINY_MODEL = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.f
               "128", "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
               "--model.kv_channels", "16", "--data.seq_length", "32"]
 
+def model_55m(family: str = "llama") -> list:
+    """The ~55M model of issue #31's tables (hidden 512, 8 layers, GQA 8/2, FFN 1408, vocab 32000,
+    untied) as overrides onto configs/tiny.yaml: Llama-style, or ``qwen3`` (tiny.yaml's own
+    family, QK-norm on)."""
+    return (["--model.family", family, "--model.num_layers", "8", "--model.hidden_size", "512",
+             "--model.ffn_hidden_size", "1408", "--model.num_attention_heads", "8",
+             "--model.num_query_groups", "2", "--model.kv_channels", "64",
+             "--model.padded_vocab_size", "32000", "--model.untie_embeddings_and_output_weights",
+             "true"] + (["--model.qk_layernorm", "false"] if family == "llama" else []))
+
+
+def train_metrics(cmd: Sequence[str], out: str, env: Optional[dict] = None) -> list:
+    """Run one training command (``ms-llm train`` / ``scripts/pretrain.sh`` writing to ``out``)
+    and return the rows of its ``metrics.jsonl`` that carry a step time; stop with the command's
+    output tails when it fails or logged nothing."""
+    import json
+    import subprocess
+    r = subprocess.run(list(cmd), capture_output=True, text=True,
+                       env=env if env is not None else dict(os.environ, GLOG_v="3"))
+    path = os.path.join(out, "metrics.jsonl")
+    if r.returncode != 0 or not os.path.isfile(path):
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}")
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    return [row for row in rows if "step_time_s" in row]
+
 
 def machine() -> str:
     """CPU model, usable cores and load average: printed next to every figure."""

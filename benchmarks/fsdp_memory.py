@@ -21,12 +21,10 @@ import statistics
 import sys
 import time
 
+from bench_util import model_55m  # noqa: E402  (benchmarks/, the script's folder)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = ["--model.family", "llama", "--model.num_layers", "8", "--model.hidden_size", "512",
-         "--model.ffn_hidden_size", "1408", "--model.num_attention_heads", "8",
-         "--model.num_query_groups", "2", "--model.kv_channels", "64",
-         "--model.padded_vocab_size", "32000", "--model.qk_layernorm", "false",
-         "--model.untie_embeddings_and_output_weights", "true", "--training.jit", "false",
+MODEL = model_55m() + ["--training.jit", "false",
          "--training.progress_bar", "false", "--training.output_dir", "/tmp/ms_llm_bench_fsdp"]
 
 

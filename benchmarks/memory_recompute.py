@@ -28,11 +28,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from ms_llm.launch import free_port, launch_env, msrun_command  # noqa: E402
+from bench_util import model_55m  # noqa: E402  (benchmarks/, the script's folder)
 
-MODEL = ["--model.num_layers", "8", "--model.hidden_size", "512", "--model.ffn_hidden_size",
-         "1408", "--model.num_attention_heads", "8", "--model.num_query_groups", "2",
-         "--model.kv_channels", "64", "--model.padded_vocab_size", "32000",
-         "--model.untie_embeddings_and_output_weights", "true"]
+MODEL = model_55m("qwen3")
 VARIANTS = {
     "none": [],
     "selective": ["--training.recompute_granularity", "selective"],

@@ -63,12 +63,8 @@ def run_cli(steps: int, warmup: int) -> dict:
            os.path.join(ROOT, "configs", "tiny_moe.yaml"), *MODEL_OVERRIDES,
            "--training.max_steps", str(warmup + steps), "--training.log_interval", "1",
            "--training.output_dir", out]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, GLOG_v="3"))
-    path = os.path.join(out, "metrics.jsonl")
-    if r.returncode != 0 or not os.path.isfile(path):
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}")
-    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
-    rows = [row for row in rows if "step_time_s" in row]
+    from bench_util import train_metrics
+    rows = train_metrics(cmd, out)
     times = [row["step_time_s"] for row in rows]
     return {"times": times, "peak_rss_gb": rows[-1]["peak_rss_gb"]}
 

@@ -17,29 +17,15 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import platform
 import statistics
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-MODEL = ["--model.num_layers", "8", "--model.hidden_size", "512", "--model.ffn_hidden_size",
-         "1408", "--model.num_attention_heads", "8", "--model.num_query_groups", "2",
-         "--model.kv_channels", "64", "--model.padded_vocab_size", "32000",
-         "--model.untie_embeddings_and_output_weights", "true"]
+from bench_util import machine, model_55m  # noqa: E402  (benchmarks/, the script's folder)
 
-
-def machine() -> str:
-    """CPU model and load, printed with every figure (this machine is shared)."""
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"{cpu}, {os.cpu_count()} cores, load average {load}"
+MODEL = model_55m("qwen3")
 
 
 def step_times(reps: int) -> None:

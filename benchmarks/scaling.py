@@ -33,13 +33,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import ROOT, TINY_MODEL, free_port, machine  # noqa: E402
+from bench_util import ROOT, TINY_MODEL, free_port, machine, model_55m  # noqa: E402
 
-MODEL = ["--model.family", "llama", "--model.num_layers", "8", "--model.hidden_size", "512",
-         "--model.ffn_hidden_size", "1408", "--model.num_attention_heads", "8",
-         "--model.num_query_groups", "2", "--model.kv_channels", "64",
-         "--model.padded_vocab_size", "32000", "--model.qk_layernorm", "false",
-         "--model.untie_embeddings_and_output_weights", "true"]
+MODEL = model_55m()
 COMMON = ["--training.jit", "false", "--training.progress_bar", "false",
           "--training.log_interval", "1", "--training.lr_warmup_steps", "1"]
 SHORT = {"seq": 128, "micro": 4, "global": 8}

@@ -246,12 +246,8 @@ def run_cli(steps: int, warmup: int, jit: bool, bf16: bool = False, fused: bool 
            "--training.lr_warmup_steps", "2", "--training.jit", str(jit).lower(),
            "--training.output_dir", out] + (["--training.bf16", "true"] if bf16 else []) + \
         (FUSED if fused else [])
-    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, GLOG_v="3"))
-    path = os.path.join(out, "metrics.jsonl")
-    if r.returncode != 0 or not os.path.isfile(path):
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stdout[-1500:]}\n{r.stderr[-1500:]}")
-    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
-    rows = [row for row in rows if "step_time_s" in row]
+    from bench_util import train_metrics
+    rows = train_metrics(cmd, out)
     times = [row["step_time_s"] for row in rows]
     med = statistics.median(times[warmup:])
     return {"median_s": med, "first_s": times[0], "tokens_per_s": BATCH * SEQ / med,
