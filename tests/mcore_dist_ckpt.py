@@ -9,6 +9,7 @@ GQA, QK-norm, SwiGLU, RMSNorm, untied) saved / loaded with its own ``dist_checkp
     python tests/mcore_dist_ckpt.py save_lane SAVE_DIR LANE.pt     # the PyTorch lane's save
     python tests/mcore_dist_ckpt.py save_legacy SAVE_DIR STATE.npz  # --ckpt-format torch, 2 steps
     python tests/mcore_dist_ckpt.py load_legacy SAVE_DIR STATE.npz  # torch.load + load_state_dict
+    python tests/mcore_dist_ckpt.py save_distopt:TYPE:BUCKET CKPT_DIR STATE.npz  # DistributedOptimizer
 Either way STATE.npz receives the model's state_dict after the operation (the *_train modes add
 ``exp_avg.<name>``, ``exp_avg_sq.<name>`` and ``step``). The optimizer part is what
 megatron-core's ``FP32Optimizer.sharded_state_dict`` builds (its own helpers: the moments as
@@ -53,6 +54,9 @@ def main(mode: str, ckpt: str, out: str) -> None:
     parallel_state.initialize_model_parallel(1, 1)
     if mode == "save_lane":
         return save_lane(ckpt, out)
+    if mode.startswith("save_distopt:"):
+        _, kind, bucket = mode.split(":")
+        return save_distopt(kind, int(bucket), ckpt, out)
     m = model(5 if mode.startswith("save") else 9)
     if mode.endswith("_train"):
         return train_mode(mode, m, ckpt, out)
@@ -154,6 +158,57 @@ def legacy_mode(mode: str, m, save_dir: str, out: str) -> None:
     arrays["group_sizes"] = np.array([len(g["params"]) for g in opt.param_groups])
     arrays["group_names"] = np.array([names[id(p)] for g in opt.param_groups
                                       for p in g["params"]])
+    np.savez(out, **arrays)
+    dist.destroy_process_group()
+
+
+def save_distopt(sharding_type: str, bucket: int, ckpt: str, out: str) -> None:
+    """megatron-core's ``DistributedOptimizer`` (fp32; grad buffer buckets of ``bucket``
+    elements, 0: one bucket) after 2 Adam steps, saved in ``sharding_type``; STATE.npz holds
+    each parameter's fp32 main param and moments as the optimizer itself returns them
+    (``_get_main_param_and_optimizer_states``) and ``step``. Its CUDA-only spots get CPU
+    stand-ins: tensors asked for on ``cuda`` are made on the CPU, and CPU parameters report the
+    CUDA tensor type its constructor checks for."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    for fn in ("tensor", "zeros", "empty", "ones", "full"):
+        def on_cpu(*a, _make=getattr(torch, fn), **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return _make(*a, **k)
+        setattr(torch, fn, on_cpu)
+    tensor_type = torch.Tensor.type
+    torch.Tensor.type = lambda self, *a, **k: (
+        tensor_type(self).replace("torch.", "torch.cuda.", 1) if not a and not k
+        else tensor_type(self, *a, **k))
+    m = model(5)
+    ddp = DistributedDataParallel(m.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=bucket > 0, bucket_size=bucket or None), m)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=1e-3, weight_decay=0.1, use_distributed_optimizer=True), [ddp])
+    torch.manual_seed(17)
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        for p in m.parameters():
+            p.main_grad.copy_(torch.randn_like(p) * 0.01)
+        opt.step()
+    msd = m.sharded_state_dict()
+    osd = opt.sharded_state_dict(msd, metadata={
+        "distrib_optim_sharding_type": sharding_type,
+        "distrib_optim_fully_reshardable_mem_efficient": True})
+    os.makedirs(ckpt, exist_ok=True)
+    dist_checkpointing.save({"model": msd, "optimizer": osd, "iteration": 2}, ckpt)
+    inner = opt.chained_optimizers[0]
+    arrays = {}
+    for name, p in m.named_parameters():
+        states = inner._get_main_param_and_optimizer_states(p)
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            arrays[f"{k}.{name}"] = states[k].detach().reshape(p.shape).numpy()
+    arrays["step"] = np.array(float(inner.state_dict()["optimizer"]["param_groups"][0]["step"]))
+    arrays["buckets"] = np.array(len(ddp.buffers[0].buckets))
     np.savez(out, **arrays)
     dist.destroy_process_group()
 

@@ -16,8 +16,8 @@ What maps (Megatron-Core's ``FP32Optimizer`` layout, the non-distributed optimiz
   ``args.consumed_train_samples`` <-> the data position (``iteration * global batch`` without args)
 What cannot: Megatron's ``rng_state`` holds torch / CUDA generator states, which MindSpore's
 generators cannot take (the resumed run keeps its ``training.seed`` generators; exact only
-without dropout), and the distributed optimizer's ``optimizer.distributed.*`` flat buffers
-(refused with one line: save with ``--use-distributed-optimizer`` off or ``--ckpt-format torch``).
+without dropout). The distributed optimizer's layouts (``--use-distributed-optimizer``) are read
+by ``torch_dist_distopt``; the export writes the non-distributed layout (see there).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import numpy as np
 from . import dcp
 from .dcp_format import LocalChunk, TRACKER
 from .torch_dist import TorchDistReader, TorchDistWriter, is_torch_dist_dir
+from .torch_dist_distopt import read_distributed, sharding_type
 from .torch_dist_model import MOMENTS, read_state, read_training_state, write_training_state
 
 OPT = "optimizer."
@@ -53,8 +54,8 @@ def _check_supported(names, path: str) -> None:
     distributed = next((n for n in names if n.startswith("optimizer.distributed.")), None)
     if distributed is not None:
         raise ValueError(f"{path}: holds the distributed optimizer's flat buffers "
-                         f"({distributed}); resuming from them is not built (save the "
-                         f"PyTorch-lane run without --use-distributed-optimizer)")
+                         f"({distributed}) but common.pt records no "
+                         f"optimizer.param_state_sharding_type to read them by")
     moe = next((n for n in names if ".experts." in n or ".router." in n), None)
     if moe is not None:
         raise ValueError(f"{path}: MoE tensor {moe}: torch_dist training checkpoints of MoE "
@@ -67,8 +68,11 @@ def import_torch_dist(path: str, save_dir: str, state: dict, gated: bool,
     ``save_dir`` (``ckpt.load`` then reshards it to the run's layout): ``(its path, the state
     it records)``. ``state`` supplies what torch_dist cannot hold (the RNG, the model config)."""
     reader = TorchDistReader(path)
-    _check_supported(reader.tensors, path)
+    distributed = sharding_type(reader) is not None
+    _check_supported([] if distributed else reader.tensors, path)
     got = read_training_state(reader)
+    if distributed:   # --use-distributed-optimizer: fp32 params and moments in its layout
+        got["model"], got["optimizer"] = read_distributed(reader, got["model"])
     if not any(k.startswith(MOMENTS[0] + ".") for k in got["optimizer"]):
         raise ValueError(f"{path}: holds no Adam moments (optimizer.state.exp_avg.*): a "
                          f"weights-only checkpoint, not a training state to resume")
