@@ -164,7 +164,8 @@ def legacy_mode(mode: str, m, save_dir: str, out: str) -> None:
 
 def save_distopt(sharding_type: str, bucket: int, ckpt: str, out: str) -> None:
     """megatron-core's ``DistributedOptimizer`` (fp32; grad buffer buckets of ``bucket``
-    elements, 0: one bucket) after 2 Adam steps, saved in ``sharding_type``; STATE.npz holds
+    elements, 0: one bucket) after 2 Adam steps, saved in ``sharding_type`` (``legacy``:
+    ``--ckpt-format torch``, ``model_optim_rng.pt`` + ``distrib_optim.pt``); STATE.npz holds
     each parameter's fp32 main param and moments as the optimizer itself returns them
     (``_get_main_param_and_optimizer_states``) and ``step``. Its CUDA-only spots get CPU
     stand-ins: tensors asked for on ``cuda`` are made on the CPU, and CPU parameters report the
@@ -195,12 +196,27 @@ def save_distopt(sharding_type: str, bucket: int, ckpt: str, out: str) -> None:
         for p in m.parameters():
             p.main_grad.copy_(torch.randn_like(p) * 0.01)
         opt.step()
-    msd = m.sharded_state_dict()
-    osd = opt.sharded_state_dict(msd, metadata={
-        "distrib_optim_sharding_type": sharding_type,
-        "distrib_optim_fully_reshardable_mem_efficient": True})
-    os.makedirs(ckpt, exist_ok=True)
-    dist_checkpointing.save({"model": msd, "optimizer": osd, "iteration": 2}, ckpt)
+    if sharding_type == "legacy":   # --ckpt-format torch: Megatron-LM's two files per rank
+        import argparse
+        it = os.path.join(ckpt, "iter_0000002", "mp_rank_00")
+        os.makedirs(it, exist_ok=True)
+        args = argparse.Namespace(consumed_train_samples=8, iteration=2, ckpt_format="torch",
+                                  use_distributed_optimizer=True, data_parallel_size=1,
+                                  overlap_grad_reduce=bucket > 0, ddp_bucket_size=bucket or None)
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 2,
+                    "model": m.state_dict(), "optimizer": opt.state_dict(),
+                    "opt_param_scheduler": {"max_lr": 1e-3, "num_steps": 8}},
+                   os.path.join(it, "model_optim_rng.pt"))
+        opt.save_parameter_state(os.path.join(it, "distrib_optim.pt"))
+        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("2")
+    else:
+        msd = m.sharded_state_dict()
+        osd = opt.sharded_state_dict(msd, metadata={
+            "distrib_optim_sharding_type": sharding_type,
+            "distrib_optim_fully_reshardable_mem_efficient": True})
+        os.makedirs(ckpt, exist_ok=True)
+        dist_checkpointing.save({"model": msd, "optimizer": osd, "iteration": 2}, ckpt)
     inner = opt.chained_optimizers[0]
     arrays = {}
     for name, p in m.named_parameters():

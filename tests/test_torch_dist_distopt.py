@@ -34,6 +34,28 @@ def test_distributed_optimizer_checkpoint_resumes_here(tmp_path, kind, bucket):
                                           err_msg=f"{m}.{name}")
 
 
+def test_legacy_distrib_optim_resumes_here(tmp_path):
+    """``--ckpt-format torch``: Megatron-LM's ``model_optim_rng.pt`` (the DistributedOptimizer's
+    ``state_dict``: param groups with the step) and megatron-core's own
+    ``save_parameter_state`` file ``distrib_optim.pt`` over ten buckets; every parameter's fp32
+    main param and moments read back equal to the optimizer's own."""
+    from ms_llm.checkpoint.legacy_train import import_legacy, latest_legacy
+    want = mcore("save_distopt:legacy:4000", tmp_path / "mc", tmp_path / "mc.npz")
+    found = latest_legacy(str(tmp_path / "mc"))
+    assert found == (str(tmp_path / "mc" / "iter_0000002"), 2)
+    path, state = import_legacy(found[0], str(tmp_path / "ms"), {}, gated=True,
+                                global_batch_size=4)
+    assert state["data"] == {"consumed_samples": 8} and state["optimizer_step"] == 2
+    model, optim, _, step = read_training_dcp(path)
+    names = sorted(k[len("param."):] for k in want if k.startswith("param."))
+    assert step == 2 and sorted(model) == names
+    for name in names:
+        np.testing.assert_array_equal(model[name], want[f"param.{name}"], err_msg=name)
+        for m in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(optim[f"{m}.{name}"], want[f"{m}.{name}"],
+                                          err_msg=f"{m}.{name}")
+
+
 def test_a_layout_not_built_is_one_line(tmp_path):
     w = TorchDistWriter(str(tmp_path / "it"))
     w.add("output_layer.weight", (2, 2), (0, 0), np.zeros((2, 2), np.float32))

@@ -13,8 +13,9 @@ Layouts: a legacy folder is fixed to the tensor / pipeline sizes that wrote it (
 without the distributed optimizer (every dp rank's state is the same). Reading merges any tp /
 pp (the converter's merge rules, applied to the moments as to the weights) and the import is
 then resharded to any layout by ms-llm's load; writing is one file (tp = pp = 1), which Megatron
-resumes at tp = pp = 1 only. Refused with one line: ``distrib_optim.pt`` (the distributed
-optimizer's flat buffers), expert parallel, virtual pipeline stages, MoE.
+resumes at tp = pp = 1 only. ``distrib_optim.pt`` beside a rank file (the distributed
+optimizer) is read for resume by ``legacy_distopt`` (not written). Refused with one line:
+expert parallel, virtual pipeline stages, MoE.
 """
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ import numpy as np
 
 from . import torch_pickle
 from .dcp_format import TRACKER
+from .legacy_distopt import DISTRIB, read_distrib_optim
 from .torch_dist_model import MOMENTS
 from .torch_dist_train import read_training_dcp, write_tracker, write_training_dcp
 from .torch_pickle_reader import load as load_torch_file
 
-FILE, DISTRIB = "model_optim_rng.pt", "distrib_optim.pt"
+FILE = "model_optim_rng.pt"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _IN_LAYER = ("input_layernorm.weight", "self_attention.linear_proj.weight",
              "self_attention.linear_proj.bias", "self_attention.linear_qkv.weight",
@@ -95,6 +97,10 @@ def _rank_state(sd: dict, where: str) -> Tuple[Dict[str, np.ndarray], Dict[str, 
     if not opt:
         raise ValueError(f"{where}: holds no optimizer entry: a weights-only checkpoint, not a "
                          f"training state to resume")
+    folder = os.path.dirname(os.path.abspath(where))
+    if os.path.isfile(os.path.join(folder, DISTRIB)):   # --use-distributed-optimizer
+        return read_distrib_optim(folder, {k: _arr(v) for k, v in model.items()},
+                                  sd.get("args"), opt)
     inner = opt.get("optimizer", opt) if "fp32_from_fp16_params" in opt else opt
     groups = param_groups({k: tuple(v.shape) for k, v in model.items()}, where)
     if len(inner["param_groups"]) != len(groups) or any(
@@ -120,11 +126,6 @@ def _rank_state(sd: dict, where: str) -> Tuple[Dict[str, np.ndarray], Dict[str, 
 
 def _rank_files(path: str) -> List[str]:
     ranks = sorted(d for d in os.listdir(path) if d.startswith("mp_rank_"))
-    for d in ranks:
-        if os.path.isfile(os.path.join(path, d, DISTRIB)):
-            raise ValueError(f"{os.path.join(path, d, DISTRIB)}: the distributed optimizer's "
-                             f"flat buffers are not built (save without "
-                             f"--use-distributed-optimizer)")
     return [os.path.join(path, d, FILE) for d in ranks]
 
 
