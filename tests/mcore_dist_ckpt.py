@@ -10,6 +10,7 @@ GQA, QK-norm, SwiGLU, RMSNorm, untied) saved / loaded with its own ``dist_checkp
     python tests/mcore_dist_ckpt.py save_legacy SAVE_DIR STATE.npz  # --ckpt-format torch, 2 steps
     python tests/mcore_dist_ckpt.py load_legacy SAVE_DIR STATE.npz  # torch.load + load_state_dict
     python tests/mcore_dist_ckpt.py save_distopt:TYPE:BUCKET CKPT_DIR STATE.npz  # DistributedOptimizer
+    python tests/mcore_dist_ckpt.py load_distopt CKPT_DIR STATE.npz  # + its optimizer state
 Either way STATE.npz receives the model's state_dict after the operation (the *_train modes add
 ``exp_avg.<name>``, ``exp_avg_sq.<name>`` and ``step``). The optimizer part is what
 megatron-core's ``FP32Optimizer.sharded_state_dict`` builds (its own helpers: the moments as
@@ -57,6 +58,8 @@ def main(mode: str, ckpt: str, out: str) -> None:
     if mode.startswith("save_distopt:"):
         _, kind, bucket = mode.split(":")
         return save_distopt(kind, int(bucket), ckpt, out)
+    if mode == "load_distopt":
+        return load_distopt(ckpt, out)
     m = model(5 if mode.startswith("save") else 9)
     if mode.endswith("_train"):
         return train_mode(mode, m, ckpt, out)
@@ -162,16 +165,11 @@ def legacy_mode(mode: str, m, save_dir: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def save_distopt(sharding_type: str, bucket: int, ckpt: str, out: str) -> None:
+def _distopt(seed: int, bucket: int):
     """megatron-core's ``DistributedOptimizer`` (fp32; grad buffer buckets of ``bucket``
-    elements, 0: one bucket) after 2 Adam steps, saved in ``sharding_type`` (``legacy``:
-    ``--ckpt-format torch``, ``model_optim_rng.pt`` + ``distrib_optim.pt``); STATE.npz holds
-    each parameter's fp32 main param and moments as the optimizer itself returns them
-    (``_get_main_param_and_optimizer_states``) and ``step``. Its CUDA-only spots get CPU
-    stand-ins: tensors asked for on ``cuda`` are made on the CPU, and CPU parameters report the
-    CUDA tensor type its constructor checks for."""
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
+    elements, 0: one bucket) over ``model(seed)``. Its CUDA-only spots get CPU stand-ins:
+    tensors asked for on ``cuda`` are made on the CPU, and CPU parameters report the CUDA
+    tensor type its constructor checks for."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     for fn in ("tensor", "zeros", "empty", "ones", "full"):
@@ -184,12 +182,35 @@ def save_distopt(sharding_type: str, bucket: int, ckpt: str, out: str) -> None:
     torch.Tensor.type = lambda self, *a, **k: (
         tensor_type(self).replace("torch.", "torch.cuda.", 1) if not a and not k
         else tensor_type(self, *a, **k))
-    m = model(5)
+    m = model(seed)
     ddp = DistributedDataParallel(m.config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True,
         overlap_grad_reduce=bucket > 0, bucket_size=bucket or None), m)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=1e-3, weight_decay=0.1, use_distributed_optimizer=True), [ddp])
+    return m, ddp, opt
+
+
+def _distopt_dump(m, ddp, opt, out: str) -> None:
+    """Each parameter's fp32 main param and moments as the optimizer itself holds them
+    (``_get_main_param_and_optimizer_states``), Adam's ``step`` and the bucket count."""
+    inner = opt.chained_optimizers[0]
+    arrays = {}
+    for name, p in m.named_parameters():
+        states = inner._get_main_param_and_optimizer_states(p)
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            arrays[f"{k}.{name}"] = states[k].detach().reshape(p.shape).numpy()
+    arrays["step"] = np.array(float(inner.state_dict()["optimizer"]["param_groups"][0]["step"]))
+    arrays["buckets"] = np.array(len(ddp.buffers[0].buckets))
+    np.savez(out, **arrays)
+
+
+def save_distopt(sharding_type: str, bucket: int, ckpt: str, out: str) -> None:
+    """``_distopt`` after 2 Adam steps, saved in ``sharding_type`` (``legacy``:
+    ``--ckpt-format torch``, ``model_optim_rng.pt`` + ``distrib_optim.pt``)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    m, ddp, opt = _distopt(5, bucket)
     torch.manual_seed(17)
     for _ in range(2):
         ddp.zero_grad_buffer()
@@ -217,15 +238,40 @@ def save_distopt(sharding_type: str, bucket: int, ckpt: str, out: str) -> None:
             "distrib_optim_fully_reshardable_mem_efficient": True})
         os.makedirs(ckpt, exist_ok=True)
         dist_checkpointing.save({"model": msd, "optimizer": osd, "iteration": 2}, ckpt)
-    inner = opt.chained_optimizers[0]
-    arrays = {}
-    for name, p in m.named_parameters():
-        states = inner._get_main_param_and_optimizer_states(p)
-        for k in ("param", "exp_avg", "exp_avg_sq"):
-            arrays[f"{k}.{name}"] = states[k].detach().reshape(p.shape).numpy()
-    arrays["step"] = np.array(float(inner.state_dict()["optimizer"]["param_groups"][0]["step"]))
-    arrays["buckets"] = np.array(len(ddp.buffers[0].buckets))
-    np.savez(out, **arrays)
+    _distopt_dump(m, ddp, opt, out)
+    dist.destroy_process_group()
+
+
+def load_distopt(ckpt: str, out: str) -> None:
+    """A fresh ``_distopt`` (one bucket) loads ``ckpt`` as Megatron-LM 0.16 does: the layout
+    from the checkpoint's ``content_metadata``, model and optimizer through
+    ``dist_checkpointing.load``, then ``load_state_dict`` of both."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    put = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def put_keeping_step(self, model_param, tensors):
+        # torch AdamW (this CPU stand-in for TE / Apex FusedAdam) keeps a per-parameter "step"
+        # that fully_reshardable's loader never passes (it set it from the param groups just
+        # before); FusedAdam has none, so megatron-core's own path needs no step here.
+        if "step" not in tensors:
+            tensors = {**tensors, "step": self._get_main_param_and_optimizer_states(
+                model_param)["step"].clone()}
+        put(self, model_param, tensors)
+    DistributedOptimizer._set_main_param_and_optimizer_states = put_keeping_step
+    m, ddp, opt = _distopt(9, 0)
+    ddp.zero_grad_buffer()
+    for p in m.parameters():   # state must exist to load into (as in load_train)
+        p.main_grad.copy_(torch.randn_like(p) * 0.01)
+    opt.step()
+    meta = dist_checkpointing.load_content_metadata(ckpt)
+    msd = {k: v for k, v in m.sharded_state_dict().items() if "_extra_state" not in k}
+    osd = opt.sharded_state_dict(msd, is_loading=True, metadata=meta)
+    loaded = dist_checkpointing.load({"model": msd, "optimizer": osd}, ckpt)
+    m.load_state_dict(loaded["model"], strict=False)
+    opt.load_state_dict(loaded["optimizer"])
+    _distopt_dump(m, ddp, opt, out)
     dist.destroy_process_group()
 
 

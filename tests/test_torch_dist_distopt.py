@@ -17,11 +17,19 @@ pytest.importorskip("megatron.core")
 from test_torch_dist import mcore  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distopt")
+    return {kind: (root / kind, mcore(f"save_distopt:{kind}:{bucket}", root / kind,
+                                      root / f"{kind}.npz"))
+            for kind, bucket in (("dp_reshardable", 4000), ("fully_reshardable", 0))}
+
+
 @pytest.mark.parametrize("kind,bucket", [("dp_reshardable", 4000), ("fully_reshardable", 0)])
-def test_distributed_optimizer_checkpoint_resumes_here(tmp_path, kind, bucket):
-    want = mcore(f"save_distopt:{kind}:{bucket}", tmp_path / "mc", tmp_path / "mc.npz")
+def test_distributed_optimizer_checkpoint_resumes_here(tmp_path, saved, kind, bucket):
+    folder, want = saved[kind]
     assert int(want["buckets"]) == (10 if bucket else 1)
-    path, state = import_torch_dist(str(tmp_path / "mc"), str(tmp_path / "ms"), {},
+    path, state = import_torch_dist(str(folder), str(tmp_path / "ms"), {},
                                     gated=True, global_batch_size=4)
     model, optim, _, step = read_training_dcp(path)
     assert step == 2 and state["optimizer_step"] == int(want["step"]) == 2
@@ -32,6 +40,32 @@ def test_distributed_optimizer_checkpoint_resumes_here(tmp_path, kind, bucket):
         for m in ("exp_avg", "exp_avg_sq"):
             np.testing.assert_array_equal(optim[f"{m}.{name}"], want[f"{m}.{name}"],
                                           err_msg=f"{m}.{name}")
+
+
+def test_written_here_loads_in_megatron_cores_distributed_optimizer(tmp_path, saved):
+    """megatron-core's DistributedOptimizer cannot take the non-distributed layout (no fp32
+    ``optimizer.state.param.*``; Megatron-LM's default ``dp_reshardable`` wants flat buckets),
+    so with ``distributed=True`` the export writes ``fully_reshardable`` and its
+    ``content_metadata``: a fresh DistributedOptimizer loads it (the layout taken from the
+    checkpoint, as Megatron-LM does), main params, moments and step equal to what was written."""
+    from ms_llm.checkpoint.torch_dist_train import export_torch_dist, write_training_dcp
+    want = saved["dp_reshardable"][1]
+    names = [k[len("param."):] for k in want if k.startswith("param.")]
+    rng = np.random.default_rng(4)
+    model = {n: rng.standard_normal(want[f"param.{n}"].shape).astype(np.float32) for n in names}
+    optim = {f"{m}.{n}": rng.random(v.shape).astype(np.float32) for m in ("exp_avg", "exp_avg_sq")
+             for n, v in model.items()}
+    optim["step"] = np.int64(6)
+    mine, _ = write_training_dcp(str(tmp_path / "ms"), model, optim, 6, {"num_steps": 24}, 24,
+                                 {}, True, 4, "test")
+    out = export_torch_dist(mine, str(tmp_path / "back"), lr=1e-3, betas=(0.9, 0.999),
+                            eps=1e-8, weight_decay=0.1, global_batch_size=4, distributed=True)
+    back = mcore("load_distopt", out, tmp_path / "back.npz")
+    assert float(back["step"]) == 6
+    for n in names:
+        np.testing.assert_array_equal(back[f"param.{n}"], model[n], err_msg=n)
+        for m in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_array_equal(back[f"{m}.{n}"], optim[f"{m}.{n}"], err_msg=n)
 
 
 def test_legacy_distrib_optim_resumes_here(tmp_path):

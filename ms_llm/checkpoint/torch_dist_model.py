@@ -96,11 +96,18 @@ def write_training_state(writer: TorchDistWriter, model: Dict[str, np.ndarray],
                          scheduler: Optional[dict] = None, lr: float = 0.0,
                          betas=(0.9, 0.999), eps: float = 1e-8,
                          weight_decay: float = 0.0,
-                         extra_common: Optional[dict] = None) -> None:
+                         extra_common: Optional[dict] = None,
+                         distributed: bool = False) -> None:
     """The inverse of ``read_training_state``: the moments under Megatron-Core's keys, the step
     as its ``common_step``, and one torch AdamW param group, so megatron-core's loader restores
-    them (``FP32Optimizer`` layout: fp32 parameters, moments shaped like them)."""
+    them (``FP32Optimizer`` layout: fp32 parameters, moments shaped like them).
+    ``distributed``: the ``DistributedOptimizer``'s ``fully_reshardable`` layout instead
+    (``torch_dist_distopt.distributed_common``), which megatron-core's distributed optimizer
+    loads and the non-distributed layout is not (it lacks the fp32 ``param`` copies)."""
     state = dict(model)
+    if distributed:
+        state.update({f"optimizer.state.param.{k}": np.asarray(v, np.float32)
+                      for k, v in model.items()})
     for m in MOMENTS:
         for name in model:
             key = f"{m}.{name}"
@@ -117,6 +124,11 @@ def write_training_state(writer: TorchDistWriter, model: Dict[str, np.ndarray],
                                               "capturable": False, "differentiable": False,
                                               "fused": None, "decoupled_weight_decay": True}]}}
     # (no "params" ids: megatron-core keeps them out of the checkpoint, the loader's own stay)
+    if distributed:
+        from .torch_dist_distopt import distributed_common
+        common.update(distributed_common(int(np.asarray(optimizer["step"]).reshape(-1)[0]),
+                                         lr=lr, betas=betas, eps=eps,
+                                         weight_decay=weight_decay))
     if scheduler is not None:
         common["opt_param_scheduler"] = scheduler
     common.update(extra_common or {})   # e.g. Megatron-LM's ``args`` (consumed samples)

@@ -157,10 +157,12 @@ def write_tracker(save_dir: str, step: int) -> None:
 
 def export_torch_dist(dcp_path: str, save_dir: str, *, lr: float, betas, eps: float,
                       weight_decay: float, global_batch_size: int,
-                      megatron_args: Optional[dict] = None) -> str:
+                      megatron_args: Optional[dict] = None, distributed: bool = False) -> str:
     """Rewrite the complete ms-llm checkpoint ``dcp_path`` as ``save_dir/iter_<step>`` in
     torch_dist (model, Adam moments, common_step, iteration, opt_param_scheduler, ``args`` with
-    the consumed samples) and point ``save_dir``'s tracker at it; returns the folder."""
+    the consumed samples) and point ``save_dir``'s tracker at it; returns the folder.
+    ``distributed``: the DistributedOptimizer's ``fully_reshardable`` layout, for a PyTorch-lane
+    run with ``--use-distributed-optimizer`` (which cannot load the other)."""
     model, optim, state, step = read_training_dcp(dcp_path)
     consumed = int((state.get("data") or {}).get("consumed_samples", step * global_batch_size))
     args = argparse.Namespace(**{**(megatron_args or {}), "iteration": step,
@@ -170,6 +172,7 @@ def export_torch_dist(dcp_path: str, save_dir: str, *, lr: float, betas, eps: fl
     write_training_state(TorchDistWriter(out), model, optim, iteration=step,
                          scheduler=state.get("opt_param_scheduler"), lr=lr, betas=betas,
                          eps=eps, weight_decay=weight_decay,
-                         extra_common={"args": args, "checkpoint_version": 3.0})
+                         extra_common={"args": args, "checkpoint_version": 3.0},
+                         distributed=distributed)
     write_tracker(save_dir, step)
     return out

@@ -138,15 +138,25 @@ def publish(cfg, native_path: str, rank: int, barrier) -> str:
     out = {}
 
     def work():
-        write = export_torch_dist if cfg.checkpoint.format == "torch_dist" else export_legacy
-        out["path"] = write(
-            native_path, cfg.checkpoint.save_dir, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-            eps=t.adam_eps, weight_decay=t.weight_decay, global_batch_size=t.global_batch_size,
-            megatron_args=megatron_args(cfg))
+        kw = dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                  weight_decay=t.weight_decay, global_batch_size=t.global_batch_size,
+                  megatron_args=megatron_args(cfg))
+        if cfg.checkpoint.format == "torch_dist":   # distopt: the layout its loader takes
+            out["path"] = export_torch_dist(native_path, cfg.checkpoint.save_dir, **kw,
+                                            distributed=distributed_layout(cfg))
+        else:
+            out["path"] = export_legacy(native_path, cfg.checkpoint.save_dir, **kw)
         shutil.rmtree(native_path, ignore_errors=True)
     _rank0(work, staging_dir(cfg), rank, barrier)
     step = int(os.path.basename(native_path).split("_")[-1])
     return out.get("path", os.path.join(cfg.checkpoint.save_dir, f"iter_{step:07d}"))
+
+
+def distributed_layout(cfg) -> bool:
+    """Whether a torch_dist save is written in the DistributedOptimizer's layout: when this run
+    uses it (``parallel.use_distributed_optimizer``, ``--use-distributed-optimizer``), as the
+    PyTorch-lane run going on from the save does, whose loader cannot take the other layout."""
+    return bool(cfg.parallel.use_distributed_optimizer)
 
 
 def megatron_args(cfg) -> dict:
@@ -166,4 +176,6 @@ def megatron_args(cfg) -> dict:
             "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
             "micro_batch_size": t.micro_batch_size, "global_batch_size": t.global_batch_size,
             "train_iters": t.max_steps, "seed": t.seed, "lr": t.lr, "min_lr": t.min_lr,
-            "bf16": bool(t.bf16), "fp16": False, "use_distributed_optimizer": False}
+            "bf16": bool(t.bf16), "fp16": False,
+            "use_distributed_optimizer": cfg.checkpoint.format == "torch_dist"
+            and distributed_layout(cfg)}
