@@ -42,6 +42,27 @@ def test_megatron_format_save_dirs_resume_exactly(tmp_path):
         np.testing.assert_allclose(first + rest, full, rtol=1e-6, err_msg=fmt)
 
 
+def test_a_distributed_optimizer_run_saves_the_layout_its_lane_loads(tmp_path):
+    """``parallel.use_distributed_optimizer`` with ``checkpoint.format torch_dist``: the save is
+    the DistributedOptimizer's ``fully_reshardable`` layout (tests/test_torch_dist_distopt.py
+    loads that layout in megatron-core), and the run resumes from it exactly."""
+    from ms_llm.checkpoint.torch_dist import TorchDistReader
+    from ms_llm.checkpoint.torch_dist_distopt import sharding_type
+    dist = ("--parallel.use_distributed_optimizer", "true")
+    full = losses(cfg(tmp_path, "--training.max_steps", "4", *dist))
+    save = str(tmp_path / "distopt")
+    first = losses(cfg(tmp_path, "--training.max_steps", "2", "--checkpoint.save_dir", save,
+                       "--checkpoint.format", "torch_dist", *dist))
+    reader = TorchDistReader(os.path.join(save, "iter_0000002"))
+    assert sharding_type(reader) == "fully_reshardable"
+    assert reader.common["args"].use_distributed_optimizer
+    assert "optimizer.state.param.output_layer.weight" in reader.tensors or \
+        "optimizer.state.param.embedding.word_embeddings.weight" in reader.tensors
+    rest = losses(cfg(tmp_path, "--training.max_steps", "4", "--checkpoint.save_dir", save,
+                      "--checkpoint.format", "torch_dist", "--training.resume", "auto", *dist))
+    np.testing.assert_allclose(first + rest, full, rtol=1e-6)
+
+
 def _folder(tmp_path, keys):
     w = TorchDistWriter(str(tmp_path / "ck" / "iter_0000003"))
     for k in keys:
