@@ -16,7 +16,7 @@ its flags (``dp_reshardable`` by default, ``fully_reshardable`` under
                           parameters lie in it in reverse ``named_parameters`` order, each start
                           padded to 64 elements (``_ParamAndGradBuffer``), so the layout is
                           rebuilt from the model's shapes and checked against every chunk edge
-Written (``distributed_common``): ``fully_reshardable``, with the ``content_metadata``
+Written (``torch_dist_model.distributed_common``): ``fully_reshardable``, with the ``content_metadata``
 Megatron-LM reads back to choose the layout it loads with; the flat-bucket layouts depend on
 the loading run's bucket sizes and dp size, so they are not written.
 Refused with one line naming the type: ``dp_zero_gather_scatter`` (a pickled object per
@@ -180,22 +180,3 @@ def _layout(names: List[str], model, sizes: List[int], edges) -> Optional[Dict[s
             k, pos = k + 1, 0
     return out if k == len(sizes) and pos == 0 else None
 
-
-def distributed_common(step: int, *, lr: float, betas, eps: float, weight_decay: float,
-                       min_lr: float = 0.0) -> dict:
-    """``common.pt`` entries of a ``fully_reshardable`` save: the DistributedOptimizer's
-    ``state_dict`` (megatron-core's two default param groups, matched on load by
-    ``wd_mult`` / ``lr_mult`` / ``is_expert_parallel`` / ``is_decoupled_lr``, each with Adam's
-    step) and the ``content_metadata`` naming the layout."""
-    groups = [{"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
-               "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-               "differentiable": False, "fused": None, "decoupled_weight_decay": True,
-               "is_expert_parallel": False, "default_config": True, "wd_mult": wd,
-               "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": lr, "min_lr": min_lr,
-               "step": float(step)} for wd in (1.0, 0.0)]
-    return {"optimizer": {"optimizer": {"param_groups": groups},
-                          "param_state_sharding_type": "fully_reshardable"},
-            "content_metadata": {"distrib_optim_sharding_type": "fully_reshardable",
-                                 "distrib_optim_fully_reshardable_mem_efficient": False,
-                                 "singleton_local_shards": False,
-                                 "chained_optim_avoid_prefix": True}}

@@ -102,7 +102,7 @@ def write_training_state(writer: TorchDistWriter, model: Dict[str, np.ndarray],
     as its ``common_step``, and one torch AdamW param group, so megatron-core's loader restores
     them (``FP32Optimizer`` layout: fp32 parameters, moments shaped like them).
     ``distributed``: the ``DistributedOptimizer``'s ``fully_reshardable`` layout instead
-    (``torch_dist_distopt.distributed_common``), which megatron-core's distributed optimizer
+    (``distributed_common``), which megatron-core's distributed optimizer
     loads and the non-distributed layout is not (it lacks the fp32 ``param`` copies)."""
     state = dict(model)
     if distributed:
@@ -125,7 +125,6 @@ def write_training_state(writer: TorchDistWriter, model: Dict[str, np.ndarray],
                                               "fused": None, "decoupled_weight_decay": True}]}}
     # (no "params" ids: megatron-core keeps them out of the checkpoint, the loader's own stay)
     if distributed:
-        from .torch_dist_distopt import distributed_common
         common.update(distributed_common(int(np.asarray(optimizer["step"]).reshape(-1)[0]),
                                          lr=lr, betas=betas, eps=eps,
                                          weight_decay=weight_decay))
@@ -133,3 +132,23 @@ def write_training_state(writer: TorchDistWriter, model: Dict[str, np.ndarray],
         common["opt_param_scheduler"] = scheduler
     common.update(extra_common or {})   # e.g. Megatron-LM's ``args`` (consumed samples)
     writer.close(common)
+
+
+def distributed_common(step: int, *, lr: float, betas, eps: float, weight_decay: float,
+                       min_lr: float = 0.0) -> dict:
+    """``common.pt`` entries of a ``fully_reshardable`` save: the DistributedOptimizer's
+    ``state_dict`` (megatron-core's two default param groups, matched on load by
+    ``wd_mult`` / ``lr_mult`` / ``is_expert_parallel`` / ``is_decoupled_lr``, each with Adam's
+    step) and the ``content_metadata`` naming the layout."""
+    groups = [{"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+               "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+               "differentiable": False, "fused": None, "decoupled_weight_decay": True,
+               "is_expert_parallel": False, "default_config": True, "wd_mult": wd,
+               "lr_mult": 1.0, "is_decoupled_lr": False, "max_lr": lr, "min_lr": min_lr,
+               "step": float(step)} for wd in (1.0, 0.0)]
+    return {"optimizer": {"optimizer": {"param_groups": groups},
+                          "param_state_sharding_type": "fully_reshardable"},
+            "content_metadata": {"distrib_optim_sharding_type": "fully_reshardable",
+                                 "distrib_optim_fully_reshardable_mem_efficient": False,
+                                 "singleton_local_shards": False,
+                                 "chained_optim_avoid_prefix": True}}
