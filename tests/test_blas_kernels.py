@@ -67,7 +67,8 @@ def test_separate_library(blas_ok):
     assert path.parent.parent == build.cache_root()
     assert all(not s.name.startswith("blas_") for s in build.sources())  # main library does not need BLAS
     assert [s.name for s in build.blas_sources()] == ["blas_attention.cpp", "blas_decode.cpp",
-                                                      "blas_kernels.cpp", "cpu_math.h"]
+                                                      "blas_kernels.cpp", "blas_moe.cpp",
+                                                      "cpu_math.h"]
     if ck.available():
         assert ck.library_path() != path
 
