@@ -122,13 +122,9 @@ def test_dp1_matches_the_pytorch_lane(setup):
     assert_same_curve(ours, ref)
 
 
-@pytest.mark.msrun
-@pytest.mark.slow
-def test_dp2_under_msrun_matches_the_pytorch_lane(setup):
-    root, a, ref = setup
-    argv = megatron_flags(a, str(root / "save2")) + ["--micro-batch-size", "1",
-                                                     "--data-cache-path", str(root / "cache2")]
-    work = root / "dp2"
+def pretrain_gpt_on_two_workers(work, argv) -> list:
+    """``pretrain_gpt.py argv`` on 2 msrun workers run from ``work`` (MindSpeed scripts write
+    relative to the working folder, as here); the logged loss rows of its metrics."""
     work.mkdir()
     cwd = os.getcwd()
     os.chdir(work)
@@ -139,8 +135,18 @@ def test_dp2_under_msrun_matches_the_pytorch_lane(setup):
         os.chdir(cwd)
     logs = worker_logs(str(work / "logs"), 2)
     assert r.returncode == 0, "\n".join([log[-3000:] for log in logs] + [r.stderr[-2000:]])
-    ours = [json.loads(x) for x in open(work / "outputs" / "default" / "metrics.jsonl")
+    return [json.loads(x) for x in open(work / "outputs" / "default" / "metrics.jsonl")
             if '"loss"' in x]
+
+
+@pytest.mark.msrun
+@pytest.mark.slow
+def test_dp2_under_msrun_matches_the_pytorch_lane(setup):
+    root, a, ref = setup
+    argv = megatron_flags(a, str(root / "save2")) + ["--micro-batch-size", "1",
+                                                     "--data-cache-path", str(root / "cache2")]
+    work = root / "dp2"
+    ours = pretrain_gpt_on_two_workers(work, argv)
     assert_same_curve(ours, ref)
 
 
@@ -197,17 +203,6 @@ def test_resume_from_the_pytorch_lane_at_tp2_under_msrun(setup, lane_ckpt):
     argv = resume_flags(a, lane_ckpt, str(root / "ours_tp2")) + [
         "--tensor-model-parallel-size", "2", "--data-cache-path", str(root / "cache_tp2")]
     work = root / "tp2"
-    work.mkdir()
-    cwd = os.getcwd()
-    os.chdir(work)
-    try:
-        r = run_msrun(os.path.join(ROOT, "pretrain_gpt.py"), 2, str(work / "logs"), argv,
-                      timeout=600)
-    finally:
-        os.chdir(cwd)
-    logs = worker_logs(str(work / "logs"), 2)
-    assert r.returncode == 0, "\n".join([log[-3000:] for log in logs] + [r.stderr[-2000:]])
-    ours = [json.loads(x) for x in open(work / "outputs" / "default" / "metrics.jsonl")
-            if '"loss"' in x]
+    ours = pretrain_gpt_on_two_workers(work, argv)
     assert [r["step"] for r in ours] == list(range(11, ITERS + 1))
     assert_same_curve(ours, ref[10:], iters=ITERS - 10)

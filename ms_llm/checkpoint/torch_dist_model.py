@@ -86,7 +86,8 @@ def read_training_state(reader: TorchDistReader) -> dict:
     opt_common = common.get("optimizer") or {}
     step = (opt_common.get("state") or {}).get("common_step")
     if step is not None:
-        optim["step"] = np.array(int(np.asarray(step).reshape(-1)[0]), np.int64)   # stored as shape [] or [1]
+        # stored as shape [] or [1]
+        optim["step"] = np.array(int(np.asarray(step).reshape(-1)[0]), np.int64)
     return {"model": model, "optimizer": optim, "iteration": common.get("iteration"),
             "opt_param_scheduler": common.get("opt_param_scheduler")}
 

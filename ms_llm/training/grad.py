@@ -116,9 +116,10 @@ def clip_(grads: List[Tensor], max_norm: float, norm: float) -> List[Tensor]:
     """Scale by max_norm / (norm + 1e-6) when the norm exceeds max_norm (torch's rule). The
     list is updated in place, one tensor at a time, so each old gradient is freed as its scaled
     one is made: the peak is the gradients plus one gradient, not two sets of them (2.2 GiB at
-    Qwen3-0.6B; the caller's list must be the only holder of the old tensors). Not in place on the tensors: on CPU a reduced gradient's host view need not be
-    the memory MindSpore's next op reads (writing it diverged the dp=2 curve), and 2.10's
-    ``mul_`` is not a reliable in-place update there either."""
+    Qwen3-0.6B; the caller's list must be the only holder of the old tensors). Not in place on
+    the tensors: on CPU a reduced gradient's host view need not be the memory MindSpore's next
+    op reads (writing it diverged the dp=2 curve), and 2.10's ``mul_`` is not a reliable in-place
+    update there either."""
     if max_norm <= 0 or norm <= max_norm:
         return grads
     coef = max_norm / (norm + 1e-6)
