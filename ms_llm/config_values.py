@@ -132,7 +132,7 @@ RULES: Dict[str, Rule] = {
     "runtime.log_level": _one_of("debug", "info", "warning", "error", "critical", case=False),
     "runtime.cpu_threads": _ge(1),
     "runtime.blas_threads": _ge(1),
-    "runtime.bf16_gemm": _one_of("auto", "mkl", "openblas"),
+    "runtime.bf16_gemm": _one_of("auto", "mkl", "openblas", "dnnl"),
     "moe.dispatcher": _one_of("alltoall", "megamoe"),
     "moe.expert_groups": _ge(1),
     "moe.token_chunks": _ge(1),
