@@ -65,6 +65,7 @@ def gemm_table(reps: int) -> None:
     except RuntimeError as e:
         dnnl_addr = None
         print(f"(no oneDNN row: {e})")
+    lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(None))
     print("| GEMM (T=2048) | fp32 OpenBLAS | bf16 via OpenBLAS (widened) | bf16 oneMKL | bf16 oneDNN |")
     print("|---|---:|---:|---:|---:|")
     rng = np.random.default_rng(0)
@@ -90,8 +91,11 @@ def gemm_table(reps: int) -> None:
                 row.append(None)
                 continue
             lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(addr))
+            if addr == dnnl_addr:
+                lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(dnnl_gemm.matmul_address(ck.blas_threads())))
             row.append(rate(x16, w16))
             lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(None))
+            lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(None))
         cells = " | ".join("n/a" if r is None else f"{r:.0f}" for r in row)
         print(f"| {name} {k}->{n} | {cells} |", flush=True)
     bf16_gemm.register_bf16_gemm(lib, ck.blas_threads())

@@ -53,14 +53,16 @@ def gemm_path(request):
     assert ck.blas_available(), ck.blas_reason()
     lib = ck.blas._cdll()
     import ctypes
+    lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(None))
     if request.param == "mkl":
         addr, _ = bf16_gemm.load_mkl_gemm(ck.blas_threads())
         lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(addr))
     elif request.param == "dnnl":
         if not bf16_gemm.cpu_bf16_units():
             pytest.skip("no AVX512-BF16/AMX-BF16 units: runtime.bf16_gemm dnnl is refused here")
-        from ms_llm.ops.cpu_kernels.dnnl_gemm import load_dnnl_gemm
+        from ms_llm.ops.cpu_kernels.dnnl_gemm import load_dnnl_gemm, matmul_address
         lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(load_dnnl_gemm(ck.blas_threads())))
+        lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(matmul_address(ck.blas_threads())))
     else:
         lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(None))
     assert lib.MsLlmBlasHasBf16Gemm() == (request.param != "openblas")

@@ -104,6 +104,11 @@ def register_bf16_gemm(lib, threads: int) -> str:
     choice = str(setting("runtime.bf16_gemm")).strip().lower() or "auto"
     path, addr, why = _pick(choice, cpu_bf16_units(), threads)
     lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(addr))
+    matmul = None
+    if path == "dnnl":
+        from .dnnl_gemm import matmul_address
+        matmul = matmul_address(threads)
+    lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(matmul))
     if path == "openblas":
         logger.info("ms_llm bf16 GEMM: OpenBLAS sgemm on bf16 values widened to fp32 (%s)", why)
     elif path == "dnnl":

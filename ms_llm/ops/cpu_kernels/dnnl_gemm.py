@@ -90,6 +90,14 @@ def load_dnnl_gemm(threads: int) -> int:
     return ctypes.cast(lib.MsLlmDnnlCblasGemmBf16, ctypes.c_void_p).value
 
 
+def matmul_address(threads: int) -> int:
+    """Address of ``MsLlmDnnlMatmulBf16`` (bf16 or fp32 output), for ``MsLlmBlasSetBf16Matmul``:
+    the BLAS kernels then write bf16 outputs straight from the primitive (no fp32 scratch buffer,
+    no rounding pass)."""
+    load_dnnl_gemm(threads)
+    return ctypes.cast(library().MsLlmDnnlMatmulBf16, ctypes.c_void_p).value
+
+
 def matmul_bf16(a, b, c, trans_a: bool = False, trans_b: bool = False) -> None:
     """``c = op(a) @ op(b)`` on NumPy/torch-style host arrays exposing ``data_ptr()`` or
     ``ctypes.data``: a, b bf16 (uint16 bits or bfloat16), c fp32 or bf16, all C-contiguous 2-D.
