@@ -5,8 +5,8 @@
   ``auto``'s first choice on a CPU with those units; ``dnnl`` elsewhere is refused in one line.
 * oneMKL's ``cblas_gemm_bf16bf16f32`` (PyPI package ``mkl``, the ``ms-llm[cpu-bf16]`` extra) runs
   on the CPU's AVX512-BF16 / AMX-BF16 units: measured 653 GFLOP/s against 272-295 for fp32 sgemm on
-  a Xeon with AMX (2 threads, 2048x512 @ 512x1408). Used when the CPU has those units and the
-  package is installed.
+  a Xeon with AMX (2 threads, 2048x512 @ 512x1408). ``auto``'s second choice on such CPUs (when
+  oneDNN cannot be used) if the package is installed.
 * Otherwise (no such units, or no ``mkl``): the kernels widen the bf16 operands to fp32 (exact)
   and call OpenBLAS sgemm -- the same numbers (bf16 inputs, fp32 accumulation) up to summation
   order. On an AVX2-only CPU (AMD EPYC Zen 3) MKL's bf16 GEMM ran at 48-60 GFLOP/s against

@@ -13,9 +13,11 @@
 // bf16: every float tensor may be fp32 or bf16 ("bfloat16"), independently. bf16 inputs are
 // widened to fp32 (exact) and multiplied with fp32 accumulation, bf16 outputs are rounded to
 // nearest even from the fp32 result. The GEMM itself is OpenBLAS sgemm on the widened values, or,
-// when Python registered one (MsLlmBlasSetBf16Gemm: oneMKL's cblas_gemm_bf16bf16f32, which runs on
-// AVX512-BF16 / AMX units), a native bf16 x bf16 -> fp32 GEMM on the bf16 operands directly.
-// Both compute the same numbers up to the fp32 summation order.
+// when Python registered one (MsLlmBlasSetBf16Gemm: oneDNN's matmul primitive or oneMKL's
+// cblas_gemm_bf16bf16f32, which run on AVX512-BF16 / AMX units), a native bf16 x bf16 -> fp32 GEMM
+// on the bf16 operands directly; with oneDNN also registered as MsLlmBlasSetBf16Matmul, bf16
+// outputs are written by the primitive itself (gemm_out). All compute the same numbers up to the
+// fp32 summation order. (Editing this file rebuilds the library: its key hashes the sources.)
 //
 // Threading: the GEMMs run on OpenBLAS's own pthread pool (default: one thread per CPU in the
 // affinity mask, or OPENBLAS_NUM_THREADS / GOTO_NUM_THREADS / OMP_NUM_THREADS read when the library
