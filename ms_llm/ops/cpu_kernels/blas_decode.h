@@ -1,0 +1,202 @@
+// The one-token decode step's parts, shared by the per-layer AOT calls (blas_decode.cpp) and the
+// whole-model step (blas_decode_model.cpp): RMSNorm, rotate-half RoPE, the weight products (split
+// over threads when large), a layer's attention half with the in-place cache write, its SwiGLU MLP
+// half. fp32 throughout; they compute what ms_llm.models.layers computes (tested against it).
+//
+// Threads: nt > 1 splits a large weight product over its output rows and the attention over its
+// (batch row, query group) pairs on std::threads, each running single-threaded OpenBLAS calls
+// (the caller keeps OpenBLAS at one thread during decoding, see ms_llm.inference.generate); small
+// products stay on the calling thread, where a thread start would cost more than it saves.
+#pragma once
+
+#include <cblas.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "cpu_math.h"
+
+namespace msllm_decode {
+
+using msllm::exp_f;
+
+// Below this many multiply-adds a product runs on the calling thread (~0.1 ms of one core).
+constexpr int64_t kParallelMacs = int64_t(1) << 20;
+
+// Threads for a step: nt, and the work (multiply-adds) below which a part stays on this thread.
+struct Par {
+  int nt = 1;
+  int64_t min_macs = kParallelMacs;
+};
+
+// body(first, last) over [0, n) split into nt contiguous slices, slice 0 on this thread.
+template <typename Body>
+void parallel_slices(int64_t n, int nt, Body body) {
+  const int64_t workers = nt < n ? nt : n;
+  if (workers < 2) {
+    body(int64_t(0), n);
+    return;
+  }
+  std::vector<std::thread> pool;
+  for (int64_t w = 1; w < workers; ++w) pool.emplace_back(body, n * w / workers, n * (w + 1) / workers);
+  body(int64_t(0), n / workers);
+  for (auto &th : pool) th.join();
+}
+
+// y [m, n] (row stride ldy) = x [m, k] w[n, k]^T (+ bias [n]), on this thread.
+inline void gemm_wt(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+                    int64_t ldy) {
+  if (n <= 0) return;
+  if (m == 1) {
+    scipy_cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, w,
+                      static_cast<blasint>(k), x, 1, 0.0f, y, 1);
+  } else {
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(m), static_cast<blasint>(n),
+                      static_cast<blasint>(k), 1.0f, x, static_cast<blasint>(k), w, static_cast<blasint>(k), 0.0f, y,
+                      static_cast<blasint>(ldy));
+  }
+  if (bias != nullptr)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) y[i * ldy + j] += bias[j];
+}
+
+// y [m, n] = x [m, k] w[n, k]^T (+ bias), the output rows of w split over nt threads when large.
+inline void matmul_wt(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+                      const Par &par = Par()) {
+  if (par.nt < 2 || m * n * k < par.min_macs) {
+    gemm_wt(x, w, bias, y, m, n, k, n);
+    return;
+  }
+  const int64_t chunks = (n + 15) / 16;  // slices of 16 rows keep the kernels' vector width
+  parallel_slices(chunks, par.nt, [=](int64_t c0, int64_t c1) {
+    const int64_t n0 = c0 * 16, n1 = c1 * 16 < n ? c1 * 16 : n;
+    gemm_wt(x, w + n0 * k, bias ? bias + n0 : nullptr, y + n0, m, n1 - n0, k, n);
+  });
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * (w + offset), fp32 statistics as ops/rms_norm.py.
+inline void rms_norm(const float *x, const float *w, float offset, float eps, float *y, int64_t n) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * (w[i] + offset);
+}
+
+// Rotate-half RoPE of the first rot (<= 1024) dims of v in place (the rest passes through).
+inline void rope(float *v, const float *cos, const float *sin, int64_t rot) {
+  const int64_t half = rot / 2;
+  float tmp[1024];
+  for (int64_t j = 0; j < rot; ++j) {
+    const float rh = j < half ? -v[j + half] : v[j - half];
+    tmp[j] = v[j] * cos[j] + rh * sin[j];
+  }
+  std::memcpy(v, tmp, sizeof(float) * rot);
+}
+
+// One layer's attention half for one new token per batch row. Absent optional weights are null.
+struct AttnLayer {
+  const float *w_norm, *w_qkv, *b_qkv, *q_norm, *k_norm, *w_proj, *b_proj;
+  int64_t r, g, d, rot;  // query heads per group, groups, head dim, rotated dims
+  bool gated;            // Qwen3-Next output gate rows [q | gate | k | v] per group
+  float offset, eps, scale;
+};
+
+// What changes per token: the rows' cos / sin (row i at cos + i * cs_stride), which slots each row
+// must not see (row i's flags at hidden + i * hidden_stride, True = hidden; slots past pos are
+// never read), the cache buffers [b, g, cap, d] and the slot written.
+struct AttnStep {
+  const float *cos, *sin;
+  int64_t cs_stride;
+  const bool *hidden;
+  int64_t hidden_stride;
+  float *k_cache, *v_cache;
+  int64_t cap, pos;
+};
+
+// out [b, h] = x + proj(attention(rope(qk_norm(split(qkv(rms_norm(x))))))); K/V written at slot pos.
+inline void attn_block(const AttnLayer &L, const AttnStep &S, const float *x, float *out, int64_t b, int64_t h,
+                       const Par &par) {
+  const int64_t r = L.r, g = L.g, d = L.d, rq = L.gated ? 2 * r : r, width = g * (rq + 2) * d, nh = g * r;
+  const int64_t kmax = S.pos + 1, cap = S.cap, pos = S.pos;
+  std::vector<float> xn(b * h), qkv(b * width), attn(b * nh * d);
+  for (int64_t i = 0; i < b; ++i) rms_norm(x + i * h, L.w_norm, L.offset, L.eps, xn.data() + i * h, h);
+  matmul_wt(xn.data(), L.w_qkv, L.b_qkv, qkv.data(), b, width, h, par);
+  auto job = [&](int64_t first, int64_t last) {
+    std::vector<float> scores(r * kmax);
+    for (int64_t jg = first; jg < last; ++jg) {
+      const int64_t i = jg / g, gi = jg % g;
+      const float *ci = S.cos + i * S.cs_stride, *si = S.sin + i * S.cs_stride;
+      const bool *mi = S.hidden + i * S.hidden_stride;
+      float *row = qkv.data() + i * width + gi * (rq + 2) * d;
+      float *q = row, *gate = row + r * d, *k = row + rq * d, *v = k + d;
+      for (int64_t hq = 0; hq < r; ++hq) {
+        if (L.q_norm) rms_norm(q + hq * d, L.q_norm, L.offset, L.eps, q + hq * d, d);
+        rope(q + hq * d, ci, si, L.rot);
+      }
+      if (L.k_norm) rms_norm(k, L.k_norm, L.offset, L.eps, k, d);
+      rope(k, ci, si, L.rot);
+      float *kg = S.k_cache + (i * g + gi) * cap * d, *vg = S.v_cache + (i * g + gi) * cap * d;
+      std::memcpy(kg + pos * d, k, sizeof(float) * d);
+      std::memcpy(vg + pos * d, v, sizeof(float) * d);
+      // scores [r, kmax] = q [r, d] K[:kmax]^T; masked softmax; o [r, d] = P V[:kmax]
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(r),
+                        static_cast<blasint>(kmax), static_cast<blasint>(d), L.scale, q, static_cast<blasint>(d),
+                        kg, static_cast<blasint>(d), 0.0f, scores.data(), static_cast<blasint>(kmax));
+      for (int64_t hq = 0; hq < r; ++hq) {
+        float *sr = scores.data() + hq * kmax;
+        float hi = -INFINITY;
+        for (int64_t j = 0; j < kmax; ++j)
+          if (!mi[j] && sr[j] > hi) hi = sr[j];
+        float sum = 0.f;
+        for (int64_t j = 0; j < kmax; ++j) {
+          const float e = mi[j] ? 0.f : exp_f(sr[j] - hi);
+          sr[j] = e;
+          sum += e;
+        }
+        const float inv = sum > 0.f ? 1.0f / sum : 0.f;  // every slot hidden: zeros
+        for (int64_t j = 0; j < kmax; ++j) sr[j] *= inv;
+      }
+      float *o = attn.data() + (i * nh + gi * r) * d;
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<blasint>(r), static_cast<blasint>(d),
+                        static_cast<blasint>(kmax), 1.0f, scores.data(), static_cast<blasint>(kmax), vg,
+                        static_cast<blasint>(d), 0.0f, o, static_cast<blasint>(d));
+      if (L.gated)
+        for (int64_t j = 0; j < r * d; ++j) o[j] *= 1.0f / (1.0f + std::exp(-gate[j]));
+    }
+  };
+  // (row, group) pairs are independent (each writes its own cache rows and output heads)
+  if (par.nt > 1 && b * g * r * kmax * d * 2 >= par.min_macs)
+    parallel_slices(b * g, par.nt, job);
+  else
+    job(0, b * g);
+  matmul_wt(attn.data(), L.w_proj, L.b_proj, out, b, h, nh * d, par);
+  for (int64_t j = 0; j < b * h; ++j) out[j] += x[j];
+}
+
+// One layer's SwiGLU MLP half: fc1 [2F, H] holds [gate; up], fc2 [H, F].
+struct MlpLayer {
+  const float *w_norm, *w_fc1, *b_fc1, *w_fc2, *b_fc2;
+  int64_t f;
+  float offset, eps;
+};
+
+// out [m, h] = x + fc2(swiglu(fc1(rms_norm(x)))).
+inline void mlp_block(const MlpLayer &L, const float *x, float *out, int64_t m, int64_t h, const Par &par) {
+  const int64_t f = L.f, f2 = 2 * f;
+  std::vector<float> xn(m * h), hid(m * f2), act(m * f);
+  for (int64_t i = 0; i < m; ++i) rms_norm(x + i * h, L.w_norm, L.offset, L.eps, xn.data() + i * h, h);
+  matmul_wt(xn.data(), L.w_fc1, L.b_fc1, hid.data(), m, f2, h, par);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < f; ++j) {
+      const float gv = hid[i * f2 + j];
+      act[i * f + j] = gv / (1.0f + std::exp(-gv)) * hid[i * f2 + f + j];
+    }
+  matmul_wt(act.data(), L.w_fc2, L.b_fc2, out, m, h, f, par);
+  for (int64_t j = 0; j < m * h; ++j) out[j] += x[j];
+}
+
+}  // namespace msllm_decode
