@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 _STATE: dict = {}
 
 
+def set_model_step(on: bool) -> bool:
+    """Let ``generate`` take the whole-model step (True, the default) or stop at the per-layer
+    fused calls (``benchmarks/generate.py`` compares the two); returns the previous setting."""
+    before = _STATE.get("model_step", True)
+    _STATE["model_step"] = bool(on)
+    return before
+
+
 def enabled() -> bool:
     """Whether decode steps take the fused kernels: CPU with the BLAS kernels (the library that
     holds them; ``runtime.blas_kernels: false`` turns both off), unless ``set_enabled(False)``."""
@@ -133,8 +141,8 @@ def model_step(model, cache: "KVCache", threads: Optional[int] = None, parallel_
 
     Why one call: after ``layer_step`` a small model's token still paid ~15 MindSpore dispatches,
     a mask, cos / sin tensors, the LM head on one thread and a logits copy (issue #31)."""
-    if model.training or not enabled() or model.config.position_embedding_type not in ("rope",
-                                                                                      "yarn"):
+    if (model.training or not _STATE.get("model_step", True) or not enabled()
+            or model.config.position_embedding_type not in ("rope", "yarn")):
         return None
     layers = list(model.decoder.layers)
     head = model.plain_head_weight()

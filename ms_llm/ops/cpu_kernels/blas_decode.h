@@ -13,7 +13,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -32,19 +38,83 @@ struct Par {
   int64_t min_macs = kParallelMacs;
 };
 
-// body(first, last) over [0, n) split into nt contiguous slices, slice 0 on this thread.
-template <typename Body>
-void parallel_slices(int64_t n, int nt, Body body) {
-  const int64_t workers = nt < n ? nt : n;
-  if (workers < 2) {
-    body(int64_t(0), n);
-    return;
+// A process-wide pool of helper threads for the decode step, created on first use and kept
+// (never destroyed: threads outliving static destruction must not be joined). run(n, nt, body)
+// calls body(c) for every chunk c in [0, n) on this thread and up to nt - 1 helpers; chunks are
+// taken one at a time from a shared counter, so a helper the OS does not schedule (a loaded
+// machine) costs nothing: this thread takes its chunks, and only waits for chunks in progress.
+// Helpers block on a condition variable between steps (no spinning on a shared core).
+class Pool {
+ public:
+  static Pool &get() {
+    static Pool *pool = new Pool();
+    return *pool;
   }
-  std::vector<std::thread> pool;
-  for (int64_t w = 1; w < workers; ++w) pool.emplace_back(body, n * w / workers, n * (w + 1) / workers);
-  body(int64_t(0), n / workers);
-  for (auto &th : pool) th.join();
-}
+
+  template <typename Body>
+  void run(int64_t n, int nt, Body &&body) {
+    if (nt < 2 || n < 2) {
+      for (int64_t c = 0; c < n; ++c) body(c);
+      return;
+    }
+    std::lock_guard<std::mutex> one_at_a_time(run_mu_);
+    auto job = std::make_shared<Job>();
+    job->fn = body;
+    job->total = n;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      while (static_cast<int>(workers_.size()) < nt - 1) {
+        const int id = static_cast<int>(workers_.size());
+        workers_.emplace_back([this, id] { loop(id); });
+      }
+      job_ = job;
+      active_ = nt - 1;
+      ++gen_;
+    }
+    cv_.notify_all();
+    work(*job);
+    while (job->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  }
+
+ private:
+  // One run's chunks: a helper that picks it up late finds none left and never calls fn.
+  struct Job {
+    std::function<void(int64_t)> fn;
+    std::atomic<int64_t> next{0}, done{0};
+    int64_t total = 0;
+  };
+
+  static void work(Job &job) {
+    for (;;) {
+      const int64_t c = job.next.fetch_add(1);
+      if (c >= job.total) return;
+      job.fn(c);
+      job.done.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void loop(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return gen_ != seen; });
+        seen = gen_;
+        if (id >= active_) continue;
+        job = job_;
+      }
+      work(*job);
+    }
+  }
+
+  std::mutex run_mu_, mu_;
+  std::condition_variable cv_;
+  std::vector<std::thread> workers_;
+  std::shared_ptr<Job> job_;
+  int active_ = 0;
+  uint64_t gen_ = 0;
+};
 
 // y [m, n] (row stride ldy) = x [m, k] w[n, k]^T (+ bias [n]), on this thread.
 inline void gemm_wt(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
@@ -70,9 +140,12 @@ inline void matmul_wt(const float *x, const float *w, const float *bias, float *
     gemm_wt(x, w, bias, y, m, n, k, n);
     return;
   }
-  const int64_t chunks = (n + 15) / 16;  // slices of 16 rows keep the kernels' vector width
-  parallel_slices(chunks, par.nt, [=](int64_t c0, int64_t c1) {
-    const int64_t n0 = c0 * 16, n1 = c1 * 16 < n ? c1 * 16 : n;
+  // chunks of >= ~256K multiply-adds, in rows of 16 (the kernels' vector width)
+  int64_t rows = ((int64_t(1) << 18) / (m * k) + 15) / 16 * 16;
+  rows = rows < 16 ? 16 : rows;
+  const int64_t chunks = (n + rows - 1) / rows;
+  Pool::get().run(chunks, par.nt, [=](int64_t c) {
+    const int64_t n0 = c * rows, n1 = n0 + rows < n ? n0 + rows : n;
     gemm_wt(x, w + n0 * k, bias ? bias + n0 : nullptr, y + n0, m, n1 - n0, k, n);
   });
 }
@@ -115,7 +188,12 @@ struct AttnStep {
   int64_t hidden_stride;
   float *k_cache, *v_cache;
   int64_t cap, pos;
+  double *core_seconds = nullptr;  // if set, += the time of the attention over the cache
 };
+
+inline double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 // out [b, h] = x + proj(attention(rope(qk_norm(split(qkv(rms_norm(x))))))); K/V written at slot pos.
 inline void attn_block(const AttnLayer &L, const AttnStep &S, const float *x, float *out, int64_t b, int64_t h,
@@ -125,9 +203,10 @@ inline void attn_block(const AttnLayer &L, const AttnStep &S, const float *x, fl
   std::vector<float> xn(b * h), qkv(b * width), attn(b * nh * d);
   for (int64_t i = 0; i < b; ++i) rms_norm(x + i * h, L.w_norm, L.offset, L.eps, xn.data() + i * h, h);
   matmul_wt(xn.data(), L.w_qkv, L.b_qkv, qkv.data(), b, width, h, par);
-  auto job = [&](int64_t first, int64_t last) {
-    std::vector<float> scores(r * kmax);
-    for (int64_t jg = first; jg < last; ++jg) {
+  auto job = [&](int64_t jg) {
+    thread_local std::vector<float> scores;
+    scores.resize(r * kmax);
+    {
       const int64_t i = jg / g, gi = jg % g;
       const float *ci = S.cos + i * S.cs_stride, *si = S.sin + i * S.cs_stride;
       const bool *mi = S.hidden + i * S.hidden_stride;
@@ -168,11 +247,10 @@ inline void attn_block(const AttnLayer &L, const AttnStep &S, const float *x, fl
         for (int64_t j = 0; j < r * d; ++j) o[j] *= 1.0f / (1.0f + std::exp(-gate[j]));
     }
   };
+  const double t0 = S.core_seconds ? now_seconds() : 0.0;
   // (row, group) pairs are independent (each writes its own cache rows and output heads)
-  if (par.nt > 1 && b * g * r * kmax * d * 2 >= par.min_macs)
-    parallel_slices(b * g, par.nt, job);
-  else
-    job(0, b * g);
+  Pool::get().run(b * g, par.nt > 1 && b * g * r * kmax * d * 2 >= par.min_macs ? par.nt : 1, job);
+  if (S.core_seconds) *S.core_seconds += now_seconds() - t0;
   matmul_wt(attn.data(), L.w_proj, L.b_proj, out, b, h, nh * d, par);
   for (int64_t j = 0; j < b * h; ++j) out[j] += x[j];
 }

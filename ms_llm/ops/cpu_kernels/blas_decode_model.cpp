@@ -10,7 +10,11 @@
 //
 // DecodeModelStep(cfg int64 [17], fcfg fp32 [2], layers uint64 [L * 14], model uint64 [5],
 //                 ids int64 [b], positions int64 [b], padding bool [b, pad_stride],
-//                 logits fp32 [b, V] (out), tokens int64 [b] (out)) -> 0, or 2 on bad input
+//                 logits fp32 [b, V] (out), tokens int64 [b] (out), seconds fp64 [4] (added to))
+//                 -> 0, or 2 on bad input
+//   seconds (for benchmarks/generate.py's breakdown): += the time in the attention halves but
+//         their attention over the cache, in that attention, in the MLP halves, in the final
+//         norm + LM head + argmax (the embedding gather is the rest of the call)
 //   cfg:  L, b, H, V (head rows), nv (argmax over the first nv logits), r, g, d, F, rot,
 //         cap (cache slots), gated, norm_offset (1: zero-centred norms), pos (the slot written),
 //         pad_stride, nt (threads), min_macs (less work than this stays on one thread; 0: the default)
@@ -31,7 +35,7 @@ using namespace msllm_decode;
 
 MSLLM_EXPORT int DecodeModelStep(const int64_t *cfg, const float *fcfg, const uint64_t *layers, const uint64_t *model,
                                  const int64_t *ids, const int64_t *positions, const bool *padding, float *logits,
-                                 int64_t *tokens) {
+                                 int64_t *tokens, double *seconds) {
   const int64_t nl = cfg[0], b = cfg[1], h = cfg[2], vocab = cfg[3], nv = cfg[4], r = cfg[5], g = cfg[6], d = cfg[7];
   const int64_t f = cfg[8], rot = cfg[9], cap = cfg[10], pos = cfg[13], pad_stride = cfg[14];
   const bool gated = cfg[11] != 0;
@@ -55,11 +59,16 @@ MSLLM_EXPORT int DecodeModelStep(const int64_t *cfg, const float *fcfg, const ui
     const AttnLayer A{fp(p[0]), fp(p[1]), fp(p[2]), fp(p[3]), fp(p[4]), fp(p[5]), fp(p[6]), r, g, d, rot,
                       gated, offset, eps, scale};
     const AttnStep S{cs.data(), sn.data(), rot, padding, pad_stride, reinterpret_cast<float *>(p[12]),
-                     reinterpret_cast<float *>(p[13]), cap, pos};
+                     reinterpret_cast<float *>(p[13]), cap, pos, seconds + 1};
+    const double t0 = now_seconds(), core0 = seconds[1];
     attn_block(A, S, x.data(), y.data(), b, h, par);
     const MlpLayer M{fp(p[7]), fp(p[8]), fp(p[9]), fp(p[10]), fp(p[11]), f, offset, eps};
+    const double t1 = now_seconds();
     mlp_block(M, y.data(), x.data(), b, h, par);
+    seconds[0] += (t1 - t0) - (seconds[1] - core0);
+    seconds[2] += now_seconds() - t1;
   }
+  const double t2 = now_seconds();
   for (int64_t i = 0; i < b; ++i) rms_norm(x.data() + i * h, final_norm, offset, eps, y.data() + i * h, h);
   matmul_wt(y.data(), head, nullptr, logits, b, vocab, h, par);
   if (nv > 0)
@@ -70,5 +79,6 @@ MSLLM_EXPORT int DecodeModelStep(const int64_t *cfg, const float *fcfg, const ui
         if (li[j] > li[best]) best = j;
       tokens[i] = best;
     }
+  seconds[3] += now_seconds() - t2;
   return 0;
 }

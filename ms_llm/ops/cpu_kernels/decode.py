@@ -127,6 +127,14 @@ class MlpBlock:
         return self.prim(x, *self.args)
 
 
+# Seconds every ModelStep call adds to (for benchmarks/generate.py's breakdown; reset it there):
+# the attention halves without their attention over the cache, that attention, the MLP halves,
+# the final norm + LM head + argmax.
+STEP_SECONDS = np.zeros(4, np.float64)
+STEP_PARTS = ("layer attention halves (norms, QKV, RoPE, proj)", "attention over the cache",
+              "layer MLP halves", "final norm + LM head + argmax")
+
+
 class ModelStep:
     """The whole model's one-token decode step as one C call (``DecodeModelStep`` in
     ``blas_decode_model.cpp``, through ctypes: MindSpore dispatches nothing): token ids in, the
@@ -199,7 +207,8 @@ class ModelStep:
         rc = self._fn(ptr(self.cfg.ctypes.data), ptr(self.fcfg.ctypes.data),
                       ptr(self.layer_ptrs.ctypes.data), ptr(self.model_ptrs.ctypes.data),
                       ptr(ids.ctypes.data), ptr(positions.ctypes.data), ptr(padding.ctypes.data),
-                      ptr(self.logits.ctypes.data), ptr(self.tokens.ctypes.data))
+                      ptr(self.logits.ctypes.data), ptr(self.tokens.ctypes.data),
+                      ptr(STEP_SECONDS.ctypes.data))
         if rc:
             raise ValueError(f"DecodeModelStep rejected its input (code {rc}): slot {pos}, "
                              f"ids {ids.tolist()}, cache {self.cfg[10]} slots")
