@@ -66,7 +66,8 @@ def _plain_norm(m) -> bool:
 
 
 def _attention_ok(layer, a) -> bool:
-    if type(a) is not SelfAttention or not (_plain_linear(a.linear_qkv)
+    # the kernels hold per-head maxima for at most 64 query heads per group
+    if type(a) is not SelfAttention or a.heads_per_group > 64 or not (_plain_linear(a.linear_qkv)
                                             and _plain_linear(a.linear_proj)):
         return False
     norms = [layer.input_layernorm] + ([a.q_layernorm, a.k_layernorm]

@@ -65,7 +65,7 @@ MSLLM_EXPORT int DecodeAttnBlock(int nparam, void **params, int *ndims, int64_t 
   const int64_t rq = gated ? 2 * r : r, width = shapes[2][0], nh = g * r;
   if (shapes[10][0] != b || width != g * (rq + 2) * d || shapes[2][1] != h || numel(ndims[6], shapes[6]) != h * nh * d ||
       numel(ndims[11], shapes[11]) != b * g * cap * d || pos < 0 || pos >= cap || rot > d || rot % 2 ||
-      rot > 1024 || shapes[12][3] != cap || (shapes[12][0] != 1 && shapes[12][0] != b))
+      rot > 1024 || r > 64 || r < 1 || shapes[12][3] != cap || (shapes[12][0] != 1 && shapes[12][0] != b))
     return kErrShape;
   const int64_t ncos = numel(ndims[8], shapes[8]);
   if (ncos != rot && ncos != b * rot) return kErrShape;

@@ -221,28 +221,48 @@ inline void attn_block(const AttnLayer &L, const AttnStep &S, const float *x, fl
       float *kg = S.k_cache + (i * g + gi) * cap * d, *vg = S.v_cache + (i * g + gi) * cap * d;
       std::memcpy(kg + pos * d, k, sizeof(float) * d);
       std::memcpy(vg + pos * d, v, sizeof(float) * d);
-      // scores [r, kmax] = q [r, d] K[:kmax]^T; masked softmax; o [r, d] = P V[:kmax]
-      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(r),
-                        static_cast<blasint>(kmax), static_cast<blasint>(d), L.scale, q, static_cast<blasint>(d),
-                        kg, static_cast<blasint>(d), 0.0f, scores.data(), static_cast<blasint>(kmax));
+      // scores [r, kmax] = q [r, d] K[:kmax]^T over the visible slots; softmax; o [r, d] = P V.
+      // Direct loops, not OpenBLAS: with r (a few) rows a GEMM spends more packing K and V than
+      // multiplying; here each visible key and value row is read once for the r heads.
+      float *sc = scores.data();
+      float hi[64];
+      for (int64_t hq = 0; hq < r; ++hq) hi[hq] = -INFINITY;
+      for (int64_t j = 0; j < kmax; ++j) {
+        if (mi[j]) continue;
+        const float *kj = kg + j * d;
+        for (int64_t hq = 0; hq < r; ++hq) {
+          const float *qh = q + hq * d;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t t = 0; t < d; ++t) acc += qh[t] * kj[t];
+          acc *= L.scale;
+          sc[hq * kmax + j] = acc;
+          if (acc > hi[hq]) hi[hq] = acc;
+        }
+      }
+      float *o = attn.data() + (i * nh + gi * r) * d;
+      std::memset(o, 0, sizeof(float) * r * d);
       for (int64_t hq = 0; hq < r; ++hq) {
-        float *sr = scores.data() + hq * kmax;
-        float hi = -INFINITY;
-        for (int64_t j = 0; j < kmax; ++j)
-          if (!mi[j] && sr[j] > hi) hi = sr[j];
+        float *sr = sc + hq * kmax;
         float sum = 0.f;
         for (int64_t j = 0; j < kmax; ++j) {
-          const float e = mi[j] ? 0.f : exp_f(sr[j] - hi);
+          const float e = mi[j] ? 0.f : exp_f(sr[j] - hi[hq]);
           sr[j] = e;
           sum += e;
         }
         const float inv = sum > 0.f ? 1.0f / sum : 0.f;  // every slot hidden: zeros
         for (int64_t j = 0; j < kmax; ++j) sr[j] *= inv;
       }
-      float *o = attn.data() + (i * nh + gi * r) * d;
-      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<blasint>(r), static_cast<blasint>(d),
-                        static_cast<blasint>(kmax), 1.0f, scores.data(), static_cast<blasint>(kmax), vg,
-                        static_cast<blasint>(d), 0.0f, o, static_cast<blasint>(d));
+      for (int64_t j = 0; j < kmax; ++j) {
+        if (mi[j]) continue;
+        const float *vj = vg + j * d;
+        for (int64_t hq = 0; hq < r; ++hq) {
+          const float pj = sc[hq * kmax + j];
+          float *oh = o + hq * d;
+#pragma omp simd
+          for (int64_t t = 0; t < d; ++t) oh[t] += pj * vj[t];
+        }
+      }
       if (L.gated)
         for (int64_t j = 0; j < r * d; ++j) o[j] *= 1.0f / (1.0f + std::exp(-gate[j]));
     }

@@ -43,7 +43,7 @@ MSLLM_EXPORT int DecodeModelStep(const int64_t *cfg, const float *fcfg, const ui
   Par par;
   par.nt = static_cast<int>(cfg[15]);
   if (cfg[16] > 0) par.min_macs = cfg[16];
-  if (pos < 0 || pos >= cap || pos >= pad_stride || rot > d || rot % 2 || rot > 1024 || nv > vocab || b < 1)
+  if (pos < 0 || pos >= cap || pos >= pad_stride || rot > d || rot % 2 || rot > 1024 || r > 64 || r < 1 || nv > vocab || b < 1)
     return msllm::kErrShape;
   auto fp = [](uint64_t a) { return reinterpret_cast<const float *>(a); };
   const float *emb = fp(model[0]), *final_norm = fp(model[1]), *head = fp(model[2]);
