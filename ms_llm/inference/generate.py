@@ -141,7 +141,9 @@ def _single_blas_thread(enabled: bool) -> Iterator[None]:
     """One OpenBLAS thread for the one-token steps (unless ``runtime.blas_threads`` says
     otherwise). Their GEMMs are matrix-vector products too small to share, and an idle
     OpenBLAS thread spin-waits after each one on the core the next MindSpore op needs:
-    measured on the 2-core VM, 450-575 ms per token with 2 threads against ~80 with 1."""
+    measured on the 2-core VM, 450-575 ms per token with 2 threads against ~80 with 1. The
+    whole-model fused step (``fused_decode.model_step``) shares its large products over the
+    cores on threads of its own, which call OpenBLAS on one thread each."""
     if not enabled or explicit("runtime.blas_threads"):
         yield
         return

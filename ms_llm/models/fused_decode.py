@@ -8,7 +8,13 @@ DeltaNet, tensor-parallel or LoRA-wrapped linears, bf16 weights, training mode) 
 ordinary module path, which stays the reference the fused path is tested against
 (``tests/test_decode_fast.py``).
 
-PyNative only: the kernel writes the new K/V into the cache buffers in place.
+``model_step`` goes further for a model whose every layer is covered (dense SwiGLU MLPs, a plain
+embedding and LM head): the whole step, from the token ids to the next greedy tokens, is one C
+call through ctypes (``decode.ModelStep``), which ``ms_llm.inference.generate`` takes first;
+``layer_step`` serves the models it does not cover layer by layer
+(``tests/test_decode_model_step.py``).
+
+PyNative only: the kernels write the new K/V into the cache buffers in place.
 """
 from __future__ import annotations
 
