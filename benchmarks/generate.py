@@ -243,6 +243,8 @@ def main() -> None:
             prompt = np.random.default_rng(s + b).integers(0, VOCAB, (b, s))
             for side, fn, model in (("ms", run_ms, ms_model), ("hf", run_hf, hf_model)):
                 r = fn(model, prompt, args.new)
+                print(f"  batch {b} prompt {s} {side}: {b * args.new / r['total']:.1f} tok/s, "
+                      f"prefill {1e3 * r['prefill']:.0f} ms", flush=True)
                 for key, value in r.items():
                     k = (b, s, side, key)
                     best[k] = min(best.get(k, float("inf")), value)
