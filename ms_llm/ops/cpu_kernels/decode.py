@@ -202,7 +202,8 @@ class ModelStep:
         padding = np.ascontiguousarray(padding, dtype=bool)
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
-        self.cfg[1], self.cfg[4], self.cfg[13], self.cfg[14] = b, argmax_vocab, pos, padding.shape[1]
+        cfg = self.cfg
+        cfg[1], cfg[4], cfg[13], cfg[14] = b, argmax_vocab, pos, padding.shape[1]
         ptr = ctypes.c_void_p
         rc = self._fn(ptr(self.cfg.ctypes.data), ptr(self.fcfg.ctypes.data),
                       ptr(self.layer_ptrs.ctypes.data), ptr(self.model_ptrs.ctypes.data),
