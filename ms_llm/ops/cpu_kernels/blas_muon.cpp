@@ -14,8 +14,9 @@
 //
 // bf16 (opt-in, training.muon_ns_dtype bf16): the GEMM operands are rounded to bf16 and multiplied
 // by a registered bf16 x bf16 -> fp32 GEMM (oneDNN's dnnl_gemm_bf16bf16f32 from MindSpore's own
-// libdnnl, which runs on AVX512-BF16); X, A and B themselves stay fp32 between the products (torch's
-// Muon keeps everything in bf16). No SYRK there: full GEMMs on the bf16 units.
+// libdnnl, which runs on AVX512-BF16); X, A and B themselves stay fp32 between the products, and
+// the a X term is added in fp32 and the small A A product runs in fp32 (torch's Muon keeps
+// everything in bf16). The bf16 products are full GEMMs on the bf16 units (no bf16 SYRK).
 //
 // Kernel (inputs, then the output, in `params`):
 //   MuonNewtonSchulz(x [..., m, n] fp32, coeffs [steps, 3] fp32, flags fp32 [2] = {bf16 0/1, eps})
@@ -121,17 +122,23 @@ bool ns_bf16(const float *x, float *out, int64_t m, int64_t n, const float *coef
     int rc = tall ? g_dnnl_bf16('T', 'N', k, k, m, 1.0f, xb, n, xb, n, 0.0f, a, k)    // X^T X
                   : g_dnnl_bf16('N', 'T', k, k, n, 1.0f, xb, n, xb, n, 0.0f, a, k);   // X X^T
     if (rc != 0) return false;
+    // A A in fp32 (SYRK; k^3 flops against 2 k^2 N per bf16 product): A rounded to bf16
+    // there measured twice torch's all-bf16 error (Frobenius, 5 steps), this about equal to it.
     if (cc != 0.0f) {
-      round_bf16(a, ab, k * k);
-      if (g_dnnl_bf16('N', 'N', k, k, k, cc, ab, k, ab, k, 0.0f, b, k) != 0) return false;
+      scipy_cblas_ssyrk(CblasRowMajor, CblasUpper, CblasNoTrans, blasint(k), blasint(k), cc, a,
+                        blasint(k), 0.0f, b, blasint(k));
     } else {
       std::memset(b, 0, sizeof(float) * k * k);
     }
-    for (int64_t i = 0; i < k * k; ++i) b[i] += cb * a[i];
-    for (int64_t i = 0; i < k; ++i) b[i * k + i] += ca;
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t j = i; j < k; ++j) b[i * k + j] += cb * a[i * k + j];
+    mirror_upper(b, k);
+    // X <- a X + B X: a X is added in fp32 (beta = a on a copy of X), not folded into B as a I:
+    // B's diagonal (~a) rounded to bf16 would be off by up to a * 2^-9, more than all else.
     round_bf16(b, ab, k * k);
-    rc = tall ? g_dnnl_bf16('N', 'N', m, n, n, 1.0f, xb, n, ab, n, 0.0f, nxt, n)     // X B
-              : g_dnnl_bf16('N', 'N', m, n, m, 1.0f, ab, m, xb, n, 0.0f, nxt, n);    // B X
+    std::memcpy(nxt, cur, sizeof(float) * m * n);
+    rc = tall ? g_dnnl_bf16('N', 'N', m, n, n, 1.0f, xb, n, ab, n, ca, nxt, n)     // X B
+              : g_dnnl_bf16('N', 'N', m, n, m, 1.0f, ab, m, xb, n, ca, nxt, n);    // B X
     if (rc != 0) return false;
     std::swap(cur, nxt);
   }

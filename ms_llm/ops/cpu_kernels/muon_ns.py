@@ -86,6 +86,10 @@ def newton_schulz_kernel(x: Tensor, schedule: Sequence[Tuple[float, float, float
     :func:`bf16_ns_available` first)."""
     if not schedule:
         raise ValueError("newton_schulz_kernel: an empty coefficient schedule")
+    if bf16:
+        ok, why = bf16_ns_available()
+        if not ok:
+            raise RuntimeError(f"newton_schulz_kernel bf16: {why}")
     key = ("flags", bool(bf16), float(eps))
     if key not in _STATE:
         _STATE[key] = Tensor(np.array([1.0 if bf16 else 0.0, eps], np.float32))
