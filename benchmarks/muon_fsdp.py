@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from muon import MODEL, machine  # noqa: E402
 
 SHAPE = dict(layers=8, hidden=512, ffn=1408, heads=8, groups=2, d=64, vocab=32000)
+LABEL = {"highest": "fp32 (default)", "medium": "bf16 operands (muon_fp32_matmul_prec medium)"}
 SMALL = dict(layers=2, hidden=64, ffn=128, heads=4, groups=2, d=16, vocab=4096)
 
 
@@ -198,6 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mbs", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--small", action="store_true", help="a 2-layer model: checks the script")
+    ap.add_argument("--precisions", default="highest,medium",
+                    help="ms-llm runs: training.muon_fp32_matmul_prec values, comma-separated")
     ap.add_argument("--as-worker", nargs=1)
     a, rest = ap.parse_known_args(argv)
     if a.as_worker:
@@ -205,23 +208,30 @@ def main(argv=None) -> int:
         return 0
     shape = SMALL if a.small else SHAPE
     tokens = 2 * a.mbs * a.seq
-    # peer, ours, peer, ours, ..., peer: load from other processes hits both sides alike
-    th, ms = [run_torch(a.steps, shape, a.seq, a.mbs)], []
+    precs = a.precisions.split(",")
+    # peer, ours (each precision), peer, ...: load from other processes hits both sides alike
+    th, ms = [run_torch(a.steps, shape, a.seq, a.mbs)], {p: [] for p in precs}
     for _ in range(a.repeat):
-        ms.append(run_ms(a.steps, ms_args(shape, a.seq, a.mbs)))
+        for p in precs:
+            ms[p].append(run_ms(a.steps, ms_args(shape, a.seq, a.mbs)
+                                + ["--training.muon_fp32_matmul_prec", p]))
         th.append(run_torch(a.steps, shape, a.seq, a.mbs))
-    m = statistics.median(r["step_s"] for r in ms)
     t = statistics.median(r["step_s"] for r in th)
     print(f"# FSDP (2 workers) + Muon, {shape}, seq {a.seq} x mbs {a.mbs} per worker; {machine()}")
-    print("| | step (s, median) | tokens/s |")
-    print("|---|---|---|")
-    print(f"| ms-llm FSDP + Muon | {m:.2f} | {tokens / m:.0f} |")
-    print(f"| torch FSDP2 + torch.optim.Muon | {t:.2f} | {tokens / t:.0f} |")
-    runs = {k: ", ".join(f"{r['step_s']:.2f}" for r in v) for k, v in (("t", th), ("m", ms))}
-    print(f"ms-llm / torch tokens/s: {t / m:.2f}x (runs in order: torch {runs['t']}; "
-          f"ms-llm {runs['m']} s)")
+    print("| | step (s, median) | tokens/s | vs torch |")
+    print("|---|---|---|---|")
+    for p in precs:
+        m = statistics.median(r["step_s"] for r in ms[p])
+        print(f"| ms-llm FSDP + Muon, Newton-Schulz {LABEL[p]} | {m:.2f} | {tokens / m:.0f} | "
+              f"{t / m:.2f}x |")
+    print(f"| torch FSDP2 + torch.optim.Muon (bf16 Newton-Schulz) | {t:.2f} | {tokens / t:.0f} "
+          f"| 1.00x |")
+    print("runs in order: torch " + ", ".join(f"{r['step_s']:.2f}" for r in th) + "; "
+          + "; ".join(f"ms-llm {p} " + ", ".join(f"{r['step_s']:.2f}" for r in ms[p])
+                      for p in precs) + " s")
     print("\nWhere rank 0's step goes (s, median over the timed steps of the median run):")
-    print_phases("ms-llm", median_run(ms)["phases"])
+    for p in precs:
+        print_phases(f"ms-llm {p}", median_run(ms[p])["phases"])
     print_phases("torch", median_run(th)["phases"])
     return 0
 

@@ -82,8 +82,8 @@ def _run_both(steps, nesterov, lr=0.02, wd=0.1, mom=0.95, precision="highest"):
     init = _params(rng)
     named = [(n, Parameter(Tensor(v.astype(np.float32)), name=n)) for n, v in init.items()]
     opt = Muon(named, lr=lr, momentum=mom, nesterov=nesterov, weight_decay=wd,
-               model_config=CFG, fp32_matmul_prec=precision, adam=functools.partial(AdamW, betas=(0.9, 0.95), eps=1e-8,
-                                                        weight_decay=wd))
+               model_config=CFG, fp32_matmul_prec=precision,
+               adam=functools.partial(AdamW, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd))
     ref = {n: v.copy() for n, v in init.items()}
     state = {n: [np.zeros_like(v), np.zeros_like(v)] for n, v in init.items()}
     muon = {n for n, p in named if param_groups.is_muon_matrix(n, p.ndim)}

@@ -2,16 +2,16 @@
 a NumPy float64 Newton-Schulz written here: wide, tall and square matrices and a batch, every
 coefficient schedule shape (cycling quintic, the ``c = 0`` path), fp32 and bf16 GEMM operands.
 
-Tolerances. fp32: 1e-5 relative to the largest element, the bound test_muon holds the composed
-form to (fp32 rounding through 5 steps of a matrix polynomial of the normalised input: measured
-~3e-6). bf16 (``training.muon_fp32_matmul_prec: medium``): one step against the same NumPy
-iteration with every GEMM operand rounded to bf16 (round-to-nearest-even) and float64 products,
-1e-5 (the kernel accumulates in fp32; measured 3e-7; ``A A`` and ``a X`` stay fp32 there). Over several steps an element that lands
-next to a rounding boundary rounds the other way in one of the two (fp32 vs float64 sums), and
-the flips grow into noise as large as bf16's own error, so five steps are held against fp32
-Newton-Schulz instead: within 5e-2, the precision this option trades (measured 1-2e-2), and in
-Frobenius norm within 1.25x of torch.optim.Muon's all-bf16 iteration's distance (measured
-1.0-1.15x over shapes and seeds: the same precision class).
+Tolerances. fp32: 1e-5 relative to the largest element, the bound test_muon holds the composed form
+to (fp32 rounding through 5 steps of a matrix polynomial of the normalised input: measured ~3e-6).
+bf16 (``training.muon_fp32_matmul_prec: medium``): one step against the same NumPy iteration with
+the operands of ``X X^T`` and ``B X`` rounded to bf16 (round-to-nearest-even; ``A A`` and ``a X``
+from fp32 values) and float64 products, 1e-5 (the kernel accumulates in fp32; measured 3e-7). Over several steps an
+element that lands next to a rounding boundary rounds the other way in one of the two (fp32 vs
+float64 sums), and the flips grow into noise as large as bf16's own error, so five steps are held
+against fp32 Newton-Schulz instead: within 5e-2, the precision this option trades (measured
+1-2e-2), and in Frobenius norm within 1.25x of torch.optim.Muon's all-bf16 iteration's distance
+(measured 1.0-1.15x over shapes and seeds: the same precision class).
 """
 from __future__ import annotations
 

@@ -15,12 +15,13 @@ as one ``[gate; up]`` matrix, grouped expert weights (``experts.weight1/2``) one
 expert. ``scale`` is ``muon_scale_mode``'s (``spectral`` sqrt(max(out, in)) by default).
 
 Data parallel (with ``pstate``): every replica holds the same reduced gradient and momentum, so
-each matrix is orthogonalised once, on the rank of its replica group (``dp``/``edp``, times
-``cp``) that owns it (matrices dealt out by size), and the group all-gathers the updates, as
-Megatron's layer-wise optimizer does; every rank then applies identical updates. FSDP: the
-momentum is kept on the shard; the owner receives the other ranks' rows of the matrix, and each
-rank receives its rows of the update (all-to-alls, ``muon_owners.OwnerPlan``). Tensor parallel ``blockwise``: each rank orthogonalises its own
-shard; ``duplicated`` and ``distributed`` (``muon_tp``) orthogonalise the whole matrix.
+each matrix is orthogonalised once, on the rank of its replica group (``dp``/``edp``, times ``cp``)
+that owns it (matrices dealt out by size), and the group all-gathers the updates, as Megatron's
+layer-wise optimizer does; every rank then applies identical updates. FSDP: the momentum is kept on
+the shard; the owner receives the other ranks' rows of the matrix, and each rank receives its rows
+of the update (all-to-alls, ``muon_owners.OwnerPlan``). Tensor parallel ``blockwise``: each rank
+orthogonalises its own shard; ``duplicated`` and ``distributed`` (``muon_tp``) orthogonalise the
+whole matrix.
 Non-matrix parameters (embeddings, output layer, norms, biases, router) take ``AdamW`` with the
 ``adam_*`` options. Momentum buffers are checkpointed as ``optimizer.momentum_buffer.<name>``.
 """
@@ -99,6 +100,7 @@ class Muon:
         scale_factor(1, 1, scale_mode)            # a bad mode fails here, not at step 1
         check_matmul_precision(fp32_matmul_prec)
         self.precision = fp32_matmul_prec
+        self.kernel = use_kernel()   # Newton-Schulz as the CPU op (False: composed, to compare)
         self.is_muon = [groups[n].optimizer == "muon" for n in self.names]
         self.muon_idx = [i for i, m in enumerate(self.is_muon) if m]
         self.adam_idx = [i for i, m in enumerate(self.is_muon) if not m]
@@ -169,7 +171,7 @@ class Muon:
         tensor-parallel shard in ``duplicated``/``distributed`` mode takes its own collective
         path."""
         s, items, batches, out = self.extra_scale_factor, [], {}, {}
-        limit = None if use_kernel() else BATCH_MAX
+        limit = None if self.kernel else BATCH_MAX
         for i, u in us.items():
             dim = self.tp_dim[i]
             for k, m in enumerate(self.matrices(i, u)):
@@ -185,11 +187,12 @@ class Muon:
                 mats = [items[j][2] for j in chunk]
                 if len(mats) == 1:
                     done[chunk[0]] = newton_schulz(mats[0], self.schedule,
-                                                   precision=self.precision)
+                                                   precision=self.precision, kernel=self.kernel)
                     continue
                 counts = [int(np.prod(m.shape[:-2])) for m in mats]
                 batch = mint.cat([m.reshape((-1,) + shape) for m in mats])
-                ns = newton_schulz(batch, self.schedule, precision=self.precision)
+                ns = newton_schulz(batch, self.schedule, precision=self.precision,
+                                   kernel=self.kernel)
                 for j, o, m in zip(chunk, mint.split(ns, counts), mats):
                     done[j] = o.reshape(m.shape)
         parts: Dict[int, List[Tensor]] = {}

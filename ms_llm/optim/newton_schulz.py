@@ -96,18 +96,22 @@ def use_kernel() -> bool:
 
 def newton_schulz(x: Tensor, schedule: Sequence[Coeffs], transpose: Optional[bool] = None,
                   reduce: Optional[Callable[[Tensor], Tensor]] = None,
-                  precision: str = "highest") -> Tensor:
+                  precision: str = "highest", kernel: Optional[bool] = None) -> Tensor:
     """Orthogonalise fp32 ``x`` (``[m, n]``, or a batch ``[k, m, n]`` of matrices).
 
     ``transpose``: iterate on ``x^T`` (default: when ``x`` has more rows than columns, so the
     Gram matrix is the small one). ``reduce``: a shard of a tensor-parallel matrix
     (``muon_tp``'s ``distributed`` mode): the squared norm and every Gram matrix are summed
     over the shards with it (the shards must split the dimension the Gram sums over).
-    ``precision``: ``MATMUL_PRECISIONS`` (``medium`` only through the CPU kernel)."""
+    ``precision``: ``MATMUL_PRECISIONS`` (``medium`` only through the CPU kernel).
+    ``kernel``: False runs the composed form even where the kernel is available (None: use it
+    where it is; ``benchmarks/muon.py`` compares the two)."""
     natural = x.shape[-2] > x.shape[-1]
     if transpose is None:
         transpose = natural
-    if reduce is None and transpose == natural and (precision == "medium" or use_kernel()):
+    if kernel is None:
+        kernel = use_kernel()
+    if reduce is None and transpose == natural and (precision == "medium" or kernel):
         return newton_schulz_kernel(x, schedule, EPS, bf16=precision == "medium")
     if precision != "highest":
         raise ValueError(f"training.muon_fp32_matmul_prec {precision}: not built for this "
