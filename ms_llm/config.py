@@ -139,6 +139,8 @@ class ParallelConfig(_Section):
     expert_model_parallel_size: int = 1
     fsdp_size: int = 1                # FSDP group = data x context parallel (Megatron's dp-cp)
     sequence_parallel: bool = False
+    # Megatron's --tp-comm-overlap: sequence-parallel exchanges overlapped with the GEMMs
+    tp_comm_overlap: bool = False
     ddp_bucket_mb: float = 25.0       # data-parallel gradient bucket size
     ddp_overlap: bool = True          # start bucket all-reduces during backward (PyNative)
     collective_timeout_s: float = 600.0  # abort a worker stuck this long in one collective

@@ -77,6 +77,10 @@ def _check_parallel(cfg) -> None:
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         _fail(cfg, ("parallel.sequence_parallel",),
               "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1")
+    if p.tp_comm_overlap and not p.sequence_parallel:
+        _fail(cfg, ("parallel.tp_comm_overlap",),
+              "parallel.tp_comm_overlap overlaps the sequence-parallel exchanges: it needs "
+              "parallel.sequence_parallel true (as Megatron's --tp-comm-overlap does)")
 
 
 def _check_moe(cfg) -> None:

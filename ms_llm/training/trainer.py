@@ -115,7 +115,8 @@ class Trainer:
             self.pipeline = build_pipeline(par.chunks, cfg, self.pstate, self.accum_steps,
                                            self.model.config)
         named = [(n, q) for n, q in self.named_params if q.requires_grad]
-        self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit)
+        self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit,
+                                         gather_timer=self.timers("params-all-gather"))
         # The distributed optimizer reduce-scatters instead of all-reducing (its own grad sync).
         grad_sync = self.optimizer.grad_sync or par.grad_sync
         for line in param_groups.describe(self.optimizer.groups):
