@@ -90,6 +90,7 @@ class TrainingConfig(_Section):
     muon_scale_mode: str = "spectral"  # spectral | shape_scaling | unit_rms_norm
     muon_extra_scale_factor: float = 1.0
     muon_tp_mode: str = "duplicated"  # blockwise | duplicated | distributed (ms_llm.optim.muon_tp)
+    muon_fp32_matmul_prec: str = "highest"   # highest (fp32) | medium (bf16 GEMM operands, CPU)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95

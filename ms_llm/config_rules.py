@@ -262,11 +262,7 @@ def optimizer_problem(cfg) -> Problem:
              "ring attention does not record the max logit"),
             ("model.multi_latent_attention", m.multi_latent_attention, "MLA's clip is not built"),
             ("model.attention_output_gate", m.attention_output_gate,
-             "the gated QKV layout's clip is not built"),
-            ("parallel.use_distributed_optimizer", p.use_distributed_optimizer and m.qk_clip,
-             "clipping sharded main parameters is not built"),
-            ("parallel.fsdp_size", p.fsdp_size > 1 and m.qk_clip,
-             "clipping FSDP shards is not built")):
+             "the gated QKV layout's clip is not built")):
         if on:
             return (key, other), f"{key} with {other}: {why}"
     return None

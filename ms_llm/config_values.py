@@ -79,6 +79,7 @@ RULES: Dict[str, Rule] = {
     "training.muon_scale_mode": _one_of("spectral", "shape_scaling", "unit_rms_norm"),
     "training.muon_extra_scale_factor": _POSITIVE,
     "training.muon_tp_mode": _one_of("blockwise", "duplicated", "distributed"),
+    "training.muon_fp32_matmul_prec": _one_of("highest", "medium"),
     "training.resume": _one_of("none", "auto"),
     "training.recompute_granularity": _one_of("full", "selective", null=True),
     "training.recompute_method": _one_of("uniform", "block", null=True),

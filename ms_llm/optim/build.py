@@ -39,7 +39,7 @@ def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = Fals
             weight_decay=t.weight_decay, coefficient_type=t.muon_coefficient_type,
             num_ns_steps=t.muon_num_ns_steps, scale_mode=t.muon_scale_mode,
             extra_scale_factor=t.muon_extra_scale_factor, split_qkv=t.muon_split_qkv,
-            tp_mode=t.muon_tp_mode,
+            tp_mode=t.muon_tp_mode, fp32_matmul_prec=t.muon_fp32_matmul_prec,
             model_config=model_config or cfg.model, groups=groups, adam=adam, pstate=pstate)
     else:
         make = functools.partial(adam, groups=groups)

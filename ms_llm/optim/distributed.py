@@ -108,6 +108,14 @@ class DistributedOptimizer(Wrapper):
             return param
         return self.mains[i]
 
+    def main_shard(self, param: Parameter) -> tuple:
+        """(this rank's fp32 main shard of model parameter ``param`` or None when empty, the
+        index of its first row in ``param``): what an in-place edit of the weights after the
+        step (QK-clip) must change so that the next all-gather keeps it."""
+        i = self._model_slot[id(param)]
+        g = self.groups_by_dim[self.dims[i]]
+        return self.mains[i], RowShard(self._rows[i][0], g.size, g.rank).start
+
     def load_finished(self) -> None:
         """After the model parameters were loaded: take the main shards from them (a bf16
         model: the fp32 main shards were loaded, the model parameters are gathered from them)."""

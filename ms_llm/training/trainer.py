@@ -142,9 +142,10 @@ class Trainer:
                                                    collect=self.pipeline is None))
         self.callbacks.append(self.observe)
         if cfg.model.qk_clip or cfg.model.log_max_attention_logit:   # MuonClip (qk_clip.py)
-            self.callbacks.append(QKClip(self.model, self.optimizer.checkpoint_tensor,
+            self.callbacks.append(QKClip(self.model, self.optimizer, self.pstate,
                                          self.dp_cp_group, cfg.model.qk_clip_threshold,
-                                         cfg.model.qk_clip_alpha, cfg.model.qk_clip))
+                                         cfg.model.qk_clip_alpha, cfg.model.qk_clip,
+                                         self.pstate.group("pp")))
         for callback in callbacks:
             self.callbacks.append(callback)
         self._maybe_resume()
