@@ -76,7 +76,9 @@ ACT = {
     "cp_kv": 4.0,        # ring: [2, b, ng, s / cp, d] K/V block: in hand, sent copy, received
                          # (backward: + the dK/dV accumulator travelling with it)
 }
-FIXED_BYTES = 0.04 * GB  # kernels' workspaces and the pool's first blocks, independent of size
+# kernels' workspaces and the pool's first blocks, independent of size (re-measured after the
+# kernels read bf16/fp32 in place: every tiny config's peak fell by 8-9 MB, whatever recompute)
+FIXED_BYTES = 0.03 * GB
 DIST_FIXED_BYTES = 0.03 * GB  # a distributed worker's communicators and their buffers
 RING_FIXED_BYTES = 0.04 * GB  # context parallel's ring: its two-rank broadcast groups (measured)
 
