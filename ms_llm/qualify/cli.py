@@ -1,6 +1,8 @@
-"""``ms-llm qualify [--suite quick|full] [--out DIR]``: run the qualification matrix as real jobs
-and write DIR/support.md, DIR/support.json and DIR/logs/ (docs/qualification.md defines the
-criteria). Exit 0 when no cell fails, 1 when one does, 2 on bad arguments."""
+"""``ms-llm qualify [--suite quick|full] [--cells ...] [--out DIR] [--merge]``: run the
+qualification matrix as real jobs and write DIR/support.md, DIR/support.json and DIR/logs/
+(docs/qualification.md defines the criteria); ``--merge`` / ``--merge-from`` build one table
+from several runs (``qualify.merge``). Exit 0 when no cell fails, 1 when one does, 2 on bad
+arguments."""
 from __future__ import annotations
 
 import argparse
@@ -30,9 +32,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="scratch folder for checkpoints and exports (default: a temporary one, "
                         "removed at the end)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
-    # test-only: an explicit cell list ("family:feature", comma-separated) and cells whose
-    # parallel run is deliberately changed (another seed), to show a Fail is reported
-    p.add_argument("--cells", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cells", default=None,
+                   help="only these cells: family:feature, comma-separated (e.g. a re-run "
+                        "after a fix, with --merge)")
+    p.add_argument("--merge", action="store_true",
+                   help="add this run's cells to the table already in --out (a cell replaces "
+                        "the same family:feature; each cell names its run's commit)")
+    p.add_argument("--merge-from", action="append", default=[], metavar="DIR",
+                   help="run nothing: merge the qualify --out folder DIR (its cells and logs) "
+                        "into --out; repeatable, a later DIR's cell wins")
+    # test-only: cells whose parallel run is deliberately changed (another seed), to show a
+    # Fail is reported
     p.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
     p.add_argument("--break-cell", action="append", default=[], help=argparse.SUPPRESS)
     # test-only: skip criterion (d)'s fault launches (reported as not run, never as met)
@@ -117,6 +127,8 @@ def _fault_launches(planner: Planner, cells, recs, work: str, args) -> tuple:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.merge_from:
+        return _merge_only(args)
     try:
         cells = select(args.suite, args.cells.split(",") if args.cells else None)
         for b in args.break_cell:
@@ -124,17 +136,42 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as e:
         print(f"ms-llm qualify: {e}", file=sys.stderr)
         return 2
+    if args.merge and os.path.isfile(os.path.join(args.out, "support.json")):
+        from .merge import load
+        try:                 # refused before the run, not after an hour of it
+            load(args.out)
+        except ValueError as e:
+            print(f"ms-llm qualify: --merge: {e}", file=sys.stderr)
+            return 2
     command = "ms-llm qualify " + " ".join(argv) if argv else "ms-llm qualify"
     t0 = time.time()
     work = args.work or tempfile.mkdtemp(prefix="ms_llm_qualify_")
     os.makedirs(work, exist_ok=True)
     out = os.path.abspath(args.out)
-    shutil.rmtree(os.path.join(out, "logs"), ignore_errors=True)
+    if not args.merge:       # a merged run rewrites only its own cells' logs
+        shutil.rmtree(os.path.join(out, "logs"), ignore_errors=True)
     try:
         return _run(args, cells, work, out, command, t0)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _merge_only(args) -> int:
+    """``--merge-from``: merge out folders into ``--out`` without running a cell."""
+    from .merge import merge_folders
+    if args.cells or args.merge or args.break_cell:
+        print("ms-llm qualify: --merge-from runs nothing: drop --cells / --merge / "
+              "--break-cell", file=sys.stderr)
+        return 2
+    try:
+        table = merge_folders(os.path.abspath(args.out), args.merge_from)
+    except (ValueError, OSError) as e:
+        print(f"ms-llm qualify: --merge-from: {e}", file=sys.stderr)
+        return 2
+    print(f"ms-llm qualify: merged {len(args.merge_from)} folder(s) into {args.out}: "
+          f"{len(table['cells'])} cells from {len(table['runs'])} run(s)")
+    return 1 if any(c["status"] == "Fail" for c in table["cells"]) else 0
 
 
 def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
@@ -192,8 +229,12 @@ def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
         print(f"ms-llm qualify: {cell.key}: {status}" + (f" ({'; '.join(unmet)})" if unmet
                                                          else ""), flush=True)
     from .report import write
-    paths = write(out, args.suite if not args.cells else "cells", results, device,
-                  time.time() - t0, command)
+    try:
+        paths = write(out, args.suite if not args.cells else "cells", results, device,
+                      time.time() - t0, command, merge=args.merge)
+    except ValueError as e:          # --merge into a folder whose support.json is not a table
+        print(f"ms-llm qualify: --merge: {e}", file=sys.stderr)
+        return 2
     print(f"ms-llm qualify: wrote {paths['support.md']} and {paths['support.json']} "
           f"({time.time() - t0:.0f} s)")
     return 1 if any(r["status"] == "Fail" for r in results) else 0

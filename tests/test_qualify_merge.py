@@ -1,0 +1,106 @@
+"""One published table from several ``ms-llm qualify`` runs (``qualify.merge``): fake out
+folders (a table written before runs were recorded, and newer ones), merged through the CLI's
+``--merge-from`` and through ``write(..., merge=True)`` (what ``--cells ... --merge`` calls after
+its run). No job runs: the merge logic is pure JSON and file copies."""
+import json
+
+from ms_llm.qualify import report
+from ms_llm.qualify.cli import main
+from ms_llm.qualify.merge import load
+
+VERSIONS = {"Python": "3.11.7", "MindSpore": "2.10.0", "NumPy": "1.26.4",
+            "device": "CPU (x86_64, 2 cores)", "CANN": "not present"}
+
+
+def cell(family, feature, status, unmet=(), log=True):
+    slug = f"{family}__{feature}".replace("+", "_").replace(" ", "_")
+    return {"family": family, "feature": feature, "status": status, "unmet": list(unmet),
+            "log": f"logs/{slug}.log" if log else None, "criteria": {}}
+
+
+def old_folder(path, commit, generated, cells):
+    """A support.json as qualify wrote it before runs were recorded (one run, top-level keys)."""
+    (path / "logs").mkdir(parents=True)
+    for c in cells:
+        if c["log"]:
+            (path / c["log"]).write_text(f"{c['family']}:{c['feature']} at {commit}\n")
+    (path / "support.json").write_text(json.dumps(
+        {"generated": generated, "command": "ms-llm qualify --suite full", "suite": "full",
+         "commit": commit, "versions": VERSIONS, "seconds": 600,
+         "criteria": "docs/qualification.md", "cells": cells}))
+    return path
+
+
+def test_merge_folders_replaces_cells_and_names_each_cells_commit(tmp_path):
+    a = old_folder(tmp_path / "a", "a" * 40, "2026-12-02 13:40 UTC",
+                   [cell("qwen3", "single", "Pass"), cell("qwen3", "dp", "Fail", ["a: step 3"]),
+                    cell("qwen3", "ep", "n/a", log=False)])
+    b = old_folder(tmp_path / "b", "b" * 40, "2026-12-02 15:00 UTC",
+                   [cell("qwen3", "dp", "Pass"), cell("qwen35", "lane resume", "Pass")])
+    out = tmp_path / "docs"
+    assert main(["--merge-from", str(a), "--merge-from", str(b), "--out", str(out)]) == 0
+    info = json.loads((out / "support.json").read_text())
+    assert [r["commit"] for r in info["runs"]] == ["a" * 40, "b" * 40]
+    got = {(c["family"], c["feature"]): c for c in info["cells"]}
+    assert set(got) == {("qwen3", "single"), ("qwen3", "dp"), ("qwen3", "ep"),
+                        ("qwen35", "lane resume")}
+    assert got["qwen3", "dp"]["status"] == "Pass"                 # the later folder's cell wins
+    assert got["qwen3", "dp"]["run"] == info["runs"][1]["id"]
+    assert got["qwen3", "single"]["run"] == info["runs"][0]["id"]
+    assert (out / "logs/qwen3__dp.log").read_text() == "qwen3:dp at " + "b" * 40 + "\n"
+    assert (out / "logs/qwen3__single.log").read_text().endswith("a" * 40 + "\n")
+    md = (out / "support.md").read_text()
+    assert "| git commit | `" + "a" * 40 + "` | `" + "b" * 40 + "` |" in md
+    assert "| date | 2026-12-02 13:40 UTC | 2026-12-02 15:00 UTC |" in md
+    # rows follow the matrix's order; each cell names its run's commit, n/a none
+    assert "| dp | [Pass](logs/qwen3__dp.log) @`bbbbbbb` |  |" in md
+    assert "| ep | n/a |  |" in md
+    assert md.index("| single |") < md.index("| dp |") < md.index("| lane resume |")
+    assert "Cells: 3 Pass, 1 n/a." in md
+    # a run no cell comes from any more leaves the header
+    c = old_folder(tmp_path / "c", "c" * 40, "2026-12-02 16:00 UTC",
+                   [cell("qwen3", "single", "Pass"), cell("qwen3", "dp", "Pass"),
+                    cell("qwen3", "ep", "n/a", log=False), cell("qwen35", "lane resume", "Pass")])
+    assert main(["--merge-from", str(c), "--out", str(out)]) == 0
+    info = json.loads((out / "support.json").read_text())
+    assert [r["commit"] for r in info["runs"]] == ["c" * 40]
+    assert info["commit"] == "c" * 40               # one run: its keys at the top level too
+
+
+def test_a_run_merges_its_cells_into_the_published_table(tmp_path):
+    out = old_folder(tmp_path / "docs", "a" * 40, "2026-12-02 13:40 UTC",
+                     [cell("qwen3", "single", "Pass"), cell("qwen3", "Muon", "Fail", ["a: x"])])
+    report.write(str(out), "cells", [cell("qwen3", "Muon", "Pass")], "CPU", 60.0,
+                 "ms-llm qualify --cells qwen3:Muon --merge", merge=True)
+    table = load(str(out))
+    assert len(table["runs"]) == 2 and table["runs"][1]["commit"] != "a" * 40
+    got = {(c["family"], c["feature"]): c for c in table["cells"]}
+    assert got["qwen3", "Muon"]["status"] == "Pass"
+    assert got["qwen3", "Muon"]["run"] == table["runs"][1]["id"]
+    assert got["qwen3", "single"]["run"] == table["runs"][0]["id"]
+    # without --merge the run's table is its own
+    report.write(str(out), "cells", [cell("qwen3", "Muon", "Pass")], "CPU", 60.0, "x")
+    assert [(c["family"], c["feature"]) for c in load(str(out))["cells"]] == [("qwen3", "Muon")]
+
+
+def test_bad_merge_inputs_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    assert main(["--merge-from", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "support.json: no such file" in capsys.readouterr().err
+    (bad / "support.json").write_text("{not json")
+    assert main(["--merge-from", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "support.json: not JSON" in capsys.readouterr().err
+    (bad / "support.json").write_text(json.dumps({"cells": [{"family": "qwen3"}]}))
+    assert main(["--merge-from", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "lacks family / feature / status" in capsys.readouterr().err
+    a = old_folder(tmp_path / "a", "a" * 40, "2026-12-02 13:40 UTC",
+                   [cell("qwen3", "single", "Pass")])
+    (a / "logs/qwen3__single.log").unlink()
+    assert main(["--merge-from", str(a), "--out", str(tmp_path / "o")]) == 2
+    assert "its log" in capsys.readouterr().err
+    assert main(["--merge-from", str(a), "--merge", "--out", str(tmp_path / "o")]) == 2
+    # --merge into a folder that is not a table is refused before anything runs
+    assert main(["--cells", "qwen3:single", "--merge", "--out", str(bad)]) == 2
+    assert "--merge:" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
