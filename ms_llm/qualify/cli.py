@@ -145,13 +145,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
     command = "ms-llm qualify " + " ".join(argv) if argv else "ms-llm qualify"
     t0 = time.time()
+    from .report import git_commit
+    commit = git_commit(os.path.abspath(args.out))   # the code this run starts with
     work = args.work or tempfile.mkdtemp(prefix="ms_llm_qualify_")
     os.makedirs(work, exist_ok=True)
     out = os.path.abspath(args.out)
     if not args.merge:       # a merged run rewrites only its own cells' logs
         shutil.rmtree(os.path.join(out, "logs"), ignore_errors=True)
     try:
-        return _run(args, cells, work, out, command, t0)
+        return _run(args, cells, work, out, command, t0, commit)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -174,7 +176,7 @@ def _merge_only(args) -> int:
     return 1 if any(c["status"] == "Fail" for c in table["cells"]) else 0
 
 
-def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
+def _run(args, cells, work: str, out: str, command: str, t0: float, commit: str) -> int:
     from .data import prepare
     planner = Planner(work, prepare(os.path.join(work, "data")), args.break_cell, args.steps)
     for cell in cells:
@@ -231,7 +233,7 @@ def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
     from .report import write
     try:
         paths = write(out, args.suite if not args.cells else "cells", results, device,
-                      time.time() - t0, command, merge=args.merge)
+                      time.time() - t0, command, merge=args.merge, commit=commit)
     except ValueError as e:          # --merge into a folder whose support.json is not a table
         print(f"ms-llm qualify: --merge: {e}", file=sys.stderr)
         return 2

@@ -60,11 +60,12 @@ def cell_text(c: dict) -> str:
 
 
 def write(out: str, suite: str, cells: List[dict], device: Optional[str], seconds: float,
-          command: str, merge: bool = False) -> Dict[str, str]:
-    """This run's table (``merge``: its cells added to the table already in ``out``)."""
+          command: str, merge: bool = False, commit: Optional[str] = None) -> Dict[str, str]:
+    """This run's table (``merge``: its cells added to the table already in ``out``).
+    ``commit``: the one the run started at (``git_commit`` when it started), else HEAD now."""
     from .merge import combine, load, run_id
     run = {"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "command": command, "suite": suite, "commit": git_commit(out),
+           "command": command, "suite": suite, "commit": commit or git_commit(out),
            "versions": versions(device), "seconds": round(seconds)}
     run["id"] = run_id(run)
     table = {"runs": [run], "cells": [dict(c, run=run["id"]) for c in cells]}
