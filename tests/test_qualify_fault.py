@@ -55,3 +55,18 @@ def test_cell_verdicts(tmp_path):
     assert "restarted curve: loss step 4" in check_cell(CELL, run, 0, launch, REF, 4, 600).detail
     # the uninterrupted run is missing: nothing to compare with
     assert check_cell(CELL, run, 0, launch, dict(REF, error="x"), 4, 600).state == "unmet"
+
+
+def test_fault_launch_command_runs_the_worker_under_the_supervisor(tmp_path):
+    """The supervisor builds each attempt's msrun command from ``-- ENTRY ARGS``
+    (``ms_llm.training.restart``); handing it a whole msrun command made msrun start
+    ``python msrun`` and every cell's (d) fail. A real 2-worker launch of a job with no runs:
+    the workers start, record nothing and exit 0, with no failed attempt."""
+    from ms_llm.qualify.fault import WORKER, run_fault_launch, supervisor_command
+    from ms_llm.qualify.plan import Job
+    cmd = supervisor_command(Job("x", 2, [{"name": "r"}]), "/j", "/j/job.json", 1234)
+    tail = cmd[cmd.index("--"):]
+    assert tail == ["--", WORKER, "/j/job.json"] and "msrun" not in cmd
+    assert cmd[cmd.index("--worker-num") + 1] == "2"
+    launch = run_fault_launch(Job("empty", 2, []), str(tmp_path), 300, say=lambda m: None)
+    assert launch["rc"] == 0 and launch["failed"] == [], launch["log"][-2000:]

@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Dict, List
 
-from ms_llm.launch import free_port, msrun_command
+from ms_llm.launch import free_port
 
 from .criteria import Check, compare, restart_built
 from .matrix import ROOT, Cell
@@ -52,6 +52,16 @@ def fault_run(cell: Cell, config: str, layout_args: List[str], work: str, steps:
                       str(SAVE_INTERVAL), "--training.resume", "auto"])
 
 
+def supervisor_command(job: Job, jdir: str, spec: str, port: int) -> List[str]:
+    """The restart supervisor's command line for ``job``: it builds each attempt's msrun
+    command itself (``ms_llm.training.restart``: ``--worker-num`` workers of ``-- ENTRY ARGS``),
+    so a one-worker job is a one-worker msrun launch too."""
+    return [sys.executable, "-m", "ms_llm.training.restart", "--max-restarts",
+            str(len(job.runs)), "--save-dir", jdir, "--master-port", str(port),
+            "--log-dir", os.path.join(jdir, "msrun"), "--worker-num", str(job.nproc),
+            "--cluster-time-out", "60", "--", WORKER, spec]
+
+
 def run_fault_launch(job: Job, work: str, timeout: float, say=print) -> Dict:
     """Run ``job`` (fault runs, one per cell) under the restart supervisor. Returns the
     records, the failed attempts ``[(exit code, seconds)]`` in order, the supervisor's exit
@@ -62,14 +72,7 @@ def run_fault_launch(job: Job, work: str, timeout: float, say=print) -> Dict:
     results, spec = os.path.join(jdir, "results.json"), os.path.join(jdir, "job.json")
     with open(spec, "w", encoding="utf-8") as f:
         json.dump({"results": results, "runs": job.runs, "resumable": True}, f, indent=1)
-    if job.nproc == 1:
-        cmd = [sys.executable, WORKER, spec]
-    else:
-        cmd = msrun_command(WORKER, [spec], worker_num=job.nproc, master_port="@PORT@",
-                            log_dir="@LOG_DIR@", cluster_time_out=60)
-    sup = [sys.executable, "-m", "ms_llm.training.restart", "--max-restarts",
-           str(len(job.runs)), "--save-dir", jdir, "--master-port", str(free_port()),
-           "--log-dir", os.path.join(jdir, "msrun"), "--", *cmd]
+    sup = supervisor_command(job, jdir, spec, free_port())
     say(f"ms-llm qualify: fault launch {job.name}: {len(job.runs)} cell(s) on {job.nproc} "
         f"worker(s), one kill and restart each")
     t0 = time.time()

@@ -88,7 +88,8 @@ def run_one(run: dict, info) -> dict:
         if run.get("probe") and info.world_size == 1:
             np.save(run["probe"], probe_logits(trainer.model, cfg.model.padded_vocab_size))
         if info.rank == 0 and run.get("export_hf"):
-            hf = export_hf(cfg.checkpoint.save_dir, run["export_hf"], cfg)
+            # the trainer's config: the vocabulary is sized by the tokenizer at data setup
+            hf = export_hf(cfg.checkpoint.save_dir, run["export_hf"], trainer.cfg)
             print(f"ms-llm qualify: exported {hf}", flush=True)
         if info.rank == 0 and run.get("copy_ckpt"):
             src, dst = run["copy_ckpt"]
