@@ -104,3 +104,62 @@ def test_bad_merge_inputs_are_one_line(tmp_path, capsys):
     assert main(["--cells", "qwen3:single", "--merge", "--out", str(bad)]) == 2
     assert "--merge:" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_fault_only_finds_the_earlier_runs_uninterrupted_curve_and_rewrites_the_log(tmp_path):
+    """``--fault-only``: the earlier run's record of a cell is found by its arguments (its
+    scratch folder for ours), whichever cell's name its shared reference took; the cell's log
+    gets the new (d) line and fault section, the table both commits."""
+    from ms_llm.qualify import fault_only
+    from ms_llm.qualify.criteria import Check
+    from ms_llm.qualify.data import prepare
+    from ms_llm.qualify.matrix import select
+    from ms_llm.qualify.plan import Planner
+    old_work, work = str(tmp_path / "old"), str(tmp_path / "new")
+    # the earlier run planned qwen3 single then dp (dp's reference is single's); write its jobs
+    old = Planner(old_work, prepare(old_work + "/data"))
+    for c in select("full", ["qwen3:single", "qwen3:dp"]):
+        old.add(c)
+    for job in old.jobs.values():
+        d = tmp_path / "old" / "jobs" / job.name
+        d.mkdir(parents=True)
+        (d / "job.json").write_text(json.dumps({"runs": job.runs}))
+        (d / "results.json").write_text(json.dumps({"world_size": job.nproc, "runs": {
+            r["name"]: {"name": r["name"], "loss": [float(len(r["name"]))], "grad_norm": [1.0],
+                        "error": None, "refused": False} for r in job.runs}}))
+    recs = fault_only.earlier_records(old_work)
+    # now dp alone: our plan names its reference qwen3__dp.ref, theirs qwen3__single.ref
+    new = Planner(work, prepare(work + "/data"))
+    (cell,) = select("full", ["qwen3:single"])
+    names = new.add(cell)
+    got = fault_only.uninterrupted(new, names.run, work, old_work, recs)
+    assert got["name"] == "qwen3__single.ref"
+    (dp,) = select("full", ["qwen3:dp"])
+    new2 = Planner(work, prepare(work + "/data"))
+    assert fault_only.uninterrupted(new2, new2.add(dp).run, work, old_work, recs)["name"] == \
+        "qwen3__dp.run"
+    assert fault_only.uninterrupted(new2, new2.add(dp).ref, work, old_work, recs)["name"] == \
+        "qwen3__single.ref"
+    # a changed plan (another seed) finds nothing
+    assert fault_only.uninterrupted(new2, new2.add(dp).run, work, old_work + "x", recs) is None
+    log = tmp_path / "cell.log"
+    log.write_text("# qwen3:dp: Fail (d: x)\n\nTest: ok: 6 steps\n(d) fail: x\n\n## run r\n"
+                   "--- fault launch (restart supervisor)\nold line\n")
+    fault_only._update_log(str(log), "qwen3:dp", "Pass", [], Check("ok", "restarted"),
+                           ["--- fault launch (restart supervisor)", "new line"], "(d) re-run")
+    assert log.read_text() == ("# qwen3:dp: Pass\n\nTest: ok: 6 steps\n(d) ok: restarted\n\n"
+                               "## run r\n(d) re-run\n--- fault launch (restart supervisor)\n"
+                               "new line\n")
+
+
+def test_a_cell_whose_d_was_re_run_names_both_commits(tmp_path):
+    out = old_folder(tmp_path / "docs", "a" * 40, "2026-12-02 13:40 UTC",
+                     [cell("qwen3", "dp", "Pass")])
+    table = load(str(out))
+    run = dict(table["runs"][0], id="later", commit="d" * 40, generated="2026-12-02 15:00 UTC")
+    table["runs"].append(run)
+    table["cells"][0]["d_run"] = "later"
+    report.write_table(str(out), table)
+    md = (out / "support.md").read_text()
+    assert "[Pass](logs/qwen3__dp.log) @`aaaaaaa` (d @`ddddddd`)" in md
+    assert len(load(str(out))["runs"]) == 2

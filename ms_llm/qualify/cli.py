@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -15,13 +14,10 @@ import time
 from typing import Dict, List, Optional
 
 from . import criteria as C
-from .fault import check_cell, fault_run, restart_logs, run_fault_launch
+from .fault import launch_cells
 from .matrix import STEPS, SUITES, select
-from .plan import Job, Planner
+from .plan import Planner
 from .runner import run_job, segment
-
-LETTERS = ("a", "b", "c", "d")
-
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ms-llm qualify", description=__doc__.split("\n\n")[0])
@@ -41,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--merge-from", action="append", default=[], metavar="DIR",
                    help="run nothing: merge the qualify --out folder DIR (its cells and logs) "
                         "into --out; repeatable, a later DIR's cell wins")
+    p.add_argument("--fault-only", default=None, metavar="WORK",
+                   help="with --cells and --merge: run criterion (d) alone for cells already in "
+                        "--out's table, comparing with the uninterrupted runs of the earlier "
+                        "run whose --work folder was WORK (qualify.fault_only)")
     # test-only: cells whose parallel run is deliberately changed (another seed), to show a
     # Fail is reported
     p.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
@@ -48,25 +48,6 @@ def _parser() -> argparse.ArgumentParser:
     # test-only: skip criterion (d)'s fault launches (reported as not run, never as met)
     p.add_argument("--no-fault", action="store_true", help=argparse.SUPPRESS)
     return p
-
-
-def _short(letter: str, chk: C.Check) -> str:
-    d = re.sub(r"\S*/\S*", "...", chk.detail)      # no paths in the table
-    if d.startswith("not built"):
-        d = "not built"
-    return f"{letter}: {d if len(d) <= 90 else d[:87] + '...'}"
-
-
-def _status(test: C.Check, checks: Dict[str, C.Check]) -> tuple:
-    if test.state == "unmet":
-        return "not built", [f"refused: {re.sub(r'^config error: ', '', test.detail)[:90]}"]
-    if test.state == "fail":
-        return "Fail", [f"runs: {re.sub(r'[^ ]*/[^ ]*', '...', test.detail)[:90]}"]
-    fails = [_short(k, c) for k, c in checks.items() if c.state == "fail"]
-    if fails:
-        return "Fail", fails
-    unmet = [_short(k, c) for k, c in checks.items() if c.state != "ok"]
-    return ("Test", unmet) if unmet else ("Pass", [])
 
 
 def _cell_log(path: str, cell, status: str, unmet, test, checks, runs: List[str],
@@ -97,33 +78,6 @@ def _cell_log(path: str, cell, status: str, unmet, test, checks, runs: List[str]
     os.replace(path + ".tmp", path)
 
 
-def _fault_launches(planner: Planner, cells, recs, work: str, args) -> tuple:
-    """Criterion (d) for every cell that trains: one fault launch per family and worker count
-    (``qualify.fault``). Returns ``({cell key: Check}, {cell key: log lines})``."""
-    if C.restart_built():
-        return {}, {}
-    groups: Dict[tuple, list] = {}
-    for cell in cells:
-        if not cell.applicable:
-            continue
-        names = planner.cells[cell.key]
-        if C.trains(recs[names.run], args.steps).state != "ok":
-            continue
-        layout = planner.single_args(cell) + list(cell.layout)
-        run = fault_run(cell, planner.config(cell.family), layout, work, args.steps)
-        groups.setdefault((cell.family.name, cell.feature.nproc), []).append((cell, run))
-    checks, logs = {}, {}
-    for (family, nproc), members in groups.items():
-        job = Job(f"fault_{family}_n{nproc}", nproc, [r for _, r in members])
-        launch = run_fault_launch(job, work, args.timeout * len(members))
-        for i, (cell, run) in enumerate(members):
-            names = planner.cells[cell.key]
-            checks[cell.key] = check_cell(cell, run, i, launch, recs[names.run], args.steps,
-                                          args.timeout)
-            logs[cell.key] = restart_logs(launch)
-    return checks, logs
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
@@ -135,6 +89,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             select("full", [b])
     except ValueError as e:
         print(f"ms-llm qualify: {e}", file=sys.stderr)
+        return 2
+    if args.fault_only and not (args.cells and args.merge and
+                                os.path.isfile(os.path.join(args.out, "support.json"))):
+        print("ms-llm qualify: --fault-only needs --cells, --merge and an --out folder holding "
+              "those cells' table", file=sys.stderr)
         return 2
     if args.merge and os.path.isfile(os.path.join(args.out, "support.json")):
         from .merge import load
@@ -153,6 +112,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.merge:       # a merged run rewrites only its own cells' logs
         shutil.rmtree(os.path.join(out, "logs"), ignore_errors=True)
     try:
+        if args.fault_only:
+            from . import fault_only
+            return fault_only.run(args, cells, work, out, command, t0, commit,
+                                  os.path.abspath(args.fault_only))
         return _run(args, cells, work, out, command, t0, commit)
     finally:
         if args.work is None:
@@ -193,7 +156,7 @@ def _run(args, cells, work: str, out: str, command: str, t0: float, commit: str)
         owner.update({r["name"]: job.name for r in job.runs})
         device = device or res["device"]
     faults, fault_logs = ({}, {}) if args.no_fault else \
-        _fault_launches(planner, cells, recs, work, args)
+        launch_cells(planner, cells, recs, work, args.steps, args.timeout)
     results = []
     for cell in cells:
         entry = {"family": cell.family.name, "feature": cell.feature.name, "log": None,
@@ -215,7 +178,7 @@ def _run(args, cells, work: str, out: str, command: str, t0: float, commit: str)
             extra += fault_logs.get(cell.key, [])
         for chk in [test, *checks.values()]:   # the scratch folder's name says nothing
             chk.detail = chk.detail.replace(work.rstrip("/") + "/", "")
-        status, unmet = _status(test, checks)
+        status, unmet = C.verdict(test, checks)
         log_rel = os.path.join("logs", cell.slug + ".log")
         runs = [n for n in dict.fromkeys([names.ref, names.run, names.part, names.resume,
                                           names.other, names.reload]) if n]

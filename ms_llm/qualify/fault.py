@@ -32,7 +32,7 @@ from typing import Dict, List
 
 from ms_llm.launch import free_port
 
-from .criteria import Check, compare, restart_built
+from .criteria import Check, compare, restart_built, trains
 from .matrix import ROOT, Cell
 from .plan import Job
 from .runner import WORKER, job_env
@@ -152,3 +152,31 @@ def restart_logs(launch: Dict, tail: int = 40) -> List[str]:
                     "save_dir; worker logs", ln)
              for ln in launch["log"].splitlines() if ln.startswith("ms-llm restart:")]
     return ["--- fault launch (restart supervisor)", *lines[-tail:]]
+
+
+def launch_cells(planner, cells, recs: Dict[str, dict], work: str, steps: int,
+                 timeout: float) -> tuple:
+    """Criterion (d) for every cell that trains: one fault launch per family and worker count
+    (``qualify.fault``). Returns ``({cell key: Check}, {cell key: log lines})``."""
+    if restart_built():
+        return {}, {}
+    groups: Dict[tuple, list] = {}
+    for cell in cells:
+        if not cell.applicable:
+            continue
+        names = planner.cells[cell.key]
+        if trains(recs[names.run], steps).state != "ok":
+            continue
+        layout = planner.single_args(cell) + list(cell.layout)
+        run = fault_run(cell, planner.config(cell.family), layout, work, steps)
+        groups.setdefault((cell.family.name, cell.feature.nproc), []).append((cell, run))
+    checks, logs = {}, {}
+    for (family, nproc), members in groups.items():
+        job = Job(f"fault_{family}_n{nproc}", nproc, [r for _, r in members])
+        launch = run_fault_launch(job, work, timeout * len(members))
+        for i, (cell, run) in enumerate(members):
+            names = planner.cells[cell.key]
+            checks[cell.key] = check_cell(cell, run, i, launch, recs[names.run], steps,
+                                          timeout)
+            logs[cell.key] = restart_logs(launch)
+    return checks, logs

@@ -51,7 +51,8 @@ def load(folder: str) -> dict:
         cells = info["cells"]
     ids = {r["id"] for r in runs}
     for c in cells:
-        if not {"family", "feature", "status"} <= set(c) or c.get("run") not in ids:
+        if not {"family", "feature", "status"} <= set(c) or c.get("run") not in ids or \
+                c.get("d_run", c["run"]) not in ids:
             raise ValueError(f"{path}: cell {c.get('family')}:{c.get('feature')} lacks "
                              f"family / feature / status or names no recorded run")
     return {"runs": runs, "cells": cells}
@@ -64,7 +65,7 @@ def combine(base: dict, new: dict) -> dict:
     for c in new["cells"]:
         by[c["family"], c["feature"]] = c
     cells = list(by.values())
-    used = {c["run"] for c in cells}
+    used = {c["run"] for c in cells} | {c["d_run"] for c in cells if c.get("d_run")}
     runs: Dict[str, dict] = {}
     for r in base["runs"] + new["runs"]:
         if r["id"] in used:

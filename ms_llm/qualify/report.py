@@ -63,15 +63,23 @@ def write(out: str, suite: str, cells: List[dict], device: Optional[str], second
           command: str, merge: bool = False, commit: Optional[str] = None) -> Dict[str, str]:
     """This run's table (``merge``: its cells added to the table already in ``out``).
     ``commit``: the one the run started at (``git_commit`` when it started), else HEAD now."""
-    from .merge import combine, load, run_id
-    run = {"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "command": command, "suite": suite, "commit": commit or git_commit(out),
-           "versions": versions(device), "seconds": round(seconds)}
-    run["id"] = run_id(run)
+    from .merge import combine, load
+    run = new_run(suite, device, seconds, command, commit or git_commit(out))
     table = {"runs": [run], "cells": [dict(c, run=run["id"]) for c in cells]}
     if merge and os.path.isfile(os.path.join(out, "support.json")):
         table = combine(load(out), table)
     return write_table(out, table)
+
+
+def new_run(suite: str, device: Optional[str], seconds: float, command: str,
+            commit: str) -> dict:
+    """A run's record in ``support.json`` (``runs``)."""
+    from .merge import run_id
+    run = {"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "command": command, "suite": suite, "commit": commit,
+           "versions": versions(device), "seconds": round(seconds)}
+    run["id"] = run_id(run)
+    return run
 
 
 def _order(names, known) -> list:
@@ -82,7 +90,7 @@ def render(table: dict) -> str:
     """support.md of ``table`` (``{"runs", "cells"}``, ``merge.load``'s form)."""
     runs, cells = table["runs"], table["cells"]
     label = {r["id"]: str(r["commit"])[:7] for r in runs}
-    one = len(runs) == 1
+    one = len(runs) == 1 and not any(c.get("d_run") for c in cells)
     md = ["# ms-llm support table", ""]
     if one:
         r = runs[0]
@@ -119,6 +127,8 @@ def render(table: dict) -> str:
                 text = f"[{text}]({c['log']})"
             if not one and c["status"] != "n/a":
                 text += f" @`{label[c['run']]}`"
+            if c.get("d_run") and c["d_run"] != c["run"]:
+                text += f" (d @`{label[c['d_run']]}`)"
             row.append(text)
         md.append(f"| {x} | " + " | ".join(row) + " |")
     counts: Dict[str, int] = {}
@@ -128,14 +138,16 @@ def render(table: dict) -> str:
            "Letters name the unmet criteria: a = parity with one process, b = checkpoint round "
            "trip, c = resume, d = fault and automatic restart; n/a = the feature does not apply "
            "to the family (no experts); an empty cell was not run."
-           + ("" if one else " `@commit`: the run the cell comes from (header)."), ""]
+           + ("" if one else " `@commit`: the run the cell comes from (header); `(d @commit)`: "
+              "criterion (d) re-run alone at that commit (`--fault-only`)."), ""]
     return "\n".join(md)
 
 
 def write_table(out: str, table: dict) -> Dict[str, str]:
     """Write ``out``/support.md and support.json of ``table``."""
     info = {"criteria": "docs/qualification.md", "runs": table["runs"], "cells": table["cells"]}
-    if len(table["runs"]) == 1:          # one run: its keys at the top level too, as before
+    if len(table["runs"]) == 1 and not any(c.get("d_run") for c in table["cells"]):
+        # one run: its keys at the top level too, as before
         info.update({k: v for k, v in table["runs"][0].items() if k != "id"})
     os.makedirs(out, exist_ok=True)
     paths = {}
