@@ -131,6 +131,8 @@ def _merge_only(args) -> int:
         return 2
     try:
         table = merge_folders(os.path.abspath(args.out), args.merge_from)
+        from .report import write_table
+        write_table(os.path.abspath(args.out), table)
     except (ValueError, OSError) as e:
         print(f"ms-llm qualify: --merge-from: {e}", file=sys.stderr)
         return 2

@@ -92,14 +92,12 @@ def copy_logs(src: str, dst: str, cells: List[dict]) -> None:
 
 def merge_folders(dst: str, sources: List[str]) -> dict:
     """Merge the out folders ``sources`` (in order: a later one's cell wins) into ``dst``
-    (which may hold a table already, or nothing yet); write its support.md / support.json and
-    return the merged table."""
+    (which may hold a table already, or nothing yet): their logs are copied; the merged table
+    is returned for ``report.write_table``."""
     table: Optional[dict] = load(dst) if os.path.isfile(os.path.join(dst, "support.json")) \
         else None
     loaded = [(src, load(src)) for src in sources]        # every source checked before writing
     for src, got in loaded:
         copy_logs(src, dst, got["cells"])
         table = got if table is None else combine(table, got)
-    from .report import write_table
-    write_table(dst, table)
     return table
