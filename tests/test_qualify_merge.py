@@ -98,7 +98,7 @@ def test_bad_merge_inputs_are_one_line(tmp_path, capsys):
                    [cell("qwen3", "single", "Pass")])
     (a / "logs/qwen3__single.log").unlink()
     assert main(["--merge-from", str(a), "--out", str(tmp_path / "o")]) == 2
-    assert "its log" in capsys.readouterr().err
+    assert "the log" in capsys.readouterr().err
     assert main(["--merge-from", str(a), "--merge", "--out", str(tmp_path / "o")]) == 2
     # --merge into a folder that is not a table is refused before anything runs
     assert main(["--cells", "qwen3:single", "--merge", "--out", str(bad)]) == 2
@@ -142,14 +142,43 @@ def test_fault_only_finds_the_earlier_runs_uninterrupted_curve_and_rewrites_the_
         "qwen3__single.ref"
     # a changed plan (another seed) finds nothing
     assert fault_only.uninterrupted(new2, new2.add(dp).run, work, old_work + "x", recs) is None
-    log = tmp_path / "cell.log"
-    log.write_text("# qwen3:dp: Fail (d: x)\n\nTest: ok: 6 steps\n(d) fail: x\n\n## run r\n"
-                   "--- fault launch (restart supervisor)\nold line\n")
-    fault_only._update_log(str(log), "qwen3:dp", "Pass", [], Check("ok", "restarted"),
-                           ["--- fault launch (restart supervisor)", "new line"], "(d) re-run")
-    assert log.read_text() == ("# qwen3:dp: Pass\n\nTest: ok: 6 steps\n(d) ok: restarted\n\n"
-                               "## run r\n(d) re-run\n--- fault launch (restart supervisor)\n"
-                               "new line\n")
+
+
+def test_a_d_only_run_patches_its_cells_d_and_log(tmp_path):
+    """``--fault-only``'s folder holds "(d) only" cells; merged after the cells' own run, each
+    replaces its cell's (d), status and log section, and the table names both commits."""
+    crit = {"test": {"state": "ok", "detail": "6 steps"}, "a": {"state": "ok", "detail": "a"},
+            "b": {"state": "ok", "detail": "b"}, "c": {"state": "ok", "detail": "c"},
+            "d": {"state": "fail", "detail": "automatic restart: no record (launch exit 1)"}}
+    big = old_folder(tmp_path / "big", "a" * 40, "2026-12-02 13:40 UTC",
+                     [dict(cell("qwen3", "dp", "Fail", ["d: x"]), criteria=crit),
+                      cell("qwen3", "ep", "n/a", log=False)])
+    (big / "logs/qwen3__dp.log").write_text(
+        "# qwen3:dp: Fail (d: x)\n\nTest: ok: 6 steps\n(d) fail: x\n\n## run r\n"
+        "--- fault launch (restart supervisor)\nold line\n")
+    d = tmp_path / "d"
+    (d / "logs").mkdir(parents=True)
+    (d / "logs/qwen3__dp.d.log").write_text(
+        "(d) ok: restarted\n(d) re-run by `x` at dddd\n--- fault launch (restart supervisor)\n"
+        "new line\n")
+    report.write(str(d), "cells (d) only", [
+        {"family": "qwen3", "feature": "dp", "status": "(d) only", "unmet": [], "d_only": True,
+         "log": "logs/qwen3__dp.d.log", "criteria": {"d": {"state": "ok", "detail": "restarted"}}}],
+        None, 5.0, "x", commit="d" * 40)
+    out = tmp_path / "docs"
+    # (d) only before the cell's run: nothing to patch
+    assert main(["--merge-from", str(d), "--merge-from", str(big), "--out", str(out)]) == 2
+    for _ in range(2):          # merging the same (d) twice patches the log once
+        assert main(["--merge-from", str(big), "--merge-from", str(d), "--out", str(out)]) == 0
+    info = json.loads((out / "support.json").read_text())
+    dp = next(c for c in info["cells"] if c["feature"] == "dp")
+    assert dp["status"] == "Pass" and dp["unmet"] == [] and dp["criteria"]["d"]["state"] == "ok"
+    assert dp["criteria"]["a"]["detail"] == "a"
+    assert (out / "logs/qwen3__dp.log").read_text() == (
+        "# qwen3:dp: Pass\n\nTest: ok: 6 steps\n(d) ok: restarted\n\n## run r\n"
+        "(d) re-run by `x` at dddd\n--- fault launch (restart supervisor)\nnew line\n")
+    md = (out / "support.md").read_text()
+    assert "[Pass](logs/qwen3__dp.log) @`aaaaaaa` (d @`ddddddd`)" in md
 
 
 def test_a_cell_whose_d_was_re_run_names_both_commits(tmp_path):

@@ -38,9 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="run nothing: merge the qualify --out folder DIR (its cells and logs) "
                         "into --out; repeatable, a later DIR's cell wins")
     p.add_argument("--fault-only", default=None, metavar="WORK",
-                   help="with --cells and --merge: run criterion (d) alone for cells already in "
-                        "--out's table, comparing with the uninterrupted runs of the earlier "
-                        "run whose --work folder was WORK (qualify.fault_only)")
+                   help="run criterion (d) alone, comparing with the uninterrupted runs of the "
+                        "earlier run whose --work folder was WORK; merged into a table holding "
+                        "those cells, it patches their (d) (qualify.fault_only)")
     # test-only: cells whose parallel run is deliberately changed (another seed), to show a
     # Fail is reported
     p.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
@@ -89,11 +89,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             select("full", [b])
     except ValueError as e:
         print(f"ms-llm qualify: {e}", file=sys.stderr)
-        return 2
-    if args.fault_only and not (args.cells and args.merge and
-                                os.path.isfile(os.path.join(args.out, "support.json"))):
-        print("ms-llm qualify: --fault-only needs --cells, --merge and an --out folder holding "
-              "those cells' table", file=sys.stderr)
         return 2
     if args.merge and os.path.isfile(os.path.join(args.out, "support.json")):
         from .merge import load

@@ -1,13 +1,15 @@
-"""``ms-llm qualify --cells ... --fault-only WORK --merge --out DIR``: criterion (d) again for
-cells already in DIR's table, whose (a)-(c) and uninterrupted runs come from an earlier run
-whose scratch folder (``--work``) was WORK.
+"""``ms-llm qualify --cells ... --fault-only WORK --out DIR``: criterion (d) again for cells
+whose (a)-(c) and uninterrupted runs come from an earlier run whose scratch folder (``--work``)
+was WORK. DIR gets "(d) only" cells; merged into a table holding the same cells (``--merge``,
+or ``--merge-from DIR`` later), each patches its cell's (d) (``merge.combine``).
 
 Why: (d) is one fault launch per family (``qualify.fault``) and needs only each cell's
 uninterrupted curve to compare with; when (d) itself was broken (the launch, not the cells),
 re-running every cell's (a)-(c) to get it again costs the whole matrix (over an hour here),
-this costs the fault launches alone. The cell keeps the run its (a)-(c) came from and records
-this run as ``d_run`` (the table shows both commits); its log's (d) line and fault-launch
-section are replaced.
+this costs the fault launches alone, and can start while the earlier run is still in its
+later phases (a cell whose uninterrupted run is not recorded yet is skipped). The patched cell
+keeps the run its (a)-(c) came from and records this run as ``d_run`` (the table shows both
+commits); its log's (d) line and fault-launch section are replaced.
 
 The uninterrupted run of a cell is found by its arguments, not its name: this run plans the
 cell again in its own scratch folder, and the earlier run's job with the same arguments (its
@@ -25,7 +27,6 @@ from typing import Dict, List, Optional
 from . import criteria as C
 from .data import prepare
 from .fault import launch_cells
-from .merge import load
 from .plan import Planner
 
 
@@ -70,36 +71,15 @@ def uninterrupted(planner: Planner, name: str, work: str, old_work: str,
     return old.get((nproc, spec["config"], tuple(theirs)))
 
 
-def _update_log(path: str, key: str, status: str, unmet: List[str], d: C.Check,
-                lines: List[str], note: str) -> None:
-    if not os.path.isfile(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        text = f.read().splitlines()
-    cut = next((i for i, ln in enumerate(text)
-                if ln.startswith("--- fault launch (restart supervisor)")), len(text))
-    text = text[:cut]
-    text[0] = f"# {key}: {status}" + (f" ({'; '.join(unmet)})" if unmet else "")
-    text = [f"(d) {d.state}: {d.detail}" if ln.startswith("(d) ") else ln for ln in text]
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write("\n".join(text + [note] + lines) + "\n")
-    os.replace(path + ".tmp", path)
-
-
 def _err(msg: str) -> None:
     print(f"ms-llm qualify: --fault-only: {msg}", file=sys.stderr)
 
 
 def run(args, cells, work: str, out: str, command: str, t0: float, commit: str,
         old_work: str) -> int:
-    """Re-run (d) of ``cells`` and merge it into ``out``'s table; the exit code."""
-    from .report import new_run, write_table
-    table = load(out)
-    by = {(c["family"], c["feature"]): c for c in table["cells"]}
-    missing = [c.key for c in cells if (c.family.name, c.feature.name) not in by]
-    if missing:
-        _err(f"{os.path.join(out, 'support.json')} has no cell {missing[0]} (run it first)")
-        return 2
+    """Re-run (d) of ``cells`` into ``out`` as "(d) only" cells (``merge`` applies them to a
+    table holding the same cells); the exit code."""
+    from .report import write
     old = earlier_records(old_work)
     if not old:
         _err(f"{old_work}: no jobs/*/results.json (not an earlier run's --work folder)")
@@ -108,36 +88,38 @@ def run(args, cells, work: str, out: str, command: str, t0: float, commit: str,
     recs: Dict[str, dict] = {}
     todo = []
     for cell in cells:
-        entry = by[cell.family.name, cell.feature.name]
-        if not cell.applicable or entry["criteria"].get("test", {}).get("state") != "ok":
-            continue            # n/a, refused or not training: no (d) to measure
+        if not cell.applicable:
+            continue
         names = planner.add(cell)
         rec = uninterrupted(planner, names.run, work, old_work, old)
-        if rec is None:
-            _err(f"{old_work} holds no uninterrupted run of {cell.key} with these arguments "
-                 f"(another commit's plan?)")
-            return 2
-        recs[names.run] = rec
-        todo.append(cell)
+        if rec is None:        # not run there (yet), or planned otherwise at its commit
+            print(f"ms-llm qualify: --fault-only: {old_work} holds no uninterrupted run of "
+                  f"{cell.key} with these arguments: skipped", flush=True)
+            continue
+        if C.trains(rec, args.steps).state == "ok":   # refused or failed: no (d) to measure
+            recs[names.run] = rec
+            todo.append(cell)
     checks, logs = launch_cells(planner, todo, recs, work, args.steps, args.timeout)
-    run_rec = new_run("cells (d) only", None, time.time() - t0, command, commit)
+    entries = []
     for cell in todo:
-        entry = by[cell.family.name, cell.feature.name]
         d = checks.get(cell.key) or C.Check("unmet", C.restart_built() or "no fault launch")
         d.detail = d.detail.replace(work.rstrip("/") + "/", "")
-        have = {k: C.Check(v["state"], v["detail"]) for k, v in entry["criteria"].items()}
-        test = have.pop("test")
-        have["d"] = d
-        status, unmet = C.verdict(test, have)
-        entry.update(status=status, unmet=unmet, d_run=run_rec["id"],
-                     criteria=dict(entry["criteria"], d=d.to_dict()))
-        if entry.get("log"):
-            _update_log(os.path.join(out, entry["log"]), cell.key, status, unmet, d,
-                        logs.get(cell.key, []), f"(d) re-run by `{command}` at {commit}")
-        print(f"ms-llm qualify: {cell.key}: {status}" + (f" ({'; '.join(unmet)})" if unmet
-                                                         else ""), flush=True)
-    table["runs"].append(run_rec)
-    write_table(out, table)
-    print(f"ms-llm qualify: (d) of {len(todo)} cell(s) merged into {out} "
-        f"({time.time() - t0:.0f} s)")
-    return 1 if any(c["status"] == "Fail" for c in table["cells"]) else 0
+        log = os.path.join("logs", cell.slug + ".d.log")
+        os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+        with open(os.path.join(out, log), "w", encoding="utf-8") as f:
+            f.write("\n".join([f"(d) {d.state}: {d.detail}",
+                               f"(d) re-run by `{command}` at {commit}",
+                               *logs.get(cell.key, [])]) + "\n")
+        entries.append({"family": cell.family.name, "feature": cell.feature.name,
+                        "status": "(d) only", "unmet": [], "d_only": True, "log": log,
+                        "criteria": {"d": d.to_dict()}})
+        print(f"ms-llm qualify: {cell.key}: (d) {d.state}: {d.detail}", flush=True)
+    try:
+        write(out, "cells (d) only", entries, None, time.time() - t0, command,
+              merge=args.merge, commit=commit)
+    except ValueError as e:
+        _err(str(e))
+        return 2
+    print(f"ms-llm qualify: (d) of {len(todo)} cell(s) written to {out} "
+          f"({time.time() - t0:.0f} s)")
+    return 1 if any(e["criteria"]["d"]["state"] == "fail" for e in entries) else 0

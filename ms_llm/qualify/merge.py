@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 RUN_KEYS = ("generated", "command", "suite", "commit", "versions", "seconds")
 
@@ -58,12 +58,33 @@ def load(folder: str) -> dict:
     return {"runs": runs, "cells": cells}
 
 
+def _patch_d(cell: dict, d_only: dict) -> dict:
+    """``cell`` with criterion (d) from a ``--fault-only`` run's cell, its status again."""
+    from .criteria import Check, verdict
+    key = f"{cell['family']}:{cell['feature']}"
+    if cell["criteria"].get("test", {}).get("state") != "ok":
+        raise ValueError(f"cell {key}: a (d)-only result for a cell that did not train "
+                         f"({cell['status']})")
+    crit = dict(cell["criteria"], d=d_only["criteria"]["d"])
+    have = {k: Check(v["state"], v["detail"]) for k, v in crit.items() if k != "test"}
+    status, unmet = verdict(Check(**crit["test"]), have)
+    return dict(cell, criteria=crit, status=status, unmet=unmet, d_run=d_only["run"],
+                d_log=d_only["log"])
+
+
 def combine(base: dict, new: dict) -> dict:
-    """``base`` with ``new``'s cells added or replacing base's (same family and feature); the
-    runs that still hold a cell, oldest first."""
+    """``base`` with ``new``'s cells added or replacing base's (same family and feature; a
+    "(d) only" cell of ``--fault-only`` patches the same cell's (d)); the runs that still hold
+    a cell, oldest first."""
     by = {(c["family"], c["feature"]): c for c in base["cells"]}
     for c in new["cells"]:
-        by[c["family"], c["feature"]] = c
+        key = (c["family"], c["feature"])
+        if c.get("d_only"):
+            if key not in by or by[key].get("d_only"):
+                raise ValueError(f"cell {':'.join(key)}: a (d)-only result, but the table has "
+                                 f"no run of that cell to patch (merge the cell's run first)")
+            c = _patch_d(by[key], c)
+        by[key] = c
     cells = list(by.values())
     used = {c["run"] for c in cells} | {c["d_run"] for c in cells if c.get("d_run")}
     runs: Dict[str, dict] = {}
@@ -74,17 +95,39 @@ def combine(base: dict, new: dict) -> dict:
             "cells": cells}
 
 
-def copy_logs(src: str, dst: str, cells: List[dict]) -> None:
-    """Copy each cell's log from out folder ``src`` to ``dst`` (the same relative path)."""
+def patch_logs(folder: str, cells: List[dict]) -> None:
+    """Each cell's log with its (d) re-run (``d_log``): the (d) line replaced and the earlier
+    fault-launch section by the re-run's (idempotent: a second patch cuts the first)."""
     for c in cells:
-        if not c.get("log"):
+        if not (c.get("d_log") and c.get("log")):
             continue
-        a, b = os.path.join(src, c["log"]), os.path.join(dst, c["log"])
+        path, d_path = os.path.join(folder, c["log"]), os.path.join(folder, c["d_log"])
+        if not (os.path.isfile(path) and os.path.isfile(d_path)):
+            continue
+        with open(d_path, encoding="utf-8") as f:
+            d_lines = f.read().splitlines()
+        with open(path, encoding="utf-8") as f:
+            text = f.read().splitlines()
+        cut = next((i for i, ln in enumerate(text) if ln.startswith(
+            ("--- fault launch (restart supervisor)", "(d) re-run by "))), len(text))
+        text = text[:cut]
+        text[0] = f"# {c['family']}:{c['feature']}: {c['status']}" + (
+            f" ({'; '.join(c['unmet'])})" if c["unmet"] else "")
+        text = [d_lines[0] if ln.startswith("(d) ") else ln for ln in text]
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write("\n".join(text + d_lines[1:]) + "\n")
+        os.replace(path + ".tmp", path)
+
+
+def copy_logs(src: str, dst: str, cells: List[dict]) -> None:
+    """Copy each cell's log (and (d) re-run log) from out folder ``src`` to ``dst`` (the same
+    relative paths)."""
+    for rel in [p for c in cells for p in (c.get("log"), c.get("d_log")) if p]:
+        a, b = os.path.join(src, rel), os.path.join(dst, rel)
         if os.path.abspath(a) == os.path.abspath(b):
             continue
         if not os.path.isfile(a):
-            raise ValueError(f"{os.path.join(src, 'support.json')}: cell "
-                             f"{c['family']}:{c['feature']}: its log {a} is missing")
+            raise ValueError(f"{os.path.join(src, 'support.json')}: the log {a} is missing")
         os.makedirs(os.path.dirname(b), exist_ok=True)
         shutil.copyfile(a, b + ".tmp")
         os.replace(b + ".tmp", b)
@@ -94,10 +137,12 @@ def merge_folders(dst: str, sources: List[str]) -> dict:
     """Merge the out folders ``sources`` (in order: a later one's cell wins) into ``dst``
     (which may hold a table already, or nothing yet): their logs are copied; the merged table
     is returned for ``report.write_table``."""
-    table: Optional[dict] = load(dst) if os.path.isfile(os.path.join(dst, "support.json")) \
-        else None
+    table = load(dst) if os.path.isfile(os.path.join(dst, "support.json")) else \
+        {"runs": [], "cells": []}
     loaded = [(src, load(src)) for src in sources]        # every source checked before writing
+    for _, got in loaded:
+        table = combine(table, got)
     for src, got in loaded:
         copy_logs(src, dst, got["cells"])
-        table = got if table is None else combine(table, got)
+    patch_logs(dst, table["cells"])
     return table

@@ -63,11 +63,12 @@ def write(out: str, suite: str, cells: List[dict], device: Optional[str], second
           command: str, merge: bool = False, commit: Optional[str] = None) -> Dict[str, str]:
     """This run's table (``merge``: its cells added to the table already in ``out``).
     ``commit``: the one the run started at (``git_commit`` when it started), else HEAD now."""
-    from .merge import combine, load
+    from .merge import combine, load, patch_logs
     run = new_run(suite, device, seconds, command, commit or git_commit(out))
     table = {"runs": [run], "cells": [dict(c, run=run["id"]) for c in cells]}
     if merge and os.path.isfile(os.path.join(out, "support.json")):
         table = combine(load(out), table)
+        patch_logs(out, table["cells"])
     return write_table(out, table)
 
 
