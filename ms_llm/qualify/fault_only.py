@@ -42,8 +42,9 @@ def _strip_out(args: List[str]) -> List[str]:
 
 
 def earlier_records(old_work: str) -> Dict[tuple, dict]:
-    """``{(workers, config, arguments without the output folder): record}`` of every run of
-    the earlier run's jobs (``WORK/jobs/*/job.json`` and ``results.json``)."""
+    """``{(workers, config name, arguments without the output folder): record}`` of every run
+    of the earlier run's jobs (``WORK/jobs/*/job.json`` and ``results.json``; the config by
+    name: the earlier run may be another checkout)."""
     found: Dict[tuple, dict] = {}
     for spec in sorted(glob.glob(os.path.join(old_work, "jobs", "*", "job.json"))):
         res = os.path.join(os.path.dirname(spec), "results.json")
@@ -55,7 +56,7 @@ def earlier_records(old_work: str) -> Dict[tuple, dict]:
             got = json.load(f)
         for run in runs:       # dp's run has its reference's arguments, on 2 workers
             if run["name"] in got["runs"]:
-                found[(got.get("world_size", 1), run["config"],
+                found[(got.get("world_size", 1), os.path.basename(run["config"]),
                        tuple(_strip_out(run["args"])))] = got["runs"][run["name"]]
     return found
 
@@ -68,7 +69,7 @@ def uninterrupted(planner: Planner, name: str, work: str, old_work: str,
                        if r["name"] == name)
     theirs = [a.replace(work.rstrip("/") + "/", old_work.rstrip("/") + "/")
               for a in _strip_out(spec["args"])]
-    return old.get((nproc, spec["config"], tuple(theirs)))
+    return old.get((nproc, os.path.basename(spec["config"]), tuple(theirs)))
 
 
 def _err(msg: str) -> None:
@@ -85,6 +86,7 @@ def run(args, cells, work: str, out: str, command: str, t0: float, commit: str,
         _err(f"{old_work}: no jobs/*/results.json (not an earlier run's --work folder)")
         return 2
     planner = Planner(work, prepare(os.path.join(work, "data")), steps=args.steps)
+    planner.base_from = old_work          # LoRA cells train on the earlier run's base export
     recs: Dict[str, dict] = {}
     todo = []
     for cell in cells:
