@@ -192,3 +192,34 @@ def test_a_cell_whose_d_was_re_run_names_both_commits(tmp_path):
     md = (out / "support.md").read_text()
     assert "[Pass](logs/qwen3__dp.log) @`aaaaaaa` (d @`ddddddd`)" in md
     assert len(load(str(out))["runs"]) == 2
+
+
+def test_merge_d_from_takes_only_criterion_d_of_an_older_run(tmp_path):
+    """``--merge-d-from``: an older run's (d) (with its log's fault section) patches cells whose
+    other criteria come from a newer run; its (a)-(c) are not taken."""
+    crit = {"test": {"state": "ok", "detail": "6 steps"}, "a": {"state": "ok", "detail": "new a"},
+            "d": {"state": "fail", "detail": "automatic restart: no record"}}
+    new = old_folder(tmp_path / "new", "b" * 40, "2026-12-02 13:40 UTC",
+                     [dict(cell("qwen3", "dp", "Fail", ["d: x"]), criteria=crit)])
+    (new / "logs/qwen3__dp.log").write_text("# qwen3:dp: Fail\n(a) ok: new a\n(d) fail: x\n")
+    older = dict(crit, a={"state": "ok", "detail": "old a"}, d={"state": "ok", "detail": "killed"})
+    old = old_folder(tmp_path / "old", "a" * 40, "2026-12-02 08:16 UTC",
+                     [dict(cell("qwen3", "dp", "Pass"), criteria=older),
+                      dict(cell("qwen3", "tp+sp", "Pass"), criteria=older)])
+    (old / "logs/qwen3__dp.log").write_text(
+        "# qwen3:dp: Pass\n(a) ok: old a\n(d) ok: killed\n--- fault launch (restart supervisor)\n"
+        "ms-llm restart: attempt 1 failed\n")
+    out = tmp_path / "docs"
+    # a (d) of a cell the table lacks (tp+sp) has nothing to patch
+    assert main(["--merge-from", str(new), "--merge-d-from", str(old), "--out", str(out)]) == 2
+    (old / "support.json").write_text(json.dumps(dict(
+        json.loads((old / "support.json").read_text()),
+        cells=[dict(cell("qwen3", "dp", "Pass"), criteria=older)])))
+    assert main(["--merge-from", str(new), "--merge-d-from", str(old), "--out", str(out)]) == 0
+    (dp,) = json.loads((out / "support.json").read_text())["cells"]
+    assert dp["status"] == "Pass" and dp["criteria"]["a"]["detail"] == "new a"
+    assert dp["criteria"]["d"]["detail"] == "killed"
+    log = (out / "logs/qwen3__dp.log").read_text()
+    assert log.startswith("# qwen3:dp: Pass\n(a) ok: new a\n(d) ok: killed\n(d) from ")
+    assert log.endswith("--- fault launch (restart supervisor)\nms-llm restart: attempt 1 failed\n")
+    assert "@`bbbbbbb` (d @`aaaaaaa`)" in (out / "support.md").read_text()

@@ -35,8 +35,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="add this run's cells to the table already in --out (a cell replaces "
                         "the same family:feature; each cell names its run's commit)")
     p.add_argument("--merge-from", action="append", default=[], metavar="DIR",
+                   type=lambda v: ("all", v),
                    help="run nothing: merge the qualify --out folder DIR (its cells and logs) "
                         "into --out; repeatable, a later DIR's cell wins")
+    p.add_argument("--merge-d-from", action="append", dest="merge_from", metavar="DIR",
+                   type=lambda v: ("d", v),
+                   help="as --merge-from, but only criterion (d) of DIR's cells patches the "
+                        "same cells (the newest (d) evidence of cells re-run since)")
     p.add_argument("--fault-only", default=None, metavar="WORK",
                    help="run criterion (d) alone, comparing with the uninterrupted runs of the "
                         "earlier run whose --work folder was WORK; merged into a table holding "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 RUN_KEYS = ("generated", "command", "suite", "commit", "versions", "seconds")
 
@@ -133,16 +133,53 @@ def copy_logs(src: str, dst: str, cells: List[dict]) -> None:
         os.replace(b + ".tmp", b)
 
 
-def merge_folders(dst: str, sources: List[str]) -> dict:
+def d_only_view(src: str, got: dict) -> Tuple[dict, Dict[str, List[str]]]:
+    """``got`` (out folder ``src``'s table) as "(d) only" cells: only criterion (d) and its
+    log lines are taken (``--merge-d-from``: the newest (d) evidence of cells whose other
+    criteria come from a later run). Returns the table and ``{d log path: lines}``."""
+    cells, logs = [], {}
+    runs = {r["id"]: r for r in got["runs"]}
+    for c in got["cells"]:
+        d = c.get("criteria", {}).get("d")
+        if not d or not c.get("log"):
+            continue
+        with open(os.path.join(src, c["log"]), encoding="utf-8") as f:
+            text = f.read().splitlines()
+        at = next((i for i, ln in enumerate(text)
+                   if ln.startswith("--- fault launch (restart supervisor)")), len(text))
+        run = runs[c["run"]]
+        rel = c["log"][:-len(".log")] + ".d.log" if c["log"].endswith(".log") else \
+            c["log"] + ".d"
+        logs[rel] = [f"(d) {d['state']}: {d['detail']}",
+                     f"(d) from `{run['command']}` at {run['commit']} ({run['generated']}), "
+                     f"its log: {os.path.join(src, c['log'])}", *text[at:]]
+        cells.append({"family": c["family"], "feature": c["feature"], "status": "(d) only",
+                      "unmet": [], "d_only": True, "log": rel, "criteria": {"d": d},
+                      "run": c["run"]})
+    return {"runs": got["runs"], "cells": cells}, logs
+
+
+def merge_folders(dst: str, sources: List) -> dict:
     """Merge the out folders ``sources`` (in order: a later one's cell wins) into ``dst``
     (which may hold a table already, or nothing yet): their logs are copied; the merged table
-    is returned for ``report.write_table``."""
+    is returned for ``report.write_table``. A source given as ``("d", DIR)`` contributes only
+    criterion (d) of its cells (``d_only_view``); ``("all", DIR)`` or ``DIR``: everything."""
     table = load(dst) if os.path.isfile(os.path.join(dst, "support.json")) else \
         {"runs": [], "cells": []}
-    loaded = [(src, load(src)) for src in sources]        # every source checked before writing
-    for _, got in loaded:
+    loaded = []
+    for item in sources:             # every source checked before anything is written
+        kind, src = item if isinstance(item, tuple) else ("all", item)
+        got = load(src)
+        loaded.append((src, *(d_only_view(src, got) if kind == "d" else (got, None))))
+    for _, got, _ in loaded:
         table = combine(table, got)
-    for src, got in loaded:
-        copy_logs(src, dst, got["cells"])
+    for src, got, d_logs in loaded:
+        if d_logs is None:
+            copy_logs(src, dst, got["cells"])
+            continue
+        for rel, lines in d_logs.items():
+            os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
+            with open(os.path.join(dst, rel), "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
     patch_logs(dst, table["cells"])
     return table
