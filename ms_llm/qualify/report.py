@@ -140,7 +140,8 @@ def render(table: dict) -> str:
            "trip, c = resume, d = fault and automatic restart; n/a = the feature does not apply "
            "to the family (no experts); an empty cell was not run."
            + ("" if one else " `@commit`: the run the cell comes from (header); `(d @commit)`: "
-              "criterion (d) re-run alone at that commit (`--fault-only`)."), ""]
+              "criterion (d) comes from that run (re-run alone with `--fault-only`, or an "
+              "earlier run's, `--merge-d-from`)."), ""]
     return "\n".join(md)
 
 
