@@ -125,9 +125,11 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in [
             tolerance=Tolerance(logits_rtol=1e-4, why="fp32; the merged export rounds "
                                 "W + (alpha/r) B A once, the adapter forward twice")),
     Feature("DPO", 2, (), ("--training.stage", "dpo"), needs=("pairs",)),
-    # the DeepSeek proxy's 3 layers split 1 + 2 (Megatron's --num-layer-list)
+    # the 3-layer rows (the DeepSeek proxy, the hybrid families' DeltaNet / attention /
+    # DeltaNet) split 1 + 2 (Megatron's --num-layer-list): an even split is refused
     Feature("pipeline", 2, (PP, "2"),
-            family_layout=(("deepseek-v3", (PP, "2", "--parallel.num_layer_list", "1,2")),)),
+            family_layout=tuple((f, (PP, "2", "--parallel.num_layer_list", "1,2"))
+                                for f in ("deepseek-v3", "qwen3-next", "qwen35", "qwen35-moe"))),
     # MoE: the aux losses stay on (the routers sum their counts over cp, README)
     Feature("context-parallel", 2, (CP, "2"),
             moe_tolerance=Tolerance(norm_rtol=3e-5, why="the routers' per-rank token sums "
