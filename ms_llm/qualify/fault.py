@@ -174,9 +174,24 @@ def launch_cells(planner, cells, recs: Dict[str, dict], work: str, steps: int,
     for (family, nproc), members in groups.items():
         job = Job(f"fault_{family}_n{nproc}", nproc, [r for _, r in members])
         launch = run_fault_launch(job, work, timeout * len(members))
-        for i, (cell, run) in enumerate(members):
+        for (cell, run), i in zip(members, attempt_indices([r for _, r in members], launch)):
             names = planner.cells[cell.key]
             checks[cell.key] = check_cell(cell, run, i, launch, recs[names.run], steps,
                                           timeout)
             logs[cell.key] = restart_logs(launch)
     return checks, logs
+
+
+def attempt_indices(runs: List[dict], launch: Dict) -> List[int]:
+    """The failed attempt each fault run's kill ended, in order. A run that failed on its own
+    before its kill step (recorded with an error, no step logged at or past the one before the
+    kill) ended no attempt: the job went on to the next run, whose kill is then the same
+    attempt number, not the next."""
+    out, i = [], 0
+    for run in runs:
+        out.append(i)
+        rec = launch["runs"].get(run["name"])
+        logged = _metrics_curve(run["out"])
+        if not (rec and rec.get("error") and max(logged, default=0) < run["fault"][0] - 1):
+            i += 1
+    return out
