@@ -66,7 +66,9 @@ def _export_torch_dist(save_dir: str, out_dir: str, cfg) -> str:
         raise FileNotFoundError(f"{save_dir}: no torch_dist checkpoint (no tracker)")
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out_dir))) as tmp:
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)      # the first export of the job: hf/ is not there yet
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
         path, _ = import_torch_dist(found[0], tmp, {"model_config": dataclasses.asdict(cfg.model)},
                                     gated=bool(cfg.model.gated_linear_unit),
                                     global_batch_size=cfg.training.global_batch_size)
