@@ -1,5 +1,10 @@
 """bf16 vs fp32 on CPU: GEMM GFLOP/s at the ~55M model's shapes, and ``ms-llm train`` tokens/s.
 
+First table (``--skip-raw`` to leave out): the raw bf16 GEMM side by side with torch's bf16 matmul
+(``torch.nn.functional.linear`` / ``torch.matmul``, oneDNN inside), alternating torch, oneDNN's
+matmul primitive as ms-llm calls it (:mod:`ms_llm.ops.cpu_kernels.dnnl_gemm`), torch again, on
+square n = 512 / 1024 / 2048 and the model's linear shapes; CPU model and load printed with it.
+
 GEMMs go through ms_llm's own BLAS kernels (``ms_llm.ops.cpu_kernels.linear``, forward), as
 training calls them: fp32 (OpenBLAS sgemm), bf16 with the operands widened to fp32 for OpenBLAS,
 and bf16 through oneMKL's ``cblas_gemm_bf16bf16f32`` (when the ``mkl`` package is installed; on
@@ -52,8 +57,17 @@ def gemm_table(reps: int) -> None:
         print(f"(no MKL row: {e})")
     print(f"CPU bf16 units: {', '.join(bf16_gemm.cpu_bf16_units()) or 'none'}; "
           f"BLAS threads {ck.blas_threads()}\n")
-    print("| GEMM (T=2048) | fp32 OpenBLAS | bf16 via OpenBLAS (widened) | bf16 oneMKL |")
-    print("|---|---:|---:|---:|")
+    try:
+        from ms_llm.ops.cpu_kernels import dnnl_gemm
+        dnnl_addr = dnnl_gemm.load_dnnl_gemm(ck.blas_threads()) if bf16_gemm.cpu_bf16_units() else None
+        if dnnl_addr is None:
+            print("(no oneDNN row: this CPU has no bf16 units)")
+    except RuntimeError as e:
+        dnnl_addr = None
+        print(f"(no oneDNN row: {e})")
+    lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(None))
+    print("| GEMM (T=2048) | fp32 OpenBLAS | bf16 via OpenBLAS (widened) | bf16 oneMKL | bf16 oneDNN |")
+    print("|---|---:|---:|---:|---:|")
     rng = np.random.default_rng(0)
     for name, k, n in SHAPES:
         x32 = ms.Tensor(rng.standard_normal((TOKENS, k)).astype(np.float32))
@@ -72,15 +86,73 @@ def gemm_table(reps: int) -> None:
         row = [rate(x32, w32)]
         lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(None))
         row.append(rate(x16, w16))
-        if mkl_addr is not None:
-            lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(mkl_addr))
+        for addr in (mkl_addr, dnnl_addr):
+            if addr is None:
+                row.append(None)
+                continue
+            lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(addr))
+            if addr == dnnl_addr:
+                lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(dnnl_gemm.matmul_address(ck.blas_threads())))
             row.append(rate(x16, w16))
             lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(None))
-        cells = " | ".join(f"{r:.0f}" for r in row) + (" | n/a" if mkl_addr is None else "")
+            lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(None))
+        cells = " | ".join("n/a" if r is None else f"{r:.0f}" for r in row)
         print(f"| {name} {k}->{n} | {cells} |", flush=True)
     bf16_gemm.register_bf16_gemm(lib, ck.blas_threads())
     print("\nGFLOP/s, best of", reps, "(forward, including ms_llm's op dispatch and the "
           "bf16 widening/rounding passes)\n")
+
+
+def raw_table(reps: int, threads: int) -> None:
+    """bf16 GEMM GFLOP/s: torch's bf16 matmul and oneDNN's matmul primitive as ms-llm calls it
+    (fp32 accumulation, fp32 output), same bf16 operands, alternating torch / ours / torch."""
+    import torch
+    from ms_llm.ops.cpu_kernels import dnnl_gemm
+    from ms_llm.ops.cpu_kernels.bf16_gemm import cpu_bf16_units
+    bench_util = _bench_util()
+    torch.set_num_threads(threads)
+    dnnl_gemm.load_dnnl_gemm(threads)
+    print(f"{bench_util.machine()}; bf16 units: {', '.join(cpu_bf16_units()) or 'none'}; "
+          f"oneDNN {dnnl_gemm.onednn_version()} (MindSpore's); torch {torch.__version__}; "
+          f"{threads} threads\n")
+    print("| bf16 GEMM, fp32 accumulation | torch GFLOP/s | ms-llm oneDNN GFLOP/s | torch again "
+          "| ratio | max rel. err vs fp32 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
+    cases = [(f"square n={n}", n, n, n, False) for n in (512, 1024, 2048)]
+    cases += [(f"{name} {TOKENS}x{k} @ ({n}x{k})^T", TOKENS, n, k, True) for name, k, n in SHAPES]
+    for label, m, n, k, tb in cases:
+        a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        b = torch.randn(*((n, k) if tb else (k, n)), generator=gen).to(torch.bfloat16)
+        c = torch.empty(m, n, dtype=torch.float32)
+
+        def theirs():
+            return torch.nn.functional.linear(a, b) if tb else torch.matmul(a, b)
+
+        def ours():
+            dnnl_gemm.matmul_bf16(a, b, c, trans_b=tb)
+
+        def rate(fn):
+            fn()
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            return 2.0 * m * n * k / best / 1e9
+
+        t1, o, t2 = rate(theirs), rate(ours), rate(theirs)
+        want = a.double() @ (b.double().T if tb else b.double())
+        err = float((c.double() - want).abs().max() / want.abs().max())
+        print(f"| {label} | {t1:.0f} | {o:.0f} | {t2:.0f} | {o / max(t1, t2):.2f}x | {err:.1e} |",
+              flush=True)
+    print(f"\nbest of {reps}; ratio = ours / the better torch run; {bench_util.machine()}\n")
+
+
+def _bench_util():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_util
+    return bench_util
 
 
 def train_rate(extra, steps: int) -> tuple:
@@ -102,7 +174,11 @@ def main() -> int:
     ap.add_argument("--train-steps", type=int, default=8)
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-gemm", action="store_true")
+    ap.add_argument("--skip-raw", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if not args.skip_raw:
+        raw_table(max(args.reps, 10), args.threads)
     if not args.skip_gemm:
         gemm_table(args.reps)
     if args.skip_train:

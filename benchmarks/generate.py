@@ -10,15 +10,20 @@ exactly ``batch * new`` tokens):
 * tok/s: ``batch * new`` / wall time of the whole ``generate`` call (prefill included, as the
   issue measures); the ratio column is ms-llm / transformers;
 * ms/step: the median time between later tokens (a streamer records each one), the decode step;
+  prefill ms: from the call to the first new token (the prompt's forward and the first choice);
 * each figure is the best of ``--rounds`` rounds, ms-llm and transformers interleaved, so load
-  spikes on a shared machine hit both alike. torch runs with its default threads (the cores),
-  ms-llm's one-token steps with one OpenBLAS thread (``generate``'s default, see there).
+  spikes on a shared machine hit both alike. torch runs with its default threads (the cores);
+  ms-llm's whole-model decode step splits its large products and long-cache attention over the
+  cores per worker on its own threads, with OpenBLAS at one thread (``generate``'s default).
 
-The breakdown (``--no-breakdown`` skips it) profiles decode steps at batch 1 after a 512-token prompt, with the
-fused decode kernels (``ms_llm.models.fused_decode``, the default) and with the module path
-(``fused_decode.set_enabled(False)``, what ms-llm ran before): per-step time by part and the number
-of MindSpore op dispatches per step. cProfile's own overhead inflates the Python-side shares; the
-ms/step column outside the profiler is the one to compare.
+"where the time goes" comes from the same runs: the prefill's share of each call, and per
+decode step the parts of the one C call (``decode.STEP_SECONDS``: attention halves, attention
+over the cache, MLP halves, final norm + LM head + argmax) and the rest (Python loop, host).
+The path comparison (``--no-breakdown`` skips it) profiles decode steps at batch 1 after a
+512-token prompt on each path ms-llm has had: the module path (``fused_decode.set_enabled(False)``),
+the per-layer fused calls (``fused_decode.set_model_step(False)``) and the whole-model step (the
+default): ms/step and MindSpore op dispatches per step. cProfile's own overhead inflates the
+Python-side shares; the ms/step column outside the profiler is the one to compare.
 
 Usage: ``python benchmarks/generate.py [--batch 1,8] [--prompts 128,512,2048] [--new 64]
 [--rounds 2] [--no-breakdown] [--torch-threads N] [--hf FOLDER]``
@@ -68,12 +73,18 @@ def write_folder(path: str) -> str:
 
 def run_ms(model, prompt: np.ndarray, new: int) -> Dict[str, float]:
     from ms_llm.inference import generate
+    from ms_llm.ops.cpu_kernels import decode
     clock = Clock()
+    decode.STEP_SECONDS[:] = 0
     t = time.perf_counter()
     out = generate(model, prompt, new, streamer=clock)
     total = time.perf_counter() - t
     assert out.shape == (prompt.shape[0], prompt.shape[1] + new)
-    return {"total": total, "step": statistics.median(np.diff(clock.times[2:]))}
+    steps = len(clock.times) - 2                    # one-token steps after the prefill
+    parts = {f"part{i}": float(v) / steps for i, v in enumerate(decode.STEP_SECONDS)}
+    return {"total": total, "step": statistics.median(np.diff(clock.times[2:])),
+            "prefill": clock.times[1] - clock.times[0],
+            "steps_mean": (clock.times[-1] - clock.times[1]) / steps, **parts}
 
 
 def run_hf(model, prompt: np.ndarray, new: int) -> Dict[str, float]:
@@ -87,7 +98,8 @@ def run_hf(model, prompt: np.ndarray, new: int) -> Dict[str, float]:
                              pad_token_id=0)
     total = time.perf_counter() - t
     assert tuple(out.shape) == (prompt.shape[0], prompt.shape[1] + new)
-    return {"total": total, "step": statistics.median(np.diff(clock.times[2:]))}
+    return {"total": total, "step": statistics.median(np.diff(clock.times[2:])),
+            "prefill": clock.times[1] - clock.times[0]}
 
 
 class Profiled(Clock):
@@ -117,8 +129,11 @@ def breakdown(model, new: int = 24, context: int = 512) -> None:
     print("| path | ms/step (no profiler) | op dispatches / step | AOT kernel calls / step "
           "| top parts (share of profiled step time) |")
     print("|---|---|---|---|---|")
-    for fused in (False, True):
+    paths = (("module path", False, False), ("per-layer fused calls", True, False),
+             ("whole-model step (default)", True, True))
+    for path_label, fused, whole in paths:
         before = fused_decode.set_enabled(fused)
+        before_whole = fused_decode.set_model_step(whole)
         try:
             clock = Profiled(False)
             generate(model, ids, new + 1, streamer=clock)
@@ -126,6 +141,7 @@ def breakdown(model, new: int = 24, context: int = 512) -> None:
             generate(model, ids, new + 1, streamer=traced)
         finally:
             fused_decode.set_enabled(before)
+            fused_decode.set_model_step(before_whole)
         stats = pstats.Stats(traced.prof).stats
         dispatch = aot = 0
         cum: Dict[str, float] = {}
@@ -140,9 +156,27 @@ def breakdown(model, new: int = 24, context: int = 512) -> None:
                 cum[label] = cum.get(label, 0.0) + ct
         shares = sorted(cum.items(), key=lambda kv: -kv[1])
         top = "; ".join(f"{k} {100 * v / total:.0f}%" for k, v in shares if v > 0.02 * total)
-        print(f"| {'fused kernels' if fused else 'module path (before)'} | "
+        print(f"| {path_label} | "
               f"{1e3 * statistics.median(np.diff(clock.times[1:])):.1f} | {dispatch / new:.0f} "
               f"| {aot / new:.0f} | {top} |")
+
+
+def per_step_parts(grid, best, new: int) -> None:
+    """Where the whole time and an ms-llm decode step go, from the main runs (best round): the
+    prefill's share of the call, and per step the C step's parts (``decode.STEP_SECONDS``) and
+    the rest (Python loop, streamer, host bookkeeping)."""
+    from ms_llm.ops.cpu_kernels import blas, decode
+    print(f"\nwhere the time goes (ms per decode step, the whole-model step on "
+          f"{blas.default_blas_threads()} threads; prefill share of the whole generate call):")
+    print("| batch | prompt | prefill share | ms/step (mean) | "
+          + " | ".join(decode.STEP_PARTS) + " | rest (Python loop, host) |")
+    print("|---" * (5 + len(decode.STEP_PARTS)) + "|")
+    for b, s in grid:
+        g = lambda key: best[(b, s, "ms", key)]  # noqa: E731
+        parts = [1e3 * g(f"part{i}") for i in range(len(decode.STEP_PARTS))]
+        step = 1e3 * g("steps_mean")
+        print(f"| {b} | {s} | {100 * g('prefill') / g('total'):.0f}% | {step:.2f} | "
+              + " | ".join(f"{p:.2f}" for p in parts) + f" | {step - sum(parts):.2f} |")
 
 
 def _part(path: str, name: str):
@@ -155,7 +189,7 @@ def _part(path: str, name: str):
         ("rms_norm.py", "rms_norm"): "RMSNorm",
         ("linear.py", "forward"): "linears (layers)",
         ("swiglu.py", "swiglu"): "SwiGLU",
-        ("decode.py", "__call__"): "fused layer kernels",
+        ("decode.py", "__call__"): "fused kernels (C)",
         ("kv_cache.py", "attention_mask"): "mask",
         ("gpt.py", "_cached_cos_sin"): "RoPE table slice",
         ("gpt.py", "_head"): "LM head (logits)",
@@ -209,17 +243,22 @@ def main() -> None:
             prompt = np.random.default_rng(s + b).integers(0, VOCAB, (b, s))
             for side, fn, model in (("ms", run_ms, ms_model), ("hf", run_hf, hf_model)):
                 r = fn(model, prompt, args.new)
+                print(f"  batch {b} prompt {s} {side}: {b * args.new / r['total']:.1f} tok/s, "
+                      f"prefill {1e3 * r['prefill']:.0f} ms", flush=True)
                 for key, value in r.items():
                     k = (b, s, side, key)
                     best[k] = min(best.get(k, float("inf")), value)
     print(f"\n| batch | prompt | ms-llm tok/s | transformers tok/s | ratio | ms-llm ms/step "
-          f"| transformers ms/step |")
-    print("|---|---|---|---|---|---|---|")
+          f"| transformers ms/step | ms-llm prefill ms | transformers prefill ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for b, s in grid:
         ms_tps = b * args.new / best[(b, s, "ms", "total")]
         hf_tps = b * args.new / best[(b, s, "hf", "total")]
         print(f"| {b} | {s} | {ms_tps:.1f} | {hf_tps:.1f} | {ms_tps / hf_tps:.2f}x | "
-              f"{1e3 * best[(b, s, 'ms', 'step')]:.1f} | {1e3 * best[(b, s, 'hf', 'step')]:.1f} |")
+              f"{1e3 * best[(b, s, 'ms', 'step')]:.1f} | {1e3 * best[(b, s, 'hf', 'step')]:.1f} | "
+              f"{1e3 * best[(b, s, 'ms', 'prefill')]:.0f} | "
+              f"{1e3 * best[(b, s, 'hf', 'prefill')]:.0f} |")
+    per_step_parts(grid, best, args.new)
     print(f"\nCPU at the end: {machine()}; run took {time.perf_counter() - started:.0f} s")
 
 

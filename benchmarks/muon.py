@@ -5,8 +5,10 @@ Both optimizers step the same model's parameters with the same random gradients;
 interleaved (AdamW, Muon, AdamW, ...) so load from other processes hits both, and the median of
 ``--reps`` steps after one warm-up is reported with the ratio. Muon orthogonalises every hidden
 matrix (5 quintic Newton-Schulz steps in fp32: ~3 GEMMs of the matrix's smaller side per step)
-and runs AdamW on the embedding, output layer and norms. Its Newton-Schulz is also timed alone,
-small same-shape matrices batched (what the step does) against one matrix per call.
+and runs AdamW on the embedding, output layer and norms. Muon runs three ways: its default (fp32
+Newton-Schulz as one CPU op over OpenBLAS, ``ms_llm.ops.cpu_kernels.muon_ns``), with
+``muon_fp32_matmul_prec: medium`` (bf16 GEMM operands through oneDNN) and with the composed
+``mint`` Newton-Schulz the kernel replaced.
 
 The FSDP comparison against torch FSDP2 + ``torch.optim.Muon`` is ``benchmarks/muon_fsdp.py``.
 
@@ -44,17 +46,14 @@ def step_times(reps: int) -> None:
     rng = np.random.default_rng(0)
     grads = [Tensor(rng.normal(scale=1e-3, size=p.shape).astype(np.float32)) for _, p in named]
     adam = functools.partial(AdamW, betas=(0.9, 0.95), weight_decay=0.1)
-    opts = {"AdamW": adam(named, lr=1e-4),
-            "Muon": Muon(named, lr=1e-4, weight_decay=0.1, model_config=cfg.model, adam=adam)}
+    muon = functools.partial(Muon, named, lr=1e-4, weight_decay=0.1, model_config=cfg.model,
+                             adam=adam)
+    opts = {"AdamW": adam(named, lr=1e-4), "Muon (fp32 kernel, default)": muon(),
+            "Muon medium (bf16 GEMM operands)": muon(fp32_matmul_prec="medium"),
+            "Muon, composed Newton-Schulz (before)": muon()}
+    opts["Muon, composed Newton-Schulz (before)"].kernel = False
     groups = param_groups.build_groups(named, muon=True)
-    muon = opts["Muon"]
-    us = {i: grads[i] for i in muon.muon_idx}
-
-    def per_matrix():   # the same Newton-Schulz one matrix per call (the unbatched baseline)
-        return {i: muon.orthogonalize({i: u})[i] for i, u in us.items()}
-    runs = {**{k: functools.partial(opt.step, grads, 1e-4) for k, opt in opts.items()},
-            "NS batched": functools.partial(muon.orthogonalize, us),
-            "NS per matrix": per_matrix}
+    runs = {k: functools.partial(opt.step, grads, 1e-4) for k, opt in opts.items()}
     times = {k: [] for k in runs}
     for i in range(reps + 1):
         for name, run in runs.items():
@@ -71,10 +70,6 @@ def step_times(reps: int) -> None:
     print("|---|---|---|")
     for k in opts:
         print(f"| {k} | {med[k] * 1e3:.0f} | {med[k] / med['AdamW']:.2f}x |")
-    print(f"\nMuon's Newton-Schulz alone: small same-shape matrices batched (as the step runs) "
-          f"{med['NS batched'] * 1e3:.0f} ms, one matrix per call "
-          f"{med['NS per matrix'] * 1e3:.0f} ms "
-          f"({med['NS per matrix'] / med['NS batched']:.2f}x); {machine()}")
 
 
 def main(argv=None) -> int:

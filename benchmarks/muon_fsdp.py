@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from muon import MODEL, machine  # noqa: E402
 
 SHAPE = dict(layers=8, hidden=512, ffn=1408, heads=8, groups=2, d=64, vocab=32000)
+LABEL = {"highest": "fp32 (default)", "medium": "bf16 operands (muon_fp32_matmul_prec medium)"}
 SMALL = dict(layers=2, hidden=64, ffn=128, heads=4, groups=2, d=16, vocab=4096)
 
 
@@ -52,15 +53,34 @@ def ms_worker(out: str, steps: int, args: list) -> None:
     from ms_llm.parallel.runtime import init_distributed
     from ms_llm.training.trainer import Trainer
     info = init_distributed()
-    tr = Trainer(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), args), info)
-    times = []
+    tr = Trainer(load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                             args + ["--training.timing_log_level", "2"]), info)
+    muon = getattr(tr.optimizer, "inner", tr.optimizer)
+    muon.timings = {}
+    tr.callbacks.on_train_begin(tr)        # level 2: the forward hooks of forward-compute
+    times, phases = [], []
     for _ in range(steps):
+        muon.timings.clear()
         t0 = time.perf_counter()
         tr.train_step()
         times.append(time.perf_counter() - t0)
+        ms = dict(zip(tr.timers.names(), tr.timers.read_ms() / 1e3))
+        phases.append({"forward": ms["forward-compute"], "backward": ms["backward-compute"],
+                       "grad reduce-scatter": ms["grads-reduce-scatter"]
+                       + ms["grads-all-reduce"],
+                       "norm + clip": ms["optimizer"] - sum(muon.timings.values()),
+                       **{f"muon {k}": v for k, v in muon.timings.items()}})
+    tr.callbacks.on_train_end()
     if info.rank == 0:
         with open(out, "w") as f:
-            json.dump({"step_s": statistics.median(times[1:] or times)}, f)
+            json.dump({"step_s": statistics.median(times[1:] or times),
+                       "phases": median_phases(phases)}, f)
+
+
+def median_phases(phases: list) -> dict:
+    """Each phase's median over the steps after the first (warm-up)."""
+    timed = phases[1:] or phases
+    return {k: statistics.median(p.get(k, 0.0) for p in timed) for k in timed[0]}
 
 
 def torch_worker(rank: int, port: int, out: str, steps: int, shape: dict, seq: int,
@@ -117,20 +137,27 @@ def torch_worker(rank: int, port: int, out: str, steps: int, shape: dict, seq: i
     opts = [torch.optim.Muon(hidden, lr=0.02, momentum=0.95, weight_decay=0.1),
             torch.optim.AdamW(rest, lr=0.02, betas=(0.9, 0.95), weight_decay=0.1)]
     gen = torch.Generator().manual_seed(rank)
-    times = []
+    times, phases = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         tokens = torch.randint(0, shape["vocab"], (mbs, seq + 1), generator=gen)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, shape["vocab"]), tokens[:, 1:].reshape(-1))
-        loss.backward()
+        t1 = time.perf_counter()
+        loss.backward()     # FSDP2's reduce-scatter runs inside
+        t2 = time.perf_counter()
+        opts[0].step()
+        t3 = time.perf_counter()
+        opts[1].step()
         for o in opts:
-            o.step()
             o.zero_grad()
         times.append(time.perf_counter() - t0)
+        phases.append({"forward": t1 - t0, "backward": t2 - t1, "muon step": t3 - t2,
+                       "adamw": time.perf_counter() - t3})
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"step_s": statistics.median(times[1:] or times)}, f)
+            json.dump({"step_s": statistics.median(times[1:] or times),
+                       "phases": median_phases(phases)}, f)
     dist.destroy_process_group()
 
 
@@ -144,7 +171,7 @@ def run_ms(steps: int, args: list) -> float:
     if r.returncode != 0 or not os.path.isfile(out):
         raise SystemExit(f"ms-llm job failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     with open(out) as f:
-        return json.load(f)["step_s"]
+        return json.load(f)
 
 
 def run_torch(steps: int, shape: dict, seq: int, mbs: int) -> float:
@@ -153,7 +180,16 @@ def run_torch(steps: int, shape: dict, seq: int, mbs: int) -> float:
     out = "/tmp/ms_llm_bench_muon_fsdp_torch.json"
     mp.spawn(torch_worker, args=(free_port(), out, steps, shape, seq, mbs), nprocs=2)
     with open(out) as f:
-        return json.load(f)["step_s"]
+        return json.load(f)
+
+
+def median_run(runs: list) -> dict:
+    """The run whose step time is the median (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["step_s"])[(len(runs) - 1) // 2]
+
+
+def print_phases(side: str, phases: dict) -> None:
+    print(f"{side}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
 
 
 def main(argv=None) -> int:
@@ -163,6 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mbs", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--small", action="store_true", help="a 2-layer model: checks the script")
+    ap.add_argument("--precisions", default="highest,medium",
+                    help="ms-llm runs: training.muon_fp32_matmul_prec values, comma-separated")
     ap.add_argument("--as-worker", nargs=1)
     a, rest = ap.parse_known_args(argv)
     if a.as_worker:
@@ -170,17 +208,31 @@ def main(argv=None) -> int:
         return 0
     shape = SMALL if a.small else SHAPE
     tokens = 2 * a.mbs * a.seq
-    ms, th = [], []
+    precs = a.precisions.split(",")
+    # peer, ours (each precision), peer, ...: load from other processes hits both sides alike
+    th, ms = [run_torch(a.steps, shape, a.seq, a.mbs)], {p: [] for p in precs}
     for _ in range(a.repeat):
-        ms.append(run_ms(a.steps, ms_args(shape, a.seq, a.mbs)))
+        for p in precs:
+            ms[p].append(run_ms(a.steps, ms_args(shape, a.seq, a.mbs)
+                                + ["--training.muon_fp32_matmul_prec", p]))
         th.append(run_torch(a.steps, shape, a.seq, a.mbs))
-    m, t = statistics.median(ms), statistics.median(th)
+    t = statistics.median(r["step_s"] for r in th)
     print(f"# FSDP (2 workers) + Muon, {shape}, seq {a.seq} x mbs {a.mbs} per worker; {machine()}")
-    print("| | step (s, median) | tokens/s |")
-    print("|---|---|---|")
-    print(f"| ms-llm FSDP + Muon | {m:.2f} | {tokens / m:.0f} |")
-    print(f"| torch FSDP2 + torch.optim.Muon | {t:.2f} | {tokens / t:.0f} |")
-    print(f"ms-llm / torch tokens/s: {t / m:.2f}x")
+    print("| | step (s, median) | tokens/s | vs torch |")
+    print("|---|---|---|---|")
+    for p in precs:
+        m = statistics.median(r["step_s"] for r in ms[p])
+        print(f"| ms-llm FSDP + Muon, Newton-Schulz {LABEL[p]} | {m:.2f} | {tokens / m:.0f} | "
+              f"{t / m:.2f}x |")
+    print(f"| torch FSDP2 + torch.optim.Muon (bf16 Newton-Schulz) | {t:.2f} | {tokens / t:.0f} "
+          f"| 1.00x |")
+    print("runs in order: torch " + ", ".join(f"{r['step_s']:.2f}" for r in th) + "; "
+          + "; ".join(f"ms-llm {p} " + ", ".join(f"{r['step_s']:.2f}" for r in ms[p])
+                      for p in precs) + " s")
+    print("\nWhere rank 0's step goes (s, median over the timed steps of the median run):")
+    for p in precs:
+        print_phases(f"ms-llm {p}", median_run(ms[p])["phases"])
+    print_phases("torch", median_run(th)["phases"])
     return 0
 
 

@@ -10,7 +10,11 @@ is inflated alike; read the shares, not the seconds. ``--clock cpu`` times with 
 CPU time instead of the wall clock, which the other processes' load barely changes; run it with
 ``MS_LLM_BLAS_THREADS=1`` so that no idle BLAS thread spins (the seconds are then one core's).
 
-``python benchmarks/step_breakdown.py [--reps 5] [--steps 4] [--clock wall|cpu]``
+``--bf16``: the same in bf16 (bf16 activations and weights, ``--training.bf16 true`` for the step),
+to see where the bf16 step goes (GEMMs on the registered bf16 GEMM, the fp32 element-wise kernels
+with their widen/round casts).
+
+``python benchmarks/step_breakdown.py [--reps 5] [--steps 4] [--clock wall|cpu] [--bf16]``
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--bf16", action="store_true")
     args = ap.parse_args()
     if args.clock == "cpu":
         CLOCK["now"] = time.process_time
@@ -67,12 +72,14 @@ def main() -> None:
     resolve_paths()
     rng = np.random.default_rng(0)
 
+    dtype = ms.bfloat16 if args.bf16 else ms.float32
+
     def t(*shape, scale=0.02):
-        return Tensor(rng.standard_normal(shape, dtype=np.float32) * scale)
+        return Tensor(rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
 
     def fwd_bwd(fn, inputs, weights=()):
         params = [Parameter(w, name=f"w{i}") for i, w in enumerate(weights)]
-        g = ms.value_and_grad(lambda *x: fn(*x, *params).sum(), grad_position=tuple(
+        g = ms.value_and_grad(lambda *x: fn(*x, *params).astype(ms.float32).sum(), grad_position=tuple(
             range(len(inputs))), weights=params or None)
 
         def run():
@@ -116,7 +123,8 @@ def main() -> None:
     from ms_llm.training.trainer import Trainer
     import train_step as ts
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ts.MODEL_OVERRIDES + [
-        "--training.jit", "false", "--training.output_dir", "/tmp/ms_llm_bench_breakdown"])
+        "--training.jit", "false", "--training.output_dir", "/tmp/ms_llm_bench_breakdown",
+        "--training.bf16", str(args.bf16).lower()])
     tr = Trainer(cfg)
     grads = [Tensor(np.full(p.shape, 1e-3, np.float32)) for p in tr.params]
     opt = AdamW([(p.name, Parameter(Tensor(np.zeros(p.shape, np.float32)), name=p.name))
@@ -126,7 +134,7 @@ def main() -> None:
     rows.append(("grad norm (host) + clip", 1, timed(
         lambda: gradlib.clip_(grads, 1.0, gradlib.global_norm(grads)), args.reps), 0))
     step = statistics.median(timed(tr.train_step, 1) for _ in range(args.steps))
-    print(f"\nTrainer.train_step (PyNative): {step:.2f} s ({args.clock} clock) median of "
+    print(f"\nTrainer.train_step (PyNative{', bf16' if args.bf16 else ''}): {step:.2f} s ({args.clock} clock) median of "
           f"{args.steps}, {TOK / step:.0f} tokens/s\n")
     print(f"| {'part':<40} | {'x/step':>6} | {'s/step':>7} | {'share':>6} | {'GFLOP/s':>8} |")
     print(f"|{'-' * 42}|{'-' * 8}|{'-' * 9}|{'-' * 8}|{'-' * 10}|")

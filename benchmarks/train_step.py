@@ -27,7 +27,10 @@ the ratios, not the absolute figures. MFU is against the peak fp32 GEMM rate of 
 ms-llm's linears use (``ms_llm.training.peak``'s probe, measured in this run), model FLOPs per token from
 ``ms_llm.training.flops`` (the same for every row: same model).
 
-Usage: ``python benchmarks/train_step.py [--steps 6] [--warmup 2] [--variants a,b]``
+``ms_llm_bf16`` is the bf16 inner loop (``Trainer.train_step`` with ``--training.bf16 true``).
+``--clock cpu``: process CPU time per step on one thread (see ``_now``), for a loaded machine.
+
+Usage: ``python benchmarks/train_step.py [--steps 6] [--warmup 2] [--variants a,b] [--clock cpu]``
 """
 from __future__ import annotations
 
@@ -54,6 +57,13 @@ MODEL_OVERRIDES = [
     "--training.global_batch_size", str(BATCH), "--training.progress_bar", "false"]
 
 
+def _now() -> float:
+    """Wall clock, or with ``--clock cpu`` this process' CPU time (children run on one thread
+    then: ``MS_LLM_BLAS_THREADS=1``, ``torch.set_num_threads(1)``), which the other processes of a
+    loaded machine barely change; ``cli*`` variants always report the loop's wall clock."""
+    return time.process_time() if os.environ.get("MS_LLM_BENCH_CLOCK") == "cpu" else time.perf_counter()
+
+
 def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
 
@@ -68,7 +78,7 @@ def batch(step: int):
 FUSED = ["--model.cross_entropy_loss_fusion", "true"]
 
 
-def run_ms_llm(steps: int, warmup: int, jit: bool, fused: bool = False) -> list:
+def run_ms_llm(steps: int, warmup: int, jit: bool, fused: bool = False, bf16: bool = False) -> list:
     from ms_llm.compat import setup_device
     from ms_llm.config import load_config
     from ms_llm.training.trainer import Trainer
@@ -76,13 +86,13 @@ def run_ms_llm(steps: int, warmup: int, jit: bool, fused: bool = False) -> list:
     setup_device("CPU")
     overrides = MODEL_OVERRIDES + ["--training.jit", str(jit).lower(),
                                    "--training.output_dir", "/tmp/ms_llm_bench"] + \
-        (FUSED if fused else [])
+        (FUSED if fused else []) + (["--training.bf16", "true"] if bf16 else [])
     trainer = Trainer(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), overrides))
     times = []
     for _ in range(warmup + steps):
-        t0 = time.perf_counter()
+        t0 = _now()
         trainer.train_step()
-        times.append(time.perf_counter() - t0)
+        times.append(_now() - t0)
     return times
 
 
@@ -153,12 +163,12 @@ def run_ms_plain(steps: int, warmup: int) -> list:
     times = []
     for step in range(warmup + steps):
         ids, labels = batch(step)
-        t0 = time.perf_counter()
+        t0 = _now()
         loss, grads = grad_fn(Tensor(ids), Tensor(labels), cos, sin, mask)
         grads = ops.clip_by_global_norm(grads, 1.0)
         opt(grads)
         loss.asnumpy()
-        times.append(time.perf_counter() - t0)
+        times.append(_now() - t0)
     return times
 
 
@@ -168,6 +178,8 @@ def run_torch(steps: int, warmup: int, bf16: bool = False) -> list:
     import torch.nn.functional as F
 
     torch.manual_seed(0)
+    if os.environ.get("MS_LLM_BENCH_CLOCK") == "cpu":
+        torch.set_num_threads(1)
     d = H // HEADS
 
     class Block(torch.nn.Module):
@@ -218,14 +230,14 @@ def run_torch(steps: int, warmup: int, bf16: bool = False) -> list:
     times = []
     for step in range(warmup + steps):
         ids, labels = batch(step)
-        t0 = time.perf_counter()
+        t0 = _now()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = model(torch.from_numpy(ids).long(), torch.from_numpy(labels).long(), cos, sin)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
+        times.append(_now() - t0)
     return times
 
 
@@ -260,6 +272,7 @@ RUNNERS = {
     "ms_llm_jit": lambda s, w: run_ms_llm(s, w, jit=True),
     "ms_llm_fused": lambda s, w: run_ms_llm(s, w, jit=False, fused=True),
     "ms_llm_jit_fused": lambda s, w: run_ms_llm(s, w, jit=True, fused=True),
+    "ms_llm_bf16": lambda s, w: run_ms_llm(s, w, jit=False, bf16=True),
     "ms_plain": run_ms_plain,
     "torch": run_torch,
     "torch_bf16": lambda s, w: run_torch(s, w, bf16=True),
@@ -274,6 +287,7 @@ LABELS = {"ms_llm": "ms-llm fp32 inner loop (Trainer.train_step)",
           "cli": "ms-llm train fp32 (end to end)",
           "cli_jit": "ms-llm train fp32, training.jit (end to end)",
           "cli_bf16": "ms-llm train --training.bf16 true",
+          "ms_llm_bf16": "ms-llm bf16 inner loop (Trainer.train_step)",
           "ms_plain": "plain MindSpore PyNative fp32",
           "torch": "PyTorch eager fp32",
           "torch_bf16": "PyTorch eager bf16 autocast"}
@@ -313,8 +327,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--variants", default="cli,cli_jit,ms_llm,ms_llm_jit,torch,torch_bf16,"
                                           "cli_bf16")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.clock == "cpu" and not args.child:
+        os.environ.update(MS_LLM_BENCH_CLOCK="cpu", MS_LLM_BLAS_THREADS="1")
     if args.child:
         child(args.child, args.steps, args.warmup)
         return

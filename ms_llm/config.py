@@ -90,6 +90,7 @@ class TrainingConfig(_Section):
     muon_scale_mode: str = "spectral"  # spectral | shape_scaling | unit_rms_norm
     muon_extra_scale_factor: float = 1.0
     muon_tp_mode: str = "duplicated"  # blockwise | duplicated | distributed (ms_llm.optim.muon_tp)
+    muon_fp32_matmul_prec: str = "highest"   # highest (fp32) | medium (bf16 GEMM operands, CPU)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -138,6 +139,8 @@ class ParallelConfig(_Section):
     expert_model_parallel_size: int = 1
     fsdp_size: int = 1                # FSDP group = data x context parallel (Megatron's dp-cp)
     sequence_parallel: bool = False
+    # Megatron's --tp-comm-overlap: sequence-parallel exchanges overlapped with the GEMMs
+    tp_comm_overlap: bool = False
     ddp_bucket_mb: float = 25.0       # data-parallel gradient bucket size
     ddp_overlap: bool = True          # start bucket all-reduces during backward (PyNative)
     collective_timeout_s: float = 600.0  # abort a worker stuck this long in one collective
@@ -210,7 +213,7 @@ class RuntimeConfig(_Section):
     cpu_threads: int = 1              # MindSpore's CPU kernel threads (MS_LLM_CPU_THREADS)
     comm_thread: bool = True          # collectives on a communication thread (MS_LLM_COMM_THREAD)
     blas_threads: Optional[int] = None   # OpenBLAS threads; null: CPUs / local workers
-    bf16_gemm: str = "auto"           # auto | mkl | openblas (MS_LLM_BF16_GEMM)
+    bf16_gemm: str = "auto"           # auto | dnnl | mkl | openblas (MS_LLM_BF16_GEMM)
     aot_kernels: bool = True          # the compiled C++ CPU kernels (MS_LLM_DISABLE_AOT)
     blas_kernels: bool = True         # the OpenBLAS matmul kernels (MS_LLM_DISABLE_BLAS)
 

@@ -77,6 +77,10 @@ def _check_parallel(cfg) -> None:
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         _fail(cfg, ("parallel.sequence_parallel",),
               "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1")
+    if p.tp_comm_overlap and not p.sequence_parallel:
+        _fail(cfg, ("parallel.tp_comm_overlap",),
+              "parallel.tp_comm_overlap overlaps the sequence-parallel exchanges: it needs "
+              "parallel.sequence_parallel true (as Megatron's --tp-comm-overlap does)")
 
 
 def _check_moe(cfg) -> None:
@@ -258,11 +262,7 @@ def optimizer_problem(cfg) -> Problem:
              "ring attention does not record the max logit"),
             ("model.multi_latent_attention", m.multi_latent_attention, "MLA's clip is not built"),
             ("model.attention_output_gate", m.attention_output_gate,
-             "the gated QKV layout's clip is not built"),
-            ("parallel.use_distributed_optimizer", p.use_distributed_optimizer and m.qk_clip,
-             "clipping sharded main parameters is not built"),
-            ("parallel.fsdp_size", p.fsdp_size > 1 and m.qk_clip,
-             "clipping FSDP shards is not built")):
+             "the gated QKV layout's clip is not built")):
         if on:
             return (key, other), f"{key} with {other}: {why}"
     return None

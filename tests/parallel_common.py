@@ -118,6 +118,8 @@ def run_record(trainer) -> dict:
             out[key] = [r[key] for r in steps]
     if steps and "mtp_1_loss" in steps[0]:                # multi-token prediction
         out["mtp_1_loss"] = [r["mtp_1_loss"] for r in steps]
+    if steps and "max_attention_logit" in steps[0]:       # QK-clip
+        out["max_attention_logit"] = [r["max_attention_logit"] for r in steps]
     evals = [r for r in records if "eval_loss" in r]
     if evals:
         out["eval"] = [{k: v for k, v in r.items()} for r in evals]

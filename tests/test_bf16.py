@@ -45,20 +45,27 @@ def _np(t):
     return t.astype(ms.float32).asnumpy().astype(np.float64)
 
 
-@pytest.fixture(params=["openblas", "mkl"])
+@pytest.fixture(params=["openblas", "mkl", "dnnl"])
 def gemm_path(request):
-    """The kernels with OpenBLAS on widened values, or with oneMKL's bf16 GEMM registered (the
+    """The kernels with OpenBLAS on widened values, with oneMKL's bf16 GEMM registered (the
     ``[cpu-bf16]`` extra, part of the test extra: MKL runs it on any x86 CPU, on AMX/AVX512-BF16
-    units where they exist)."""
+    units where they exist), or with oneDNN's matmul primitive (CPUs with bf16 units only)."""
     assert ck.blas_available(), ck.blas_reason()
     lib = ck.blas._cdll()
     import ctypes
+    lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(None))
     if request.param == "mkl":
         addr, _ = bf16_gemm.load_mkl_gemm(ck.blas_threads())
         lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(addr))
+    elif request.param == "dnnl":
+        if not bf16_gemm.cpu_bf16_units():
+            pytest.skip("no AVX512-BF16/AMX-BF16 units: runtime.bf16_gemm dnnl is refused here")
+        from ms_llm.ops.cpu_kernels.dnnl_gemm import load_dnnl_gemm, matmul_address
+        lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(load_dnnl_gemm(ck.blas_threads())))
+        lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(matmul_address(ck.blas_threads())))
     else:
         lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(None))
-    assert lib.MsLlmBlasHasBf16Gemm() == (request.param == "mkl")
+    assert lib.MsLlmBlasHasBf16Gemm() == (request.param != "openblas")
     yield request.param
     bf16_gemm.register_bf16_gemm(lib, ck.blas_threads())   # back to this machine's choice
 

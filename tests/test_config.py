@@ -154,6 +154,9 @@ def test_moe_and_expert_parallel_config_checks():
         (moe_yaml, ["--moe.token_chunks", "0"], "moe.token_chunks"),
         (moe_yaml, ["--moe.groups", "2"], "unknown key 'moe.groups'"),
         (moe_yaml, ["--parallel.fsdp_reduce_dtype", "int8"], "parallel.fsdp_reduce_dtype"),
+        (os.path.join(CONFIGS, "tiny.yaml"), ["--parallel.tensor_model_parallel_size", "2",
+                                              "--parallel.tp_comm_overlap", "true"],
+         "parallel.tp_comm_overlap .* needs parallel.sequence_parallel true"),
     ]
     for path, overrides, needle in bad:
         with pytest.raises(ConfigError, match=needle) as e:

@@ -77,13 +77,13 @@ def _params(rng):
     return {n: rng.normal(scale=0.5, size=s) for n, s in SHAPES.items()}
 
 
-def _run_both(steps, nesterov, lr=0.02, wd=0.1, mom=0.95):
+def _run_both(steps, nesterov, lr=0.02, wd=0.1, mom=0.95, precision="highest"):
     rng = np.random.default_rng(0)
     init = _params(rng)
     named = [(n, Parameter(Tensor(v.astype(np.float32)), name=n)) for n, v in init.items()]
     opt = Muon(named, lr=lr, momentum=mom, nesterov=nesterov, weight_decay=wd,
-               model_config=CFG, adam=functools.partial(AdamW, betas=(0.9, 0.95), eps=1e-8,
-                                                        weight_decay=wd))
+               model_config=CFG, fp32_matmul_prec=precision,
+               adam=functools.partial(AdamW, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd))
     ref = {n: v.copy() for n, v in init.items()}
     state = {n: [np.zeros_like(v), np.zeros_like(v)] for n, v in init.items()}
     muon = {n for n, p in named if param_groups.is_muon_matrix(n, p.ndim)}
@@ -117,6 +117,22 @@ def test_muon_matches_numpy_megatron_variant(nesterov):
         np.testing.assert_allclose(got, want, atol=1e-4, err_msg=n)
     assert set(opt.state_dict()) >= {f"momentum_buffer.{n}" for n in muon}
     assert opt.state_bytes()["momentum_buffer"] == 4 * sum(np.prod(SHAPES[n]) for n in muon)
+
+
+def test_muon_bf16_newton_schulz_option():
+    """``training.muon_fp32_matmul_prec: medium`` (bf16 GEMM operands in Newton-Schulz): one
+    step's Muon updates within 5e-2 of the float64 reference's, relative to their largest
+    element (the bf16 Newton-Schulz bound test_muon_kernel justifies), AdamW's as in fp32."""
+    from ms_llm.ops.cpu_kernels.muon_ns import bf16_ns_available
+    if not bf16_ns_available()[0]:
+        pytest.skip(bf16_ns_available()[1])
+    _, init, history, muon = _run_both(1, False, precision="medium")
+    for n, (got, want) in history[0].items():
+        d, r = got - init[n], want - init[n]
+        if n in muon:
+            assert np.abs(d - r).max() <= 5e-2 * np.abs(r).max(), n
+        else:
+            np.testing.assert_allclose(d, r, atol=1e-5, err_msg=n)
 
 
 def _qkv_parts(w):
@@ -209,7 +225,9 @@ def test_muon_bad_options_are_refused_in_one_line():
     from ms_llm.config import ConfigError, load_config
     muon = ["--training.optimizer", "muon"]
     for extra, msg in ((["--training.muon_scale_mode", "rms"], "training.muon_scale_mode"),
-                       (["--training.muon_tp_mode", "rows"], "training.muon_tp_mode")):
+                       (["--training.muon_tp_mode", "rows"], "training.muon_tp_mode"),
+                       (["--training.muon_fp32_matmul_prec", "high"],
+                        "training.muon_fp32_matmul_prec")):
         with pytest.raises(ConfigError) as e:
             load_config(CONFIG, muon + extra)
         assert msg in str(e.value) and "\n" not in str(e.value)

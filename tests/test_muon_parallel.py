@@ -1,13 +1,13 @@
-"""Muon under real msrun (2 workers) against one process: data parallel (each matrix
-orthogonalised on its owner rank, updates all-gathered), FSDP (shards gathered to the owner,
-uneven ones included: hidden size 65 and ffn 99 make linear_proj and linear_fc2 65 rows, cut
-33/32; each rank keeps its rows of the update), the distributed optimizer (its fp32 main shards
-and momentum on the same uneven cut, gathered to the owner the same way), tensor parallel in
-Megatron's ``duplicated`` (shards all-gathered, whole matrix orthogonalised) and
-``distributed`` (Gram matrices all-reduced over the shards) modes, QK-clip under dp (the
-per-head max logits reduced over the replicas), expert parallel with grouped experts (each
-rank's experts whole, orthogonalised per expert), pipeline parallel, and bf16 with fp32 main
-parameters.
+"""Muon under real msrun (2 workers) against one process: data parallel (each matrix orthogonalised
+on its owner rank, updates all-gathered), FSDP (shards gathered to the owner, uneven ones included:
+hidden size 65 and ffn 99 make linear_proj and linear_fc2 65 rows, cut 33/32; each rank keeps its
+rows of the update), the distributed optimizer (its fp32 main shards and momentum on the same
+uneven cut, gathered to the owner the same way), tensor parallel in Megatron's ``duplicated``
+(shards all-gathered, whole matrix orthogonalised) and ``distributed`` (Gram matrices all-reduced
+over the shards) modes, QK-clip under FSDP and the distributed optimizer (the per-head max logits
+reduced over the replicas, the shards clipped on their uneven rows) and pp (the logged max reduced
+over the stages), expert parallel with grouped experts (each rank's experts whole,
+orthogonalised per expert), pipeline parallel, and bf16 with fp32 main parameters.
 
 Tolerance: rtol 1e-5 on loss and gradient norm (fp32), as test_parallel_training: the parallel
 runs sum the gradients in another order (~1e-7 relative), and Newton-Schulz, a smooth matrix
@@ -59,7 +59,9 @@ def test_muon_two_workers_match_one_process(tmp_path):
         spec("distopt2_uneven", MUON, UNEVEN, out, DISTOPT),
         spec("tp2_duplicated", MUON, TP2, out),
         spec("tp2_distributed", MUON, TP2, out, ["--training.muon_tp_mode", "distributed"]),
-        spec("dp2_qk_clip", MUON, QK_CLIP, out)])
+        spec("fsdp2_qk_clip", MUON, UNEVEN, QK_CLIP, out, ["--parallel.fsdp_size", "2"]),
+        spec("distopt2_qk_clip", MUON, UNEVEN, QK_CLIP, out, DISTOPT),
+        spec("pp2_qk_clip", MUON, UNEVEN, QK_CLIP, out, PP2)])
     ref = one_process(tmp_path, "muon", MUON)
     for name in ("dp2", "pp2", "tp2_duplicated", "tp2_distributed"):
         for key in ("loss", "grad_norm"):
@@ -72,9 +74,14 @@ def test_muon_two_workers_match_one_process(tmp_path):
     ref_moe = one_process(tmp_path, "moe", MUON, GROUPED)
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(res["ep2_grouped"][key], ref_moe[key], rtol=RTOL)
-    ref_clip = one_process(tmp_path, "qk_clip", MUON, QK_CLIP)
-    for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose(res["dp2_qk_clip"][key], ref_clip[key], rtol=RTOL)
+    # QK-clip: FSDP and the distributed optimizer reduce the maxima over dp and clip their
+    # (uneven) shards; pp logs the max of every stage's layers (reduced over pp)
+    ref_clip = one_process(tmp_path, "qk_clip", MUON, UNEVEN, QK_CLIP)
+    for name in ("fsdp2_qk_clip", "distopt2_qk_clip", "pp2_qk_clip"):
+        for key in ("loss", "grad_norm"):
+            np.testing.assert_allclose(res[name][key], ref_clip[key], rtol=RTOL, err_msg=name)
+    np.testing.assert_allclose(res["pp2_qk_clip"]["max_attention_logit"],
+                               ref_clip["max_attention_logit"], rtol=RTOL)
     ref_bf16 = one_process(tmp_path, "bf16", MUON, BF16)
     for key, rtol in BF16_RTOL.items():
         np.testing.assert_allclose(res["dp2_bf16"][key], ref_bf16[key], rtol=rtol)

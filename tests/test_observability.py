@@ -153,6 +153,8 @@ def observe_job(tmp_path_factory):
     out = f"--training.output_dir={tmp / 'runs'}"   # not BASE's folder, which other jobs share
     specs = ["timers:--training.timing_log_level=2,--training.max_steps=4,--training.jit=false,"
              + out]
+    specs.append("timers_distopt:--training.timing_log_level=1,--training.max_steps=2,"
+                 "--training.jit=false,--parallel.use_distributed_optimizer=true," + out)
     specs.append("profile:--training.profile=true,--training.profile_ranks=0|1,"
                  "--training.profile_step_start=2,--training.profile_step_end=3,"
                  f"--training.max_steps=2,--training.jit=false,--training.profile_dir={tmp}/prof,"
@@ -192,6 +194,17 @@ def test_timers_on_dp2_sum_to_the_step_time(observe_job):
         print(f"timers {top * 1000:.1f} ms vs step {step_time * 1000:.1f} ms "
               f"({top / step_time:.3f})")
         assert abs(top - step_time) <= 0.10 * step_time, (top, step_time, mine)
+
+
+@pytest.mark.msrun
+def test_distributed_optimizer_times_its_reduce_scatter_and_params_all_gather(observe_job):
+    """Level 1 under the distributed optimizer: Megatron's ``grads-reduce-scatter`` and
+    ``params-all-gather`` (nested in ``optimizer``, so at most its time)."""
+    for mine in observe_job["timers_distopt"]["local"]:
+        t = mine["timers_ms"]
+        assert {"grads-reduce-scatter", "params-all-gather", "optimizer"} <= set(t), t
+        assert "grads-all-reduce" not in t and "forward-compute" not in t   # level 2 only
+        assert 0 < t["params-all-gather"] <= t["optimizer"], t
 
 
 @pytest.mark.msrun

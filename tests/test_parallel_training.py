@@ -125,6 +125,9 @@ def test_two_workers_tp_sp_dp_ep(tmp_path, reference, reference_mx, reference_mo
         "tp2:--training.jit=false,--parallel.tensor_model_parallel_size=2",
         "tp2_sp:--training.jit=false,--parallel.tensor_model_parallel_size=2,"
         "--parallel.sequence_parallel=true",
+        # Megatron's --tp-comm-overlap: the exchanges split around the GEMMs (tp_overlap)
+        "tp2_sp_overlap:--training.jit=false,--parallel.tensor_model_parallel_size=2,"
+        "--parallel.sequence_parallel=true,--parallel.tp_comm_overlap=true",
         "dp2_overlap:--training.jit=false",
         "dp2_jit_accum:--training.jit=true,--training.micro_batch_size=2",
     ])

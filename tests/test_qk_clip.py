@@ -97,8 +97,7 @@ def test_qk_clip_step_matches_numpy(tmp_path):
 def test_qk_clip_layouts_not_built_are_refused_in_one_line():
     from ms_llm.config import ConfigError, load_config
     for extra, msg in ((["--training.jit", "true"], "training.jit"),
-                       (["--parallel.use_distributed_optimizer", "true"],
-                        "use_distributed_optimizer"),
+                       (["--model.attention_output_gate", "true"], "attention_output_gate"),
                        (["--model.qk_clip_alpha", "2"], "model.qk_clip_alpha")):
         with pytest.raises(ConfigError) as e:
             load_config(CONFIG, ["--model.qk_clip", "true", "--training.jit", "false"] + extra)

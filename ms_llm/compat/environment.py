@@ -17,7 +17,7 @@ runtime.sync_ops        MS_LLM_SYNC (0 = false)      PyNative ops run synchronou
 runtime.cpu_threads     MS_LLM_CPU_THREADS           MindSpore's CPU kernel thread pool
 runtime.comm_thread     MS_LLM_COMM_THREAD (0 = f.)  collectives on a communication thread
 runtime.blas_threads    MS_LLM_BLAS_THREADS          OpenBLAS threads of the BLAS kernels
-runtime.bf16_gemm       MS_LLM_BF16_GEMM             auto | mkl | openblas
+runtime.bf16_gemm       MS_LLM_BF16_GEMM             auto | dnnl | mkl | openblas
 runtime.aot_kernels     MS_LLM_DISABLE_AOT (1 = f.)  the compiled C++ CPU kernels
 runtime.blas_kernels    MS_LLM_DISABLE_BLAS (1 = f.) the OpenBLAS-backed matmul kernels
 quant.mx_path           MS_LLM_MX_PATH               auto | native | emulated MX matmuls

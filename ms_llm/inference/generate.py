@@ -21,6 +21,7 @@ from mindspore import Tensor
 
 from ms_llm.compat import no_grad
 from ms_llm.compat.environment import explicit
+from ms_llm.models import fused_decode
 from ms_llm.models.kv_cache import KVCache
 from .sampling import next_tokens
 
@@ -113,10 +114,16 @@ def _decode(model, ids, mask, max_new_tokens, eos, pad, rng, streamer, use_cache
     logits = step.prefill()
     finished = np.zeros(b, dtype=bool)
     out = []
+    # greedy: a fused step may return the argmax itself (no logits through the host sampler)
+    argmax_vocab = 0 if sampling["do_sample"] else (vocab_size or logits.shape[-1])
+    chosen = None
     with _single_blas_thread(use_cache):
         for i in range(max_new_tokens):
-            scores = logits[:, :vocab_size] if vocab_size else logits
-            tok = next_tokens(scores, rng=rng, **sampling)
+            if chosen is not None:
+                tok = chosen
+            else:
+                scores = logits[:, :vocab_size] if vocab_size else logits
+                tok = next_tokens(scores, rng=rng, **sampling)
             tok = np.where(finished, pad, tok)
             if eos:
                 finished |= np.isin(tok, eos)
@@ -125,7 +132,7 @@ def _decode(model, ids, mask, max_new_tokens, eos, pad, rng, streamer, use_cache
                 streamer.put(tok)
             if finished.all() or i + 1 == max_new_tokens:
                 break
-            logits = step.next(tok)
+            logits, chosen = step.next(tok, argmax_vocab)
     return out
 
 
@@ -134,7 +141,9 @@ def _single_blas_thread(enabled: bool) -> Iterator[None]:
     """One OpenBLAS thread for the one-token steps (unless ``runtime.blas_threads`` says
     otherwise). Their GEMMs are matrix-vector products too small to share, and an idle
     OpenBLAS thread spin-waits after each one on the core the next MindSpore op needs:
-    measured on the 2-core VM, 450-575 ms per token with 2 threads against ~80 with 1."""
+    measured on the 2-core VM, 450-575 ms per token with 2 threads against ~80 with 1. The
+    whole-model fused step (``fused_decode.model_step``) shares its large products over the
+    cores on threads of its own, which call OpenBLAS on one thread each."""
     if not enabled or explicit("runtime.blas_threads"):
         yield
         return
@@ -160,6 +169,7 @@ class _CachedSteps:
         if self.cache.batch_size != b:
             raise ValueError(f"kv_cache holds {self.cache.batch_size} rows, the prompts {b}")
         self.padded = not mask.all()
+        self.fast = None      # the whole-model fused step, found on the first next()
         self.positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
 
     def prefill(self) -> np.ndarray:
@@ -172,11 +182,26 @@ class _CachedSteps:
         self.next_pos = self.positions[:, -1] + 1
         return self._run(self.ids[:, start:], pos)
 
-    def next(self, tok: np.ndarray) -> np.ndarray:
+    def next(self, tok: np.ndarray, argmax_vocab: int = 0):
+        """``(logits [b, V], tokens [b] or None)`` of the step feeding ``tok``; the tokens are
+        the greedy choice among the first ``argmax_vocab`` logits when the fused whole-model
+        step (``fused_decode.model_step``) ran and ``argmax_vocab`` > 0."""
         self.cache.mark_padding(np.zeros((tok.shape[0], 1), dtype=bool))
-        pos = Tensor(self.next_pos[:, None].astype(np.int32)) if self.padded else None
+        positions = self.next_pos
         self.next_pos = self.next_pos + 1
-        return self._run(tok[:, None], pos)
+        if self.fast is None:
+            self.fast = fused_decode.model_step(self.model, self.cache) or False
+        if self.fast:
+            slot = self.cache.length
+            for layer in self.cache.layers:
+                layer.reserve(slot + 1)
+            logits, chosen = self.fast([(c.k, c.v) for c in self.cache.layers], tok, positions,
+                                       self.cache.padding, slot, argmax_vocab)
+            for layer in self.cache.layers:
+                layer.length = slot + 1
+            return logits, chosen
+        pos = Tensor(positions[:, None].astype(np.int32)) if self.padded else None
+        return self._run(tok[:, None], pos), None
 
     def _run(self, ids: np.ndarray, pos: Optional[Tensor]) -> np.ndarray:
         logits = self.model(Tensor(ids.astype(np.int32)), position_ids=pos,
@@ -193,10 +218,10 @@ class _RecomputeSteps:
     def prefill(self) -> np.ndarray:
         return self._run()
 
-    def next(self, tok: np.ndarray) -> np.ndarray:
+    def next(self, tok: np.ndarray, argmax_vocab: int = 0):
         self.ids = np.concatenate([self.ids, tok[:, None]], axis=1)
         self.mask = np.concatenate([self.mask, np.ones((tok.shape[0], 1), bool)], axis=1)
-        return self._run()
+        return self._run(), None
 
     def _run(self) -> np.ndarray:
         mask = pos = None

@@ -164,6 +164,7 @@ TABLE: Dict[str, object] = {
     "--overlap-param-gather": Noop(OVERLAP),
     "--use-cp-send-recv-overlap": Noop(OVERLAP),
     "--use-ascend-mc2": Noop(KERNEL),
+    "--tp-comm-overlap": Map("parallel.tp_comm_overlap", 0, True),
     "--use-ascend-coc": Noop(KERNEL),
     "--coc-fused-kernel": Noop(KERNEL),
     "--accumulate-allreduce-grads-in-fp32": Map("parallel.grad_reduce_in_fp32", 0, True),

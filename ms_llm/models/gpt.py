@@ -133,14 +133,31 @@ class GPTModel(nn.Module):
         ``position_ids``, all below ``rows``, from one table that grows as the cache does.
         The table is kept on the host and sliced there: a decode step then dispatches no
         slicing or gather op for it (the same fp32 values)."""
-        if self._table_rows < rows:
-            self._table_rows = max(rows, 2 * self._table_rows)
-            self._table = tuple(t.asnumpy() for t in self._rope_tables(self._table_rows))
-        cos, sin = self._table
+        cos, sin = self.rope_table(rows)
         if position_ids is None:
             return Tensor(cos[offset:offset + seq_len]), Tensor(sin[offset:offset + seq_len])
         idx = position_ids.asnumpy()
         return Tensor(cos[idx][:, None]), Tensor(sin[idx][:, None])
+
+    def rope_table(self, rows: int):
+        """Inference: host (NumPy) cos, sin ``[>= rows, rotary_dim]`` fp32 for positions from 0,
+        one table grown by doubling (the decode steps slice it, or read it from C)."""
+        if self._table_rows < rows:
+            self._table_rows = max(rows, 2 * self._table_rows)
+            self._table = tuple(t.asnumpy() for t in self._rope_tables(self._table_rows))
+        return self._table
+
+    def plain_head_weight(self) -> Optional[Tensor]:
+        """The LM head's ``[V, H]`` weight when the logits are a plain ``h @ W^T`` (tied embedding
+        or a bias-free ``hot.Linear``, not replaced by tensor parallel / LoRA), else None: what a
+        fused decode step may compute the logits with (``fused_decode.model_step``)."""
+        if self.compute_logits is not lm_logits or self.finalize_logits is not identity:
+            return None
+        if self.output_layer is None:
+            return self.embedding.word_embeddings.weight
+        if type(self.output_layer) is hot.Linear and self.output_layer.bias is None:
+            return self.output_layer.weight
+        return None
 
     def _rope_tables(self, rows: int):
         c = self.config

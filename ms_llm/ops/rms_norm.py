@@ -12,10 +12,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     path = path_for("rms_norm")
     if path == "native":  # Ascend fused kernel (ops.rms_norm has no CPU kernel)
         return ops.rms_norm(x, weight, eps)[0]
-    if path == "aot":
-        dtype = x.dtype
-        y = cpu_kernels.rms_norm(x.astype(float32), weight.astype(float32), eps)
-        return y.astype(dtype)
+    if path == "aot":  # fp32 arithmetic; bf16 x and weight are read and written as bf16
+        return cpu_kernels.rms_norm(x, weight, eps)
     return rms_norm_composed(x, weight, eps)
 
 

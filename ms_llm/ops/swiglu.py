@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from mindspore import Tensor, mint, ops
 
-from ms_llm.compat import F, float32
+from ms_llm.compat import F
 from . import cpu_kernels
 from ._dispatch import path_for
 
@@ -13,7 +13,7 @@ def swiglu(x: Tensor) -> Tensor:
     if path == "native":  # Ascend fused kernel; ops.swiglu has no CPU kernel
         return ops.swiglu(x, -1)
     if path == "aot":
-        return cpu_kernels.swiglu(x.astype(float32)).astype(x.dtype)
+        return cpu_kernels.swiglu(x)   # fp32 arithmetic; bf16 read and written as bf16
     return swiglu_composed(x)
 
 

@@ -20,13 +20,14 @@ OPTIMIZERS = {"adamw": AdamW, "muon": Muon}
 
 
 def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = False,
-                    model_config=None) -> Optimizer:
+                    model_config=None, gather_timer=None) -> Optimizer:
     """The optimizer the config asks for over ``named_params`` (trainable model parameters),
     grouped by rule (``param_groups``): the plain optimizer, wrapped for fp32 main parameters
     when the model is low precision (``training.bf16``), or with
     ``parallel.use_distributed_optimizer`` its dp-sharded form (whose ``grad_sync`` then replaces
     the plain data-parallel all-reduce). ``jit``: the step is compiled (no backward hooks).
-    ``model_config``: the architecture (Muon's QKV and grouped-expert views)."""
+    ``model_config``: the architecture (Muon's QKV and grouped-expert views). ``gather_timer``:
+    a context manager timing the distributed optimizer's parameter all-gather."""
     t, p = cfg.training, cfg.parallel
     muon = t.optimizer == "muon"
     groups = assignment(build_groups(named_params, muon=muon))
@@ -38,7 +39,7 @@ def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = Fals
             weight_decay=t.weight_decay, coefficient_type=t.muon_coefficient_type,
             num_ns_steps=t.muon_num_ns_steps, scale_mode=t.muon_scale_mode,
             extra_scale_factor=t.muon_extra_scale_factor, split_qkv=t.muon_split_qkv,
-            tp_mode=t.muon_tp_mode,
+            tp_mode=t.muon_tp_mode, fp32_matmul_prec=t.muon_fp32_matmul_prec,
             model_config=model_config or cfg.model, groups=groups, adam=adam, pstate=pstate)
     else:
         make = functools.partial(adam, groups=groups)
@@ -50,7 +51,8 @@ def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = Fals
         refuse_empty_muon_shards(named_params, groups, pstate)
     overlap = p.ddp_overlap and not jit and pstate.sizes.pp == 1
     return DistributedOptimizer(named_params, pstate, make, bucket_mb=p.ddp_bucket_mb,
-                                overlap=overlap, grad_dtype=grad_dtype(cfg))
+                                overlap=overlap, grad_dtype=grad_dtype(cfg),
+                                gather_timer=gather_timer)
 
 
 def refuse_empty_muon_shards(named_params: Sequence[tuple], groups, pstate) -> None:

@@ -13,6 +13,8 @@ they load under another), and the global norm sums over the group.
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -35,7 +37,7 @@ class DistributedOptimizer(Wrapper):
 
     def __init__(self, named_params: Sequence[tuple], pstate,
                  make: Callable[[Sequence[tuple]], Optimizer], bucket_mb: float = 25.0,
-                 overlap: bool = True, grad_dtype=float32):
+                 overlap: bool = True, grad_dtype=float32, gather_timer=None):
         self.model_names = [n for n, _ in named_params]
         self.model_params: List[Parameter] = [p for _, p in named_params]
         self.dims = [grad_replica_dim(placement_of(p)) for p in self.model_params]
@@ -57,6 +59,8 @@ class DistributedOptimizer(Wrapper):
         self.comm = ShardComm(self.model_params, self.dims, self.groups_by_dim,
                               [m is not None for m in self.mains], overlap, bucket_mb, grad_dtype)
         self.grad_sync = self.comm.grad_sync
+        # Megatron's ``params-all-gather`` timer (a context manager; none: not timed)
+        self.gather_timer = gather_timer if gather_timer is not None else contextlib.nullcontext()
 
     def _main_shard(self, name: str, p: Parameter, dim: str) -> Optional[Parameter]:
         g = self.groups_by_dim[dim]
@@ -77,7 +81,8 @@ class DistributedOptimizer(Wrapper):
     def step(self, grads: Sequence[Tensor], lr: Optional[float] = None) -> None:
         """The wrapped optimizer on the shards, then the shards all-gathered into the model."""
         self.inner.step(grads_to_fp32(grads), lr)
-        self.gather_params()
+        with self.gather_timer:
+            self.gather_params()
 
     def gather_params(self) -> None:
         """Every model parameter from the main shards of its group."""
@@ -102,6 +107,14 @@ class DistributedOptimizer(Wrapper):
         if i is None or param.dtype == float32:
             return param
         return self.mains[i]
+
+    def main_shard(self, param: Parameter) -> tuple:
+        """(this rank's fp32 main shard of model parameter ``param`` or None when empty, the
+        index of its first row in ``param``): what an in-place edit of the weights after the
+        step (QK-clip) must change so that the next all-gather keeps it."""
+        i = self._model_slot[id(param)]
+        g = self.groups_by_dim[self.dims[i]]
+        return self.mains[i], RowShard(self._rows[i][0], g.size, g.rank).start
 
     def load_finished(self) -> None:
         """After the model parameters were loaded: take the main shards from them (a bf16

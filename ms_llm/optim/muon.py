@@ -15,18 +15,21 @@ as one ``[gate; up]`` matrix, grouped expert weights (``experts.weight1/2``) one
 expert. ``scale`` is ``muon_scale_mode``'s (``spectral`` sqrt(max(out, in)) by default).
 
 Data parallel (with ``pstate``): every replica holds the same reduced gradient and momentum, so
-each matrix is orthogonalised once, on the rank of its replica group (``dp``/``edp``, times
-``cp``) that owns it (matrices dealt out by size), and the group all-gathers the updates, as
-Megatron's layer-wise optimizer does; every rank then applies identical updates. FSDP: the
-momentum is kept on the shard; the owner gathers the whole matrix, and each rank keeps its rows
-of the update (``OwnerPlan``). Tensor parallel ``blockwise``: each rank orthogonalises its own
-shard; ``duplicated`` and ``distributed`` (``muon_tp``) orthogonalise the whole matrix.
+each matrix is orthogonalised once, on the rank of its replica group (``dp``/``edp``, times ``cp``)
+that owns it (matrices dealt out by size), and the group all-gathers the updates, as Megatron's
+layer-wise optimizer does; every rank then applies identical updates. FSDP: the momentum is kept on
+the shard; the owner receives the other ranks' rows of the matrix, and each rank receives its rows
+of the update (all-to-alls, ``muon_owners.OwnerPlan``). Tensor parallel ``blockwise``: each rank
+orthogonalises its own shard; ``duplicated`` and ``distributed`` (``muon_tp``) orthogonalise the
+whole matrix.
 Non-matrix parameters (embeddings, output layer, norms, biases, router) take ``AdamW`` with the
 ``adam_*`` options. Momentum buffers are checkpointed as ``optimizer.momentum_buffer.<name>``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -36,9 +39,11 @@ from ms_llm.compat import F, float32, zeros
 from ms_llm.parallel import comm
 from ms_llm.parallel.placement import RowShard, grad_replica_dim, placement_of
 from .adamw import AdamW
+from .muon_owners import OwnerPlan
 from .muon_tp import TensorParallelNS, partition_dim
 from .base import Optimizer, StateTensor
-from .newton_schulz import batch_chunks, coefficient_schedule, newton_schulz, scale_factor
+from .newton_schulz import batch_chunks, check_matmul_precision, coefficient_schedule, \
+    newton_schulz, scale_factor, use_kernel
 from .param_groups import ParamGroup, assignment, build_groups, is_muon_matrix
 
 FP32 = 4
@@ -77,6 +82,7 @@ class Muon:
                  coefficient_type: str = "quintic", num_ns_steps: int = 5,
                  scale_mode: str = "spectral", extra_scale_factor: float = 1.0,
                  split_qkv: bool = True, model_config=None, tp_mode: str = "duplicated",
+                 fp32_matmul_prec: str = "highest",
                  groups: Optional[Mapping[str, ParamGroup]] = None,
                  adam: Optional[Callable[..., Optimizer]] = None, pstate=None):
         if groups is None:
@@ -92,6 +98,9 @@ class Muon:
         self.schedule = coefficient_schedule(coefficient_type, num_ns_steps)
         self.scale_mode = scale_mode
         scale_factor(1, 1, scale_mode)            # a bad mode fails here, not at step 1
+        check_matmul_precision(fp32_matmul_prec)
+        self.precision = fp32_matmul_prec
+        self.kernel = use_kernel()   # Newton-Schulz as the CPU op (False: composed, to compare)
         self.is_muon = [groups[n].optimizer == "muon" for n in self.names]
         self.muon_idx = [i for i, m in enumerate(self.is_muon) if m]
         self.adam_idx = [i for i, m in enumerate(self.is_muon) if not m]
@@ -107,8 +116,19 @@ class Muon:
         self.owners = OwnerPlan(self.params, self.muon_idx, self.names, pstate)
         self.views = {i: matrix_view(self.names[i], self.owners.full[i], model_config, split_qkv)
                       for i in self.muon_idx}
-        self.tp_ns = TensorParallelNS(tp_mode, pstate.group("tp") if pstate else None)
+        self.tp_ns = TensorParallelNS(tp_mode, pstate.group("tp") if pstate else None,
+                                      fp32_matmul_prec)
         self.tp_dim = {i: partition_dim(self.params[i]) for i in self.muon_idx}
+        # Seconds per step phase when a dict (``benchmarks/muon_fsdp.py``'s breakdown); None
+        # (the default) times nothing.
+        self.timings: Optional[Dict[str, float]] = None
+
+    def phase(self, name: str):
+        """A context that adds its wall time to ``timings[name]`` (PyNative on CPU runs
+        synchronously, so the wall time is the phase's)."""
+        if self.timings is None:
+            return contextlib.nullcontext()
+        return _Phase(self.timings, name)
 
     @property
     def step_count(self) -> int:
@@ -142,33 +162,38 @@ class Muon:
     def orthogonalize(self, us: Dict[int, Tensor]) -> Dict[int, Tensor]:
         """The scaled Newton-Schulz updates of the parameters ``us`` maps to their momenta.
 
-        Small matrices of one shape (K and V of every layer, ...) go through one batched
-        Newton-Schulz: one dispatch per op for the batch instead of one per matrix, which is
-        most of their cost on CPU. Larger ones (above ``BATCH_MAX`` elements) run alone: there
-        the GEMMs dominate and MindSpore's CPU batched matmul measured slower than a loop of 2-D
-        ones (``benchmarks/muon.py``). Grouped experts are one batch of their own. A
+        Matrices of one shape (K and V of every layer, ...) go through one batched
+        Newton-Schulz: with the CPU kernel all of them (one op for the whole iteration of the
+        batch); composed, only small ones, where one dispatch per op for the batch instead of
+        one per matrix is most of their cost -- larger ones (above ``BATCH_MAX`` elements) run
+        alone there: the GEMMs dominate and MindSpore's CPU batched matmul measured slower than
+        a loop of 2-D ones (``benchmarks/muon.py``). Grouped experts are one batch. A
         tensor-parallel shard in ``duplicated``/``distributed`` mode takes its own collective
         path."""
         s, items, batches, out = self.extra_scale_factor, [], {}, {}
+        limit = None if self.kernel else BATCH_MAX
         for i, u in us.items():
             dim = self.tp_dim[i]
             for k, m in enumerate(self.matrices(i, u)):
                 size = self.tp_ns.global_shape(m.shape, dim)
                 scale = scale_factor(size[0], size[1], self.scale_mode) * s
                 items.append((i, k, m, scale, dim))
-                if self.tp_ns.split_dim(dim) is None and m.shape[-1] * m.shape[-2] <= BATCH_MAX:
+                if self.tp_ns.split_dim(dim) is None and \
+                        (limit is None or m.shape[-1] * m.shape[-2] <= limit):
                     batches.setdefault(tuple(m.shape[-2:]), []).append(len(items) - 1)
         done: Dict[int, Tensor] = {}
         for shape, members in batches.items():
             for chunk in batch_chunks(members, [items[j][2] for j in members]):
                 mats = [items[j][2] for j in chunk]
                 if len(mats) == 1:
-                    done[chunk[0]] = newton_schulz(mats[0], self.schedule)
+                    done[chunk[0]] = newton_schulz(mats[0], self.schedule,
+                                                   precision=self.precision, kernel=self.kernel)
                     continue
                 counts = [int(np.prod(m.shape[:-2])) for m in mats]
                 batch = mint.cat([m.reshape((-1,) + shape) for m in mats])
-                for j, o, m in zip(chunk, mint.split(newton_schulz(batch, self.schedule),
-                                                     counts), mats):
+                ns = newton_schulz(batch, self.schedule, precision=self.precision,
+                                   kernel=self.kernel)
+                for j, o, m in zip(chunk, mint.split(ns, counts), mats):
                     done[j] = o.reshape(m.shape)
         parts: Dict[int, List[Tensor]] = {}
         for j, (i, k, m, scale, dim) in enumerate(items):
@@ -180,20 +205,26 @@ class Muon:
 
     def step(self, grads: Sequence[Tensor], lr: Optional[float] = None) -> None:
         lr = self.lr if lr is None else lr
-        self.adam.step([grads[i] for i in self.adam_idx], lr)
+        with self.phase("adamw"):
+            self.adam.step([grads[i] for i in self.adam_idx], lr)
         m, us = self.momentum, {}
-        for i in self.muon_idx:     # one fused op per term (lerp), not three
-            g, buf = grads[i], self.momentum_buffer[i]
-            F.copy_(buf, mint.lerp(buf, g, 1.0 - m))
-            us[i] = mint.lerp(g, buf, m) if self.nesterov else buf
-        full = self.owners.gather(us)
-        updates = self.orthogonalize({i: full[i] for i in self.muon_idx
-                                      if self.owners.mine(i)})
-        self.owners.exchange(updates)
-        for i in self.muon_idx:
-            p, lr_p = self.params[i], lr * self.lr_mult[i]
-            decay = lr_p * self.weight_decay * self.wd_mult[i]
-            F.copy_(p, (p * (1.0 - decay) if decay else p) - updates[i] * lr_p)
+        with self.phase("momentum"):
+            for i in self.muon_idx:     # one fused op per term (lerp), not three
+                g, buf = grads[i], self.momentum_buffer[i]
+                F.copy_(buf, mint.lerp(buf, g, 1.0 - m))
+                us[i] = mint.lerp(g, buf, m) if self.nesterov else buf
+        with self.phase("gather"):
+            full = self.owners.gather(us)
+        with self.phase("newton_schulz"):
+            updates = self.orthogonalize({i: full[i] for i in self.muon_idx
+                                          if self.owners.mine(i)})
+        with self.phase("exchange"):
+            self.owners.exchange(updates)
+        with self.phase("apply"):
+            for i in self.muon_idx:
+                p, lr_p = self.params[i], lr * self.lr_mult[i]
+                decay = lr_p * self.weight_decay * self.wd_mult[i]
+                F.copy_(p, (p * (1.0 - decay) if decay else p) - updates[i] * lr_p)
 
     # ------------------------------------------------------------------ the protocol
     def state_tensors(self, param: Parameter) -> List[StateTensor]:
@@ -239,99 +270,12 @@ class Muon:
             buf.set_data(Tensor(np.asarray(state[key], np.float32)))
 
 
-class OwnerPlan:
-    """Which rank of each group orthogonalises which Muon matrix (dealt out greedily by size,
-    the same deal on every rank), and the collectives around it.
+class _Phase:
+    def __init__(self, timings: Dict[str, float], name: str):
+        self.timings, self.name = timings, name
 
-    A replicated matrix (data parallel: ``dp``/``edp``, times ``cp``) is whole on every rank:
-    the owner orthogonalises it and one all-gather per group hands every rank all the updates.
-    An FSDP shard (dim 0 cut over its ``dp_cut`` group, uneven included) is first all-gathered
-    (one flat all-gather per group, each shard padded to the chunk), the owner orthogonalises
-    the whole matrix, the updates are all-gathered the same way and each rank keeps its rows."""
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
 
-    def __init__(self, params: Sequence[Parameter], idx: Sequence[int], names: Sequence[str],
-                 pstate=None):
-        self.owner: Dict[int, int] = {}
-        self.groups: Dict[str, tuple] = {}       # key -> (group, [param indices], fsdp)
-        self.full: Dict[int, tuple] = {i: tuple(params[i].shape) for i in idx}
-        self.shard: Dict[int, RowShard] = {}
-        if pstate is None:
-            return
-        by_key: Dict[str, List[int]] = {}
-        for i in idx:
-            pl = placement_of(params[i])
-            key = "fsdp:" + pl.dp_cut if pl.dp_cut is not None else \
-                grad_replica_dim(pl) + ("_cp" if pstate.sizes.cp > 1 else "")
-            by_key.setdefault(key, []).append(i)
-        for key, members in by_key.items():
-            fsdp = key.startswith("fsdp:")
-            group = pstate.group(key[5:] if fsdp else key)
-            if group.size == 1:
-                continue
-            if fsdp:      # every rank's row count: the full rows and this rank's chunk
-                lengths = comm.exchange_split_sizes([params[i].shape[0] for i in members], group)
-                for k, i in enumerate(members):
-                    rows = int(lengths[:, k].sum())
-                    self.shard[i] = RowShard(rows, group.size, group.rank)
-                    self.full[i] = (rows,) + tuple(params[i].shape[1:])
-            load = [0] * group.size
-            for i in sorted(members, key=lambda j: (-int(np.prod(self.full[j])), j)):
-                r = load.index(min(load))
-                self.owner[i] = r
-                load[r] += int(np.prod(self.full[i]))
-            self.groups[key] = (group, members, fsdp)
-        self._group_of = {i: g for g, m, _ in self.groups.values() for i in m}
-
-    def mine(self, i: int) -> bool:
-        """Whether this rank orthogonalises parameter ``i``."""
-        return i not in self.owner or self.owner[i] == self._group_of[i].rank
-
-    def gather(self, us: Dict[int, Tensor]) -> Dict[int, Tensor]:
-        """``us`` with each FSDP shard this rank owns replaced by the whole matrix."""
-        out = dict(us)
-        for group, members, fsdp in self.groups.values():
-            if not fsdp:
-                continue
-            flat = mint.cat([self._padded(us[i], i).reshape(-1) for i in members])
-            parts = [mint.zeros(flat.shape, dtype=float32) for _ in range(group.size)]
-            comm.all_gather(parts, flat, group=group)
-            offset = 0
-            for i in members:
-                n = self.shard[i].chunk * int(np.prod(self.full[i][1:]))
-                if self.mine(i):
-                    rows = [mint.narrow(p, 0, offset, n).reshape((-1,) + self.full[i][1:])
-                            for p in parts]
-                    out[i] = mint.narrow(mint.cat(rows), 0, 0, self.full[i][0])
-                offset += n
-        return out
-
-    def _padded(self, t: Tensor, i: int) -> Tensor:
-        """Shard ``t`` with zero rows up to the chunk (uneven shards)."""
-        pad = self.shard[i].chunk - t.shape[0]
-        if not pad:
-            return t
-        return mint.cat([t, mint.zeros((pad,) + tuple(t.shape[1:]), dtype=t.dtype)])
-
-    def exchange(self, updates: Dict[int, Tensor]) -> None:
-        """Fill ``updates`` with every other rank's (one all-gather per group), then cut this
-        rank's rows of each FSDP matrix."""
-        for group, members, fsdp in self.groups.values():
-            per_rank = [[i for i in members if self.owner[i] == r] for r in range(group.size)]
-            sizes = [sum(int(np.prod(self.full[i])) for i in ids) for ids in per_rank]
-            width, mine = max(sizes), per_rank[group.rank]
-            pieces = [updates[i].reshape(-1) for i in mine]
-            if sizes[group.rank] < width:
-                pieces.append(mint.zeros((width - sizes[group.rank],), dtype=float32))
-            parts = [mint.zeros((width,), dtype=float32) for _ in range(group.size)]
-            comm.all_gather(parts, mint.cat(pieces), group=group)
-            for r, ids in enumerate(per_rank):
-                offset = 0
-                for i in ids:
-                    n = int(np.prod(self.full[i]))
-                    if r != group.rank:
-                        updates[i] = mint.narrow(parts[r], 0, offset, n).reshape(self.full[i])
-                    offset += n
-            if fsdp:
-                for i in members:
-                    sh = self.shard[i]
-                    updates[i] = mint.narrow(updates[i], 0, sh.start, sh.length)
+    def __exit__(self, *exc) -> None:
+        self.timings[self.name] = self.timings.get(self.name, 0.0) + time.perf_counter() - self.t0

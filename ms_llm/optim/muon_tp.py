@@ -36,12 +36,15 @@ class TensorParallelNS:
     """Newton-Schulz of a (possibly tp-split) matrix in ``mode`` over ``group`` (None or a
     group of one: plain Newton-Schulz everywhere)."""
 
-    def __init__(self, mode: str = "duplicated", group=None):
+    def __init__(self, mode: str = "duplicated", group=None, precision: str = "highest"):
         if mode not in TP_MODES:
             raise ValueError(f"training.muon_tp_mode: {mode!r} is not one of "
                              f"{', '.join(TP_MODES)}")
-        self.mode = mode
+        self.mode, self.precision = mode, precision
         self.group = group if group is not None and group.size > 1 else None
+        if self.group is not None and mode == "distributed" and precision != "highest":
+            raise ValueError(f"training.muon_fp32_matmul_prec {precision} with muon_tp_mode "
+                             f"distributed: not built (the sharded Newton-Schulz runs in fp32)")
 
     def split_dim(self, dim: Optional[int]) -> Optional[int]:
         """The split this mode acts on: None when blockwise or without a tp group."""
@@ -61,12 +64,12 @@ class TensorParallelNS:
         """This rank's part of the orthogonalised matrix whose shard along ``dim`` is ``x``."""
         dim = self.split_dim(dim)
         if dim is None:
-            return newton_schulz(x, schedule)
+            return newton_schulz(x, schedule, precision=self.precision)
         g = self.group
         if self.mode == "duplicated":
             parts = [mint.zeros(x.shape, dtype=x.dtype) for _ in range(g.size)]
             comm.all_gather(parts, x.contiguous(), group=g)
-            whole = newton_schulz(mint.cat(parts, dim=dim), schedule)
+            whole = newton_schulz(mint.cat(parts, dim=dim), schedule, precision=self.precision)
             return mint.narrow(whole, dim, g.rank * x.shape[dim], x.shape[dim])
 
         def all_reduce(t: Tensor) -> Tensor:

@@ -6,9 +6,14 @@ index does not serve it).
 For ``X`` (the smaller dimension first, transposing if needed) normalised by its Frobenius norm,
 each step with coefficients ``(a, b, c)`` is ``A = X X^T; X = (a I + b A + c A A) X``. Schedules
 that list fewer sets than steps cycle (``simple``, ``quintic``, ``aol``) or repeat their last set
-(``polar_express``, ``cans``), as the reference does. Everything runs in fp32 (Megatron's
-``muon_fp32_matmul_prec: high``), so the result is deterministic and matches a NumPy reference to
-fp32 rounding.
+(``polar_express``, ``cans``), as the reference does. By default everything runs in fp32
+(``training.muon_fp32_matmul_prec: highest``), so the result is deterministic and matches a NumPy
+reference to fp32 rounding; ``medium`` (Megatron-Core's default, where the GEMMs run in bf16)
+rounds the GEMM operands to bf16 with fp32 accumulation (``MATMUL_PRECISIONS``).
+
+On CPU with the BLAS kernel library built, the whole iteration of a batch of matrices is one op
+(``ms_llm.ops.cpu_kernels.muon_ns``: no per-op dispatch, the symmetric products as SYRK); the
+composed ``mint`` form below runs elsewhere and for tensor-parallel ``distributed`` shards.
 """
 from __future__ import annotations
 
@@ -18,6 +23,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mindspore import Tensor, mint
+
+from ms_llm.ops.cpu_kernels.muon_ns import bf16_ns_available, newton_schulz_kernel, \
+    ns_kernel_available
 
 Coeffs = Tuple[float, float, float]
 
@@ -38,6 +46,10 @@ COEFFICIENTS: Dict[str, List[Coeffs]] = {
 REPEAT_LAST = ("polar_express", "cans")
 BATCH_ELEMENTS = 1 << 25   # at most 32M fp32 elements (128 MiB) per batched Newton-Schulz input
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+# training.muon_fp32_matmul_prec (torch's float32 matmul precision names, as Megatron-Core uses
+# them): highest = fp32 GEMMs; medium = bf16 GEMM operands, fp32 accumulation. ``high`` (TF32 or
+# bf16x3 on GPUs) is not built.
+MATMUL_PRECISIONS = ("highest", "medium")
 EPS = 1e-15   # emerging_optimizers' default: the norm is clamped to at least this
 
 
@@ -65,16 +77,45 @@ def scale_factor(size_out: int, size_in: int, mode: str) -> float:
     raise ValueError(f"training.muon_scale_mode: {mode!r} is not one of {', '.join(SCALE_MODES)}")
 
 
+def check_matmul_precision(prec: str) -> None:
+    """Refuse a ``training.muon_fp32_matmul_prec`` this build cannot run, in one line."""
+    if prec not in MATMUL_PRECISIONS:
+        raise ValueError(f"training.muon_fp32_matmul_prec: {prec!r} is not one of "
+                         f"{', '.join(MATMUL_PRECISIONS)} (high, TF32/bf16x3, is not built)")
+    if prec == "medium":
+        ok, why = bf16_ns_available()
+        if not ok:
+            raise ValueError(f"training.muon_fp32_matmul_prec medium: the bf16 Newton-Schulz "
+                             f"needs the CPU kernel ({why})")
+
+
+def use_kernel() -> bool:
+    """Whether ``newton_schulz`` runs as the one CPU op (``ms_llm.ops.cpu_kernels.muon_ns``)."""
+    return ns_kernel_available()
+
+
 def newton_schulz(x: Tensor, schedule: Sequence[Coeffs], transpose: Optional[bool] = None,
-                  reduce: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
+                  reduce: Optional[Callable[[Tensor], Tensor]] = None,
+                  precision: str = "highest", kernel: Optional[bool] = None) -> Tensor:
     """Orthogonalise fp32 ``x`` (``[m, n]``, or a batch ``[k, m, n]`` of matrices).
 
     ``transpose``: iterate on ``x^T`` (default: when ``x`` has more rows than columns, so the
     Gram matrix is the small one). ``reduce``: a shard of a tensor-parallel matrix
     (``muon_tp``'s ``distributed`` mode): the squared norm and every Gram matrix are summed
-    over the shards with it (the shards must split the dimension the Gram sums over)."""
+    over the shards with it (the shards must split the dimension the Gram sums over).
+    ``precision``: ``MATMUL_PRECISIONS`` (``medium`` only through the CPU kernel).
+    ``kernel``: False runs the composed form even where the kernel is available (None: use it
+    where it is; ``benchmarks/muon.py`` compares the two)."""
+    natural = x.shape[-2] > x.shape[-1]
     if transpose is None:
-        transpose = x.shape[-2] > x.shape[-1]
+        transpose = natural
+    if kernel is None:
+        kernel = use_kernel()
+    if reduce is None and transpose == natural and (precision == "medium" or kernel):
+        return newton_schulz_kernel(x, schedule, EPS, bf16=precision == "medium")
+    if precision != "highest":
+        raise ValueError(f"training.muon_fp32_matmul_prec {precision}: not built for this "
+                         f"Newton-Schulz (tensor-parallel distributed mode or no CPU kernel)")
     if transpose:
         x = x.swapaxes(-2, -1)
     sq = (x * x).sum(dim=(-2, -1), keepdim=True)

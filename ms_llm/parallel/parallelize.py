@@ -164,7 +164,8 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
         notes.append(f"lora r={lora.r} alpha={lora.alpha} on {len(names)} modules; "
                      f"{trainable_report(model)}")
         buffers = buffer_names(model)
-    apply_tensor_parallel(model, pstate.group("tp"), sequence_parallel=p.sequence_parallel)
+    apply_tensor_parallel(model, pstate.group("tp"), sequence_parallel=p.sequence_parallel,
+                          comm_overlap=p.tp_comm_overlap)
     if lora is not None:
         mark_frozen_shards(model, buffers)
     cp = apply_context_parallel(model, cfg, pstate)

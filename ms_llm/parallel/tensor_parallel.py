@@ -36,6 +36,7 @@ from ms_llm.ops import IGNORE_INDEX
 from ms_llm.lora.modules import LoRABranch, LoRALinear, LoRAWeight
 from ms_llm.models.gated_delta_net import GatedDeltaNet
 from . import autograd as pa
+from . import tp_overlap
 from .gated_delta_net_tp import (apply_gated_delta_net_tensor_parallel,
                                  validate_gated_delta_net_tp)
 from .placement import add_partial, add_shard, placement_of, set_placement
@@ -80,9 +81,12 @@ class ColumnParallelLinear(nn.Module):
     backward (or all-gathered along the sequence in forward under sequence parallel)."""
 
     def __init__(self, full: nn.Linear, group, *, sequence_parallel: bool = False,
-                 gather_output: bool = False, rows: Optional[np.ndarray] = None):
+                 gather_output: bool = False, rows: Optional[np.ndarray] = None,
+                 comm_overlap: bool = False):
         super().__init__()
         size, rank = group.size, group.rank
+        # parallel.tp_comm_overlap: the sequence all-gather split around the GEMM (tp_overlap)
+        self.comm_overlap = comm_overlap and sequence_parallel
         if full.out_features % size:
             raise ValueError(f"ColumnParallelLinear: {full.out_features} output features are not "
                              f"divisible by tensor_model_parallel_size {size}")
@@ -96,21 +100,30 @@ class ColumnParallelLinear(nn.Module):
                                     self.bias is not None)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.sequence_parallel:
-            x = pa.gather_from_sequence_parallel(x, self.group, 1)
+        if self.comm_overlap:
+            y = tp_overlap.gathered_matmul(x, self._local, self.group, 1)
         else:
-            x = pa.copy_to_group(x, self.group)
-        y = self.matmul(x, self.weight, self.bias)
+            if self.sequence_parallel:
+                x = pa.gather_from_sequence_parallel(x, self.group, 1)
+            else:
+                x = pa.copy_to_group(x, self.group)
+            y = self._local(x)
         return pa.gather_from_group(y, self.group, -1) if self.gather_output else y
+
+    def _local(self, x: Tensor) -> Tensor:
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """``Y = sum_r X_r W_r^T``: input features split; the partial outputs are all-reduced (or
     reduce-scattered along the sequence under sequence parallel); the bias is added after."""
 
-    def __init__(self, full: nn.Linear, group, *, sequence_parallel: bool = False):
+    def __init__(self, full: nn.Linear, group, *, sequence_parallel: bool = False,
+                 comm_overlap: bool = False):
         super().__init__()
         size, rank = group.size, group.rank
+        # parallel.tp_comm_overlap: the sequence reduce-scatter split around the GEMM
+        self.comm_overlap = comm_overlap and sequence_parallel
         if full.in_features % size:
             raise ValueError(f"RowParallelLinear: {full.in_features} input features are not "
                              f"divisible by tensor_model_parallel_size {size}")
@@ -123,19 +136,27 @@ class RowParallelLinear(nn.Module):
         self.matmul = _local_matmul(full, self.in_features, self.out_features, False)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.matmul(x, self.weight)
+        if self.comm_overlap:
+            y = tp_overlap.matmul_scattered(x, self._local, self.group, 1)
+            return y if self.bias is None else y + self.bias
+        y = self._local(x)
         if self.sequence_parallel:
             y = pa.reduce_scatter_to_sequence_parallel(y, self.group, 1)
         else:
             y = pa.reduce_from_group(y, self.group)
         return y if self.bias is None else y + self.bias
 
+    def _local(self, x: Tensor) -> Tensor:
+        return self.matmul(x, self.weight)
+
 
 class LoRAColumnParallelLinear(LoRABranch, ColumnParallelLinear):
     """Column-parallel base; B split on its rows like W, A replicated (gradient partial)."""
 
     def __init__(self, full: LoRALinear, group, *, sequence_parallel: bool = False,
-                 gather_output: bool = False, rows: Optional[np.ndarray] = None):
+                 gather_output: bool = False, rows: Optional[np.ndarray] = None,
+                 comm_overlap: bool = False):
+        # the adapter reads the gathered input too: no split exchange (comm_overlap unused)
         super().__init__(full, group, sequence_parallel=sequence_parallel,
                          gather_output=gather_output, rows=rows)
         b = _shard_param(full.lora_B.weight, 0, group.rank, group.size, rows)
@@ -155,7 +176,9 @@ class LoRARowParallelLinear(LoRABranch, RowParallelLinear):
     """Row-parallel base; A split on its columns like W, B replicated (gradient partial); the
     adapter's partial output joins the base's before the one reduction."""
 
-    def __init__(self, full: LoRALinear, group, *, sequence_parallel: bool = False):
+    def __init__(self, full: LoRALinear, group, *, sequence_parallel: bool = False,
+                 comm_overlap: bool = False):
+        # the adapter's partial joins the base's before one reduction: no split exchange
         super().__init__(full, group, sequence_parallel=sequence_parallel)
         a = _shard_param(full.lora_A.weight, 1, group.rank, group.size)
         add_partial(full.lora_B.weight, "tp")
@@ -293,9 +316,12 @@ def _row(full: nn.Module, group, **kwargs) -> nn.Module:
     return RowParallelLinear(full, group, **kwargs)
 
 
-def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None:
+def apply_tensor_parallel(model, group, sequence_parallel: bool = False,
+                          comm_overlap: bool = False) -> None:
     """Shard a ``GPTModel`` over ``group`` (Megatron's column/row split of every layer, the
-    vocabulary-parallel embedding, head and loss), in place."""
+    vocabulary-parallel embedding, head and loss), in place. ``comm_overlap``
+    (``parallel.tp_comm_overlap``): the attention and MLP linears overlap their sequence-parallel
+    exchanges with their GEMMs (``tp_overlap``)."""
     tp, sp = group.size, sequence_parallel
     if tp == 1:
         if sp:
@@ -303,6 +329,8 @@ def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None
         return
     c = model.config
     validate_tp(c, tp)
+    if comm_overlap and sp:
+        tp_overlap.open_exchanges(group)
     mtp = getattr(model, "mtp", None)
     emb = VocabParallelEmbedding(model.embedding.word_embeddings, group, sequence_parallel=sp)
     model.embedding.word_embeddings = emb
@@ -322,16 +350,20 @@ def apply_tensor_parallel(model, group, sequence_parallel: bool = False) -> None
         elif c.multi_latent_attention:
             apply_mla_tensor_parallel(attn, group, sp)
         else:
-            attn.linear_qkv = _column(attn.linear_qkv, group, sequence_parallel=sp)
-            attn.linear_proj = _row(attn.linear_proj, group, sequence_parallel=sp)
+            attn.linear_qkv = _column(attn.linear_qkv, group, sequence_parallel=sp,
+                                      comm_overlap=comm_overlap)
+            attn.linear_proj = _row(attn.linear_proj, group, sequence_parallel=sp,
+                                    comm_overlap=comm_overlap)
             if attn.q_layernorm is not None:  # each rank sees only its heads
                 _mark_partial(attn.q_layernorm)
                 _mark_partial(attn.k_layernorm)
         mlp = layer.mlp
         rows = glu_rows(mlp.linear_fc1.out_features, group.rank, tp) \
             if c.gated_linear_unit else None
-        mlp.linear_fc1 = _column(mlp.linear_fc1, group, sequence_parallel=sp, rows=rows)
-        mlp.linear_fc2 = _row(mlp.linear_fc2, group, sequence_parallel=sp)
+        mlp.linear_fc1 = _column(mlp.linear_fc1, group, sequence_parallel=sp, rows=rows,
+                                 comm_overlap=comm_overlap)
+        mlp.linear_fc2 = _row(mlp.linear_fc2, group, sequence_parallel=sp,
+                              comm_overlap=comm_overlap)
         if sp:
             _mark_partial(layer.input_layernorm)
             _mark_partial(layer.pre_mlp_layernorm)

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ms_llm.models.config import TransformerConfig
 from ms_llm.optim import state_elements
-from .memory_vocab import vocab_head_bytes
+from .memory_vocab import logits_tokens, vocab_head_bytes
 
 GB = 1024 ** 3
 FP32 = 4
@@ -321,7 +321,8 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
         kept = sum(chunk_kept)
     last = stage == pp - 1
     copies = ACT["logits"] if tp == 1 else ACT["logits_tp"]
-    logits = int(FP32 * copies * b * s_loc * c.padded_vocab_size // tp) if last else 0
+    logits = int(FP32 * copies * logits_tokens(c, b * s_loc, tp) * c.padded_vocab_size // tp) \
+        if last else 0
     acts = kept + remat + logits
     # a large vocabulary's [V, h] gradients beside the activations / the gradients (memory_vocab)
     head_early, head_late = vocab_head_bytes(c, tp, pp) if last else (0, 0)

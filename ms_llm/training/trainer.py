@@ -115,7 +115,8 @@ class Trainer:
             self.pipeline = build_pipeline(par.chunks, cfg, self.pstate, self.accum_steps,
                                            self.model.config)
         named = [(n, q) for n, q in self.named_params if q.requires_grad]
-        self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit)
+        self.optimizer = build_optimizer(named, cfg, self.pstate, jit=par.jit,
+                                         gather_timer=self.timers("params-all-gather"))
         # The distributed optimizer reduce-scatters instead of all-reducing (its own grad sync).
         grad_sync = self.optimizer.grad_sync or par.grad_sync
         for line in param_groups.describe(self.optimizer.groups):
@@ -141,9 +142,10 @@ class Trainer:
                                                    collect=self.pipeline is None))
         self.callbacks.append(self.observe)
         if cfg.model.qk_clip or cfg.model.log_max_attention_logit:   # MuonClip (qk_clip.py)
-            self.callbacks.append(QKClip(self.model, self.optimizer.checkpoint_tensor,
+            self.callbacks.append(QKClip(self.model, self.optimizer, self.pstate,
                                          self.dp_cp_group, cfg.model.qk_clip_threshold,
-                                         cfg.model.qk_clip_alpha, cfg.model.qk_clip))
+                                         cfg.model.qk_clip_alpha, cfg.model.qk_clip,
+                                         self.pstate.group("pp")))
         for callback in callbacks:
             self.callbacks.append(callback)
         self._maybe_resume()

@@ -1,16 +1,19 @@
 """Which GEMM multiplies bf16 operands on CPU (the BLAS kernels' bf16 path; fp32 accumulation).
 
+* oneDNN's bf16 matmul primitive (:mod:`.dnnl_gemm`, MindSpore's bundled ``libdnnl.so.3``, no extra
+  package): brgemm kernels on AVX512-BF16 / AMX-BF16 units, the rate torch's bf16 matmul reaches.
+  ``auto``'s first choice on a CPU with those units; ``dnnl`` elsewhere is refused in one line.
 * oneMKL's ``cblas_gemm_bf16bf16f32`` (PyPI package ``mkl``, the ``ms-llm[cpu-bf16]`` extra) runs
   on the CPU's AVX512-BF16 / AMX-BF16 units: measured 653 GFLOP/s against 272-295 for fp32 sgemm on
-  a Xeon with AMX (2 threads, 2048x512 @ 512x1408). Used when the CPU has those units and the
-  package is installed.
+  a Xeon with AMX (2 threads, 2048x512 @ 512x1408). ``auto``'s second choice on such CPUs (when
+  oneDNN cannot be used) if the package is installed.
 * Otherwise (no such units, or no ``mkl``): the kernels widen the bf16 operands to fp32 (exact)
   and call OpenBLAS sgemm -- the same numbers (bf16 inputs, fp32 accumulation) up to summation
   order. On an AVX2-only CPU (AMD EPYC Zen 3) MKL's bf16 GEMM ran at 48-60 GFLOP/s against
   67-163 for this path (``benchmarks/bf16.py``), so ``auto`` does not pick it there.
 
-``MS_LLM_BF16_GEMM`` = ``auto`` (default) | ``mkl`` (use MKL whenever it loads, e.g. to test it on
-any CPU) | ``openblas`` (never MKL). One line is logged saying which path runs.
+``MS_LLM_BF16_GEMM`` = ``auto`` (default) | ``dnnl`` | ``mkl`` (use MKL whenever it loads, e.g. to
+test it on any CPU) | ``openblas`` (neither). One line is logged saying which path runs.
 """
 from __future__ import annotations
 
@@ -64,30 +67,52 @@ def load_mkl_gemm(threads: int):
     return ctypes.cast(fn, ctypes.c_void_p).value, path
 
 
+def _pick(choice: str, units: list, threads: int) -> tuple:
+    """(path, address or None, why) for ``runtime.bf16_gemm`` = choice on this CPU."""
+    if choice not in ("auto", "dnnl", "mkl", "openblas"):
+        return "openblas", None, f"runtime.bf16_gemm {choice!r} is not auto, dnnl, mkl or openblas"
+    if choice == "openblas":
+        return "openblas", None, "runtime.bf16_gemm openblas"
+    if choice == "dnnl" and not units:
+        raise RuntimeError("runtime.bf16_gemm dnnl: this CPU has no AVX512-BF16/AMX-BF16 units "
+                           "(use auto or openblas)")
+    if choice == "auto" and not units:
+        return "openblas", None, "this CPU has no AVX512-BF16/AMX-BF16 units"
+    errors = []
+    if choice in ("auto", "dnnl"):
+        from .dnnl_gemm import load_dnnl_gemm, onednn_version
+        try:
+            addr = load_dnnl_gemm(threads)
+            return "dnnl", addr, f"oneDNN {onednn_version()} matmul, CPU units: {', '.join(units)}"
+        except RuntimeError as e:
+            if choice == "dnnl":
+                raise RuntimeError(f"runtime.bf16_gemm dnnl: {e}") from e
+            errors.append(f"oneDNN: {e}")
+    try:
+        addr, lib_path = load_mkl_gemm(threads)
+        return "mkl", addr, f"{lib_path}, CPU units: {', '.join(units) or 'none (emulated)'}"
+    except RuntimeError as e:
+        errors.append(str(e))
+    return "openblas", None, "; ".join(errors)
+
+
 def register_bf16_gemm(lib, threads: int) -> str:
     """Register the chosen bf16 GEMM with the BLAS kernel library ``lib``; returns the path name
-    ("mkl" or "openblas") and logs it once."""
+    ("dnnl", "mkl" or "openblas") and logs it once. ``auto`` on a CPU with bf16 units takes oneDNN's
+    matmul primitive (MindSpore's own copy), then oneMKL, then OpenBLAS on widened values;
+    ``dnnl`` on a CPU without those units raises RuntimeError (one line)."""
     choice = str(setting("runtime.bf16_gemm")).strip().lower() or "auto"
-    units = cpu_bf16_units()
-    why = ""
-    path = "openblas"
-    if choice not in ("auto", "mkl", "openblas"):
-        why = f"runtime.bf16_gemm {choice!r} is not auto, mkl or openblas"
-    elif choice == "openblas":
-        why = "runtime.bf16_gemm openblas"
-    elif choice == "auto" and not units:
-        why = "this CPU has no AVX512-BF16/AMX-BF16 units"
-    else:
-        try:
-            addr, lib_path = load_mkl_gemm(threads)
-            lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(addr))
-            path = "mkl"
-            why = f"{lib_path}, CPU units: {', '.join(units) or 'none (emulated)'}"
-        except RuntimeError as e:
-            why = str(e)
+    path, addr, why = _pick(choice, cpu_bf16_units(), threads)
+    lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(addr))
+    matmul = None
+    if path == "dnnl":
+        from .dnnl_gemm import matmul_address
+        matmul = matmul_address(threads)
+    lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(matmul))
     if path == "openblas":
-        lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(None))
         logger.info("ms_llm bf16 GEMM: OpenBLAS sgemm on bf16 values widened to fp32 (%s)", why)
+    elif path == "dnnl":
+        logger.info("ms_llm bf16 GEMM: oneDNN matmul primitive, bf16 x bf16 -> fp32 (%s)", why)
     else:
         logger.info("ms_llm bf16 GEMM: oneMKL cblas_gemm_bf16bf16f32 (%s)", why)
     _STATE["path"] = path
@@ -95,5 +120,5 @@ def register_bf16_gemm(lib, threads: int) -> str:
 
 
 def bf16_gemm_path() -> Optional[str]:
-    """"mkl" or "openblas" once the BLAS kernels were loaded, else None."""
+    """"dnnl", "mkl" or "openblas" once the BLAS kernels were loaded, else None."""
     return _STATE["path"]

@@ -27,58 +27,20 @@
 // DecodeMlpBlock(x [B,1,H], w_norm [H], w_fc1 [2F,H], b_fc1 [2F|1], w_fc2 [H,F], b_fc2 [H|1],
 //                icfg int64 [3] (has_b1, has_b2, norm_offset), fcfg fp32 [1] (eps)) -> out [B,1,H]
 //
-// Threads: OpenBLAS's pool for the weight products (generate runs them on one thread).
+// Threads: the calling thread (generate keeps OpenBLAS at one thread); the code is blas_decode.h's,
+// which the whole-model step (blas_decode_model.cpp) shares.
 
-#include <cblas.h>
-
-#include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <vector>
 
-#include "cpu_math.h"
+#include "blas_decode.h"
 
 #define MSLLM_EXPORT extern "C" __attribute__((visibility("default")))
 
 using namespace msllm;
+using namespace msllm_decode;
 
 namespace {
-
-// y [m, n] = x [m, k] w[n, k]^T (+ bias [n]).
-void matmul_wt(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n,
-               int64_t k) {
-  if (m == 1) {
-    scipy_cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, w,
-                      static_cast<blasint>(k), x, 1, 0.0f, y, 1);
-  } else {
-    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(m), static_cast<blasint>(n),
-                      static_cast<blasint>(k), 1.0f, x, static_cast<blasint>(k), w, static_cast<blasint>(k), 0.0f, y,
-                      static_cast<blasint>(n));
-  }
-  if (bias != nullptr)
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < n; ++j) y[i * n + j] += bias[j];
-}
-
-// y = x * rsqrt(mean(x^2) + eps) * (w + offset), fp32 statistics as ops/rms_norm.py.
-void rms_norm(const float *x, const float *w, float offset, float eps, float *y, int64_t n) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv * (w[i] + offset);
-}
-
-// Rotate-half RoPE of the first rot dims of v [d] in place (the rest passes through).
-void rope(float *v, const float *cos, const float *sin, int64_t rot) {
-  const int64_t half = rot / 2;
-  float tmp[1024];
-  for (int64_t j = 0; j < rot; ++j) {
-    const float rh = j < half ? -v[j + half] : v[j - half];
-    tmp[j] = v[j] * cos[j] + rh * sin[j];
-  }
-  std::memcpy(v, tmp, sizeof(float) * rot);
-}
 
 bool f32_all(const char **dtypes, std::initializer_list<int> idx) {
   for (int i : idx)
@@ -98,80 +60,23 @@ MSLLM_EXPORT int DecodeAttnBlock(int nparam, void **params, int *ndims, int64_t 
   const int64_t *ic = static_cast<const int64_t *>(params[13]);
   const float *fc = static_cast<const float *>(params[14]);
   const int64_t pos = *static_cast<const int64_t *>(params[15]), r = ic[1], gated = ic[2], rot = ic[7];
-  const bool qkv_bias = ic[3] != 0, qk_norm = ic[4] != 0, proj_bias = ic[5] != 0;
-  const float offset = ic[6] ? 1.0f : 0.0f, eps = fc[0], scale = fc[1];
   const int64_t b = shapes[0][0], h = shapes[0][2];
   const int64_t g = shapes[10][1], cap = shapes[10][2], d = shapes[10][3];
   const int64_t rq = gated ? 2 * r : r, width = shapes[2][0], nh = g * r;
   if (shapes[10][0] != b || width != g * (rq + 2) * d || shapes[2][1] != h || numel(ndims[6], shapes[6]) != h * nh * d ||
       numel(ndims[11], shapes[11]) != b * g * cap * d || pos < 0 || pos >= cap || rot > d || rot % 2 ||
-      rot > 1024 || shapes[12][3] != cap || (shapes[12][0] != 1 && shapes[12][0] != b))
+      rot > 1024 || r > 64 || r < 1 || shapes[12][3] != cap || (shapes[12][0] != 1 && shapes[12][0] != b))
     return kErrShape;
   const int64_t ncos = numel(ndims[8], shapes[8]);
   if (ncos != rot && ncos != b * rot) return kErrShape;
   if (numel(ndims[16], shapes[16]) != b * h) return kErrShape;
-  const float *x = static_cast<const float *>(params[0]);
-  const float *w_norm = static_cast<const float *>(params[1]);
-  const float *w_qkv = static_cast<const float *>(params[2]);
-  const float *b_qkv = qkv_bias ? static_cast<const float *>(params[3]) : nullptr;
-  const float *qn = static_cast<const float *>(params[4]);
-  const float *kn = static_cast<const float *>(params[5]);
-  const float *w_proj = static_cast<const float *>(params[6]);
-  const float *b_proj = proj_bias ? static_cast<const float *>(params[7]) : nullptr;
-  const float *cs = static_cast<const float *>(params[8]);
-  const float *sn = static_cast<const float *>(params[9]);
-  float *kc = static_cast<float *>(params[10]);
-  float *vc = static_cast<float *>(params[11]);
-  const bool *mask = static_cast<const bool *>(params[12]);
-  float *out = static_cast<float *>(params[16]);
-
-  std::vector<float> xn(b * h), qkv(b * width), attn(b * nh * d), scores(r * (pos + 1));
-  for (int64_t i = 0; i < b; ++i) rms_norm(x + i * h, w_norm, offset, eps, xn.data() + i * h, h);
-  matmul_wt(xn.data(), w_qkv, b_qkv, qkv.data(), b, width, h);
-  const int64_t kmax = pos + 1;
-  for (int64_t i = 0; i < b; ++i) {
-    const float *ci = ncos == rot ? cs : cs + i * rot, *si = ncos == rot ? sn : sn + i * rot;
-    const bool *mi = mask + (shapes[12][0] == 1 ? 0 : i) * cap;
-    for (int64_t gi = 0; gi < g; ++gi) {
-      float *row = qkv.data() + i * width + gi * (rq + 2) * d;
-      float *q = row, *gate = row + r * d, *k = row + rq * d, *v = k + d;
-      for (int64_t hq = 0; hq < r; ++hq) {
-        if (qk_norm) rms_norm(q + hq * d, qn, offset, eps, q + hq * d, d);
-        rope(q + hq * d, ci, si, rot);
-      }
-      if (qk_norm) rms_norm(k, kn, offset, eps, k, d);
-      rope(k, ci, si, rot);
-      float *kg = kc + (i * g + gi) * cap * d, *vg = vc + (i * g + gi) * cap * d;
-      std::memcpy(kg + pos * d, k, sizeof(float) * d);
-      std::memcpy(vg + pos * d, v, sizeof(float) * d);
-      // scores [r, kmax] = q [r, d] K[:kmax]^T; masked softmax; o [r, d] = P V[:kmax]
-      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<blasint>(r),
-                        static_cast<blasint>(kmax), static_cast<blasint>(d), scale, q, static_cast<blasint>(d), kg,
-                        static_cast<blasint>(d), 0.0f, scores.data(), static_cast<blasint>(kmax));
-      for (int64_t hq = 0; hq < r; ++hq) {
-        float *sr = scores.data() + hq * kmax;
-        float hi = -INFINITY;
-        for (int64_t j = 0; j < kmax; ++j)
-          if (!mi[j] && sr[j] > hi) hi = sr[j];
-        float sum = 0.f;
-        for (int64_t j = 0; j < kmax; ++j) {
-          const float e = mi[j] ? 0.f : exp_f(sr[j] - hi);
-          sr[j] = e;
-          sum += e;
-        }
-        const float inv = sum > 0.f ? 1.0f / sum : 0.f;  // every slot hidden: zeros
-        for (int64_t j = 0; j < kmax; ++j) sr[j] *= inv;
-      }
-      float *o = attn.data() + (i * nh + gi * r) * d;
-      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<blasint>(r), static_cast<blasint>(d),
-                        static_cast<blasint>(kmax), 1.0f, scores.data(), static_cast<blasint>(kmax), vg,
-                        static_cast<blasint>(d), 0.0f, o, static_cast<blasint>(d));
-      if (gated)
-        for (int64_t j = 0; j < r * d; ++j) o[j] *= 1.0f / (1.0f + std::exp(-gate[j]));
-    }
-  }
-  matmul_wt(attn.data(), w_proj, b_proj, out, b, h, nh * d);
-  for (int64_t j = 0; j < b * h; ++j) out[j] += x[j];
+  auto f = [&](int i) { return static_cast<const float *>(params[i]); };
+  const AttnLayer L{f(1), f(2), ic[3] ? f(3) : nullptr, ic[4] ? f(4) : nullptr, ic[4] ? f(5) : nullptr, f(6),
+                    ic[5] ? f(7) : nullptr, r, g, d, rot, gated != 0, ic[6] ? 1.0f : 0.0f, fc[0], fc[1]};
+  const AttnStep S{f(8), f(9), ncos == rot ? 0 : rot, static_cast<const bool *>(params[12]),
+                   shapes[12][0] == 1 ? 0 : cap, static_cast<float *>(params[10]), static_cast<float *>(params[11]),
+                   cap, pos};
+  attn_block(L, S, f(0), static_cast<float *>(params[16]), b, h, Par());
   return 0;
 }
 
@@ -181,27 +86,14 @@ MSLLM_EXPORT int DecodeMlpBlock(int nparam, void **params, int *ndims, int64_t *
   if (!f32_all(dtypes, {0, 1, 2, 3, 4, 5, 7, 8}) || !is_i64(dtypes[6])) return kErrDtype;
   const int64_t *ic = static_cast<const int64_t *>(params[6]);
   const float eps = static_cast<const float *>(params[7])[0];
-  const float offset = ic[2] ? 1.0f : 0.0f;
   const int64_t h = shapes[0][ndims[0] - 1], m = numel(ndims[0], shapes[0]) / h;
   const int64_t f2 = shapes[2][0], f = f2 / 2;
   if (ndims[2] != 2 || shapes[2][1] != h || f2 % 2 || numel(ndims[4], shapes[4]) != h * f ||
       numel(ndims[8], shapes[8]) != m * h)
     return kErrShape;
-  const float *x = static_cast<const float *>(params[0]);
-  const float *w_norm = static_cast<const float *>(params[1]);
-  const float *b1 = ic[0] ? static_cast<const float *>(params[3]) : nullptr;
-  const float *b2 = ic[1] ? static_cast<const float *>(params[5]) : nullptr;
-  float *out = static_cast<float *>(params[8]);
-  std::vector<float> xn(m * h), hid(m * f2), act(m * f);
-  for (int64_t i = 0; i < m; ++i) rms_norm(x + i * h, w_norm, offset, eps, xn.data() + i * h, h);
-  matmul_wt(xn.data(), static_cast<const float *>(params[2]), b1, hid.data(), m, f2, h);
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < f; ++j) {
-      const float gv = hid[i * f2 + j];
-      act[i * f + j] = gv / (1.0f + std::exp(-gv)) * hid[i * f2 + f + j];
-    }
-  matmul_wt(act.data(), static_cast<const float *>(params[4]), b2, out, m, h, f);
-  for (int64_t j = 0; j < m * h; ++j) out[j] += x[j];
+  auto p = [&](int i) { return static_cast<const float *>(params[i]); };
+  const MlpLayer L{p(1), p(2), ic[0] ? p(3) : nullptr, p(4), ic[1] ? p(5) : nullptr, f, ic[2] ? 1.0f : 0.0f, eps};
+  mlp_block(L, p(0), static_cast<float *>(params[8]), m, h, Par());
   return 0;
 }
 

@@ -13,9 +13,11 @@
 // bf16: every float tensor may be fp32 or bf16 ("bfloat16"), independently. bf16 inputs are
 // widened to fp32 (exact) and multiplied with fp32 accumulation, bf16 outputs are rounded to
 // nearest even from the fp32 result. The GEMM itself is OpenBLAS sgemm on the widened values, or,
-// when Python registered one (MsLlmBlasSetBf16Gemm: oneMKL's cblas_gemm_bf16bf16f32, which runs on
-// AVX512-BF16 / AMX units), a native bf16 x bf16 -> fp32 GEMM on the bf16 operands directly.
-// Both compute the same numbers up to the fp32 summation order.
+// when Python registered one (MsLlmBlasSetBf16Gemm: oneDNN's matmul primitive or oneMKL's
+// cblas_gemm_bf16bf16f32, which run on AVX512-BF16 / AMX units), a native bf16 x bf16 -> fp32 GEMM
+// on the bf16 operands directly; with oneDNN also registered as MsLlmBlasSetBf16Matmul, bf16
+// outputs are written by the primitive itself (gemm_out). All compute the same numbers up to the
+// fp32 summation order. (Editing this file rebuilds the library: its key hashes the sources.)
 //
 // Threading: the GEMMs run on OpenBLAS's own pthread pool (default: one thread per CPU in the
 // affinity mask, or OPENBLAS_NUM_THREADS / GOTO_NUM_THREADS / OMP_NUM_THREADS read when the library
@@ -96,28 +98,39 @@ struct In {
   }
 };
 
-// An output tensor: computed in fp32 (in place, or in a scratch buffer rounded into bf16 by done()).
+// An output tensor: computed in fp32 (in place, or in a scratch buffer -- allocated by f() on first
+// use -- rounded into bf16 by done()), or, for a bf16 output the registered bf16 matmul writes
+// directly (gemm_out), never widened at all.
 struct Out {
   float *f32 = nullptr;
   uint16_t *bf = nullptr;
   int64_t n = 0;
   std::vector<float> tmp;
   Out(void *p, const char *d, int64_t count) : n(count) {
-    if (is_bf16(d)) {
-      bf = static_cast<uint16_t *>(p);
+    if (is_bf16(d)) bf = static_cast<uint16_t *>(p);
+    else f32 = static_cast<float *>(p);
+  }
+  float *f() {
+    if (!f32) {
       tmp.resize(static_cast<size_t>(n));
       f32 = tmp.data();
-    } else {
-      f32 = static_cast<float *>(p);
     }
+    return f32;
   }
   void done() {
-    if (!bf) return;
+    if (!bf || tmp.empty()) return;
     const float *t = f32;
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) bf[i] = f32_to_bf16(t[i]);
   }
 };
+
+// A bf16 x bf16 -> fp32-or-bf16 matmul (fp32 accumulation) with MsLlmDnnlMatmulBf16's signature,
+// registered by Python next to g_gemm_bf16 (oneDNN's matmul primitive): lets a bf16 output skip the
+// fp32 scratch buffer and the rounding pass. Returns 0 on success.
+typedef int (*MatmulBf16Fn)(int, int, int64_t, int64_t, int64_t, const uint16_t *, int64_t, const uint16_t *,
+                            int64_t, void *, int64_t, int);
+MatmulBf16Fn g_matmul_bf16 = nullptr;
 
 // C[m, n] = op(A) op(B) (+ beta * C), row-major contiguous operands; op(A) is [m, k], op(B) [k, n].
 // A is stored [m, k] (ta=false) or [k, m] (ta=true); B is stored [k, n] or [n, k].
@@ -148,6 +161,22 @@ void gemm_in(bool ta, bool tb, int64_t m, int64_t n, int64_t k, In &a, int64_t o
   gemm(ta, tb, m, n, k, a.f() + oa, b.f() + ob, beta, c);
 }
 
+// C (elements [oc, oc + m n) of Out c) = op(A) op(B), beta 0: straight into a bf16 output through
+// the registered bf16 matmul when all three are bf16, else gemm_in into c's fp32 view.
+void gemm_out(bool ta, bool tb, int64_t m, int64_t n, int64_t k, In &a, int64_t oa, In &b, int64_t ob, Out &c,
+              int64_t oc) {
+  if (g_matmul_bf16 && a.bf && b.bf && c.bf && !c.f32 && m && n && k &&
+      g_matmul_bf16(ta, tb, m, n, k, a.bf + oa, ta ? m : k, b.bf + ob, tb ? k : n, c.bf + oc, n, 1) == 0)
+    return;
+  if (c.bf && !c.f32 && g_matmul_bf16) {  // direct path failed here: round this block on its own
+    std::vector<float> t(static_cast<size_t>(m * n));
+    gemm_in(ta, tb, m, n, k, a, oa, b, ob, 0.f, t.data());
+    for (int64_t i = 0; i < m * n; ++i) c.bf[oc + i] = f32_to_bf16(t[i]);
+    return;
+  }
+  gemm_in(ta, tb, m, n, k, a, oa, b, ob, 0.f, c.f() + oc);
+}
+
 // --- linear: y[M, N] = x[M, K] w[N, K]^T (+ b[N]), x any shape [..., K]
 int linear_fwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, bool bias) {
   const int nin = bias ? 3 : 2;
@@ -168,13 +197,16 @@ int linear_fwd(int nparam, void **params, int *ndims, int64_t **shapes, const ch
   if (bias) {  // prefill rows with the bias and accumulate (OpenBLAS scales C by beta first anyway)
     In b(params[2], dtypes[2], n);
     const float *bv = b.f();
-    for (int64_t i = 0; i < m; ++i) std::memcpy(y.f32 + i * n, bv, sizeof(float) * n);
+    float *yf = y.f();
+    for (int64_t i = 0; i < m; ++i) std::memcpy(yf + i * n, bv, sizeof(float) * n);
     beta = 1.f;
   }
   if (k == 0 && !bias) {
-    std::memset(y.f32, 0, sizeof(float) * m * n);
+    std::memset(y.f(), 0, sizeof(float) * m * n);
+  } else if (bias) {
+    gemm_in(false, true, m, n, k, x, 0, w, 0, beta, y.f());
   } else {
-    gemm_in(false, true, m, n, k, x, 0, w, 0, beta, y.f32);
+    gemm_out(false, true, m, n, k, x, 0, w, 0, y, 0);
   }
   y.done();
   return 0;
@@ -198,11 +230,11 @@ int linear_bwd(int nparam, void **params, int *ndims, int64_t **shapes, const ch
   In x(params[0], dtypes[0], m * k), w(params[1], dtypes[1], n * k), dy(params[2], dtypes[2], m * n);
   Out dx(params[3], dtypes[3], m * k), dw(params[4], dtypes[4], n * k);
   if (n == 0 || m == 0) {  // empty products: gradients are zero
-    std::memset(dx.f32, 0, sizeof(float) * m * k);
-    std::memset(dw.f32, 0, sizeof(float) * n * k);
+    std::memset(dx.f(), 0, sizeof(float) * m * k);
+    std::memset(dw.f(), 0, sizeof(float) * n * k);
   } else {
-    gemm_in(false, false, m, k, n, dy, 0, w, 0, 0.f, dx.f32);  // [M, N] x [N, K]
-    gemm_in(true, false, n, k, m, dy, 0, x, 0, 0.f, dw.f32);   // dy stored [M, N] -> dy^T [N, M]; x [M, K]
+    gemm_out(false, false, m, k, n, dy, 0, w, 0, dx, 0);  // [M, N] x [N, K]
+    gemm_out(true, false, n, k, m, dy, 0, x, 0, dw, 0);   // dy stored [M, N] -> dy^T [N, M]; x [M, K]
   }
   dx.done();
   dw.done();
@@ -216,7 +248,8 @@ int linear_bwd(int nparam, void **params, int *ndims, int64_t **shapes, const ch
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) a[j] += row[j];
     }
-    for (int64_t j = 0; j < n; ++j) db.f32[j] = static_cast<float>(a[j]);
+    float *dbf = db.f();
+    for (int64_t j = 0; j < n; ++j) dbf[j] = static_cast<float>(a[j]);
     db.done();
   }
   return 0;
@@ -257,6 +290,9 @@ MSLLM_EXPORT int MsLlmBlasKernelsAbiVersion() { return 1; }
 MSLLM_EXPORT void MsLlmBlasSetBf16Gemm(void *fn) { g_gemm_bf16 = reinterpret_cast<GemmBf16Fn>(fn); }
 
 MSLLM_EXPORT int MsLlmBlasHasBf16Gemm() { return g_gemm_bf16 != nullptr; }
+
+// Register (or remove) a bf16 matmul that may write bf16 outputs directly (MsLlmDnnlMatmulBf16).
+MSLLM_EXPORT void MsLlmBlasSetBf16Matmul(void *fn) { g_matmul_bf16 = reinterpret_cast<MatmulBf16Fn>(fn); }
 
 MSLLM_EXPORT int MsLlmBlasGetThreads() { return scipy_openblas_get_num_threads(); }
 
@@ -301,7 +337,7 @@ MSLLM_EXPORT int BmmFwd(int nparam, void **params, int *ndims, int64_t **shapes,
   In a(params[0], dtypes[0], d.batch * d.m * d.k), b(params[1], dtypes[1], d.batch * d.k * d.n);
   Out c(params[4], dtypes[4], d.batch * d.m * d.n);
   for (int64_t i = 0; i < d.batch; ++i)
-    gemm_in(ta, tb, d.m, d.n, d.k, a, i * d.m * d.k, b, i * d.k * d.n, 0.f, c.f32 + i * d.m * d.n);
+    gemm_out(ta, tb, d.m, d.n, d.k, a, i * d.m * d.k, b, i * d.k * d.n, c, i * d.m * d.n);
   c.done();
   return 0;
 }
@@ -327,19 +363,18 @@ MSLLM_EXPORT int BmmBwd(int nparam, void **params, int *ndims, int64_t **shapes,
   const int64_t m = d.m, n = d.n, k = d.k;
   for (int64_t i = 0; i < d.batch; ++i) {
     const int64_t oa = i * sa, ob = i * sb, og = i * sc;
-    float *dai = da.f32 + oa, *dbi = db.f32 + ob;
     if (!ta && !tb) {         // a [M,K], b [K,N]
-      gemm_in(false, true, m, k, n, dc, og, b, ob, 0.f, dai);   // dA = dC B^T      [M,K]
-      gemm_in(true, false, k, n, m, a, oa, dc, og, 0.f, dbi);   // dB = A^T dC      [K,N]
+      gemm_out(false, true, m, k, n, dc, og, b, ob, da, oa);   // dA = dC B^T      [M,K]
+      gemm_out(true, false, k, n, m, a, oa, dc, og, db, ob);   // dB = A^T dC      [K,N]
     } else if (!ta && tb) {   // a [M,K], b [N,K]
-      gemm_in(false, false, m, k, n, dc, og, b, ob, 0.f, dai);  // dA = dC B        [M,K]
-      gemm_in(true, false, n, k, m, dc, og, a, oa, 0.f, dbi);   // dB = dC^T A      [N,K]
+      gemm_out(false, false, m, k, n, dc, og, b, ob, da, oa);  // dA = dC B        [M,K]
+      gemm_out(true, false, n, k, m, dc, og, a, oa, db, ob);   // dB = dC^T A      [N,K]
     } else if (ta && !tb) {   // a [K,M], b [K,N]
-      gemm_in(false, true, k, m, n, b, ob, dc, og, 0.f, dai);   // dA = B dC^T      [K,M]
-      gemm_in(false, false, k, n, m, a, oa, dc, og, 0.f, dbi);  // dB = A dC        [K,N]
+      gemm_out(false, true, k, m, n, b, ob, dc, og, da, oa);   // dA = B dC^T      [K,M]
+      gemm_out(false, false, k, n, m, a, oa, dc, og, db, ob);  // dB = A dC        [K,N]
     } else {                  // a [K,M], b [N,K]
-      gemm_in(true, true, k, m, n, b, ob, dc, og, 0.f, dai);    // dA = B^T dC^T    [K,M]
-      gemm_in(true, true, n, k, m, dc, og, a, oa, 0.f, dbi);    // dB = dC^T A^T    [N,K]
+      gemm_out(true, true, k, m, n, b, ob, dc, og, da, oa);    // dA = B^T dC^T    [K,M]
+      gemm_out(true, true, n, k, m, dc, og, a, oa, db, ob);    // dB = dC^T A^T    [N,K]
     }
   }
   da.done();

@@ -60,8 +60,10 @@ def _is_blas_source(p: Path) -> bool:
 
 
 def sources() -> list[Path]:
-    """The C++ sources of the main library (every ``*.cpp``/``*.h`` next to this file but ``blas_*``)."""
-    return sorted(p for p in list(_SRC_DIR.glob("*.cpp")) + list(_SRC_DIR.glob("*.h")) if not _is_blas_source(p))
+    """The C++ sources of the main library (every ``*.cpp``/``*.h`` next to this file but ``blas_*``
+    and ``dnnl_*``, which build their own libraries: :mod:`.dnnl_gemm`)."""
+    return sorted(p for p in list(_SRC_DIR.glob("*.cpp")) + list(_SRC_DIR.glob("*.h"))
+                  if not _is_blas_source(p) and not p.name.startswith("dnnl_"))
 
 
 def blas_sources() -> list[Path]:

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 
 namespace msllm {
 
@@ -22,6 +23,37 @@ inline int64_t numel(int nd, const int64_t *s) {
 }
 
 inline bool is_f32(const char *d) { return std::strcmp(d, "float32") == 0 || std::strcmp(d, "float") == 0; }
+
+inline bool is_bf16_dtype(const char *d) { return std::strcmp(d, "bfloat16") == 0; }
+
+// Element access for kernels templated on their storage type T: float, or uint16_t holding bf16
+// bits (widened exactly; stored rounded to nearest even, NaN kept quiet). The arithmetic is fp32.
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+template <class T> inline T from_f32(float f);
+template <> inline float from_f32<float>(float f) { return f; }
+template <> inline uint16_t from_f32<uint16_t>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// 0 = every listed dtype fp32, 1 = every one bf16, -1 = anything else.
+inline int storage_kind(const char **dtypes, std::initializer_list<int> which) {
+  bool f = true, b = true;
+  for (int i : which) {
+    f = f && is_f32(dtypes[i]);
+    b = b && is_bf16_dtype(dtypes[i]);
+  }
+  return f ? 0 : (b ? 1 : -1);
+}
 
 inline bool is_i32(const char *d) { return std::strcmp(d, "int32") == 0; }
 

@@ -125,3 +125,92 @@ class MlpBlock:
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.prim(x, *self.args)
+
+
+# Seconds every ModelStep call adds to (for benchmarks/generate.py's breakdown; reset it there):
+# the attention halves without their attention over the cache, that attention, the MLP halves,
+# the final norm + LM head + argmax.
+STEP_SECONDS = np.zeros(4, np.float64)
+STEP_PARTS = ("layer attention halves (norms, QKV, RoPE, proj)", "attention over the cache",
+              "layer MLP halves", "final norm + LM head + argmax")
+
+
+class ModelStep:
+    """The whole model's one-token decode step as one C call (``DecodeModelStep`` in
+    ``blas_decode_model.cpp``, through ctypes: MindSpore dispatches nothing): token ids in, the
+    next greedy tokens (and the logits) out, every layer's K/V written into the cache buffers.
+
+    Built once per generation from fp32 host tensors (``ms_llm.models.fused_decode.model_step``
+    checks what the model holds); the tensors are kept referenced here, so their addresses stay
+    valid. ``layers``: per layer the 12 weights (input norm, qkv W, qkv bias, q norm, k norm,
+    proj W, proj bias, pre-MLP norm, fc1 W, fc1 bias, fc2 W, fc2 bias; None = absent)."""
+
+    _LAYER_PTRS = 14
+
+    def __init__(self, layers: list, embedding: Tensor, final_norm: Tensor, head: Tensor,
+                 rope_table, dims: dict, eps: float, scale: float, threads: int,
+                 parallel_macs: int = 0):
+        import ctypes
+        from .blas import _cdll
+        self._fn = _cdll().DecodeModelStep
+        self._fn.restype = ctypes.c_int
+        self._keep = (layers, embedding, final_norm, head)
+        self.rope_table = rope_table          # rows -> (cos, sin) NumPy [>= rows, rot]
+        self.dims = dims
+        n = len(layers)
+        self.layer_ptrs = np.zeros((n, self._LAYER_PTRS), np.uint64)
+        for i, ws in enumerate(layers):
+            self.layer_ptrs[i, :12] = [0 if w is None else w.data_ptr() for w in ws]
+        self.model_ptrs = np.array([embedding.data_ptr(), final_norm.data_ptr(), head.data_ptr(),
+                                    0, 0], np.uint64)
+        self.vocab = int(head.shape[0])
+        self.cfg = np.zeros(17, np.int64)
+        d = dims
+        self.cfg[[0, 2, 3, 5, 6, 7, 8, 9, 11, 12, 15]] = [
+            n, d["hidden"], self.vocab, d["r"], d["g"], d["d"], d["ffn"], d["rot"],
+            int(d["gated"]), int(d["zero_centered"]), max(1, int(threads))]
+        self.cfg[16] = int(parallel_macs)     # 0: the kernel's threshold (tests force threads)
+        self.fcfg = np.array([eps, scale], np.float32)
+        self.logits = None
+        self._cache_ids: tuple = ()
+        self._table_rows = 0
+
+    def __call__(self, caches: list, ids: np.ndarray, positions: np.ndarray,
+                 padding: np.ndarray, pos: int, argmax_vocab: int):
+        """One step at slot ``pos`` for ids ``[b]`` at RoPE ``positions`` ``[b]``; ``padding``
+        ``[b, >pos]`` bool (True = never attended); ``caches``: the layers' ``(k, v)`` buffers
+        ``[b, g, C, d]``. Returns ``(logits [b, V], tokens [b] or None)``: ``argmax_vocab`` > 0
+        also picks the first maximum among the first that many logits."""
+        import ctypes
+        b = ids.shape[0]
+        if self.logits is None or self.logits.shape[0] != b:
+            self.logits = np.empty((b, self.vocab), np.float32)
+            self.tokens = np.empty(b, np.int64)
+        key = tuple(id(t) for kv in caches for t in kv)
+        if key != self._cache_ids:          # allocated or grown since the last step
+            for i, (k, v) in enumerate(caches):
+                self.layer_ptrs[i, 12:] = (k.data_ptr(), v.data_ptr())
+            self._cache_ids, self._keep_caches = key, caches
+            self.cfg[10] = caches[0][0].shape[2]
+        need = int(positions.max()) + 1
+        if need > self._table_rows:
+            cos, sin = self.rope_table(need)
+            self._table = (np.ascontiguousarray(cos, np.float32),
+                           np.ascontiguousarray(sin, np.float32))
+            self._table_rows = cos.shape[0]
+            self.model_ptrs[3:] = (self._table[0].ctypes.data, self._table[1].ctypes.data)
+        padding = np.ascontiguousarray(padding, dtype=bool)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        cfg = self.cfg
+        cfg[1], cfg[4], cfg[13], cfg[14] = b, argmax_vocab, pos, padding.shape[1]
+        ptr = ctypes.c_void_p
+        rc = self._fn(ptr(self.cfg.ctypes.data), ptr(self.fcfg.ctypes.data),
+                      ptr(self.layer_ptrs.ctypes.data), ptr(self.model_ptrs.ctypes.data),
+                      ptr(ids.ctypes.data), ptr(positions.ctypes.data), ptr(padding.ctypes.data),
+                      ptr(self.logits.ctypes.data), ptr(self.tokens.ctypes.data),
+                      ptr(STEP_SECONDS.ctypes.data))
+        if rc:
+            raise ValueError(f"DecodeModelStep rejected its input (code {rc}): slot {pos}, "
+                             f"ids {ids.tolist()}, cache {self.cfg[10]} slots")
+        return self.logits, (self.tokens.copy() if argmax_vocab else None)

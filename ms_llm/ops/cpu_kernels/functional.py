@@ -1,7 +1,8 @@
 """MindSpore ops backed by the AOT C++ kernels (``ops.Custom(func_type="aot")`` with AOT backward).
 
-Each public function computes in fp32 (fp16/bf16 inputs are upcast and the result is cast back to the
-input dtype; cross_entropy always returns fp32) and falls back to the composed form in
+Each public function computes in fp32 (fp16 inputs are upcast and the result is cast back to the
+input dtype; bf16 tensors go to rms_norm, swiglu and rope as they are -- the kernels widen on load
+and round on store -- and cross_entropy always returns fp32) and falls back to the composed form in
 :mod:`.composed` when :func:`available` is False.
 
 They work in PyNative and inside ``mindspore.jit`` (default AST capture): the availability check and
@@ -137,10 +138,20 @@ def _f32(t):
     return t if t.dtype == ms.float32 else t.astype(ms.float32)
 
 
+@constexpr
+def _native(*dtypes):
+    """True when the kernel reads and writes these tensors as they are: all fp32, or all bf16
+    (widened on load, fp32 arithmetic, rounded on store: the numbers of an fp32 kernel between
+    casts, without the cast passes over memory and their dispatch)."""
+    return all(d == ms.float32 for d in dtypes) or all(d == ms.bfloat16 for d in dtypes)
+
+
 def rms_norm(x, weight, eps=1e-6):
     """RMSNorm over the last axis: ``x * rsqrt(mean(x^2, -1) + eps) * weight``. Grads for x and weight."""
     if not _aot_enabled():
         return composed.rms_norm(x, weight, eps)
+    if _native(x.dtype, weight.dtype):
+        return _prim("rms_norm")(x, weight, float(eps))
     dt = x.dtype
     y = _prim("rms_norm")(_f32(x), _f32(weight), float(eps))
     return y if dt == ms.float32 else y.astype(dt)
@@ -150,6 +161,8 @@ def swiglu(x):
     """``silu(x[..., :F]) * x[..., F:]`` for x [..., 2F] (Megatron fused fc1 layout). Grad for x."""
     if not _aot_enabled():
         return composed.swiglu(x)
+    if _native(x.dtype):
+        return _prim("swiglu")(x)
     dt = x.dtype
     y = _prim("swiglu")(_f32(x))
     return y if dt == ms.float32 else y.astype(dt)
@@ -209,6 +222,8 @@ def rope(x, cos, sin, seq_dim=-2):
     """
     if not _aot_enabled():
         return composed.rope(x, cos, sin, seq_dim)
+    if _native(x.dtype):   # x fp32 or bf16 as it is; the tables always fp32
+        return _prim("rope")(x, _f32(cos), _f32(sin), int(seq_dim))
     dt = x.dtype
     y = _prim("rope")(_f32(x), _f32(cos), _f32(sin), int(seq_dim))
     return y if dt == ms.float32 else y.astype(dt)

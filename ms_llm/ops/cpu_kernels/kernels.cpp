@@ -62,10 +62,11 @@ int threads_for(int64_t work, int64_t rows) {
 
 inline float sigmoid_f(float a) { return 1.0f / (1.0f + exp_f(-a)); }
 
-float row_sum_sq(const float *x, int64_t h) {
+template <class T>
+float row_sum_sq(const T *x, int64_t h) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < h; ++j) s += x[j] * x[j];
+  for (int64_t j = 0; j < h; ++j) s += to_f32(x[j]) * to_f32(x[j]);
   return s;
 }
 
@@ -101,10 +102,8 @@ MSLLM_EXPORT int MsLlmKernelsOpenMP() {
 // --------------------------------------------------------------------------------------------
 // RMSNorm.  inputs: x [..., H] f32, w [H] f32, eps scalar.  output: y [..., H] f32.
 //   y = x * rsqrt(mean(x^2, -1) + eps) * w
-MSLLM_EXPORT int RmsNormFwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                            void *, void *) {
-  if (nparam != 4) return kErrNParam;
-  if (!is_f32(dtypes[0]) || !is_f32(dtypes[1]) || !is_f32(dtypes[3])) return kErrDtype;
+template <class T>
+int rms_norm_fwd(void **params, int *ndims, int64_t **shapes, const char **dtypes) {
   if (ndims[0] < 1) return kErrShape;
   const int64_t h = shapes[0][ndims[0] - 1];
   if (numel(ndims[1], shapes[1]) != h || numel(ndims[3], shapes[3]) != numel(ndims[0], shapes[0]))
@@ -112,30 +111,36 @@ MSLLM_EXPORT int RmsNormFwd(int nparam, void **params, int *ndims, int64_t **sha
   double eps_d;
   if (!read_scalar(params[2], dtypes[2], &eps_d)) return kErrDtype;
   const float eps = static_cast<float>(eps_d);
-  const float *x = static_cast<const float *>(params[0]);
-  const float *w = static_cast<const float *>(params[1]);
-  float *y = static_cast<float *>(params[3]);
+  const T *x = static_cast<const T *>(params[0]);
+  const T *w = static_cast<const T *>(params[1]);
+  T *y = static_cast<T *>(params[3]);
   const int64_t rows = h > 0 ? numel(ndims[0], shapes[0]) / h : 0;
   const float inv_h = 1.0f / static_cast<float>(h);
   const int nt = threads_for(rows * h, rows);
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t i = 0; i < rows; ++i) {
-    const float *xr = x + i * h;
-    float *yr = y + i * h;
+    const T *xr = x + i * h;
+    T *yr = y + i * h;
     const float r = 1.0f / std::sqrt(row_sum_sq(xr, h) * inv_h + eps);
 #pragma omp simd
-    for (int64_t j = 0; j < h; ++j) yr[j] = xr[j] * r * w[j];
+    for (int64_t j = 0; j < h; ++j) yr[j] = from_f32<T>(to_f32(xr[j]) * r * to_f32(w[j]));
   }
   return 0;
 }
 
+MSLLM_EXPORT int RmsNormFwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *, void *) {
+  if (nparam != 4) return kErrNParam;
+  const int kind = storage_kind(dtypes, {0, 1, 3});
+  if (kind < 0) return kErrDtype;
+  return kind ? rms_norm_fwd<uint16_t>(params, ndims, shapes, dtypes)
+              : rms_norm_fwd<float>(params, ndims, shapes, dtypes);
+}
+
 // RMSNorm backward.  inputs: x [..., H], w [H], dy [..., H], eps.  outputs: dx [..., H], dw [H].
 //   r = rsqrt(mean(x^2) + eps);  dx = r * dy * w - x * r^3 * sum(dy * w * x) / H;  dw = sum_rows(dy * x * r)
-MSLLM_EXPORT int RmsNormBwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                            void *, void *) {
-  if (nparam != 6) return kErrNParam;
-  for (int i : {0, 1, 2, 4, 5})
-    if (!is_f32(dtypes[i])) return kErrDtype;
+template <class T>
+int rms_norm_bwd(void **params, int *ndims, int64_t **shapes, const char **dtypes) {
   if (ndims[0] < 1) return kErrShape;
   const int64_t h = shapes[0][ndims[0] - 1];
   const int64_t total = numel(ndims[0], shapes[0]);
@@ -145,11 +150,11 @@ MSLLM_EXPORT int RmsNormBwd(int nparam, void **params, int *ndims, int64_t **sha
   double eps_d;
   if (!read_scalar(params[3], dtypes[3], &eps_d)) return kErrDtype;
   const float eps = static_cast<float>(eps_d);
-  const float *x = static_cast<const float *>(params[0]);
-  const float *w = static_cast<const float *>(params[1]);
-  const float *dy = static_cast<const float *>(params[2]);
-  float *dx = static_cast<float *>(params[4]);
-  float *dw = static_cast<float *>(params[5]);
+  const T *x = static_cast<const T *>(params[0]);
+  const T *w = static_cast<const T *>(params[1]);
+  const T *dy = static_cast<const T *>(params[2]);
+  T *dx = static_cast<T *>(params[4]);
+  T *dw = static_cast<T *>(params[5]);
   const int64_t rows = h > 0 ? total / h : 0;
   const float inv_h = 1.0f / static_cast<float>(h);
   const int nt = threads_for(total, rows);
@@ -165,40 +170,49 @@ MSLLM_EXPORT int RmsNormBwd(int nparam, void **params, int *ndims, int64_t **sha
     float *dwp = partial.data() + static_cast<size_t>(tid) * h;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows; ++i) {
-      const float *xr = x + i * h;
-      const float *gr = dy + i * h;
-      float *dxr = dx + i * h;
+      const T *xr = x + i * h;
+      const T *gr = dy + i * h;
+      T *dxr = dx + i * h;
       float ss = 0.f, dot = 0.f;
 #pragma omp simd reduction(+ : ss, dot)
       for (int64_t j = 0; j < h; ++j) {
-        ss += xr[j] * xr[j];
-        dot += gr[j] * w[j] * xr[j];
+        const float xj = to_f32(xr[j]);
+        ss += xj * xj;
+        dot += to_f32(gr[j]) * to_f32(w[j]) * xj;
       }
       const float r = 1.0f / std::sqrt(ss * inv_h + eps);
       const float c = r * r * r * dot * inv_h;
 #pragma omp simd
       for (int64_t j = 0; j < h; ++j) {
-        dxr[j] = r * gr[j] * w[j] - c * xr[j];
-        dwp[j] += gr[j] * xr[j] * r;
+        const float xj = to_f32(xr[j]), gj = to_f32(gr[j]);
+        dxr[j] = from_f32<T>(r * gj * to_f32(w[j]) - c * xj);
+        dwp[j] += gj * xj * r;
       }
     }
   }
-  for (int64_t j = 0; j < h; ++j) dw[j] = partial[j];
   for (int t = 1; t < nt; ++t) {
     const float *p = partial.data() + static_cast<size_t>(t) * h;
 #pragma omp simd
-    for (int64_t j = 0; j < h; ++j) dw[j] += p[j];
+    for (int64_t j = 0; j < h; ++j) partial[j] += p[j];
   }
+  for (int64_t j = 0; j < h; ++j) dw[j] = from_f32<T>(partial[j]);
   return 0;
+}
+
+MSLLM_EXPORT int RmsNormBwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *, void *) {
+  if (nparam != 6) return kErrNParam;
+  const int kind = storage_kind(dtypes, {0, 1, 2, 4, 5});
+  if (kind < 0) return kErrDtype;
+  return kind ? rms_norm_bwd<uint16_t>(params, ndims, shapes, dtypes)
+              : rms_norm_bwd<float>(params, ndims, shapes, dtypes);
 }
 
 // --------------------------------------------------------------------------------------------
 // SwiGLU on the fused fc1 output.  input: x [..., 2F] (first half gate a, second half up b).
 // output: y [..., F] = silu(a) * b.
-MSLLM_EXPORT int SwigluFwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
-                           void *) {
-  if (nparam != 2) return kErrNParam;
-  if (!is_f32(dtypes[0]) || !is_f32(dtypes[1])) return kErrDtype;
+template <class T>
+int swiglu_fwd(void **params, int *ndims, int64_t **shapes) {
   if (ndims[0] < 1) return kErrShape;
   const int64_t two_f = shapes[0][ndims[0] - 1];
   if (two_f % 2 != 0) return kErrShape;
@@ -206,27 +220,35 @@ MSLLM_EXPORT int SwigluFwd(int nparam, void **params, int *ndims, int64_t **shap
   const int64_t total = numel(ndims[0], shapes[0]);
   if (numel(ndims[1], shapes[1]) * 2 != total) return kErrShape;
   const int64_t rows = two_f > 0 ? total / two_f : 0;
-  const float *x = static_cast<const float *>(params[0]);
-  float *y = static_cast<float *>(params[1]);
+  const T *x = static_cast<const T *>(params[0]);
+  T *y = static_cast<T *>(params[1]);
   const int nt = threads_for(total, rows);
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t i = 0; i < rows; ++i) {
-    const float *a = x + i * two_f;
-    const float *b = a + f;
-    float *yr = y + i * f;
+    const T *a = x + i * two_f;
+    const T *b = a + f;
+    T *yr = y + i * f;
 #pragma omp simd
-    for (int64_t j = 0; j < f; ++j) yr[j] = a[j] * sigmoid_f(a[j]) * b[j];
+    for (int64_t j = 0; j < f; ++j) {
+      const float aj = to_f32(a[j]);
+      yr[j] = from_f32<T>(aj * sigmoid_f(aj) * to_f32(b[j]));
+    }
   }
   return 0;
 }
 
+MSLLM_EXPORT int SwigluFwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                           void *) {
+  if (nparam != 2) return kErrNParam;
+  const int kind = storage_kind(dtypes, {0, 1});
+  if (kind < 0) return kErrDtype;
+  return kind ? swiglu_fwd<uint16_t>(params, ndims, shapes) : swiglu_fwd<float>(params, ndims, shapes);
+}
+
 // SwiGLU backward.  inputs: x [..., 2F], dy [..., F].  output: dx [..., 2F].
 //   s = sigmoid(a);  da = dy * b * s * (1 + a * (1 - s));  db = dy * a * s
-MSLLM_EXPORT int SwigluBwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
-                           void *) {
-  if (nparam != 3) return kErrNParam;
-  for (int i = 0; i < 3; ++i)
-    if (!is_f32(dtypes[i])) return kErrDtype;
+template <class T>
+int swiglu_bwd(void **params, int *ndims, int64_t **shapes) {
   if (ndims[0] < 1) return kErrShape;
   const int64_t two_f = shapes[0][ndims[0] - 1];
   if (two_f % 2 != 0) return kErrShape;
@@ -234,26 +256,35 @@ MSLLM_EXPORT int SwigluBwd(int nparam, void **params, int *ndims, int64_t **shap
   const int64_t total = numel(ndims[0], shapes[0]);
   if (numel(ndims[1], shapes[1]) * 2 != total || numel(ndims[2], shapes[2]) != total) return kErrShape;
   const int64_t rows = two_f > 0 ? total / two_f : 0;
-  const float *x = static_cast<const float *>(params[0]);
-  const float *dy = static_cast<const float *>(params[1]);
-  float *dx = static_cast<float *>(params[2]);
+  const T *x = static_cast<const T *>(params[0]);
+  const T *dy = static_cast<const T *>(params[1]);
+  T *dx = static_cast<T *>(params[2]);
   const int nt = threads_for(total, rows);
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t i = 0; i < rows; ++i) {
-    const float *a = x + i * two_f;
-    const float *b = a + f;
-    const float *g = dy + i * f;
-    float *da = dx + i * two_f;
-    float *db = da + f;
+    const T *a = x + i * two_f;
+    const T *b = a + f;
+    const T *g = dy + i * f;
+    T *da = dx + i * two_f;
+    T *db = da + f;
 #pragma omp simd
     for (int64_t j = 0; j < f; ++j) {
-      const float s = sigmoid_f(a[j]);
-      const float as = a[j] * s;
-      da[j] = g[j] * b[j] * (s + as * (1.0f - s));
-      db[j] = g[j] * as;
+      const float aj = to_f32(a[j]), gj = to_f32(g[j]);
+      const float s = sigmoid_f(aj);
+      const float as = aj * s;
+      da[j] = from_f32<T>(gj * to_f32(b[j]) * (s + as * (1.0f - s)));
+      db[j] = from_f32<T>(gj * as);
     }
   }
   return 0;
+}
+
+MSLLM_EXPORT int SwigluBwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                           void *) {
+  if (nparam != 3) return kErrNParam;
+  const int kind = storage_kind(dtypes, {0, 1, 2});
+  if (kind < 0) return kErrDtype;
+  return kind ? swiglu_bwd<uint16_t>(params, ndims, shapes) : swiglu_bwd<float>(params, ndims, shapes);
 }
 
 // --------------------------------------------------------------------------------------------
@@ -464,9 +495,9 @@ bool rope_geometry(int nd, const int64_t *shape, int64_t seq_dim, int64_t *outer
 
 // sign = +1: forward.  y1 = x1*c1 - x2*s1 ; y2 = x2*c2 + x1*s2
 // sign = -1: backward. dx1 = g1*c1 + g2*s2 ; dx2 = g2*c2 - g1*s1
-int rope_impl(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, bool backward) {
-  if (nparam != 5) return kErrNParam;
-  if (!is_f32(dtypes[0]) || !is_f32(dtypes[1]) || !is_f32(dtypes[2]) || !is_f32(dtypes[4])) return kErrDtype;
+// x / y fp32 or bf16 (the same), cos / sin fp32.
+template <class T>
+int rope_t(void **params, int *ndims, int64_t **shapes, const char **dtypes, bool backward) {
   double sd;
   if (!read_scalar(params[3], dtypes[3], &sd)) return kErrDtype;
   int64_t outer, s, inner, d;
@@ -474,10 +505,10 @@ int rope_impl(int nparam, void **params, int *ndims, int64_t **shapes, const cha
   if (numel(ndims[1], shapes[1]) != s * d || numel(ndims[2], shapes[2]) != s * d ||
       numel(ndims[4], shapes[4]) != numel(ndims[0], shapes[0]))
     return kErrShape;
-  const float *x = static_cast<const float *>(params[0]);
+  const T *x = static_cast<const T *>(params[0]);
   const float *cs = static_cast<const float *>(params[1]);
   const float *sn = static_cast<const float *>(params[2]);
-  float *y = static_cast<float *>(params[4]);
+  T *y = static_cast<T *>(params[4]);
   const int64_t half = d / 2;
   const int64_t rows = outer * s;  // one (outer, s) pair = inner vectors sharing cos/sin
   const int nt = threads_for(rows * inner * d, rows);
@@ -487,26 +518,34 @@ int rope_impl(int nparam, void **params, int *ndims, int64_t **shapes, const cha
     const float *c = cs + si * d;
     const float *sv = sn + si * d;
     for (int64_t k = 0; k < inner; ++k) {
-      const float *xv = x + (r * inner + k) * d;
-      float *yv = y + (r * inner + k) * d;
+      const T *xv = x + (r * inner + k) * d;
+      T *yv = y + (r * inner + k) * d;
       if (!backward) {
 #pragma omp simd
         for (int64_t j = 0; j < half; ++j) {
-          const float x1 = xv[j], x2 = xv[j + half];
-          yv[j] = x1 * c[j] - x2 * sv[j];
-          yv[j + half] = x2 * c[j + half] + x1 * sv[j + half];
+          const float x1 = to_f32(xv[j]), x2 = to_f32(xv[j + half]);
+          yv[j] = from_f32<T>(x1 * c[j] - x2 * sv[j]);
+          yv[j + half] = from_f32<T>(x2 * c[j + half] + x1 * sv[j + half]);
         }
       } else {
 #pragma omp simd
         for (int64_t j = 0; j < half; ++j) {
-          const float g1 = xv[j], g2 = xv[j + half];
-          yv[j] = g1 * c[j] + g2 * sv[j + half];
-          yv[j + half] = g2 * c[j + half] - g1 * sv[j];
+          const float g1 = to_f32(xv[j]), g2 = to_f32(xv[j + half]);
+          yv[j] = from_f32<T>(g1 * c[j] + g2 * sv[j + half]);
+          yv[j + half] = from_f32<T>(g2 * c[j + half] - g1 * sv[j]);
         }
       }
     }
   }
   return 0;
+}
+int rope_impl(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, bool backward) {
+  if (nparam != 5) return kErrNParam;
+  if (!is_f32(dtypes[1]) || !is_f32(dtypes[2])) return kErrDtype;
+  const int kind = storage_kind(dtypes, {0, 4});
+  if (kind < 0) return kErrDtype;
+  return kind ? rope_t<uint16_t>(params, ndims, shapes, dtypes, backward)
+              : rope_t<float>(params, ndims, shapes, dtypes, backward);
 }
 }  // namespace
 

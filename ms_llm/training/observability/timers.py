@@ -13,6 +13,8 @@ name                   level  what it covers here
 ``grads-all-reduce``   1      the data-parallel gradient all-reduce (nested in the above);
 ``grads-reduce-scatter``      its name under the distributed optimizer / FSDP
 ``optimizer``          1      global grad norm, clipping and the update
+``params-all-gather``  1      the distributed optimizer's all-gather of the updated
+                              parameter shards (nested in ``optimizer``)
 ``forward-compute``    2      the model's forward calls (nested in ``forward-backward``)
 ``backward-compute``   2      ``forward-backward``'s gradient computation minus the
                               forward calls inside it (pipeline: the B actions' spans)
@@ -41,7 +43,7 @@ import numpy as np
 
 LEVELS: Dict[str, int] = {
     "batch-generator": 1, "forward-backward": 1, "grads-all-reduce": 1,
-    "grads-reduce-scatter": 1, "optimizer": 1, "forward-compute": 2, "backward-compute": 2,
+    "grads-reduce-scatter": 1, "optimizer": 1, "params-all-gather": 1, "forward-compute": 2, "backward-compute": 2,
     "pipeline-send-recv": 2,
 }
 # The top-level timers: disjoint, and together they make up nearly the whole step.
