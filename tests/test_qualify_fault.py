@@ -55,3 +55,38 @@ def test_cell_verdicts(tmp_path):
     assert "restarted curve: loss step 4" in check_cell(CELL, run, 0, launch, REF, 4, 600).detail
     # the uninterrupted run is missing: nothing to compare with
     assert check_cell(CELL, run, 0, launch, dict(REF, error="x"), 4, 600).state == "unmet"
+
+
+def test_fault_launch_command_runs_the_worker_under_the_supervisor(tmp_path):
+    """The supervisor builds each attempt's msrun command from ``-- ENTRY ARGS``
+    (``ms_llm.training.restart``); handing it a whole msrun command made msrun start
+    ``python msrun`` and every cell's (d) fail. A real 2-worker launch of a job with no runs:
+    the workers start, record nothing and exit 0, with no failed attempt."""
+    from ms_llm.qualify.fault import WORKER, run_fault_launch, supervisor_command
+    from ms_llm.qualify.plan import Job
+    cmd = supervisor_command(Job("x", 2, [{"name": "r"}]), "/j", "/j/job.json", 1234)
+    tail = cmd[cmd.index("--"):]
+    assert tail == ["--", WORKER, "/j/job.json"] and "msrun" not in cmd
+    assert cmd[cmd.index("--worker-num") + 1] == "2"
+    launch = run_fault_launch(Job("empty", 2, []), str(tmp_path), 300, say=lambda m: None)
+    assert launch["rc"] == 0 and launch["failed"] == [], launch["log"][-2000:]
+
+
+def test_a_run_that_fails_before_its_kill_ends_no_attempt(tmp_path):
+    """Three cells in one launch, the first failing at its step-2 save (recorded, the job goes
+    on): the second cell's kill ended attempt 1, the third's attempt 2 (not 2 and 3, which
+    read "did not end the launch" for the last cell)."""
+    from ms_llm.qualify.fault import attempt_indices
+    runs = []
+    for k, (last, error) in enumerate([(2, "ValueError: save"), (4, None), (4, None)]):
+        run = fault_run(CELL, "c.yaml", [], str(tmp_path / str(k)), steps=6)
+        run["name"] += str(k)
+        os.makedirs(run["out"], exist_ok=True)
+        with open(os.path.join(run["out"], "metrics.jsonl"), "w") as f:
+            for step in range(1, last + 1):
+                f.write(json.dumps({"step": step, "loss": 1.0, "grad_norm": 1.0}) + "\n")
+        runs.append((run, {"name": run["name"], "error": error, "steps": [5, 6]}))
+    launch = {"runs": {r["name"]: rec for r, rec in runs}}
+    assert attempt_indices([r for r, _ in runs], launch) == [0, 0, 1]
+    launch["runs"][runs[0][0]["name"]]["error"] = None          # killed like the others
+    assert attempt_indices([r for r, _ in runs], launch) == [0, 1, 2]

@@ -80,6 +80,13 @@ def test_what_cannot_be_resumed_is_one_line(tmp_path):
     path = _folder(tmp_path, ["output_layer.weight"])
     with pytest.raises(ValueError, match=r"holds no Adam moments .*weights-only checkpoint"):
         import_torch_dist(path, str(tmp_path / "s"), {}, gated=True, global_batch_size=4)
+    # a hybrid model's DeltaNet layers have no torch_dist names: refused before training, not
+    # at its first save
+    from ms_llm.models.families.qwen35 import QUALIFY_ARGS
+    with pytest.raises(ConfigError, match=r"checkpoint.format torch_dist .*Gated DeltaNet "
+                                          r"layers \(model.layer_types\) are not built"):
+        Trainer(cfg(tmp_path, *QUALIFY_ARGS, "--checkpoint.format", "torch_dist",
+                    "--checkpoint.save_dir", str(tmp_path / "hybrid")))
     os.makedirs(tmp_path / "empty")
     with pytest.raises(ConfigError, match=r"checkpoint.resume_from .*empty: not a Megatron "
                                           r"training checkpoint"):

@@ -1,11 +1,12 @@
-"""``ms-llm qualify [--suite quick|full] [--out DIR]``: run the qualification matrix as real jobs
-and write DIR/support.md, DIR/support.json and DIR/logs/ (docs/qualification.md defines the
-criteria). Exit 0 when no cell fails, 1 when one does, 2 on bad arguments."""
+"""``ms-llm qualify [--suite quick|full] [--cells ...] [--out DIR] [--merge]``: run the
+qualification matrix as real jobs and write DIR/support.md, DIR/support.json and DIR/logs/
+(docs/qualification.md defines the criteria); ``--merge`` / ``--merge-from`` build one table
+from several runs (``qualify.merge``). Exit 0 when no cell fails, 1 when one does, 2 on bad
+arguments."""
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -13,13 +14,10 @@ import time
 from typing import Dict, List, Optional
 
 from . import criteria as C
-from .fault import check_cell, fault_run, restart_logs, run_fault_launch
+from .fault import launch_cells
 from .matrix import STEPS, SUITES, select
-from .plan import Job, Planner
+from .plan import Planner
 from .runner import run_job, segment
-
-LETTERS = ("a", "b", "c", "d")
-
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ms-llm qualify", description=__doc__.split("\n\n")[0])
@@ -30,33 +28,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="scratch folder for checkpoints and exports (default: a temporary one, "
                         "removed at the end)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
-    # test-only: an explicit cell list ("family:feature", comma-separated) and cells whose
-    # parallel run is deliberately changed (another seed), to show a Fail is reported
-    p.add_argument("--cells", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cells", default=None,
+                   help="only these cells: family:feature, comma-separated (e.g. a re-run "
+                        "after a fix, with --merge)")
+    p.add_argument("--merge", action="store_true",
+                   help="add this run's cells to the table already in --out (a cell replaces "
+                        "the same family:feature; each cell names its run's commit)")
+    p.add_argument("--merge-from", action="append", default=[], metavar="DIR",
+                   type=lambda v: ("all", v),
+                   help="run nothing: merge the qualify --out folder DIR (its cells and logs) "
+                        "into --out; repeatable, a later DIR's cell wins")
+    p.add_argument("--merge-d-from", action="append", dest="merge_from", metavar="DIR",
+                   type=lambda v: ("d", v),
+                   help="as --merge-from, but only criterion (d) of DIR's cells patches the "
+                        "same cells (the newest (d) evidence of cells re-run since)")
+    p.add_argument("--fault-only", default=None, metavar="WORK",
+                   help="run criterion (d) alone, comparing with the uninterrupted runs of the "
+                        "earlier run whose --work folder was WORK; merged into a table holding "
+                        "those cells, it patches their (d) (qualify.fault_only)")
+    # test-only: cells whose parallel run is deliberately changed (another seed), to show a
+    # Fail is reported
     p.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
     p.add_argument("--break-cell", action="append", default=[], help=argparse.SUPPRESS)
     # test-only: skip criterion (d)'s fault launches (reported as not run, never as met)
     p.add_argument("--no-fault", action="store_true", help=argparse.SUPPRESS)
     return p
-
-
-def _short(letter: str, chk: C.Check) -> str:
-    d = re.sub(r"\S*/\S*", "...", chk.detail)      # no paths in the table
-    if d.startswith("not built"):
-        d = "not built"
-    return f"{letter}: {d if len(d) <= 90 else d[:87] + '...'}"
-
-
-def _status(test: C.Check, checks: Dict[str, C.Check]) -> tuple:
-    if test.state == "unmet":
-        return "not built", [f"refused: {re.sub(r'^config error: ', '', test.detail)[:90]}"]
-    if test.state == "fail":
-        return "Fail", [f"runs: {re.sub(r'[^ ]*/[^ ]*', '...', test.detail)[:90]}"]
-    fails = [_short(k, c) for k, c in checks.items() if c.state == "fail"]
-    if fails:
-        return "Fail", fails
-    unmet = [_short(k, c) for k, c in checks.items() if c.state != "ok"]
-    return ("Test", unmet) if unmet else ("Pass", [])
 
 
 def _cell_log(path: str, cell, status: str, unmet, test, checks, runs: List[str],
@@ -87,36 +83,11 @@ def _cell_log(path: str, cell, status: str, unmet, test, checks, runs: List[str]
     os.replace(path + ".tmp", path)
 
 
-def _fault_launches(planner: Planner, cells, recs, work: str, args) -> tuple:
-    """Criterion (d) for every cell that trains: one fault launch per family and worker count
-    (``qualify.fault``). Returns ``({cell key: Check}, {cell key: log lines})``."""
-    if C.restart_built():
-        return {}, {}
-    groups: Dict[tuple, list] = {}
-    for cell in cells:
-        if not cell.applicable:
-            continue
-        names = planner.cells[cell.key]
-        if C.trains(recs[names.run], args.steps).state != "ok":
-            continue
-        layout = planner.single_args(cell) + list(cell.layout)
-        run = fault_run(cell, planner.config(cell.family), layout, work, args.steps)
-        groups.setdefault((cell.family.name, cell.feature.nproc), []).append((cell, run))
-    checks, logs = {}, {}
-    for (family, nproc), members in groups.items():
-        job = Job(f"fault_{family}_n{nproc}", nproc, [r for _, r in members])
-        launch = run_fault_launch(job, work, args.timeout * len(members))
-        for i, (cell, run) in enumerate(members):
-            names = planner.cells[cell.key]
-            checks[cell.key] = check_cell(cell, run, i, launch, recs[names.run], args.steps,
-                                          args.timeout)
-            logs[cell.key] = restart_logs(launch)
-    return checks, logs
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.merge_from:
+        return _merge_only(args)
     try:
         cells = select(args.suite, args.cells.split(",") if args.cells else None)
         for b in args.break_cell:
@@ -124,20 +95,53 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as e:
         print(f"ms-llm qualify: {e}", file=sys.stderr)
         return 2
+    if args.merge and os.path.isfile(os.path.join(args.out, "support.json")):
+        from .merge import load
+        try:                 # refused before the run, not after an hour of it
+            load(args.out)
+        except ValueError as e:
+            print(f"ms-llm qualify: --merge: {e}", file=sys.stderr)
+            return 2
     command = "ms-llm qualify " + " ".join(argv) if argv else "ms-llm qualify"
     t0 = time.time()
+    from .report import git_commit
+    commit = git_commit(os.path.abspath(args.out))   # the code this run starts with
     work = args.work or tempfile.mkdtemp(prefix="ms_llm_qualify_")
     os.makedirs(work, exist_ok=True)
     out = os.path.abspath(args.out)
-    shutil.rmtree(os.path.join(out, "logs"), ignore_errors=True)
+    if not args.merge:       # a merged run rewrites only its own cells' logs
+        shutil.rmtree(os.path.join(out, "logs"), ignore_errors=True)
     try:
-        return _run(args, cells, work, out, command, t0)
+        if args.fault_only:
+            from . import fault_only
+            return fault_only.run(args, cells, work, out, command, t0, commit,
+                                  os.path.abspath(args.fault_only))
+        return _run(args, cells, work, out, command, t0, commit)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
+def _merge_only(args) -> int:
+    """``--merge-from``: merge out folders into ``--out`` without running a cell."""
+    from .merge import merge_folders
+    if args.cells or args.merge or args.break_cell:
+        print("ms-llm qualify: --merge-from runs nothing: drop --cells / --merge / "
+              "--break-cell", file=sys.stderr)
+        return 2
+    try:
+        table = merge_folders(os.path.abspath(args.out), args.merge_from)
+        from .report import write_table
+        write_table(os.path.abspath(args.out), table)
+    except (ValueError, OSError) as e:
+        print(f"ms-llm qualify: --merge-from: {e}", file=sys.stderr)
+        return 2
+    print(f"ms-llm qualify: merged {len(args.merge_from)} folder(s) into {args.out}: "
+          f"{len(table['cells'])} cells from {len(table['runs'])} run(s)")
+    return 1 if any(c["status"] == "Fail" for c in table["cells"]) else 0
+
+
+def _run(args, cells, work: str, out: str, command: str, t0: float, commit: str) -> int:
     from .data import prepare
     planner = Planner(work, prepare(os.path.join(work, "data")), args.break_cell, args.steps)
     for cell in cells:
@@ -154,7 +158,7 @@ def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
         owner.update({r["name"]: job.name for r in job.runs})
         device = device or res["device"]
     faults, fault_logs = ({}, {}) if args.no_fault else \
-        _fault_launches(planner, cells, recs, work, args)
+        launch_cells(planner, cells, recs, work, args.steps, args.timeout)
     results = []
     for cell in cells:
         entry = {"family": cell.family.name, "feature": cell.feature.name, "log": None,
@@ -176,7 +180,7 @@ def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
             extra += fault_logs.get(cell.key, [])
         for chk in [test, *checks.values()]:   # the scratch folder's name says nothing
             chk.detail = chk.detail.replace(work.rstrip("/") + "/", "")
-        status, unmet = _status(test, checks)
+        status, unmet = C.verdict(test, checks)
         log_rel = os.path.join("logs", cell.slug + ".log")
         runs = [n for n in dict.fromkeys([names.ref, names.run, names.part, names.resume,
                                           names.other, names.reload]) if n]
@@ -192,8 +196,12 @@ def _run(args, cells, work: str, out: str, command: str, t0: float) -> int:
         print(f"ms-llm qualify: {cell.key}: {status}" + (f" ({'; '.join(unmet)})" if unmet
                                                          else ""), flush=True)
     from .report import write
-    paths = write(out, args.suite if not args.cells else "cells", results, device,
-                  time.time() - t0, command)
+    try:
+        paths = write(out, args.suite if not args.cells else "cells", results, device,
+                      time.time() - t0, command, merge=args.merge, commit=commit)
+    except ValueError as e:          # --merge into a folder whose support.json is not a table
+        print(f"ms-llm qualify: --merge: {e}", file=sys.stderr)
+        return 2
     print(f"ms-llm qualify: wrote {paths['support.md']} and {paths['support.json']} "
           f"({time.time() - t0:.0f} s)")
     return 1 if any(r["status"] == "Fail" for r in results) else 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -175,3 +176,23 @@ def restart_built() -> Optional[str]:
         if "MAX_RESTARTS" not in f.read():
             return "not built (scripts/pretrain.sh has no MAX_RESTARTS)"
     return None
+
+
+def short(letter: str, chk: Check) -> str:
+    d = re.sub(r"\S*/\S*", "...", chk.detail)      # no paths in the table
+    if d.startswith("not built"):
+        d = "not built"
+    return f"{letter}: {d if len(d) <= 90 else d[:87] + '...'}"
+
+
+def verdict(test: Check, checks: Dict[str, Check]) -> tuple:
+    """A cell's status and its unmet / failed criteria, one short line each."""
+    if test.state == "unmet":
+        return "not built", [f"refused: {re.sub(r'^config error: ', '', test.detail)[:90]}"]
+    if test.state == "fail":
+        return "Fail", [f"runs: {re.sub(r'[^ ]*/[^ ]*', '...', test.detail)[:90]}"]
+    fails = [short(k, c) for k, c in checks.items() if c.state == "fail"]
+    if fails:
+        return "Fail", fails
+    unmet = [short(k, c) for k, c in checks.items() if c.state != "ok"]
+    return ("Test", unmet) if unmet else ("Pass", [])

@@ -30,9 +30,9 @@ import sys
 import time
 from typing import Dict, List
 
-from ms_llm.launch import free_port, msrun_command
+from ms_llm.launch import free_port
 
-from .criteria import Check, compare, restart_built
+from .criteria import Check, compare, restart_built, trains
 from .matrix import ROOT, Cell
 from .plan import Job
 from .runner import WORKER, job_env
@@ -52,6 +52,16 @@ def fault_run(cell: Cell, config: str, layout_args: List[str], work: str, steps:
                       str(SAVE_INTERVAL), "--training.resume", "auto"])
 
 
+def supervisor_command(job: Job, jdir: str, spec: str, port: int) -> List[str]:
+    """The restart supervisor's command line for ``job``: it builds each attempt's msrun
+    command itself (``ms_llm.training.restart``: ``--worker-num`` workers of ``-- ENTRY ARGS``),
+    so a one-worker job is a one-worker msrun launch too."""
+    return [sys.executable, "-m", "ms_llm.training.restart", "--max-restarts",
+            str(len(job.runs)), "--save-dir", jdir, "--master-port", str(port),
+            "--log-dir", os.path.join(jdir, "msrun"), "--worker-num", str(job.nproc),
+            "--cluster-time-out", "60", "--", WORKER, spec]
+
+
 def run_fault_launch(job: Job, work: str, timeout: float, say=print) -> Dict:
     """Run ``job`` (fault runs, one per cell) under the restart supervisor. Returns the
     records, the failed attempts ``[(exit code, seconds)]`` in order, the supervisor's exit
@@ -62,14 +72,7 @@ def run_fault_launch(job: Job, work: str, timeout: float, say=print) -> Dict:
     results, spec = os.path.join(jdir, "results.json"), os.path.join(jdir, "job.json")
     with open(spec, "w", encoding="utf-8") as f:
         json.dump({"results": results, "runs": job.runs, "resumable": True}, f, indent=1)
-    if job.nproc == 1:
-        cmd = [sys.executable, WORKER, spec]
-    else:
-        cmd = msrun_command(WORKER, [spec], worker_num=job.nproc, master_port="@PORT@",
-                            log_dir="@LOG_DIR@", cluster_time_out=60)
-    sup = [sys.executable, "-m", "ms_llm.training.restart", "--max-restarts",
-           str(len(job.runs)), "--save-dir", jdir, "--master-port", str(free_port()),
-           "--log-dir", os.path.join(jdir, "msrun"), "--", *cmd]
+    sup = supervisor_command(job, jdir, spec, free_port())
     say(f"ms-llm qualify: fault launch {job.name}: {len(job.runs)} cell(s) on {job.nproc} "
         f"worker(s), one kill and restart each")
     t0 = time.time()
@@ -149,3 +152,46 @@ def restart_logs(launch: Dict, tail: int = 40) -> List[str]:
                     "save_dir; worker logs", ln)
              for ln in launch["log"].splitlines() if ln.startswith("ms-llm restart:")]
     return ["--- fault launch (restart supervisor)", *lines[-tail:]]
+
+
+def launch_cells(planner, cells, recs: Dict[str, dict], work: str, steps: int,
+                 timeout: float) -> tuple:
+    """Criterion (d) for every cell that trains: one fault launch per family and worker count
+    (``qualify.fault``). Returns ``({cell key: Check}, {cell key: log lines})``."""
+    if restart_built():
+        return {}, {}
+    groups: Dict[tuple, list] = {}
+    for cell in cells:
+        if not cell.applicable:
+            continue
+        names = planner.cells[cell.key]
+        if trains(recs[names.run], steps).state != "ok":
+            continue
+        layout = planner.single_args(cell) + list(cell.layout)
+        run = fault_run(cell, planner.config(cell.family), layout, work, steps)
+        groups.setdefault((cell.family.name, cell.feature.nproc), []).append((cell, run))
+    checks, logs = {}, {}
+    for (family, nproc), members in groups.items():
+        job = Job(f"fault_{family}_n{nproc}", nproc, [r for _, r in members])
+        launch = run_fault_launch(job, work, timeout * len(members))
+        for (cell, run), i in zip(members, attempt_indices([r for _, r in members], launch)):
+            names = planner.cells[cell.key]
+            checks[cell.key] = check_cell(cell, run, i, launch, recs[names.run], steps,
+                                          timeout)
+            logs[cell.key] = restart_logs(launch)
+    return checks, logs
+
+
+def attempt_indices(runs: List[dict], launch: Dict) -> List[int]:
+    """The failed attempt each fault run's kill ended, in order. A run that failed on its own
+    before its kill step (recorded with an error, no step logged at or past the one before the
+    kill) ended no attempt: the job went on to the next run, whose kill is then the same
+    attempt number, not the next."""
+    out, i = [], 0
+    for run in runs:
+        out.append(i)
+        rec = launch["runs"].get(run["name"])
+        logged = _metrics_curve(run["out"])
+        if not (rec and rec.get("error") and max(logged, default=0) < run["fault"][0] - 1):
+            i += 1
+    return out

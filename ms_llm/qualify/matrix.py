@@ -11,6 +11,8 @@ the test suite justifies for the same layouts:
   test_dpo_parallel.py, test_pipeline_training.py, test_deepseek_parallel.py).
 * context parallel on MoE models: grad norm rtol 3e-5 (tests/test_context_parallel_training.py:
   the router's per-rank token sums reorder more terms).
+* Muon (dp 2) and lane resume (torch_dist saves, dp 2): rtol 1e-5, as fp32 layouts
+  (tests/test_muon_parallel.py, test_torch_dist_resume.py).
 * MXFP8 (tp=2): step 1 (before any update) at rtol 1e-5, all steps at 2e-3: a summation-order difference
   can flip one element's FP8 rounding (one E4M3 step is 6 % of that element), which moves loss and
   grad norm once Adam has moved the weights (measured: 1.7e-5 / 3.3e-4 at step 5;
@@ -123,13 +125,27 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in [
             tolerance=Tolerance(logits_rtol=1e-4, why="fp32; the merged export rounds "
                                 "W + (alpha/r) B A once, the adapter forward twice")),
     Feature("DPO", 2, (), ("--training.stage", "dpo"), needs=("pairs",)),
-    # the DeepSeek proxy's 3 layers split 1 + 2 (Megatron's --num-layer-list)
+    # the 3-layer rows (the DeepSeek proxy, the hybrid families' DeltaNet / attention /
+    # DeltaNet) split 1 + 2 (Megatron's --num-layer-list): an even split is refused
     Feature("pipeline", 2, (PP, "2"),
-            family_layout=(("deepseek-v3", (PP, "2", "--parallel.num_layer_list", "1,2")),)),
+            family_layout=tuple((f, (PP, "2", "--parallel.num_layer_list", "1,2"))
+                                for f in ("deepseek-v3", "qwen3-next", "qwen35", "qwen35-moe"))),
     # MoE: the aux losses stay on (the routers sum their counts over cp, README)
     Feature("context-parallel", 2, (CP, "2"),
             moe_tolerance=Tolerance(norm_rtol=3e-5, why="the routers' per-rank token sums "
                                     "reorder more terms (tests/test_context_parallel_training)")),
+    # Muon at dp 2 (each matrix orthogonalised on its owner rank, the updates all-gathered):
+    # Newton-Schulz is a smooth polynomial of the normalised momentum and carries the
+    # gradients' summation-order rounding on unamplified (tests/test_muon_parallel.py: dp, tp,
+    # FSDP, ep at rtol 1e-5); the momentum goes through the checkpoint (tests/test_muon.py)
+    Feature("Muon", 2, (), ("--training.optimizer", "muon"),
+            tolerance=Tolerance(why="fp32 Muon: Newton-Schulz carries the reordered sums' "
+                                "rounding on unamplified (tests/test_muon_parallel.py)")),
+    # the PyTorch lane's training checkpoint: every save is Megatron-Core's torch_dist
+    # (iter_*/ + tracker), and (c)/(d) resume from it (at dp 2 and in one process); its fp32
+    # tensors are the trainer's own, so the resumed curve holds (a)'s tolerance
+    # (tests/test_torch_dist_resume.py: rtol 1e-6)
+    Feature("lane resume", 2, (), ("--checkpoint.format", "torch_dist")),
 ]}
 
 SUITES: Dict[str, Tuple[List[str], List[str]]] = {

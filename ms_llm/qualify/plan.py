@@ -58,6 +58,7 @@ class Planner:
         self.jobs: Dict[str, Job] = {}
         self.cells: Dict[str, CellRuns] = {}
         self.refs: Dict[tuple, str] = {}     # one reference run per distinct configuration
+        self.base_from: Optional[str] = None
 
     def _job(self, phase: int, family: str, nproc: int) -> Job:
         name = f"p{phase}_{family}" + (f"_n{nproc}" if nproc > 1 else "")
@@ -69,7 +70,10 @@ class Planner:
         return os.path.join(self.work, *parts)
 
     def base_hf(self, family) -> str:
-        """The LoRA base of ``family``: a plain 6-step run exported to HF (planned once)."""
+        """The LoRA base of ``family``: a plain 6-step run exported to HF (planned once), or
+        the one an earlier run's scratch folder holds (``base_from``: ``--fault-only``)."""
+        if self.base_from:
+            return os.path.join(self.base_from, "base", family.name, "hf")
         hf = self._dir("base", family.name, "hf")
         job = self._job(1, family.name, 1)
         if not any(r["name"] == f"{family.name}.base" for r in job.runs):

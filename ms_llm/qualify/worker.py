@@ -37,10 +37,15 @@ def probe_logits(model, vocab: int) -> np.ndarray:
     return np.asarray(out.asnumpy(), np.float32)
 
 
-def export_hf(save_dir: str, out_dir: str) -> str:
-    """The newest complete checkpoint of ``save_dir`` as an HF folder (LoRA: merged)."""
+def export_hf(save_dir: str, out_dir: str, cfg=None) -> str:
+    """The newest complete checkpoint of ``save_dir`` as an HF folder (LoRA: merged). A
+    ``checkpoint.format torch_dist`` run's save is Megatron-Core's ``iter_*`` folder: it is read
+    back through the importer a resume uses (``torch_dist_train.import_torch_dist``), so (b)
+    checks that format's round trip too."""
     from ms_llm.checkpoint import dcp, dcp_export
     from ms_llm.checkpoint import lora_export
+    if cfg is not None and cfg.checkpoint.format == "torch_dist":
+        return _export_torch_dist(save_dir, out_dir, cfg)
     path = dcp.find_latest_complete(save_dir)
     if path is None:
         raise FileNotFoundError(f"{save_dir}: no complete checkpoint")
@@ -49,6 +54,25 @@ def export_hf(save_dir: str, out_dir: str) -> str:
     if lora_export.is_lora_checkpoint(path):
         return lora_export.export_merged(path, out_dir, fmt="hf")
     return dcp_export.export_hf(path, out_dir)
+
+
+def _export_torch_dist(save_dir: str, out_dir: str, cfg) -> str:
+    import dataclasses
+    import tempfile
+    from ms_llm.checkpoint import dcp_export
+    from ms_llm.checkpoint.torch_dist_train import import_torch_dist, latest_torch_dist
+    found = latest_torch_dist(save_dir)
+    if found is None:
+        raise FileNotFoundError(f"{save_dir}: no torch_dist checkpoint (no tracker)")
+    if os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)      # the first export of the job: hf/ is not there yet
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+        path, _ = import_torch_dist(found[0], tmp, {"model_config": dataclasses.asdict(cfg.model)},
+                                    gated=bool(cfg.model.gated_linear_unit),
+                                    global_batch_size=cfg.training.global_batch_size)
+        return dcp_export.export_hf(path, out_dir)
 
 
 def run_one(run: dict, info) -> dict:
@@ -66,8 +90,9 @@ def run_one(run: dict, info) -> dict:
         if run.get("probe") and info.world_size == 1:
             np.save(run["probe"], probe_logits(trainer.model, cfg.model.padded_vocab_size))
         if info.rank == 0 and run.get("export_hf"):
-            print(f"ms-llm qualify: exported {export_hf(cfg.checkpoint.save_dir, run['export_hf'])}",
-                  flush=True)
+            # the trainer's config: the vocabulary is sized by the tokenizer at data setup
+            hf = export_hf(cfg.checkpoint.save_dir, run["export_hf"], trainer.cfg)
+            print(f"ms-llm qualify: exported {hf}", flush=True)
         if info.rank == 0 and run.get("copy_ckpt"):
             src, dst = run["copy_ckpt"]
             if os.path.isdir(dst):

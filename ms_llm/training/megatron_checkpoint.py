@@ -45,6 +45,11 @@ def resume_source(cfg) -> Optional[str]:
         raise ConfigError(f"checkpoint.format {ck.format} / checkpoint.resume_from: Megatron "
                           f"training checkpoints of LoRA or MoE runs are not built (dense "
                           f"full-parameter training only)")
+    if (is_torch_dist(cfg) or ck.resume_from) and "gated_delta_net" in (cfg.model.layer_types
+                                                                         or ()):
+        raise ConfigError(f"checkpoint.format {ck.format} / checkpoint.resume_from: Megatron "
+                          f"training checkpoints of Gated DeltaNet layers (model.layer_types) "
+                          f"are not built (refused here, not at the first save)")
     if cfg.training.resume == "auto" and ck.save_dir:
         if is_torch_dist(cfg):
             found = _latest(ck.save_dir)

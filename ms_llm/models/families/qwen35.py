@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from ..config import TransformerConfig
-from ..registry import FamilySpec, register_family
+from ..registry import FamilySpec, Qualify, register_family
 from .common import check_heads, decoder_fields, need, refuse_attention_bias
 from .glm45 import partial_rotary_factor
 from .qwen3_next import (LINEAR_KEYS, TINY_HF as NEXT_TINY, hybrid_to_hf, layer_types_from_hf,
@@ -80,6 +80,21 @@ TINY_HF = {k: v for k, v in NEXT_TINY.items()
            if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                         "shared_expert_intermediate_size", "mlp_only_layers", "norm_topk_prob")}
 
+# ``ms-llm qualify``'s row: Qwen3-Next's qualify shapes (Gated DeltaNet / gated attention /
+# Gated DeltaNet, chunks of 16 so a 32-token sequence carries a state across chunks, 16 value
+# heads so in_proj_ba's 32 rows take MXFP8's 32-blocks) with the dense MLP, on tiny.yaml so the
+# vocabulary is qualify's 35 words (the 9B YAML's 248320 rows made a step ~10x slower, and
+# fsdp-uneven's 35-row split even)
+QUALIFY_ARGS = ("--model.family", "qwen35", "--model.untie_embeddings_and_output_weights",
+                "true", "--model.rotary_base", "10000000", "--model.num_layers", "3",
+                "--model.layer_types", "gated_delta_net,attention,gated_delta_net",
+                "--model.hidden_size", "64", "--model.ffn_hidden_size", "96",
+                "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
+                "--model.kv_channels", "16", "--model.max_position_embeddings", "64",
+                "--model.linear_key_head_dim", "16", "--model.linear_value_head_dim", "16",
+                "--model.linear_num_key_heads", "2", "--model.linear_num_value_heads", "16",
+                "--model.linear_chunk_size", "16")
+
 SPEC = register_family(FamilySpec(
     name="qwen35", hf_model_type="qwen3_5_text", hf_architecture="Qwen3_5ForCausalLM",
     from_hf=from_hf, to_hf=to_hf,
@@ -89,4 +104,5 @@ SPEC = register_family(FamilySpec(
     aliases=("qwen3_5", "qwen3.5", "qwen3_5_text"), megatron_names=("qwen35", "qwen3_5"),
     # an unnamed dense hybrid model exports as Qwen3.5 (Qwen3-Next is published as MoE only)
     claims=lambda c: is_hybrid(c) and c.mlp_type == "dense", claim_order=4,
-    layer_kinds=layer_kinds, layout_extras=mtp_extras, tiny_hf=TINY_HF, qualify=None))
+    layer_kinds=layer_kinds, layout_extras=mtp_extras, tiny_hf=TINY_HF,
+    qualify=Qualify("qwen35", "tiny.yaml", QUALIFY_ARGS)))

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..config import TransformerConfig
-from ..registry import FamilySpec, register_family
+from ..registry import FamilySpec, Qualify, register_family
 from .common import need
 from .qwen3_next import mtp_extras
-from .qwen35 import (TINY_HF as DENSE_TINY, hybrid_fields, hybrid_refusal, hybrid_to_hf,
+from .qwen35 import (QUALIFY_ARGS as DENSE_QUALIFY, TINY_HF as DENSE_TINY, hybrid_fields, hybrid_refusal, hybrid_to_hf,
                      is_hybrid, layer_kinds, refuse_vision_language)
 
 
@@ -61,6 +61,17 @@ TINY_HF = dict({k: v for k, v in DENSE_TINY.items() if k != "intermediate_size"}
                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                shared_expert_intermediate_size=48)
 
+# ``ms-llm qualify``'s row (on tiny_moe.yaml): qwen35's qualify shapes with every layer MoE (4 experts of 32, top 2,
+# a gated shared expert of 32, the aux loss on); the dense size equals the experts' (HF
+# Qwen3.5-MoE has no dense MLP size, so the export needs them equal)
+QUALIFY_ARGS = ("--model.family", "qwen35-moe",
+                *DENSE_QUALIFY[2:DENSE_QUALIFY.index("--model.ffn_hidden_size")],
+                *DENSE_QUALIFY[DENSE_QUALIFY.index("--model.ffn_hidden_size") + 2:],
+                "--model.ffn_hidden_size", "32", "--model.num_moe_experts", "4",
+                "--model.moe_router_topk", "2", "--model.moe_ffn_hidden_size", "32",
+                "--model.moe_shared_expert_intermediate_size", "32",
+                "--model.moe_aux_loss_coeff", "0.01")
+
 SPEC = register_family(FamilySpec(
     name="qwen35-moe", hf_model_type="qwen3_5_moe_text",
     hf_architecture="Qwen3_5MoeForCausalLM", from_hf=from_hf, to_hf=to_hf,
@@ -78,4 +89,4 @@ SPEC = register_family(FamilySpec(
     claim_order=4, layer_kinds=layer_kinds,
     layout_extras=lambda hf, source: dict(hf_shared="mlp.shared_expert.",
                                           **mtp_extras(hf, source)),
-    tiny_hf=TINY_HF, qualify=None))
+    tiny_hf=TINY_HF, qualify=Qualify("qwen35-moe", "tiny_moe.yaml", QUALIFY_ARGS)))
