@@ -24,8 +24,8 @@ from ..config import TransformerConfig
 from ..registry import FamilySpec, Qualify, register_family
 from .common import check_heads, decoder_fields, need, refuse_attention_bias
 from .glm45 import partial_rotary_factor
-from .qwen3_next import (LINEAR_KEYS, TINY_HF as NEXT_TINY, hybrid_to_hf, layer_types_from_hf,
-                         mtp_extras)
+from .qwen3_next import (LINEAR_KEYS, TINY_HF as NEXT_TINY, TINY_HYBRID_ARGS, hybrid_to_hf,
+                         layer_types_from_hf, mtp_extras)
 
 
 def refuse_vision_language(hf: Mapping, source: str) -> None:
@@ -86,14 +86,7 @@ TINY_HF = {k: v for k, v in NEXT_TINY.items()
 # vocabulary is qualify's 35 words (the 9B YAML's 248320 rows made a step ~10x slower, and
 # fsdp-uneven's 35-row split even)
 QUALIFY_ARGS = ("--model.family", "qwen35", "--model.untie_embeddings_and_output_weights",
-                "true", "--model.rotary_base", "10000000", "--model.num_layers", "3",
-                "--model.layer_types", "gated_delta_net,attention,gated_delta_net",
-                "--model.hidden_size", "64", "--model.ffn_hidden_size", "96",
-                "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
-                "--model.kv_channels", "16", "--model.max_position_embeddings", "64",
-                "--model.linear_key_head_dim", "16", "--model.linear_value_head_dim", "16",
-                "--model.linear_num_key_heads", "2", "--model.linear_num_value_heads", "16",
-                "--model.linear_chunk_size", "16")
+                "true", "--model.rotary_base", "10000000", *TINY_HYBRID_ARGS)
 
 SPEC = register_family(FamilySpec(
     name="qwen35", hf_model_type="qwen3_5_text", hf_architecture="Qwen3_5ForCausalLM",

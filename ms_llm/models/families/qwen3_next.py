@@ -123,14 +123,15 @@ TINY_HF = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_at
 # DeltaNet, chunks of 16 so a 32-token sequence carries a state across chunks, 4 experts top 2
 # with a gated shared expert and the aux loss; 16 value heads so in_proj_ba's 32 rows take
 # MXFP8's 32-blocks)
-QUALIFY_ARGS = ("--model.num_layers", "3",
-                "--model.layer_types", "gated_delta_net,attention,gated_delta_net",
-                "--model.hidden_size", "64", "--model.ffn_hidden_size", "96",
-                "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
-                "--model.kv_channels", "16", "--model.max_position_embeddings", "64",
-                "--model.linear_key_head_dim", "16", "--model.linear_value_head_dim", "16",
-                "--model.linear_num_key_heads", "2", "--model.linear_num_value_heads", "16",
-                "--model.linear_chunk_size", "16", "--model.num_moe_experts", "4",
+TINY_HYBRID_ARGS = ("--model.num_layers", "3",
+                    "--model.layer_types", "gated_delta_net,attention,gated_delta_net",
+                    "--model.hidden_size", "64", "--model.ffn_hidden_size", "96",
+                    "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
+                    "--model.kv_channels", "16", "--model.max_position_embeddings", "64",
+                    "--model.linear_key_head_dim", "16", "--model.linear_value_head_dim", "16",
+                    "--model.linear_num_key_heads", "2", "--model.linear_num_value_heads", "16",
+                    "--model.linear_chunk_size", "16")
+QUALIFY_ARGS = (*TINY_HYBRID_ARGS, "--model.num_moe_experts", "4",
                 "--model.moe_router_topk", "2", "--model.moe_ffn_hidden_size", "32",
                 "--model.moe_shared_expert_intermediate_size", "32",
                 "--model.moe_aux_loss_coeff", "0.01")
