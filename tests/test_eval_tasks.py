@@ -225,6 +225,8 @@ def test_sandbox_limits():
     assert r.status == "timeout"
     r = run_program("import os\nassert os.getcwd().startswith(os.environ['TMPDIR'])")
     assert r.passed
+    r = run_program("x = bytearray(3 << 30)")       # over the 2 GiB address-space limit
+    assert r.status == "failed" and "MemoryError" in r.detail, r
 
 
 def test_megatron_folder_scores_like_its_hf_source(ref, tmp_path):

@@ -35,13 +35,22 @@ def human_eval_program(problem: dict, completion: str) -> str:
             + f"check({problem['entry_point']})\n")
 
 
+# The address-space limit is set by the fresh interpreter itself, before it runs the program: set
+# in the forked child of a large parent (a training process maps many GB), any allocation between
+# the limit and exec fails ("Cannot allocate memory") because the parent's mappings still count.
+_RUNNER = ("import resource, runpy, sys\n"
+           f"resource.setrlimit(resource.RLIMIT_AS, ({_MEMORY_BYTES}, {_MEMORY_BYTES}))\n"
+           "sys.argv = sys.argv[1:]\n"
+           "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
 def _limits(timeout: float):
+    cpu = int(timeout) + 1
+
     def apply() -> None:
         import resource
         os.setsid()
-        cpu = int(timeout) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        resource.setrlimit(resource.RLIMIT_AS, (_MEMORY_BYTES, _MEMORY_BYTES))
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
     return apply
 
@@ -54,7 +63,10 @@ def run_program(program: str, timeout: float = 10.0) -> ExecResult:
             f.write(program)
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8",
                "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, "-I", "-B", path], cwd=tmp, env=env,
+        runner = os.path.join(tmp, "limits.py")
+        with open(runner, "w", encoding="utf-8") as f:
+            f.write(_RUNNER)
+        proc = subprocess.Popen([sys.executable, "-I", "-B", runner, path], cwd=tmp, env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, preexec_fn=_limits(timeout))
         try:
