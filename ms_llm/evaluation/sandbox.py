@@ -35,24 +35,20 @@ def human_eval_program(problem: dict, completion: str) -> str:
             + f"check({problem['entry_point']})\n")
 
 
-# The address-space limit is set by the fresh interpreter itself, before it runs the program: set
-# in the forked child of a large parent (a training process maps many GB), any allocation between
-# the limit and exec fails ("Cannot allocate memory") because the parent's mappings still count.
+# Every limit is set by the fresh interpreter itself, before it runs the program, and the child
+# is started without a ``preexec_fn``: with one, Python must fork() the parent, and fork() of a
+# large parent (a training process maps many GB) fails with "Cannot allocate memory" when the
+# kernel cannot commit a copy of its writable mappings; without one it uses vfork/posix_spawn,
+# which copy nothing. (An RLIMIT_AS set in such a forked child also broke every allocation
+# before exec, since the parent's mappings still counted.)
 _RUNNER = ("import resource, runpy, sys\n"
-           f"resource.setrlimit(resource.RLIMIT_AS, ({_MEMORY_BYTES}, {_MEMORY_BYTES}))\n"
-           "sys.argv = sys.argv[1:]\n"
+           "cpu, fsize, mem = (int(v) for v in sys.argv[1:4])\n"
+           "resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))\n"
+           "resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))\n"
+           "resource.setrlimit(resource.RLIMIT_AS, (mem, mem))\n"
+           "sys.argv = sys.argv[4:]\n"
            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-
-
-def _limits(timeout: float):
-    cpu = int(timeout) + 1
-
-    def apply() -> None:
-        import resource
-        os.setsid()
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-    return apply
+_FILE_BYTES = 1 << 20
 
 
 def run_program(program: str, timeout: float = 10.0) -> ExecResult:
@@ -66,9 +62,10 @@ def run_program(program: str, timeout: float = 10.0) -> ExecResult:
         runner = os.path.join(tmp, "limits.py")
         with open(runner, "w", encoding="utf-8") as f:
             f.write(_RUNNER)
-        proc = subprocess.Popen([sys.executable, "-I", "-B", runner, path], cwd=tmp, env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, preexec_fn=_limits(timeout))
+        limits = [str(int(timeout) + 1), str(_FILE_BYTES), str(_MEMORY_BYTES)]
+        proc = subprocess.Popen([sys.executable, "-I", "-B", runner, *limits, path], cwd=tmp,
+                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
         try:
             _, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
