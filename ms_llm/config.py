@@ -212,6 +212,7 @@ class RuntimeConfig(_Section):
     sync_ops: bool = True             # PyNative ops run synchronously (MS_LLM_SYNC)
     cpu_threads: int = 1              # MindSpore's CPU kernel threads (MS_LLM_CPU_THREADS)
     comm_thread: bool = True          # collectives on a communication thread (MS_LLM_COMM_THREAD)
+    shm_collectives: bool = True      # one host's ranks communicate through shared memory on CPU
     blas_threads: Optional[int] = None   # OpenBLAS threads; null: CPUs / local workers
     bf16_gemm: str = "auto"           # auto | dnnl | mkl | openblas (MS_LLM_BF16_GEMM)
     aot_kernels: bool = True          # the compiled C++ CPU kernels (MS_LLM_DISABLE_AOT)

@@ -16,6 +16,7 @@ runtime.log_level       MS_LLM_LOG_LEVEL             Python log level of ``ms-ll
 runtime.sync_ops        MS_LLM_SYNC (0 = false)      PyNative ops run synchronously
 runtime.cpu_threads     MS_LLM_CPU_THREADS           MindSpore's CPU kernel thread pool
 runtime.comm_thread     MS_LLM_COMM_THREAD (0 = f.)  collectives on a communication thread
+runtime.shm_collectives MS_LLM_SHM_COLLECTIVES (0=f) one host's collectives via shared memory
 runtime.blas_threads    MS_LLM_BLAS_THREADS          OpenBLAS threads of the BLAS kernels
 runtime.bf16_gemm       MS_LLM_BF16_GEMM             auto | dnnl | mkl | openblas
 runtime.aot_kernels     MS_LLM_DISABLE_AOT (1 = f.)  the compiled C++ CPU kernels
@@ -54,6 +55,8 @@ SETTINGS: Dict[str, Setting] = {s.key: s for s in (
     Setting("runtime.sync_ops", "MS_LLM_SYNC", True, lambda v: v.strip() == "1"),
     Setting("runtime.cpu_threads", "MS_LLM_CPU_THREADS", 1, int),
     Setting("runtime.comm_thread", "MS_LLM_COMM_THREAD", True, lambda v: v.strip() != "0"),
+    Setting("runtime.shm_collectives", "MS_LLM_SHM_COLLECTIVES", True,
+            lambda v: v.strip() != "0"),
     Setting("runtime.blas_threads", "MS_LLM_BLAS_THREADS", None, str),
     Setting("runtime.bf16_gemm", "MS_LLM_BF16_GEMM", "auto", str),
     Setting("runtime.aot_kernels", "MS_LLM_DISABLE_AOT", True, lambda v: not _flag(v)),

@@ -92,6 +92,39 @@ for dname, (dt, tol) in DTYPES.items():
         w.wait()
     check(f"batch_isend_irecv_ring_{dname}", to_np(t_recv), ins[(R - 1) % W], tol)
 
+# Larger than one shared-memory slot (4 MiB per rank): every op runs in several chunks, with
+# odd sizes so the last chunk is partial; fp32 and bf16 (accumulated in fp32, rounded once).
+from ms_llm.parallel.comm import shm  # noqa: E402
+
+ROWS = (3 << 20) // 3 + 7                     # ~12 MiB of fp32 per rank in [ROWS, 3]
+for dname in ("fp32", "bf16"):
+    dt, tol = DTYPES[dname]
+    big = [rounded(data(r, (ROWS, 3), 11), dt) for r in range(W)]
+    t = to_ms(big[R], dt)
+    h = comm.all_reduce(t, async_op=True)
+    h.wait()
+    check(f"large_all_reduce_{dname}", to_np(t), np.sum(big, 0), tol * W)
+    parts = [to_ms(np.zeros((ROWS, 3)), dt) for _ in range(W)]
+    comm.all_gather(parts, to_ms(big[R], dt))
+    check(f"large_all_gather_{dname}", np.concatenate([to_np(p) for p in parts]),
+          np.concatenate(big), tol)
+    rows = ROWS - ROWS % W
+    out = to_ms(np.zeros((rows // W, 3)), dt)
+    comm.reduce_scatter_tensor(out, to_ms(big[R][:rows], dt))
+    per = rows // W
+    check(f"large_reduce_scatter_{dname}", to_np(out),
+          np.sum([b[:rows] for b in big], 0)[R * per:(R + 1) * per], tol * W)
+    sp = [[ROWS // (2 * (i + j + 2)) for j in range(W)] for i in range(W)]   # i -> j, uneven
+    src = to_ms(big[R][:sum(sp[R])], dt)
+    out = to_ms(np.zeros((sum(sp[i][R] for i in range(W)), 3)), dt)
+    comm.all_to_all_single(out, src, [sp[i][R] for i in range(W)], sp[R])
+    want = [big[i][sum(sp[i][:R]):sum(sp[i][:R]) + sp[i][R]] for i in range(W)]
+    check(f"large_all_to_all_{dname}", to_np(out), np.concatenate(want), tol)
+    t = to_ms(big[R], dt)
+    comm.broadcast(t, src=0)
+    check(f"large_broadcast_{dname}", to_np(t), big[0], tol)
+print("SHM", "on" if shm.channel(comm.world_group()) is not None else "off", flush=True)
+
 # blocking send/recv between 0 and 1
 if R in (0, 1):
     t = Tensor(np.full((3,), 7.0 + R, np.float32))

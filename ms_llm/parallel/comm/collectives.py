@@ -14,11 +14,14 @@ import mindspore as ms
 from mindspore import Tensor, mint
 
 from ms_llm.compat import F, is_cpu
+from ms_llm.compat.environment import setting
 
-from . import cpu_compose
+from . import cpu_compose, shm
 from .backend import dist, log_once
+from .comm_thread import drain, submit
 from .groups import ProcessGroup, get_rank, member_group
 from .cpu_compose import is_deterministic, set_deterministic  # noqa: F401 (re-exported)
+from .watchdog import watched
 from .work import Work, finish
 
 _OPS = {"sum": "sum", "avg": "avg", "max": "max", "min": "min", "prod": "prod"}
@@ -37,6 +40,63 @@ def _check_rows(op: str, which: str, rows: int, per_rank: int, size: int) -> Non
         raise ValueError(f"{op}: {which} dim 0 is {rows}, expected {per_rank} x {size}")
 
 
+# ---------------------------------------------------------------- shared memory (CPU, one host)
+def _shm_channel(g: ProcessGroup, dtype_of: Optional[Tensor] = None,
+                 op: Optional[str] = None) -> Optional["shm.Channel"]:
+    """The group's shared-memory channel when this op can use it (CPU; for a reduction, a dtype
+    and op the C kernels reduce). The answer is the same on every member (same call)."""
+    if not is_cpu():
+        return None
+    if dtype_of is not None and (shm.dtype_code(dtype_of) is None
+                                 or shm.op_code("sum" if op == "avg" else op) is None):
+        return None
+    return shm.channel(g)
+
+
+def _contiguous(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _numel(t: Tensor) -> int:
+    return int(np.prod(t.shape, dtype=np.int64))
+
+
+def _shm_run(ch: "shm.Channel", name: str, call, async_op: bool, then=None,
+             keep: tuple = ()) -> Optional[Work]:
+    """Run ``call`` (the channel's C call on addresses taken here, by the tensors' owner) on the
+    communication thread when asynchronous, else here after that thread's queue. ``keep``: the
+    tensors whose addresses ``call`` uses, referenced until it has run (a temporary input would
+    otherwise be freed while the thread still reads it)."""
+    log_once(name, "CPU: shared memory (one host)")
+    if async_op and setting("runtime.comm_thread"):
+        def run():
+            call()
+            del keep_alive[:]
+        keep_alive = list(keep)
+        return submit(run, then=then)
+    drain()
+    with watched(name, ch.group.name):
+        call()
+    return finish(Work([], then), async_op)
+
+
+def _shm_outputs(outs: Sequence[Tensor]):
+    """Contiguous stand-ins for ``outs`` (the same tensor when already contiguous) and the copy
+    back that the op's completion runs."""
+    bufs = [o if o.is_contiguous() else o.contiguous() for o in outs]
+
+    def back():
+        for o, b in zip(outs, bufs):
+            if b is not o:
+                F.copy_(o, b)
+    return bufs, back
+
+
+def _then(*steps):
+    steps = [s for s in steps if s is not None]
+    return (lambda: [s() for s in steps]) if steps else None
+
+
 def all_reduce(tensor: Tensor, op: str = "sum", group: Optional[ProcessGroup] = None,
                async_op: bool = False) -> Optional[Work]:
     """In place, like torch. ``avg`` is sum then divide (mccl's avg is not used for bf16 safety)."""
@@ -44,14 +104,24 @@ def all_reduce(tensor: Tensor, op: str = "sum", group: Optional[ProcessGroup] = 
     if g.size == 1:
         return finish(Work(), async_op)
     op = _op(op)
+    ch = _shm_channel(g, tensor, op)
+    if ch is not None:           # rank-ordered sums: deterministic as well
+        (buf,), back = _shm_outputs([tensor])
+        n, ptr = _numel(buf), buf.data_ptr() if _numel(buf) else 0
+        code, opc = shm.dtype_code(buf), shm.op_code("sum" if op == "avg" else op)
+        avg = (lambda: F.copy_(tensor, tensor / g.size)) if op == "avg" else None
+        return _shm_run(ch, "all_reduce", lambda: n and ch.all_reduce(ptr, ptr, n, code, opc),
+                        async_op, _then(back, avg), keep=(buf,))
     if is_deterministic() and op in ("sum", "avg") and is_cpu():
         return cpu_compose.all_reduce_in_rank_order(tensor, op, g, async_op)
-    if op == "avg":
-        h = dist().all_reduce(tensor, op="sum", group=g.name, async_op=async_op)
-        return finish(Work([h] if async_op else [], lambda: tensor.copy_(tensor / g.size)),
-                      async_op)
-    h = dist().all_reduce(tensor, op=op, group=g.name, async_op=async_op)
-    return finish(Work([h] if async_op else []), async_op)
+    then = (lambda: tensor.copy_(tensor / g.size)) if op == "avg" else None
+    mccl_op = "sum" if op == "avg" else op
+    if is_cpu():
+        return cpu_compose.issue(
+            lambda a: [dist().all_reduce(tensor, op=mccl_op, group=g.name, async_op=a)],
+            async_op, then)
+    h = dist().all_reduce(tensor, op=mccl_op, group=g.name, async_op=async_op)
+    return finish(Work([h] if async_op else [], then), async_op)
 
 
 def all_gather(tensor_list: List[Tensor], tensor: Tensor, group: Optional[ProcessGroup] = None,
@@ -60,6 +130,18 @@ def all_gather(tensor_list: List[Tensor], tensor: Tensor, group: Optional[Proces
     if g.size == 1:
         F.copy_(tensor_list[0], tensor)
         return finish(Work(), async_op)
+    ch = _shm_channel(g)
+    if ch is not None:
+        src = _contiguous(tensor)
+        bufs, back = _shm_outputs(tensor_list)
+        nbytes = int(src.nbytes)
+        ptrs = (src.data_ptr(), [b.data_ptr() for b in bufs]) if nbytes else None
+        return _shm_run(ch, "all_gather", lambda: ptrs and ch.all_gather(ptrs[0], ptrs[1], nbytes),
+                        async_op, back, keep=(src, *bufs))
+    if is_cpu():
+        return cpu_compose.issue(
+            lambda a: [dist().all_gather(tensor_list, tensor, group=g.name, async_op=a)],
+            async_op)
     h = dist().all_gather(tensor_list, tensor, group=g.name, async_op=async_op)
     return finish(Work([h] if async_op else []), async_op)
 
@@ -96,6 +178,16 @@ def all_gather_into_tensor(output: Tensor, input: Tensor, group: Optional[Proces
     if g.size == 1:
         F.copy_(output, input)
         return finish(Work(), async_op)
+    ch = _shm_channel(g)
+    if ch is not None:
+        src = _contiguous(input)
+        (buf,), back = _shm_outputs([output])
+        nbytes = int(src.nbytes)
+        ptrs = (src.data_ptr(), [buf.data_ptr() + r * nbytes for r in range(g.size)]) \
+            if nbytes else None
+        return _shm_run(ch, "all_gather_into_tensor",
+                        lambda: ptrs and ch.all_gather(ptrs[0], ptrs[1], nbytes), async_op, back,
+                        keep=(src, buf))
     if is_cpu():
         return cpu_compose.all_gather_into_tensor(output, input, g, async_op)
     log_once("all_gather_into_tensor", "native kernel")
@@ -113,6 +205,17 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: str = "sum",
         F.copy_(output, input)
         return finish(Work(), async_op)
     op = _op(op)
+    ch = _shm_channel(g, input, op)
+    if ch is not None:
+        src = _contiguous(input)
+        (buf,), back = _shm_outputs([output])
+        n = _numel(buf)
+        ptrs = (src.data_ptr(), buf.data_ptr()) if n else None
+        code, opc = shm.dtype_code(src), shm.op_code("sum" if op == "avg" else op)
+        avg = (lambda: F.copy_(output, output / g.size)) if op == "avg" else None
+        return _shm_run(ch, "reduce_scatter_tensor",
+                        lambda: ptrs and ch.reduce_scatter(ptrs[0], ptrs[1], n, code, opc),
+                        async_op, _then(back, avg), keep=(src, buf))
     if is_cpu():
         return cpu_compose.reduce_scatter_tensor(output, input, op, g, async_op)
     log_once("reduce_scatter_tensor", "native kernel")
@@ -129,7 +232,7 @@ def exchange_split_sizes(splits: Sequence[int], group: Optional[ProcessGroup] = 
         return np.asarray([list(splits)], np.int64)
     mine = Tensor(np.asarray(splits, np.int32))
     rows = [Tensor(np.zeros(len(splits), np.int32)) for _ in range(g.size)]
-    dist().all_gather(rows, mine, group=g.name)
+    all_gather(rows, mine, group=g)
     return np.stack([r.asnumpy() for r in rows]).astype(np.int64)
 
 
@@ -193,6 +296,15 @@ def _check_splits(output: Tensor, input: Tensor, out_splits, in_splits, w: int) 
 
 def _all_to_all(output, input, out_splits, in_splits, matrix, g: ProcessGroup,
                 async_op: bool) -> Optional[Work]:
+    ch = _shm_channel(g)
+    if ch is not None:
+        src = _contiguous(input)
+        (buf,), back = _shm_outputs([output])
+        row = int(np.prod(input.shape[1:], dtype=np.int64)) * int(input.itemsize)
+        m = np.asarray(matrix, np.int64) * row
+        ptrs = (src.data_ptr() if _numel(src) else 0, buf.data_ptr() if _numel(buf) else 0)
+        return _shm_run(ch, "all_to_all_single", lambda: ch.all_to_all(
+            ptrs[0], m[g.rank], ptrs[1], m[:, g.rank], m), async_op, back, keep=(src, buf))
     if is_cpu():
         return cpu_compose.all_to_all(output, input, in_splits, matrix, g, async_op)
     log_once("all_to_all_single", "native kernel")
@@ -209,8 +321,26 @@ def broadcast(tensor: Tensor, src: int, group: Optional[ProcessGroup] = None,
         raise ValueError(f"broadcast: src {src} is not in group {list(g.ranks)}")
     if g.size == 1:
         return finish(Work(), async_op)
+    if _shm_channel(g) is not None:
+        (buf,), back = _shm_outputs([tensor])
+        return _shm_run(shm.channel(g), "broadcast", broadcast_call(buf, src, g), async_op, back,
+                        keep=(buf,))
     h = dist().broadcast(tensor, src=src, group=g.name, async_op=async_op)
     return finish(Work([h] if async_op else []), async_op)
+
+
+def broadcast_call(tensor: Tensor, src: int, g: ProcessGroup):
+    """The shared-memory broadcast of ``tensor`` (contiguous, owned by the caller, who keeps it
+    alive) as a call that may run on the communication thread, or None when the group has no
+    shared-memory channel. Addresses are taken here, on the caller's thread."""
+    ch = _shm_channel(g)
+    if ch is None:
+        return None
+    if not tensor.is_contiguous():
+        raise ValueError("broadcast: a shared-memory broadcast needs a contiguous tensor")
+    nbytes, root = int(tensor.nbytes), g.ranks.index(src)
+    ptr = tensor.data_ptr() if nbytes else 0
+    return lambda: nbytes and ch.broadcast(ptr, nbytes, root)
 
 
 def barrier(group: Optional[ProcessGroup] = None) -> None:
@@ -218,7 +348,10 @@ def barrier(group: Optional[ProcessGroup] = None) -> None:
     Not mccl's own barrier: on MindSpore 2.10's CPU backend one synchronous variant of it gave a
     wrong result when probed, while all_reduce has been reliable."""
     g = member_group(group)
-    if g.size > 1:
+    ch = _shm_channel(g) if g.size > 1 else None
+    if ch is not None:
+        _shm_run(ch, "barrier", ch.barrier, False)
+    elif g.size > 1:
         t = mint.ones((1,), dtype=ms.float32)
         dist().all_reduce(t, group=g.name)
         float(t.asnumpy()[0])

@@ -43,14 +43,27 @@ _COMBINE = {"sum": lambda a, b: a + b, "avg": lambda a, b: a + b, "prod": lambda
             "max": lambda a, b: mint.maximum(a, b), "min": lambda a, b: mint.minimum(a, b)}
 
 
+def issue(kernels: Callable[[bool], list], async_op: bool,
+          then: Optional[Callable[[], None]] = None) -> Optional[Work]:
+    """Issue mccl kernels on CPU: ``kernels(async_op)`` launches them (every buffer already made
+    by the caller) and returns their handles; ``then`` completes the op on the caller's thread.
+    Asynchronous requests run the kernels on the communication thread, because MindSpore's CPU
+    collectives block their caller even with ``async_op=True`` (so FSDP's prefetched gathers,
+    the bucketed gradient all-reduces and the reduce-scatters would not overlap anything);
+    ``runtime.comm_thread: false`` keeps them inline, to measure what that is worth."""
+    if async_op and setting("runtime.comm_thread"):
+        return submit(lambda: kernels(False), then=then)
+    handles = kernels(async_op)
+    return finish(Work(handles if async_op else [], then), async_op)
+
+
 def all_gather_into_tensor(output: Tensor, input: Tensor, g: ProcessGroup,
                            async_op: bool) -> Optional[Work]:
     """List ``all_gather`` into per-rank buffers, then one ``cat`` into ``output``."""
     log_once("all_gather_into_tensor", "CPU: list all_gather + cat")
     parts = [mint.zeros(input.shape, dtype=input.dtype) for _ in range(g.size)]
-    h = dist().all_gather(parts, input, group=g.name, async_op=async_op)
-    return finish(Work([h] if async_op else [], lambda: output.copy_(mint.cat(parts, 0))),
-                  async_op)
+    return issue(lambda a: [dist().all_gather(parts, input, group=g.name, async_op=a)], async_op,
+                 lambda: output.copy_(mint.cat(parts, 0)))
 
 
 def reduce_scatter_tensor(output: Tensor, input: Tensor, op: str, g: ProcessGroup,
@@ -70,14 +83,14 @@ def all_reduce_in_rank_order(tensor: Tensor, op: str, g: ProcessGroup,
     (W x N bytes received instead of a ring's 2(W-1)/W x N)."""
     log_once("all_reduce(deterministic)", "CPU: list all_gather + sum in rank order")
     parts = [mint.zeros(tensor.shape, dtype=tensor.dtype) for _ in range(g.size)]
-    h = dist().all_gather(parts, tensor, group=g.name, async_op=async_op)
 
     def then():
         acc = parts[0]
         for p in parts[1:]:
             acc = acc + p
         F.copy_(tensor, acc / g.size if op == "avg" else acc)
-    return finish(Work([h] if async_op else [], then), async_op)
+    return issue(lambda a: [dist().all_gather(parts, tensor, group=g.name, async_op=a)],
+                 async_op, then)
 
 
 def reduce_scatter_by_all_reduce(output: Tensor, input: Tensor, op: str, g: ProcessGroup,
@@ -85,16 +98,15 @@ def reduce_scatter_by_all_reduce(output: Tensor, input: Tensor, op: str, g: Proc
     """All-reduce a copy of the whole input, keep this rank's slice (2(W-1)/W x N bytes sent)."""
     buf = F.clone(input)
     n = output.shape[0]
-    if is_deterministic() and op in ("sum", "avg"):   # the rank-order sum, then the slice
-        h = all_reduce_in_rank_order(buf, "sum", g, async_op)   # a Work when async: waitable
-    else:
-        h = dist().all_reduce(buf, op="sum" if op == "avg" else op, group=g.name,
-                              async_op=async_op)
 
     def then():
         piece = mint.narrow(buf, 0, g.rank * n, n)
         F.copy_(output, piece / g.size if op == "avg" else piece)
-    return finish(Work([h] if async_op else [], then), async_op)
+    if is_deterministic() and op in ("sum", "avg"):   # the rank-order sum, then the slice
+        h = all_reduce_in_rank_order(buf, "sum", g, async_op)   # a Work when async: waitable
+        return finish(Work([h] if async_op else [], then), async_op)
+    return issue(lambda a: [dist().all_reduce(buf, op="sum" if op == "avg" else op,
+                                              group=g.name, async_op=a)], async_op, then)
 
 
 def reduce_scatter_by_scatter(output: Tensor, input: Tensor, op: str, g: ProcessGroup,
@@ -104,19 +116,18 @@ def reduce_scatter_by_scatter(output: Tensor, input: Tensor, op: str, g: Process
     order. Each rank sends (W-1)/W x N bytes, what a native reduce-scatter moves."""
     n, w = output.shape[0], g.size
     chunks = [mint.narrow(input, 0, j * n, n) for j in range(w)]
-    bufs, handles = [], []
-    for root in range(w):
-        buf = mint.zeros(output.shape, dtype=output.dtype)
-        bufs.append(buf)
-        handles.append(dist().scatter(buf, chunks if root == g.rank else [],
-                                      src=g.global_rank(root), group=g.name, async_op=async_op))
+    bufs = [mint.zeros(output.shape, dtype=output.dtype) for _ in range(w)]
+
+    def kernels(a: bool) -> list:
+        return [dist().scatter(buf, chunks if root == g.rank else [], src=g.global_rank(root),
+                               group=g.name, async_op=a) for root, buf in enumerate(bufs)]
 
     def then():
         acc = bufs[0]
         for b in bufs[1:]:
             acc = _COMBINE[op](acc, b)
         F.copy_(output, acc / w if op == "avg" else acc)
-    return finish(Work(handles if async_op else [], then), async_op)
+    return issue(kernels, async_op, then)
 
 
 def all_to_all(output: Tensor, input: Tensor, in_splits, matrix: np.ndarray, g: ProcessGroup,

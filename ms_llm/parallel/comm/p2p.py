@@ -17,16 +17,22 @@ from ms_llm.compat import F, is_cpu
 from ms_llm.compat.environment import setting
 
 from .backend import dist, log_once
-from .collectives import broadcast
+from .collectives import broadcast, broadcast_call
+from . import shm
 from .comm_thread import submit
 from .groups import ProcessGroup, get_rank, new_group
 from .work import Work
 
 
 def _pair(a: int, b: int) -> ProcessGroup:
+    """The two-rank group of ``a`` and ``b``; its shared-memory channel (if any) is set up with
+    it, at the same point on both ranks and never on the communication thread."""
     if a == b:
         raise ValueError(f"send/recv: peer is this rank ({a})")
-    return new_group([a, b])
+    group = new_group([a, b])
+    if is_cpu():
+        shm.channel(group)
+    return group
 
 
 def open_pairs(peers: Sequence[int]) -> None:
@@ -103,23 +109,39 @@ def batch_isend_irecv(p2p_ops: Sequence[P2POp]) -> List[Work]:
         return [Work() for _ in p2p_ops]
     log_once("batch_isend_irecv", "broadcasts in two-rank groups on the communication thread"
              if setting("runtime.comm_thread") else "broadcasts in two-rank groups, inline")
-    steps = []           # (tensor, src, two-rank group), groups and copies made on this thread
+    # One call per transfer, with its groups, copies and (shared memory) addresses made on this
+    # thread; a receive into a non-contiguous tensor lands in a contiguous buffer copied back.
+    steps, backs, keep = [], [], []
     for lo, hi in sorted(by_pair):
         group = _pair(lo, hi)
         for sender in (lo, hi):
             for _, p in by_pair[(lo, hi)]:
                 if p.kind == "isend" and sender == me:
-                    steps.append((F.clone(p.tensor), me, group))
+                    tensor, src = F.clone(p.tensor), me
                 elif p.kind == "irecv" and sender == p.peer:
-                    steps.append((p.tensor, p.peer, group))
+                    tensor, src = p.tensor, p.peer
+                    if not tensor.is_contiguous():
+                        tensor = tensor.contiguous()
+                        backs.append((p.tensor, tensor))
+                else:
+                    continue
+                keep.append(tensor)
+                steps.append(broadcast_call(tensor, src, group)
+                             or (lambda t=tensor, s=src, g=group: broadcast(t, src=s, group=g)))
 
     def calls():
-        for tensor, src, group in steps:
-            broadcast(tensor, src=src, group=group)
+        for call in steps:
+            call()
+
+    def copy_back():
+        for dst, buf in backs:
+            F.copy_(dst, buf)
+        keep.clear()
     if not steps:
         return [Work() for _ in p2p_ops]
     if not setting("runtime.comm_thread"):
         calls()
+        copy_back()
         return [Work() for _ in p2p_ops]
-    work = submit(calls)
+    work = submit(calls, then=copy_back)
     return [work for _ in p2p_ops]
