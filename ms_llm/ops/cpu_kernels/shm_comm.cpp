@@ -12,7 +12,7 @@
 // A large operation runs in chunks that fit a slot. Between the phases of a chunk every rank
 // passes a barrier: it publishes its counter (release store, single writer per line) and waits
 // until every peer's counter has reached the same value (acquire loads), spinning briefly, then
-// yielding, then sleeping 50 us. Every rank calls the same collectives in the same order, so the
+// sleeping on a futex. Every rank calls the same collectives in the same order, so the
 // counters advance in lockstep; `seq` is this rank's counter, kept by the caller.
 //
 // Reductions are done in rank order (0, 1, ..., W-1) for every element, so every rank gets the
@@ -21,9 +21,12 @@
 //
 // Return codes: 0 ok, 1 a peer did not arrive within the time-out, 2 unsupported dtype / op.
 
-#include <sched.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
+#include <climits>
 #include <cstdint>
 #include <cstring>
 
@@ -42,7 +45,7 @@ struct Ctx {
   uint64_t *seq;
   double timeout;
 
-  uint64_t *line(int64_t r) const { return reinterpret_cast<uint64_t *>(base + kLine * (1 + r)); }
+  uint32_t *line(int64_t r) const { return reinterpret_cast<uint32_t *>(base + kLine * (1 + r)); }
   char *data() const {
     const int64_t head = kLine * (1 + world);
     return base + ((head + 4095) / 4096) * 4096;
@@ -65,30 +68,36 @@ inline void pause_cpu() {
 #endif
 }
 
-// Every rank arrives; returns false on time-out.
+int futex(uint32_t *addr, int op, uint32_t val, const timespec *ts) {
+  return static_cast<int>(syscall(SYS_futex, addr, op, val, ts, nullptr, 0));
+}
+
+// Every rank arrives; returns false on time-out. A rank publishes its counter and wakes whoever
+// sleeps on it; a waiter spins a little (a peer that is already there costs nothing), then sleeps
+// on the peer's counter with a shared (not process-private) futex, so waiting ranks give their
+// core to the ones still computing (several jobs share the 2-core machines) and wake at once.
 bool barrier(const Ctx &c) {
-  const uint64_t target = ++*c.seq;
-  __atomic_store_n(c.line(c.rank), target, __ATOMIC_RELEASE);
+  const uint32_t target = static_cast<uint32_t>(++*c.seq);
+  uint32_t *mine = c.line(c.rank);
+  __atomic_store_n(mine, target, __ATOMIC_RELEASE);
+  futex(mine, FUTEX_WAKE, INT32_MAX, nullptr);
   double start = -1.0;
   for (int64_t r = 0; r < c.world; ++r) {
     if (r == c.rank) continue;
-    uint64_t *flag = c.line(r);
-    int64_t spins = 0;
-    while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) < target) {
-      ++spins;
-      if (spins < 2000) {
+    uint32_t *flag = c.line(r);
+    int spins = 0;
+    for (;;) {
+      const uint32_t v = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+      if (static_cast<int32_t>(v - target) >= 0) break;
+      if (++spins < 200) {
         pause_cpu();
-      } else if (spins < 4000) {
-        sched_yield();
-      } else {
-        timespec ts{0, 50000};
-        nanosleep(&ts, nullptr);
-        if ((spins & 255) == 0) {
-          const double t = now();
-          if (start < 0) start = t;
-          else if (t - start > c.timeout) return false;
-        }
+        continue;
       }
+      timespec ts{0, 100000000};   // 100 ms, then look at the clock
+      futex(flag, FUTEX_WAIT, v, &ts);
+      const double t = now();
+      if (start < 0) start = t;
+      else if (t - start > c.timeout) return false;
     }
   }
   return true;

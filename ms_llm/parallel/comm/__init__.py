@@ -1,5 +1,13 @@
 """``torch.distributed``-named collectives on MindSpore, native where the device has the kernel.
 
+On CPU, when every rank of a group runs on one host (the usual msrun job), the collectives go
+through a shared-memory segment instead (``shm``: C copies, rank-ordered reductions and
+barriers; 15-40x mccl's bandwidth at 64 MiB on the development VM, ``benchmarks/collectives.py``):
+``all_reduce`` (sum/avg/max/min/prod of fp32, fp64, bf16, int32, int64), ``all_gather``,
+``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all``, ``broadcast``,
+``barrier`` and the point-to-point pairs. ``runtime.shm_collectives: false`` (or a group across
+hosts, or an fp16 reduction) keeps mccl and the compositions below.
+
 MindSpore 2.10's CPU backend (mccl) registers ``all_reduce``, list ``all_gather``, ``broadcast``,
 ``gather`` and ``scatter`` only. The rest is composed here, each with the least traffic the available
 kernels allow (the choice is logged once per op):
@@ -32,7 +40,8 @@ unchanged in unit tests.
 
 Modules, lowest first: ``groups`` (ranks and groups), ``watchdog`` (hung-collective exit),
 ``work`` (the ``Work`` handle), ``comm_thread`` (the CPU communication thread), ``backend``
-(the watched ``mint.distributed`` access point), ``cpu_compose`` (the CPU compositions above),
+(the watched ``mint.distributed`` access point), ``shm`` (the one-host shared-memory channels),
+``cpu_compose`` (the CPU compositions above),
 ``collectives`` and ``p2p`` (the public ops).
 """
 from .collectives import (all_gather, all_gather_into_tensor, all_gather_object, all_reduce, all_to_all_single,
