@@ -3,6 +3,7 @@
     python benchmarks/scaling.py                      # every row (long: ~40 min on 2 cores)
     python benchmarks/scaling.py --rows pp,pp_gpipe,pp_zbh1 --steps 6
     python benchmarks/scaling.py --rows dp --small    # the tests' tiny model, a quick check
+    python benchmarks/scaling.py --rows fsdp,fsdp_mccl  # shared memory against mccl
 
 Every row trains the ~55M Llama-style model (hidden 512, 8 layers, GQA 8/2, FFN 1408, vocab
 32000, untied), fp32, PyNative (pipeline, FSDP and context parallel run PyNative; the baselines
@@ -63,6 +64,11 @@ ROWS = {
                                            "--parallel.context_parallel_algo", "megatron_cp_algo"],
                 LONG, None, None),
 }
+# The same layouts over MindSpore's own CPU collectives (mccl) instead of the shared-memory
+# channel: what the channel is worth, side by side ("<row>_mccl").
+MCCL = ["--runtime.shm_collectives", "false"]
+ROWS.update({f"{name}_mccl": (f"{label}, mccl collectives", extra + MCCL, shape, None, pipe)
+             for name, (label, extra, shape, _, pipe) in list(ROWS.items())})
 
 
 def analytic_bubble(pp: int, m: int, method) -> float:
