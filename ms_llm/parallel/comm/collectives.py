@@ -20,6 +20,7 @@ from . import cpu_compose, shm
 from .backend import dist, log_once
 from .comm_thread import drain, submit
 from .groups import ProcessGroup, get_rank, member_group
+from .objects import all_gather_object  # noqa: F401 (re-exported)
 from .cpu_compose import is_deterministic, set_deterministic  # noqa: F401 (re-exported)
 from .watchdog import watched
 from .work import Work, finish
@@ -144,30 +145,6 @@ def all_gather(tensor_list: List[Tensor], tensor: Tensor, group: Optional[Proces
             async_op)
     h = dist().all_gather(tensor_list, tensor, group=g.name, async_op=async_op)
     return finish(Work([h] if async_op else []), async_op)
-
-
-def all_gather_object(object_list: list, obj, group: Optional[ProcessGroup] = None) -> None:
-    """torch.distributed.all_gather_object: ``object_list[i]`` = group rank i's picklable
-    ``obj``. Built on tensor all_gathers (lengths, then the padded pickles), which every
-    backend has; meant for small host-side metadata, e.g. which tensors each rank loads."""
-    import pickle
-    g = member_group(group)
-    if len(object_list) != g.size:
-        raise ValueError(f"all_gather_object: object_list has {len(object_list)} entries, the "
-                         f"group has {g.size} ranks")
-    data = np.frombuffer(pickle.dumps(obj), np.uint8)
-    if g.size == 1:
-        object_list[0] = pickle.loads(data.tobytes())
-        return
-    sizes = [Tensor(np.zeros(1, np.int32)) for _ in range(g.size)]
-    dist().all_gather(sizes, Tensor(np.array([data.size], np.int32)), group=g.name)
-    n = [int(t.asnumpy()[0]) for t in sizes]
-    padded = np.zeros(max(n), np.int32)   # int32: mccl's gathers are not checked for uint8
-    padded[:data.size] = data
-    parts = [Tensor(np.zeros(max(n), np.int32)) for _ in range(g.size)]
-    dist().all_gather(parts, Tensor(padded), group=g.name)
-    for i, (t, k) in enumerate(zip(parts, n)):
-        object_list[i] = pickle.loads(t.asnumpy()[:k].astype(np.uint8).tobytes())
 
 
 def all_gather_into_tensor(output: Tensor, input: Tensor, group: Optional[ProcessGroup] = None,

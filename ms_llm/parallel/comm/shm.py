@@ -35,6 +35,7 @@ from mindspore import Tensor
 from ms_llm.compat.environment import setting
 
 from .groups import ProcessGroup
+from .objects import all_gather_object
 
 log = logging.getLogger("ms_llm.parallel")
 
@@ -196,7 +197,6 @@ def channel(group: ProcessGroup) -> Optional[Channel]:
 
 
 def _setup(group: ProcessGroup) -> Optional[Channel]:
-    from .collectives import all_gather_object
     lib = _lib()
     size = _segment_bytes(group.size, lib)
     token = uuid.uuid4().hex if group.rank == 0 else ""
