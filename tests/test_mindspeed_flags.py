@@ -124,7 +124,33 @@ def test_schedule_flags_and_megatron_argparse_rules():
     assert cfg.training.stage == "dpo"
 
 
+def test_muon_flags_take_megatron_core_names_and_defaults():
+    base = SCRIPTS["qwen3/pretrain_qwen3_0point6b_4K_ptd.sh"]["argv"]
+    _, cfg = resolve(base, [])
+    assert cfg.training.optimizer == "adamw"
+    tr = translate(list(base) + ["--optimizer", "muon"])
+    assert tr.keys["training.muon_momentum"] == 0.9          # Megatron's default, not ms-llm's
+    assert any("--muon-fp32-matmul-prec" in n for n in tr.notes)
+    _, cfg = resolve(base, ["--optimizer", "dist_muon", "--muon-momentum", "0.8",
+                            "--muon-use-nesterov", "--muon-no-split-qkv", "--muon-num-ns-steps",
+                            "6", "--muon-scale-mode", "unit_rms_norm", "--muon-tp-mode",
+                            "distributed", "--muon-extra-scale-factor", "0.2",
+                            "--muon-coefficient-type", "polar_express",
+                            "--muon-fp32-matmul-prec", "medium", "--muon-scalar-optimizer", "adam",
+                            "--qk-clip", "--qk-clip-alpha", "0.4", "--qk-clip-threshold", "50"])
+    t, m = cfg.training, cfg.model
+    assert (t.optimizer, cfg.parallel.use_distributed_optimizer) == ("muon", True)
+    assert (t.muon_momentum, t.muon_nesterov, t.muon_split_qkv, t.muon_num_ns_steps,
+            t.muon_scale_mode, t.muon_tp_mode, t.muon_extra_scale_factor,
+            t.muon_coefficient_type, t.muon_fp32_matmul_prec) == \
+        (0.8, True, False, 6, "unit_rms_norm", "distributed", 0.2, "polar_express", "medium")
+    assert (m.qk_clip, m.qk_clip_alpha, m.qk_clip_threshold) == (True, 0.4, 50.0)
+
+
 @pytest.mark.parametrize("extra, message", [
+    (["--optimizer", "lion"], "--optimizer lion: not supported (adam, muon and dist_muon"),
+    (["--optimizer", "muon", "--muon-scalar-optimizer", "lion"],
+     "--muon-scalar-optimizer lion: not supported (accepted: adam)"),
     (["--frobnicate"], "--frobnicate: unknown Megatron/MindSpeed flag"),
     (["--fp16"], "--fp16: not supported: fp16 training is not built"),
     (["--lr"], "--lr: takes 1 value(s), got none"),

@@ -78,6 +78,20 @@ def translate(argv: Sequence[str], world_size: Optional[int] = None) -> Translat
     return tr
 
 
+def _optimizer(tr: Translation, post: Dict[str, List[str]]) -> None:
+    """Megatron's ``--optimizer``: adam (AdamW, its default), muon, and the deprecated dist_muon
+    (Megatron rewrites it to muon with the distributed optimizer)."""
+    name = post.get("--optimizer", ["adam"])[0]
+    if name not in ("adam", "muon", "dist_muon"):
+        raise ConfigError(f"--optimizer {name}: not supported (adam, muon and dist_muon are built)")
+    tr.keys["training.optimizer"] = "adamw" if name == "adam" else "muon"
+    if name == "dist_muon":
+        tr.keys["parallel.use_distributed_optimizer"] = True
+    if name != "adam" and "training.muon_fp32_matmul_prec" not in tr.keys:
+        tr.notes.append("--muon-fp32-matmul-prec: Megatron's default is medium (bf16 GEMM "
+                        "operands); ms-llm keeps fp32 Newton-Schulz (highest) unless it is given")
+
+
 def _check_arity(flag: str, nargs, values: List[str]) -> None:
     if nargs == "+" and not values:
         raise ConfigError(f"{flag}: needs at least one value")
@@ -108,6 +122,7 @@ def _finish(tr: Translation, post: Dict[str, List[str]], world_size: Optional[in
     if iters > 0:
         k["training.eval_iters"] = iters
         k["training.eval_interval"] = post.get("--eval-interval", ["1000"])[0]
+    _optimizer(tr, post)
     stage = post.get("--stage", [None])[0]
     if stage == "dpo":
         k["training.stage"] = "dpo"
