@@ -181,7 +181,16 @@ def test_torch_dist_folders_are_checked_for_byte_ranges(tmp_path, capsys):
     assert "ok (torch_dist records no checksum" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"bytes \[\d+, \d+\) overlap"):
         TorchDistReader(_torch_dist(tmp_path / "alias", alias=True))
-    distcp = os.path.join(good, "__0_0.distcp")
+    # a Megatron save folder: every iter_* folder verified as torch_dist
+    save = tmp_path / "save"
+    first, second = _torch_dist(save / "iter_0000001"), _torch_dist(save / "iter_0000002")
+    (save / "latest_checkpointed_iteration.txt").write_text("2")
+    assert verify_main(["verify", str(save)]) == 0
+    assert capsys.readouterr().out.count("ok (torch_dist records no checksum") == 2
+    distcp = os.path.join(second, "__0_0.distcp")
     os.truncate(distcp, os.path.getsize(distcp) - 10)
-    assert verify_main(["verify", good]) == 1
+    assert verify_main(["verify", str(save)]) == 1
+    out = capsys.readouterr().out
+    assert f"{first}: ok" in out and f"{second}: FAILED: " in out
+    assert verify_main(["verify", second]) == 1
     assert "FAILED: " in capsys.readouterr().out

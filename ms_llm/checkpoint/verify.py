@@ -194,24 +194,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not os.path.isdir(path):
         print(f"ms-llm checkpoint verify: {path}: no such directory", file=sys.stderr)
         return 2
-    from .torch_dist import TorchDistReader, is_torch_dist_dir
-    from .torch_dist_verify import torch_dist_problem
-    if is_torch_dist_dir(path):   # Megatron-Core torch_dist: structure and byte ranges (no crc)
-        try:
-            why = torch_dist_problem(TorchDistReader(path))
-        except ValueError as e:
-            why = str(e)
-        ok = "ok (torch_dist records no checksum: structure and byte ranges checked)"
-        print(f"{path}: {ok if why is None else 'FAILED: ' + why}")
-        return 0 if why is None else 1
-    if os.path.isfile(os.path.join(path, METADATA)) or \
+    if os.path.isfile(os.path.join(path, METADATA)) or _is_torch_dist(path) or \
             os.path.basename(os.path.normpath(path)).startswith("iter_"):
-        found = [(None, path, verify_checkpoint(path, not a.size_only))]
-    else:
-        found = survey(path, not a.size_only)
+        found = [path]
+    else:   # a save_dir: every iter_* folder, ms-llm's or Megatron's torch_dist alike
+        found = [cp for _, cp in list_iters(path)]
     if not found:
         print(f"ms-llm checkpoint verify: {path}: no iter_* checkpoint here", file=sys.stderr)
         return 2
-    for _, cp, why in found:
-        print(f"{cp}: {'ok' if why is None else 'FAILED: ' + why}")
-    return 0 if all(why is None for _, _, why in found) else 1
+    bad = 0
+    for cp in found:
+        why, ok = _verify_any(cp, not a.size_only)
+        bad += why is not None
+        print(f"{cp}: {ok if why is None else 'FAILED: ' + why}")
+    return 1 if bad else 0
+
+
+def _is_torch_dist(path: str) -> bool:
+    from .torch_dist import is_torch_dist_dir
+    try:
+        return is_torch_dist_dir(path)
+    except (OSError, ValueError):
+        return False
+
+
+def _verify_any(path: str, crc: bool) -> Tuple[Optional[str], str]:
+    """(reason or None, the ok line) for one checkpoint folder of either format."""
+    if not _is_torch_dist(path):
+        return verify_checkpoint(path, crc), "ok"
+    from .torch_dist import TorchDistReader
+    from .torch_dist_verify import torch_dist_problem
+    try:   # Megatron-Core torch_dist: structure and byte ranges (it records no checksum)
+        why = torch_dist_problem(TorchDistReader(path))
+    except ValueError as e:
+        why = str(e)
+    return why, "ok (torch_dist records no checksum: structure and byte ranges checked)"
