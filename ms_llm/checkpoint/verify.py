@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .dcp_format import FORMAT, METADATA, TRACKER, DCPError, file_crc32, list_iters, read_json
 
-__all__ = ["metadata_problem", "verify_checkpoint", "verify_file", "survey", "guard_save_dir",
+__all__ = ["metadata_problem", "verify_checkpoint", "verify_file", "guard_save_dir",
            "SHAPE_KEYS", "main"]
 
 # TransformerConfig fields that fix a tensor's shape: a checkpoint recording other values
@@ -105,11 +105,6 @@ def verify_checkpoint(path: str, crc: bool = True) -> Optional[str]:
         if why:
             return why
     return None
-
-
-def survey(save_dir: str, crc: bool = True) -> List[Tuple[int, str, Optional[str]]]:
-    """``(step, path, reason or None)`` for every ``iter_*`` folder, oldest first."""
-    return [(s, p, verify_checkpoint(p, crc)) for s, p in list_iters(save_dir)]
 
 
 def _foreign(path: str, model_config: Dict) -> Optional[str]:
