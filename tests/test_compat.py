@@ -675,6 +675,31 @@ def test_mindspore_view_copy_bug():
     np.testing.assert_array_equal(dst.asnumpy(), np.arange(10, dtype=np.float32)[None])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_copy_clones_only_views_into_a_larger_buffer(dtype):
+    """``F.copy_`` clones a source that is part of a larger storage (the 2.10 bug) and copies a
+    whole tensor directly; both write the right values, bf16 included."""
+    from mindspore import mint
+    from ms_llm.compat import F as CF, to_ms_dtype
+    from ms_llm.compat.functional import _part_of_larger_storage
+    dt = to_ms_dtype(dtype)
+    buf = Tensor(np.arange(30, dtype=np.float32).reshape(3, 10)).astype(dt)
+    whole = buf * 2
+    assert _part_of_larger_storage(mint.narrow(buf, 0, 0, 1))
+    assert _part_of_larger_storage(mint.narrow(buf, 0, 1, 2))
+    assert not _part_of_larger_storage(whole) and not _part_of_larger_storage(buf.astype(dt))
+    for src, want in ((mint.narrow(buf, 0, 0, 1), np.arange(10)[None]),
+                      (mint.narrow(buf, 0, 2, 1), np.arange(20, 30)[None]),
+                      (mint.narrow(whole, 0, 1, 1), 2 * np.arange(10, 20)[None])):
+        dst = Tensor(np.zeros((1, 10), np.float32)).astype(dt)
+        CF.copy_(dst, src)
+        np.testing.assert_array_equal(dst.asnumpy().astype(np.float32), want)
+    dst = Tensor(np.zeros((3, 10), np.float32)).astype(dt)
+    CF.copy_(dst, whole)
+    np.testing.assert_array_equal(dst.asnumpy().astype(np.float32),
+                                  2 * np.arange(30).reshape(3, 10))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "int64", "bool"])
 def test_clone_is_an_exact_independent_copy(dtype):
     """``F.clone`` (``x * 1`` on CPU: Tensor.copy is ~17x slower there) must keep every value

@@ -156,7 +156,7 @@ def model_step(model, cache: "KVCache", threads: Optional[int] = None, parallel_
     emb = model.embedding.word_embeddings
     final = model.decoder.final_layernorm
     if (not layers or len(layers) != len(cache) or head is None or head.dtype != float32
-            or type(emb) is not nn.Embedding or emb.weight.dtype != float32
+            or not isinstance(emb, nn.Embedding) or emb.weight.dtype != float32
             or not _plain_norm(final) or head.shape[0] != emb.weight.shape[0]):
         return None
     first = layers[0]

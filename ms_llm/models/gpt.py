@@ -29,9 +29,9 @@ MLPFactory = Callable[[TransformerConfig, int], nn.Module]
 class LanguageModelEmbedding(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size,
-                                            init_std=config.init_method_std,
-                                            dtype=config.params_dtype)
+        self.word_embeddings = hot.Embedding(config.padded_vocab_size, config.hidden_size,
+                                             init_std=config.init_method_std,
+                                             dtype=config.params_dtype)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.word_embeddings(input_ids)

@@ -171,6 +171,6 @@ class TransformerLayer(nn.Module):
             h = self.self_attention(h, cos, sin, attention_mask)
         else:
             h = self.self_attention(h, cos, sin, attention_mask, kv_cache=kv_cache)
-        x = x + F.dropout(h, self.hidden_dropout, self.training)
+        x = hot.residual_add(x, F.dropout(h, self.hidden_dropout, self.training))
         h = self.mlp(self.pre_mlp_layernorm(x))
-        return x + F.dropout(h, self.hidden_dropout, self.training)
+        return hot.residual_add(x, F.dropout(h, self.hidden_dropout, self.training))

@@ -13,10 +13,12 @@ from ms_llm.compat import is_ascend, is_cpu
 from ms_llm.compat.environment import setting
 
 log = logging.getLogger("ms_llm.ops")
-OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear")
+OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear", "residual_add",
+       "embedding")
 _PATHS: dict = {}
 # Ops with a C++ CPU kernel (attention: its fused scale + causal mask + softmax).
-AOT_OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear")
+AOT_OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear", "residual_add",
+       "embedding")
 
 
 def aot_enabled() -> bool:

@@ -123,3 +123,9 @@ def causal_softmax(scores, scale=1.0):
     if sq > sk:
         y = y * keep
     return y if dt == ms.float32 else y.astype(dt)
+
+
+def embedding(ids, weight):
+    """``weight[ids]`` through the shim's gather (fp32 on CPU behind casts)."""
+    from ms_llm.compat import F
+    return F.embedding(ids, weight)

@@ -102,7 +102,23 @@ def _make_prims():
 
     rope_fwd = custom("RopeFwd", lambda x, c, s, d: x, lambda x, c, s, d: x, rope_bprop)
 
+    # --- residual add (bf16 stream): (a, b) -> a + b ; each input's gradient is dout
+    def add_bprop(a, b, out, dout):
+        return dout, dout
+
+    add = custom("ResidualAdd", lambda a, b: a, lambda a, b: a, add_bprop)
+
+    # --- embedding: (weight [V, h], ids) -> weight[ids] ; bwd (weight, ids, dy) -> dweight
+    emb_bwd = custom("EmbeddingBwd", lambda w, ids, dy: w, lambda w, ids, dy: w)
+
+    def emb_bprop(w, ids, out, dout):
+        return emb_bwd(w, ids, dout), _zeros_like(ids)
+
+    emb = custom("EmbeddingFwd", lambda w, ids: list(ids) + [w[-1]], lambda w, ids: w, emb_bprop)
+
     return {
+        "residual_add": add,
+        "embedding": emb,
         "rms_norm": rms_fwd,
         "swiglu": swiglu_fwd,
         "swiglu_bwd": swiglu_bwd,
@@ -155,6 +171,23 @@ def rms_norm(x, weight, eps=1e-6):
     dt = x.dtype
     y = _prim("rms_norm")(_f32(x), _f32(weight), float(eps))
     return y if dt == ms.float32 else y.astype(dt)
+
+
+def residual_add(a, b):
+    """``a + b`` for two fp32 or two bf16 tensors of one shape, rounded once (MindSpore 2.10's CPU
+    bf16 Add runs ~50x slower than this). Grads: dout for each. Composed ``a + b`` otherwise."""
+    if not _aot_enabled() or not _native(a.dtype, b.dtype) or a.shape != b.shape:
+        return a + b
+    return _prim("residual_add")(a, b)
+
+
+def embedding(ids, weight):
+    """``weight[ids]`` for an fp32 or bf16 table and int32/int64 ids; the gradient sums each id's
+    rows in fp32 and rounds once (no cast of the whole table, no dense fp32 gradient). An id
+    outside [0, V) raises."""
+    if not _aot_enabled() or not _native(weight.dtype) or ids.dtype not in (ms.int32, ms.int64):
+        return composed.embedding(ids, weight)
+    return _prim("embedding")(weight, ids)
 
 
 def swiglu(x):

@@ -1,0 +1,75 @@
+"""The bf16 residual stream's CPU kernels (``ms_llm.ops.residual``: residual add, embedding)
+against NumPy written here: exact, since both sides round the same fp32 numbers once."""
+import ml_dtypes
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from ms_llm.compat import setup_device
+
+setup_device("CPU")
+from ms_llm.ops import cpu_kernels  # noqa: E402
+from ms_llm.ops.residual import embedding, residual_add  # noqa: E402
+
+BF16 = ml_dtypes.bfloat16
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
+
+
+def _ms(a, dtype):
+    return Tensor(np.asarray(a, np.float32)).astype(dtype)
+
+
+def _np(t):
+    return t.astype(ms.float32).asnumpy()
+
+
+@pytest.mark.parametrize("dtype", [ms.bfloat16, ms.float32])
+def test_residual_add_rounds_once_and_passes_the_gradient_to_both(dtype):
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 33, 64)) * 3, rng.standard_normal((2, 33, 64))
+    if dtype == ms.bfloat16:
+        a, b = a.astype(BF16).astype(np.float32), b.astype(BF16).astype(np.float32)
+    want = (a.astype(np.float32) + b.astype(np.float32))
+    if dtype == ms.bfloat16:
+        want = want.astype(BF16).astype(np.float32)
+    ta, tb = _ms(a, dtype), _ms(b, dtype)
+    got = residual_add(ta, tb)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(_np(got), want)
+    dout = rng.standard_normal(a.shape).astype(np.float32)
+    w = _ms(dout, dtype).astype(ms.float32)     # bf16 has no CPU ReduceSum: the loss is fp32
+    ga, gb = ms.grad(lambda x, y: (residual_add(x, y).astype(ms.float32) * w).sum(),
+                     grad_position=(0, 1))(ta, tb)
+    np.testing.assert_array_equal(_np(ga), _np(w))
+    np.testing.assert_array_equal(_np(gb), _np(w))
+
+
+@pytest.mark.parametrize("dtype", [ms.bfloat16, ms.float32])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_embedding_gathers_and_sums_repeated_ids_in_token_order(dtype, id_dtype):
+    rng = np.random.default_rng(1)
+    v, h = 50, 24
+    table = rng.standard_normal((v, h)).astype(np.float32)
+    ids = rng.integers(0, 12, (3, 40)).astype(id_dtype)      # many repeats, rows 12.. unused
+    dy = rng.standard_normal((3, 40, h)).astype(np.float32)
+    if dtype == ms.bfloat16:
+        table, dy = table.astype(BF16).astype(np.float32), dy.astype(BF16).astype(np.float32)
+    w, g = _ms(table, dtype), _ms(dy, ms.float32)
+    out = embedding(Tensor(ids), w)
+    assert out.dtype == dtype and out.shape == (3, 40, h)
+    np.testing.assert_array_equal(_np(out), table[ids])
+    want = np.zeros((v, h), np.float32)
+    for i, r in enumerate(ids.reshape(-1)):                  # fp32 sums in token order
+        want[r] += dy.reshape(-1, h)[i]
+    if dtype == ms.bfloat16:
+        want = want.astype(BF16).astype(np.float32)
+    dw = ms.grad(lambda t: (embedding(Tensor(ids), t).astype(ms.float32) * g).sum())(w)
+    assert dw.dtype == dtype
+    np.testing.assert_array_equal(_np(dw), want)
+
+
+def test_embedding_refuses_an_id_outside_the_table():
+    w = _ms(np.ones((4, 8)), ms.bfloat16)
+    with pytest.raises(RuntimeError):
+        embedding(Tensor(np.array([1, 4], np.int32)), w).asnumpy()
