@@ -82,3 +82,22 @@ def test_bf16_kernels_equal_rounded_fp32_kernels(name):
     for i, (b, f) in enumerate(zip(gb, gf)):
         assert b.dtype == ms.bfloat16, f"{name} grad {i} is {b.dtype}"
         _same(_bits(b), _rounded(f), f"{name} grad {i}")
+
+
+def test_bf16_logits_cross_entropy_equals_the_fp32_kernel_on_widened_logits():
+    """bf16 logits are read as they are: the loss (fp32) equals the fp32 kernel on the widened
+    logits within fp32 summation-order differences (rtol 1e-6), and dlogits (bf16) equals its
+    fp32 dlogits rounded, under the rule above; labels include an ignored and a repeated one."""
+    rng = np.random.default_rng(4)
+    lb, lf = _pair(rng, (64, 1000), 3.0)
+    labels = Tensor(np.concatenate([[-100, 7, 7], rng.integers(0, 1000, 61)]).astype(np.int32))
+    loss_b, loss_f = ck.cross_entropy(lb, labels), ck.cross_entropy(lf, labels)
+    assert loss_b.dtype == ms.float32
+    np.testing.assert_allclose(loss_b.asnumpy(), loss_f.asnumpy(), rtol=1e-6, atol=1e-6)
+    assert loss_b.asnumpy()[0] == 0.0
+    w = Tensor(rng.standard_normal(64).astype(np.float32))
+    gb = ms.grad(lambda x: (ck.cross_entropy(x, labels) * w).sum())(lb)
+    gf = ms.grad(lambda x: (ck.cross_entropy(x, labels) * w).sum())(lf)
+    assert gb.dtype == ms.bfloat16
+    _same(_bits(gb), _rounded(gf), "cross entropy dlogits")
+    assert not _bits(gb)[0].any()          # the ignored row: +0.0

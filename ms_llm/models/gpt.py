@@ -201,7 +201,7 @@ class GPTModel(nn.Module):
         """Per-token cross entropy of the head: logits then ``loss_fn``, or with
         ``cross_entropy_loss_fusion`` both in chunks of tokens (``hot.fused_linear_cross_entropy``)."""
         if not self.config.cross_entropy_loss_fusion:
-            return self.loss_fn(self._head(h), labels)
+            return self.loss_fn(self._head(h, for_loss=True), labels)
         if self.output_layer is None:
             return hot.fused_linear_cross_entropy(h, self.embedding.word_embeddings.weight, labels)
         if type(self.output_layer) is not hot.Linear:
@@ -210,11 +210,13 @@ class GPTModel(nn.Module):
                              f"output_layer are not built for it)")
         return hot.fused_linear_cross_entropy(h, self.output_layer.weight, labels)
 
-    def _head(self, h: Tensor) -> Tensor:
+    def _head(self, h: Tensor, for_loss: bool = False) -> Tensor:
         if self.output_layer is not None:
             # Through the module, so whatever wraps or replaces it (TP, FSDP) takes part.
-            return self.output_layer(h).astype(float32)
-        return self.compute_logits(h, self.embedding.word_embeddings.weight)
+            logits = self.output_layer(h)
+        else:
+            logits = self.compute_logits(h, self.embedding.word_embeddings.weight)
+        return loss_logits(logits, self.loss_fn) if for_loss else logits.astype(float32)
 
     def _mtp_per_token(self, h, input_ids, labels, cos, sin, attention_mask):
         """Each depth's cross entropy ``[b, s]`` against the labels rolled once per depth,
@@ -227,7 +229,15 @@ class GPTModel(nn.Module):
 
 
 def lm_logits(h: Tensor, weight: Tensor) -> Tensor:
-    return hot.linear(h, weight).astype(float32)
+    return hot.linear(h, weight)
+
+
+def loss_logits(logits: Tensor, loss_fn) -> Tensor:
+    """The logits a loss reads: fp32 (Megatron computes the cross entropy in fp32), except for
+    ms-llm's own cross entropy, whose CPU kernel reads bf16 logits as they are with fp32
+    arithmetic (the same numbers, without a cast pass over [tokens, vocab]; it casts itself
+    elsewhere)."""
+    return logits if loss_fn is hot.cross_entropy else logits.astype(float32)
 
 
 def identity(x: Tensor) -> Tensor:

@@ -82,7 +82,7 @@ def _make_prims():
     ce_fwd = custom(
         "CrossEntropyFwd",
         lambda x, lab, ign: ([x[0]], [x[0]]),
-        lambda x, lab, ign: (x, x),
+        lambda x, lab, ign: (ms.float32, ms.float32),   # loss and lse fp32 for bf16 logits too
         ce_bprop,
     )
 
@@ -212,10 +212,11 @@ def swiglu_grad(x, dy):
 def cross_entropy(logits, labels, ignore_index=-100):
     """Per-token cross entropy ``logsumexp(logits) - logits[label]`` of shape labels.shape (logits
     [..., V], labels [...] int32/int64), 0 where ``labels == ignore_index``. Grad for logits only.
-    A label outside [0, V) that is not ignore_index raises."""
+    A label outside [0, V) that is not ignore_index raises. bf16 logits are read as they are
+    (fp32 arithmetic; their gradient is bf16, rounded once): no cast pass over [N, V]."""
     if not _aot_enabled():
         return composed.cross_entropy(logits, labels, ignore_index)
-    lf = _f32(logits)
+    lf = logits if logits.dtype == ms.bfloat16 else _f32(logits)
     lab = labels
     if len(logits.shape) != 2:  # reshape only when needed: on CPU PyNative it can copy the whole [N, V] tensor
         lf = lf.reshape(-1, logits.shape[-1])

@@ -288,24 +288,15 @@ MSLLM_EXPORT int SwigluBwd(int nparam, void **params, int *ndims, int64_t **shap
 }
 
 // --------------------------------------------------------------------------------------------
-// Cross entropy per token.  inputs: logits [N, V] f32, labels [N] int32/int64, ignore_index scalar.
-// outputs: loss [N] f32 (0 where labels == ignore_index), lse [N] f32 (logsumexp per row, 0 where
-// ignored), kept for the backward. Each row is read twice (max, then sum of exp), the second read
-// from cache. A label outside [0, V) that is not ignore_index is an error.
-MSLLM_EXPORT int CrossEntropyFwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
-                                 void *, void *) {
-  if (nparam != 5) return kErrNParam;
-  if (!is_f32(dtypes[0]) || !is_f32(dtypes[3]) || !is_f32(dtypes[4])) return kErrDtype;
-  const bool lab64 = is_i64(dtypes[1]);
-  if (!lab64 && !is_i32(dtypes[1])) return kErrDtype;
-  if (ndims[0] != 2) return kErrShape;
-  const int64_t n = shapes[0][0], v = shapes[0][1];
-  if (numel(ndims[1], shapes[1]) != n || numel(ndims[3], shapes[3]) != n || numel(ndims[4], shapes[4]) != n)
-    return kErrShape;
-  double ign_d;
-  if (!read_scalar(params[2], dtypes[2], &ign_d)) return kErrDtype;
-  const int64_t ignore = static_cast<int64_t>(ign_d);
-  const float *x = static_cast<const float *>(params[0]);
+// Cross entropy per token.  inputs: logits [N, V] f32 or bf16, labels [N] int32/int64, ignore_index
+// scalar.  outputs: loss [N] f32 (0 where labels == ignore_index), lse [N] f32 (logsumexp per row, 0
+// where ignored), kept for the backward. Each row is read twice (max, then sum of exp), the second
+// read from cache. bf16 logits are widened on load (the numbers of an fp32 cast first, without the
+// cast's pass over [N, V]). A label outside [0, V) that is not ignore_index is an error.
+namespace {
+template <class T>
+int ce_fwd_t(void **params, int64_t n, int64_t v, bool lab64, int64_t ignore) {
+  const T *x = static_cast<const T *>(params[0]);
   float *loss = static_cast<float *>(params[3]);
   float *lse = static_cast<float *>(params[4]);
   int bad = 0;
@@ -325,22 +316,75 @@ MSLLM_EXPORT int CrossEntropyFwd(int nparam, void **params, int *ndims, int64_t 
       lse[i] = NAN;
       continue;
     }
-    const float *xr = x + i * v;
-    const float m = row_max(xr, v);
-    const float s = row_sum_exp(xr, v, 1.0f, m);
+    const T *xr = x + i * v;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < v; ++j) m = to_f32(xr[j]) > m ? to_f32(xr[j]) : m;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t j = 0; j < v; ++j) s += exp_f(to_f32(xr[j]) - m);
     const float l = m + std::log(s);
     lse[i] = l;
-    loss[i] = l - xr[lab];
+    loss[i] = l - to_f32(xr[lab]);
   }
   return bad ? kErrLabel : 0;
 }
 
+// dlogits in fp32, stored once in T (bf16: rounded as an fp32 result cast afterwards would be).
+template <class T>
+int ce_bwd_t(void **params, int64_t n, int64_t v, bool lab64, int64_t ignore) {
+  const T *x = static_cast<const T *>(params[0]);
+  const float *lse = static_cast<const float *>(params[2]);
+  const float *dl = static_cast<const float *>(params[3]);
+  T *dx = static_cast<T *>(params[5]);
+  int bad = 0;
+  const int nt = threads_for(n * v, n);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1) reduction(| : bad)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t lab = lab64 ? static_cast<const int64_t *>(params[1])[i]
+                              : static_cast<int64_t>(static_cast<const int32_t *>(params[1])[i]);
+    T *dr = dx + i * v;
+    if (lab == ignore || lab < 0 || lab >= v) {
+      bad |= lab != ignore;
+      std::memset(dr, 0, sizeof(T) * v);   // +0.0 in fp32 and bf16
+      continue;
+    }
+    const T *xr = x + i * v;
+    const float l = lse[i];
+    const float g = dl[i];
+#pragma omp simd
+    for (int64_t j = 0; j < v; ++j) dr[j] = from_f32<T>(exp_f(to_f32(xr[j]) - l) * g);
+    dr[lab] = from_f32<T>(exp_f(to_f32(xr[lab]) - l) * g - g);
+  }
+  return bad ? kErrLabel : 0;
+}
+}  // namespace
+
+MSLLM_EXPORT int CrossEntropyFwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                                 void *, void *) {
+  if (nparam != 5) return kErrNParam;
+  const int kind = storage_kind(dtypes, {0});
+  if (kind < 0 || !is_f32(dtypes[3]) || !is_f32(dtypes[4])) return kErrDtype;
+  const bool lab64 = is_i64(dtypes[1]);
+  if (!lab64 && !is_i32(dtypes[1])) return kErrDtype;
+  if (ndims[0] != 2) return kErrShape;
+  const int64_t n = shapes[0][0], v = shapes[0][1];
+  if (numel(ndims[1], shapes[1]) != n || numel(ndims[3], shapes[3]) != n || numel(ndims[4], shapes[4]) != n)
+    return kErrShape;
+  double ign_d;
+  if (!read_scalar(params[2], dtypes[2], &ign_d)) return kErrDtype;
+  const int64_t ignore = static_cast<int64_t>(ign_d);
+  return kind ? ce_fwd_t<uint16_t>(params, n, v, lab64, ignore) : ce_fwd_t<float>(params, n, v, lab64, ignore);
+}
+
 // Cross entropy backward.  inputs: logits [N, V], labels [N], lse [N], dloss [N], ignore_index.
-// output: dlogits [N, V] = (softmax(logits) - onehot(labels)) * dloss[:, None]; 0 for ignored rows.
+// output: dlogits [N, V] (logits' dtype) = (softmax(logits) - onehot(labels)) * dloss[:, None];
+// 0 for ignored rows.
 MSLLM_EXPORT int CrossEntropyBwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                  void *, void *) {
   if (nparam != 6) return kErrNParam;
-  if (!is_f32(dtypes[0]) || !is_f32(dtypes[2]) || !is_f32(dtypes[3]) || !is_f32(dtypes[5])) return kErrDtype;
+  const int kind = storage_kind(dtypes, {0, 5});
+  if (kind < 0 || !is_f32(dtypes[2]) || !is_f32(dtypes[3])) return kErrDtype;
   const bool lab64 = is_i64(dtypes[1]);
   if (!lab64 && !is_i32(dtypes[1])) return kErrDtype;
   if (ndims[0] != 2) return kErrShape;
@@ -351,34 +395,7 @@ MSLLM_EXPORT int CrossEntropyBwd(int nparam, void **params, int *ndims, int64_t 
   double ign_d;
   if (!read_scalar(params[4], dtypes[4], &ign_d)) return kErrDtype;
   const int64_t ignore = static_cast<int64_t>(ign_d);
-  const float *x = static_cast<const float *>(params[0]);
-  const float *lse = static_cast<const float *>(params[2]);
-  const float *dl = static_cast<const float *>(params[3]);
-  float *dx = static_cast<float *>(params[5]);
-  int bad = 0;
-  const int nt = threads_for(n * v, n);
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1) reduction(| : bad)
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t lab = lab64 ? static_cast<const int64_t *>(params[1])[i]
-                              : static_cast<int64_t>(static_cast<const int32_t *>(params[1])[i]);
-    float *dr = dx + i * v;
-    if (lab == ignore) {
-      std::memset(dr, 0, sizeof(float) * v);
-      continue;
-    }
-    if (lab < 0 || lab >= v) {
-      bad = 1;
-      std::memset(dr, 0, sizeof(float) * v);
-      continue;
-    }
-    const float *xr = x + i * v;
-    const float l = lse[i];
-    const float g = dl[i];
-#pragma omp simd
-    for (int64_t j = 0; j < v; ++j) dr[j] = exp_f(xr[j] - l) * g;
-    dr[lab] -= g;
-  }
-  return bad ? kErrLabel : 0;
+  return kind ? ce_bwd_t<uint16_t>(params, n, v, lab64, ignore) : ce_bwd_t<float>(params, n, v, lab64, ignore);
 }
 
 // --------------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ from typing import List, Optional, Sequence
 
 from mindspore import Tensor
 
-from ms_llm.compat import F, float32, nn
+from ms_llm.compat import F, nn
 from ms_llm.compat.autograd import Function
+from ms_llm.models.gpt import loss_logits
 from ms_llm.models.moe import MoELayer
 from ..placement import add_partial, add_shard, placement_of, set_placement, update_placement
 
@@ -129,14 +130,14 @@ class PipelineChunk(nn.Module):
             return self._attach_aux_loss(h)
         h = self.decoder.final_layernorm(h)
         if self.output_layer is not None:
-            logits = self.output_layer(h).astype(float32)
+            logits = self.output_layer(h)
         else:
             logits = model.compute_logits(h, self.embedding.word_embeddings.weight)
         if self.mtp is not None:
             model.mtp.last_per_token = model._mtp_per_token(h, tokens, labels, cos, sin,
                                                             attention_mask)
         # after the MTP block, whose MoE routers add their aux losses too
-        return self._attach_aux_loss(model.loss_fn(logits, labels))
+        return self._attach_aux_loss(model.loss_fn(loss_logits(logits, model.loss_fn), labels))
 
     def _attach_aux_loss(self, out: Tensor) -> Tensor:
         aux = self._aux_loss()
