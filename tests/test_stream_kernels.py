@@ -1,4 +1,4 @@
-"""The bf16 residual stream's CPU kernels (``ms_llm.ops.residual``: residual add, embedding)
+"""The bf16 residual stream's CPU kernels (``ms_llm.ops.stream``: residual add, embedding, split)
 against NumPy written here: exact, since both sides round the same fp32 numbers once."""
 import ml_dtypes
 import mindspore as ms
@@ -10,7 +10,7 @@ from ms_llm.compat import setup_device
 
 setup_device("CPU")
 from ms_llm.ops import cpu_kernels  # noqa: E402
-from ms_llm.ops.residual import embedding, residual_add  # noqa: E402
+from ms_llm.ops.stream import embedding, residual_add, split_last  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
@@ -73,3 +73,30 @@ def test_embedding_refuses_an_id_outside_the_table():
     w = _ms(np.ones((4, 8)), ms.bfloat16)
     with pytest.raises(RuntimeError):
         embedding(Tensor(np.array([1, 4], np.int32)), w).asnumpy()
+
+
+@pytest.mark.parametrize("sections", [(32, 8, 8), (16, 16, 8, 8)])
+def test_split_last_pieces_and_their_gradient_through_a_transpose(sections):
+    """Pieces equal NumPy's; each piece's gradient lands in its own columns, also when the piece
+    is transposed afterwards (the MindSpore 2.10 mint.split bug ``F.split`` works around), and a
+    piece left unused gets zeros. Two sections tuples of one input shape in one process."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 5, 3, sum(sections))).astype(BF16).astype(np.float32)
+    tx = _ms(x, ms.bfloat16)
+    pieces = split_last(tx, sections)
+    bounds = np.cumsum((0,) + sections)
+    for p, a, b in zip(pieces, bounds[:-1], bounds[1:]):
+        assert p.dtype == ms.bfloat16
+        np.testing.assert_array_equal(_np(p), x[..., a:b])
+    ws = [rng.standard_normal((2, 3, 5, s)).astype(np.float32) for s in sections]
+
+    def loss(t):
+        parts = split_last(t, sections)[:-1]      # the last piece unused
+        return sum((q.swapaxes(1, 2).astype(ms.float32) * Tensor(w)).sum()
+                   for q, w in zip(parts, ws))
+
+    g = _np(ms.grad(loss)(tx))
+    for w, a, b in zip(ws[:-1], bounds[:-2], bounds[1:-1]):
+        want = w.swapaxes(1, 2).astype(BF16).astype(np.float32)
+        np.testing.assert_array_equal(g[..., a:b], want)
+    np.testing.assert_array_equal(g[..., bounds[-2]:], 0)

@@ -105,10 +105,10 @@ class SelfAttention(nn.Module):
         ng = qkv.shape[-1] // ((rq + 2) * d)
         qkv = qkv.reshape(b, s, ng, (rq + 2) * d)
         if self.gated:
-            q, gate, k, v = F.split(qkv, [r * d, r * d, d, d], -1)
+            q, gate, k, v = hot.split_last(qkv, [r * d, r * d, d, d])
             gate = gate.reshape(b, s, ng * r * d)
         else:
-            q, k, v = F.split(qkv, [r * d, d, d], -1)
+            q, k, v = hot.split_last(qkv, [r * d, d, d])
         q = q.reshape(b, s, ng * r, d)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)

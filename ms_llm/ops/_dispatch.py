@@ -14,11 +14,11 @@ from ms_llm.compat.environment import setting
 
 log = logging.getLogger("ms_llm.ops")
 OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear", "residual_add",
-       "embedding")
+       "embedding", "split_last")
 _PATHS: dict = {}
 # Ops with a C++ CPU kernel (attention: its fused scale + causal mask + softmax).
 AOT_OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear", "residual_add",
-       "embedding")
+       "embedding", "split_last")
 
 
 def aot_enabled() -> bool:

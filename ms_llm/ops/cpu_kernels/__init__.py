@@ -19,7 +19,7 @@ from .blas import (bmm, blas_threads, causal_attention, linear, linear_fp32, lin
                    set_blas_threads)
 from .build import available, blas_available, blas_library_path, blas_reason, library_path, reason
 from .functional import (causal_softmax, cross_entropy, cross_entropy_grad, cross_entropy_lse,
-                         embedding, residual_add, rms_norm, rope, swiglu)
+                         embedding, residual_add, rms_norm, rope, split_last, swiglu)
 
 __all__ = [
     "available",
@@ -29,6 +29,7 @@ __all__ = [
     "swiglu",
     "residual_add",
     "embedding",
+    "split_last",
     "cross_entropy",
     "cross_entropy_lse",
     "cross_entropy_grad",

@@ -21,6 +21,7 @@ as constants and get zero gradient); causal_softmax -> scores.
 from __future__ import annotations
 
 import mindspore as ms
+import numpy as np
 from mindspore import ops
 from mindspore.ops import constexpr
 
@@ -171,6 +172,33 @@ def rms_norm(x, weight, eps=1e-6):
     dt = x.dtype
     y = _prim("rms_norm")(_f32(x), _f32(weight), float(eps))
     return y if dt == ms.float32 else y.astype(dt)
+
+
+_SPLITS: dict = {}
+
+
+def split_last(x, sections):
+    """``x`` split along its last axis into contiguous pieces of the given sizes (fp32 or bf16);
+    the gradient is one concatenation of the pieces' gradients. One primitive per sections
+    tuple, each keyed by tiny tensors of the sizes (MindSpore reuses an AOT kernel for equal
+    input shapes). Composed ``F.split`` when the kernels are unavailable."""
+    sections = tuple(int(s) for s in sections)
+    if not _aot_enabled() or not _native(x.dtype) or sum(sections) != x.shape[-1]:
+        from ms_llm.compat import F
+        return F.split(x, list(sections), -1)
+    if sections not in _SPLITS:
+        from mindspore import mint
+
+        def bprop(*args):
+            return (mint.cat(args[-1], -1),) + tuple(_zeros_like(a) for a in args[1:-2])
+
+        keys = tuple(ms.Tensor(np.zeros(s, np.int8)) for s in sections)
+        op = ops.Custom(f"{library_path()}:SplitLast", func_type="aot", bprop=bprop,
+                        out_shape=lambda xs, *ks: [list(xs[:-1]) + [k[0]] for k in ks],
+                        out_dtype=lambda xt, *ks: [xt] * len(ks))
+        _SPLITS[sections] = (op, keys)
+    op, keys = _SPLITS[sections]
+    return tuple(op(x, *keys))
 
 
 def residual_add(a, b):

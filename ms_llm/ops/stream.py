@@ -1,8 +1,10 @@
-"""The residual stream's add and token embedding, with a CPU kernel for the bf16 stream.
+"""The activation stream's data movement -- residual add, token embedding, the QKV split --
+with a CPU kernel for the bf16 stream.
 
 MindSpore 2.10 on CPU adds bf16 tensors ~50x slower than fp32 ones and has no bf16 gather, so a
-bf16 run spent ~0.35 s per step (~55M model) in the residual adds and ~0.35 s in widening,
-gathering and re-rounding the embedding table. fp32 keeps MindSpore's own ops (fast, and
+bf16 run spent ~0.35 s per step (~55M model) in the residual adds, ~0.35 s in widening,
+gathering and re-rounding the embedding table, and ~0.3 s summing the zero-padded gradients of
+``mint.narrow`` pieces of the QKV projection. fp32 keeps MindSpore's own ops (fast, and
 traceable by ``training.jit``); Ascend keeps its native ones.
 """
 from __future__ import annotations
@@ -32,6 +34,14 @@ def embedding(ids: Tensor, weight: Tensor) -> Tensor:
     if _kernel("embedding", weight.dtype):
         return cpu_kernels.embedding(ids, weight)
     return F.embedding(ids, weight)
+
+
+def split_last(x: Tensor, sections) -> tuple:
+    """``F.split(x, sections, -1)``; with bf16 on CPU, contiguous pieces whose gradient is one
+    concatenation."""
+    if _kernel("split_last", x.dtype):
+        return cpu_kernels.split_last(x, sections)
+    return F.split(x, list(sections), -1)
 
 
 class Embedding(nn.Embedding):
