@@ -100,3 +100,27 @@ def test_split_last_pieces_and_their_gradient_through_a_transpose(sections):
         want = w.swapaxes(1, 2).astype(BF16).astype(np.float32)
         np.testing.assert_array_equal(g[..., a:b], want)
     np.testing.assert_array_equal(g[..., bounds[-2]:], 0)
+
+
+def test_cast_between_bf16_and_fp32_matches_numpy_both_ways_with_its_gradient():
+    """Widening is exact; narrowing rounds to nearest even like ml_dtypes (ties, -0, inf, nan
+    included); the gradient of each direction is the other."""
+    from ms_llm.ops.stream import cast
+    vals = np.array([1.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -0.0, np.inf, -np.inf, np.nan,
+                     3.14159, -2.5e-3, 1e30], np.float32)
+    x = np.concatenate([vals, np.random.default_rng(3).standard_normal(1000).astype(np.float32)])
+    t = Tensor(x)
+    b = cast(t, ms.bfloat16)
+    assert b.dtype == ms.bfloat16
+    want = x.astype(BF16)
+    got = b.asnumpy().astype(np.float32) if b.asnumpy().dtype != np.float32 else _np(b)
+    np.testing.assert_array_equal(got.astype(BF16).view(np.uint16)[~np.isnan(x)],
+                                  want.view(np.uint16)[~np.isnan(x)])
+    assert np.isnan(_np(b)[np.isnan(x)]).all()
+    back = cast(b, ms.float32)
+    assert back.dtype == ms.float32
+    np.testing.assert_array_equal(back.asnumpy()[~np.isnan(x)], want.astype(np.float32)[~np.isnan(x)])
+    w = Tensor(np.random.default_rng(4).standard_normal(x.size).astype(np.float32))
+    g = ms.grad(lambda a: (cast(cast(a, ms.float32), ms.bfloat16).astype(ms.float32) * w).sum())(b)
+    assert g.dtype == ms.bfloat16
+    np.testing.assert_array_equal(_np(g), w.asnumpy().astype(BF16).astype(np.float32))

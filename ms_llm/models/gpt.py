@@ -95,7 +95,7 @@ class GPTModel(nn.Module):
         # itself stays parallelism-free.
         self.compute_logits = lm_logits
         self.finalize_logits = identity
-        self.loss_fn = hot.cross_entropy
+        self.loss_fn = hot.cross_entropy      # (logits in the head's dtype, labels) -> fp32 loss
 
     def aux_loss(self) -> Optional[Tensor]:
         """The MoE routers' auxiliary losses of the last forward (``None`` for a dense model);
@@ -216,7 +216,9 @@ class GPTModel(nn.Module):
             logits = self.output_layer(h)
         else:
             logits = self.compute_logits(h, self.embedding.word_embeddings.weight)
-        return loss_logits(logits, self.loss_fn) if for_loss else logits.astype(float32)
+        # a loss reads the head's logits in their dtype and computes in fp32 itself (Megatron's
+        # fp32 cross entropy; ms-llm's CPU kernel widens bf16 on load: no pass over [tokens, V])
+        return logits if for_loss else logits.astype(float32)
 
     def _mtp_per_token(self, h, input_ids, labels, cos, sin, attention_mask):
         """Each depth's cross entropy ``[b, s]`` against the labels rolled once per depth,
@@ -230,14 +232,6 @@ class GPTModel(nn.Module):
 
 def lm_logits(h: Tensor, weight: Tensor) -> Tensor:
     return hot.linear(h, weight)
-
-
-def loss_logits(logits: Tensor, loss_fn) -> Tensor:
-    """The logits a loss reads: fp32 (Megatron computes the cross entropy in fp32), except for
-    ms-llm's own cross entropy, whose CPU kernel reads bf16 logits as they are with fp32
-    arithmetic (the same numbers, without a cast pass over [tokens, vocab]; it casts itself
-    elsewhere)."""
-    return logits if loss_fn is hot.cross_entropy else logits.astype(float32)
 
 
 def identity(x: Tensor) -> Tensor:

@@ -14,11 +14,11 @@ from ms_llm.compat.environment import setting
 
 log = logging.getLogger("ms_llm.ops")
 OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear", "residual_add",
-       "embedding", "split_last")
+       "embedding", "split_last", "cast")
 _PATHS: dict = {}
 # Ops with a C++ CPU kernel (attention: its fused scale + causal mask + softmax).
 AOT_OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear", "residual_add",
-       "embedding", "split_last")
+       "embedding", "split_last", "cast")
 
 
 def aot_enabled() -> bool:

@@ -13,6 +13,7 @@ from ms_llm.compat import F, bfloat16, float16, float32
 from . import cpu_kernels
 from ._dispatch import path_for
 from .linear import bmm
+from .stream import cast
 
 _MASK_VALUE = -1e30  # finite so fully-masked rows give a uniform softmax, not NaN
 
@@ -42,9 +43,9 @@ def _causal_attention_aot(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tens
     b, nh, s, d = q.shape
     ng = k.shape[1]
     dtype = q.dtype
-    q = q.astype(float32).reshape(b, ng, (nh // ng) * s, d)
-    out = cpu_kernels.causal_attention(q, k.astype(float32), v.astype(float32), scale)
-    return out.reshape(b, nh, s, d).astype(dtype)
+    q = cast(q, float32).reshape(b, ng, (nh // ng) * s, d)
+    out = cpu_kernels.causal_attention(q, cast(k, float32), cast(v, float32), scale)
+    return cast(out.reshape(b, nh, s, d), dtype)
 
 
 def _causal_mask(s: int, sk: int) -> Tensor:

@@ -36,6 +36,14 @@ def embedding(ids: Tensor, weight: Tensor) -> Tensor:
     return F.embedding(ids, weight)
 
 
+def cast(x: Tensor, dtype) -> Tensor:
+    """``x.astype(dtype)``; between bf16 and fp32 on CPU one C pass (MindSpore's CPU Cast moves
+    ~4-7 ns per element), differentiable."""
+    if _kernel("cast", bfloat16) and x.dtype != dtype:
+        return cpu_kernels.cast_float(x, dtype)
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
 def split_last(x: Tensor, sections) -> tuple:
     """``F.split(x, sections, -1)``; with bf16 on CPU, contiguous pieces whose gradient is one
     concatenation."""

@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from mindspore import Parameter, Tensor
 
 from ms_llm.compat import F, bfloat16, float32
+from ms_llm.ops import cast
 from ms_llm.parallel.placement import placement_of, set_placement
 from .base import Optimizer, StateTensor, Wrapper
 
@@ -35,7 +36,7 @@ def grads_to_fp32(grads: Sequence[Tensor]) -> tuple:
     """Low-precision gradients as fp32 (a loop, not a generator: also parsed by mindspore.jit)."""
     out = []
     for g in grads:
-        out.append(g if g.dtype == float32 else g.astype(float32))
+        out.append(g if g.dtype == float32 else cast(g, float32))
     return tuple(out)
 
 
@@ -67,7 +68,7 @@ class MainParams(Wrapper):
         """Round the mains into the low-precision model parameters."""
         for p, m in zip(self.model_params, self.mains):
             if m is not p:
-                F.copy_(p, m.astype(p.dtype))
+                F.copy_(p, cast(m, p.dtype))
 
     def checkpoint_tensor(self, param: Parameter) -> Optional[Parameter]:
         """The tensor a checkpoint stores as ``param``: its fp32 main parameter."""

@@ -117,7 +117,17 @@ def _make_prims():
 
     emb = custom("EmbeddingFwd", lambda w, ids: list(ids) + [w[-1]], lambda w, ids: w, emb_bprop)
 
+    # --- bf16 <-> fp32: x -> y ; the gradient converts back
+    to_bf16 = custom("CastFloat", _same, lambda x: ms.bfloat16)
+    to_f32 = custom("CastFloat", _same, lambda x: ms.float32)
+    to_bf16_grad = custom("CastFloat", _same, lambda x: ms.bfloat16,
+                          lambda x, out, dout: (to_f32(dout),))
+    to_f32_grad = custom("CastFloat", _same, lambda x: ms.float32,
+                         lambda x, out, dout: (to_bf16(dout),))
+
     return {
+        "to_bf16": to_bf16_grad,
+        "to_f32": to_f32_grad,
         "residual_add": add,
         "embedding": emb,
         "rms_norm": rms_fwd,
@@ -199,6 +209,15 @@ def split_last(x, sections):
         _SPLITS[sections] = (op, keys)
     op, keys = _SPLITS[sections]
     return tuple(op(x, *keys))
+
+
+def cast_float(x, dtype):
+    """``x.astype(dtype)`` between fp32 and bf16 (either way; differentiable) in one C pass;
+    ``astype`` for other dtypes, equal dtypes or without the kernels."""
+    if x.dtype == dtype or not _aot_enabled() or not _native(x.dtype) or \
+            dtype not in (ms.float32, ms.bfloat16):
+        return x if x.dtype == dtype else x.astype(dtype)
+    return _prim("to_f32" if dtype == ms.float32 else "to_bf16")(x)
 
 
 def residual_add(a, b):

@@ -18,7 +18,6 @@ from mindspore import Tensor
 
 from ms_llm.compat import F, nn
 from ms_llm.compat.autograd import Function
-from ms_llm.models.gpt import loss_logits
 from ms_llm.models.moe import MoELayer
 from ..placement import add_partial, add_shard, placement_of, set_placement, update_placement
 
@@ -137,7 +136,7 @@ class PipelineChunk(nn.Module):
             model.mtp.last_per_token = model._mtp_per_token(h, tokens, labels, cos, sin,
                                                             attention_mask)
         # after the MTP block, whose MoE routers add their aux losses too
-        return self._attach_aux_loss(model.loss_fn(loss_logits(logits, model.loss_fn), labels))
+        return self._attach_aux_loss(model.loss_fn(logits, labels))
 
     def _attach_aux_loss(self, out: Tensor) -> Tensor:
         aux = self._aux_loss()
