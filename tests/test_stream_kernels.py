@@ -124,3 +124,24 @@ def test_cast_between_bf16_and_fp32_matches_numpy_both_ways_with_its_gradient():
     g = ms.grad(lambda a: (cast(cast(a, ms.float32), ms.bfloat16).astype(ms.float32) * w).sum())(b)
     assert g.dtype == ms.bfloat16
     np.testing.assert_array_equal(_np(g), w.asnumpy().astype(BF16).astype(np.float32))
+
+
+def test_fork_gives_two_copies_whose_gradients_are_summed_once():
+    """Both outputs equal x; the input's gradient is the two output gradients summed in fp32 and
+    rounded once (NumPy: bf16(fp32(a) + fp32(b)))."""
+    from ms_llm.ops.stream import fork
+    rng = np.random.default_rng(5)
+    x = _ms(rng.standard_normal((3, 7, 16)).astype(BF16).astype(np.float32), ms.bfloat16)
+    a, b = fork(x)
+    np.testing.assert_array_equal(_np(a), _np(x))
+    np.testing.assert_array_equal(_np(b), _np(x))
+    wa = rng.standard_normal((3, 7, 16)).astype(BF16).astype(np.float32)
+    wb = rng.standard_normal((3, 7, 16)).astype(BF16).astype(np.float32)
+
+    def loss(t):
+        p, q = fork(t)
+        return (p.astype(ms.float32) * Tensor(wa)).sum() + (q.astype(ms.float32) * Tensor(wb)).sum()
+
+    g = ms.grad(loss)(x)
+    assert g.dtype == ms.bfloat16
+    np.testing.assert_array_equal(_np(g), (wa + wb).astype(BF16).astype(np.float32))

@@ -166,11 +166,13 @@ class TransformerLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 attention_mask: Optional[Tensor] = None,
                 kv_cache: Optional["LayerKVCache"] = None) -> Tensor:
+        x, residual = hot.fork(x)   # (x, x); bf16 on CPU: copies whose gradients one C op sums
         h = self.input_layernorm(x)
         if kv_cache is None:
             h = self.self_attention(h, cos, sin, attention_mask)
         else:
             h = self.self_attention(h, cos, sin, attention_mask, kv_cache=kv_cache)
-        x = hot.residual_add(x, F.dropout(h, self.hidden_dropout, self.training))
+        x, residual = hot.fork(hot.residual_add(residual, F.dropout(h, self.hidden_dropout,
+                                                                    self.training)))
         h = self.mlp(self.pre_mlp_layernorm(x))
-        return hot.residual_add(x, F.dropout(h, self.hidden_dropout, self.training))
+        return hot.residual_add(residual, F.dropout(h, self.hidden_dropout, self.training))

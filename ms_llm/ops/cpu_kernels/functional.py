@@ -109,6 +109,12 @@ def _make_prims():
 
     add = custom("ResidualAdd", lambda a, b: a, lambda a, b: a, add_bprop)
 
+    # --- fork: x -> (x, x) as two tensors ; bwd: the two gradients summed by ResidualAdd
+    def fork_bprop(x, out, dout):
+        return (add(dout[0], dout[1]),)
+
+    fork = custom("Fork", lambda x: (x, x), lambda x: (x, x), fork_bprop)
+
     # --- embedding: (weight [V, h], ids) -> weight[ids] ; bwd (weight, ids, dy) -> dweight
     emb_bwd = custom("EmbeddingBwd", lambda w, ids, dy: w, lambda w, ids, dy: w)
 
@@ -126,6 +132,7 @@ def _make_prims():
                          lambda x, out, dout: (to_bf16(dout),))
 
     return {
+        "fork": fork,
         "to_bf16": to_bf16_grad,
         "to_f32": to_f32_grad,
         "residual_add": add,
@@ -218,6 +225,14 @@ def cast_float(x, dtype):
             dtype not in (ms.float32, ms.bfloat16):
         return x if x.dtype == dtype else x.astype(dtype)
     return _prim("to_f32" if dtype == ms.float32 else "to_bf16")(x)
+
+
+def fork(x):
+    """``(x, x)`` as two fp32 or bf16 tensors whose gradients one C op sums (the residual
+    stream's two uses); ``(x, x)`` itself otherwise."""
+    if not _aot_enabled() or not _native(x.dtype):
+        return x, x
+    return tuple(_prim("fork")(x))
 
 
 def residual_add(a, b):
