@@ -8,14 +8,16 @@ import numpy as np
 from mindspore import Tensor, mint
 
 from ms_llm.compat import F, float32
+from ms_llm.ops import cast
 from ms_llm.parallel.placement import counted_in_norm, norm_dims, placement_of
 
 
 def accumulate(acc: Optional[List[Tensor]], grads: Sequence[Tensor],
                dtype=float32) -> List[Tensor]:
     """Sum micro-batch gradients in ``dtype``: fp32 (bf16 gradients of a ``training.bf16`` run
-    upcast), or bf16 with ``parallel.grad_reduce_in_fp32: false`` (Megatron's bf16 grad buffer)."""
-    grads = [g if g.dtype == dtype else g.astype(dtype) for g in grads]
+    upcast, by one C pass each on CPU), or bf16 with ``parallel.grad_reduce_in_fp32: false``
+    (Megatron's bf16 grad buffer)."""
+    grads = [g if g.dtype == dtype else cast(g, dtype) for g in grads]
     if acc is None:
         return list(grads)
     return [a + g for a, g in zip(acc, grads)]
