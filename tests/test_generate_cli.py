@@ -96,6 +96,21 @@ def test_prompt_longer_than_context_is_one_line_error(folder):
     assert n > 3
 
 
+def test_max_new_tokens_beyond_the_context_is_capped_and_said(folder):
+    """A budget past the context is shortened with a note naming both numbers (never silently),
+    and a prompt that fills the context is a one-line error."""
+    from ms_llm.data.tokenizer import load_tokenizer
+    prompt = "The quick brown fox jumps over"
+    n = len(load_tokenizer(folder).encode(prompt))
+    r = ms_llm("generate", "--load", folder, "--prompt", prompt, "--max-context", str(n + 3),
+               "--max-new-tokens", "10")
+    assert r.returncode == 0, r.stderr
+    assert f"--max-new-tokens 10 capped at 3 (prompt {n} tokens, context {n + 3})" in r.stderr
+    r = ms_llm("generate", "--load", folder, "--prompt", prompt, "--max-context", str(n))
+    assert r.returncode == 2
+    assert "fills the model's context" in r.stderr and "no room to generate" in r.stderr
+
+
 def test_chat_keeps_the_conversation(folder):
     from ms_llm.data.tokenizer import load_tokenizer
     tok = load_tokenizer(folder)
