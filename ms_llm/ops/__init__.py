@@ -12,5 +12,5 @@ from .swiglu import swiglu
 
 __all__ = ["causal_attention", "cache_attention", "cross_entropy", "fused_linear_cross_entropy",
            "IGNORE_INDEX", "rms_norm",
-           "apply_rope", "rope_cos_sin", "swiglu", "linear", "bmm", "Linear", "resolve_paths", "residual_add", "embedding",
-           "Embedding", "split_last", "cast", "fork"]
+           "apply_rope", "rope_cos_sin", "swiglu", "linear", "bmm", "Linear", "resolve_paths",
+           "residual_add", "fork", "embedding", "Embedding", "split_last", "cast"]

@@ -16,9 +16,8 @@ log = logging.getLogger("ms_llm.ops")
 OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear", "residual_add",
        "embedding", "split_last", "cast")
 _PATHS: dict = {}
-# Ops with a C++ CPU kernel (attention: its fused scale + causal mask + softmax).
-AOT_OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear", "residual_add",
-       "embedding", "split_last", "cast")
+# Ops with a C++ CPU kernel (attention: its fused scale + causal mask + softmax): every one.
+AOT_OPS = OPS
 
 
 def aot_enabled() -> bool:

@@ -18,8 +18,9 @@ OpenBLAS-backed matmuls live in a separate library that needs the ``scipy-openbl
 from .blas import (bmm, blas_threads, causal_attention, linear, linear_fp32, linear_grad,
                    set_blas_threads)
 from .build import available, blas_available, blas_library_path, blas_reason, library_path, reason
-from .functional import (cast_float, causal_softmax, fork, cross_entropy, cross_entropy_grad, cross_entropy_lse,
-                         embedding, residual_add, rms_norm, rope, split_last, swiglu)
+from .functional import (cast_float, causal_softmax, cross_entropy, cross_entropy_grad,
+                         cross_entropy_lse, embedding, fork, residual_add, rms_norm, rope,
+                         split_last, swiglu)
 
 __all__ = [
     "available",

@@ -70,18 +70,20 @@ float row_sum_sq(const T *x, int64_t h) {
   return s;
 }
 
-float row_max(const float *x, int64_t n) {
+template <class T>
+float row_max(const T *x, int64_t n) {
   float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+  for (int64_t j = 0; j < n; ++j) m = to_f32(x[j]) > m ? to_f32(x[j]) : m;
   return m;
 }
 
 // sum_j exp(scale * x_j - m)
-float row_sum_exp(const float *x, int64_t n, float scale, float m) {
+template <class T>
+float row_sum_exp(const T *x, int64_t n, float scale, float m) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < n; ++j) s += exp_f(scale * x[j] - m);
+  for (int64_t j = 0; j < n; ++j) s += exp_f(scale * to_f32(x[j]) - m);
   return s;
 }
 
@@ -317,13 +319,8 @@ int ce_fwd_t(void **params, int64_t n, int64_t v, bool lab64, int64_t ignore) {
       continue;
     }
     const T *xr = x + i * v;
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < v; ++j) m = to_f32(xr[j]) > m ? to_f32(xr[j]) : m;
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t j = 0; j < v; ++j) s += exp_f(to_f32(xr[j]) - m);
-    const float l = m + std::log(s);
+    const float m = row_max(xr, v);
+    const float l = m + std::log(row_sum_exp(xr, v, 1.0f, m));
     lse[i] = l;
     loss[i] = l - to_f32(xr[lab]);
   }
