@@ -60,11 +60,13 @@ def msrun_command(script: str, args: Sequence[str] = (), *, worker_num: int,
 def launch_env(base: Optional[Mapping[str, str]] = None, **extra: str) -> dict:
     """The environment for msrun and its workers: this checkout first on ``PYTHONPATH``, this
     interpreter's folder first on ``PATH`` (msrun starts workers with the ``python`` it finds),
-    MindSpore's C++ logs at errors only (``GLOG_v=3`` unless set) and unbuffered output (a
-    killed worker's last lines still reach its log). ``extra`` overrides."""
+    MindSpore's C++ logs at errors only (``GLOG_v=3`` unless set), unbuffered output (a
+    killed worker's last lines still reach its log) and Python's fault handler (a worker that
+    crashes prints its Python stack there). ``extra`` overrides."""
     env = dict(os.environ if base is None else base)
     env.setdefault("GLOG_v", "3")
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
     env["PYTHONPATH"] = os.pathsep.join([ROOT, *paths])
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")

@@ -1,6 +1,7 @@
 """Process-level distributed setup for jobs launched by ``msrun`` (or run as a single process)."""
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ def init_distributed() -> DistInfo:
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         raise SystemExit(0)
     from .comm import mark_initialized
+    from .comm.teardown import release
     info = DistInfo(rank=get_rank(), world_size=get_group_size(), launched_by_msrun=True)
     mark_initialized(info.rank, info.world_size)
+    atexit.register(release)     # our threads and shared memory end before MindSpore's exit
     return info

@@ -66,3 +66,12 @@ def drain() -> None:
         pending, _COMM["pending"] = _COMM["pending"], []
         for fut in pending:
             fut.result()
+
+
+def shutdown() -> None:
+    """Finish queued work and end the communication thread (process exit: see ``teardown``);
+    a later ``submit`` starts a new one."""
+    drain()
+    executor, _COMM["executor"] = _COMM["executor"], None
+    if executor is not None:
+        executor.shutdown(wait=True)

@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 from .groups import _STATE as _GROUPS, get_rank
 
 _WATCH = {"timeout": None, "op": None, "since": None, "thread": None, "step": None,
-          "status_dir": None}
+          "status_dir": None, "stop": threading.Event()}
 
 
 def set_collective_timeout(seconds: Optional[float]) -> None:
@@ -36,7 +36,8 @@ def set_collective_timeout(seconds: Optional[float]) -> None:
     turns such a hang into an exit, which msrun then propagates to the whole job."""
     _WATCH["timeout"] = seconds
     if seconds and _WATCH["thread"] is None:
-        t = threading.Thread(target=_watchdog, name="ms_llm-collective-watchdog", daemon=True)
+        t = threading.Thread(target=_watchdog, args=(_WATCH["stop"],),
+                             name="ms_llm-collective-watchdog", daemon=True)
         _WATCH["thread"] = t
         t.start()
 
@@ -105,9 +106,18 @@ def peer_report(now: Optional[float] = None) -> str:
     return f"{head}; peers: " + "; ".join(lines)
 
 
-def _watchdog() -> None:
-    while True:
-        time.sleep(_tick())
+def stop_watchdog() -> None:
+    """End the watchdog thread (process exit: see ``teardown``); a later timeout starts anew."""
+    t = _WATCH["thread"]
+    if t is None:
+        return
+    _WATCH["stop"].set()
+    t.join(timeout=10.0)
+    _WATCH["thread"], _WATCH["stop"] = None, threading.Event()
+
+
+def _watchdog(stop: threading.Event) -> None:
+    while not stop.wait(_tick()):
         _publish()
         since, limit = _WATCH["since"], _WATCH["timeout"]
         if since is not None and limit and time.time() - since > limit:
