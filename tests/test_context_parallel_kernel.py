@@ -77,13 +77,20 @@ CASES = {
 }
 
 
-@pytest.fixture(params=["per_pair", "fused"])
+@pytest.fixture(params=["per_pair", "fused", "per_pair_composed", "fused_composed"])
 def block_mode(request, monkeypatch):
     """Both ways the kernel computes a K/V block: chunk pair by chunk pair (long chunks) and the
-    whole block as one masked product (short chunks); the threshold picks one per shape."""
+    whole block as one masked product (short chunks); the threshold picks one per shape. Each
+    pair runs the C++ pair kernel on CPU, or (``_composed``) the composed MindSpore ops every
+    other device runs."""
     from ms_llm.parallel.context_parallel import kernel
-    monkeypatch.setattr(kernel, "FUSED_BLOCK_MAX_CHUNK", 0 if request.param == "per_pair" else
-                        1 << 30)
+    from ms_llm.ops.attention import pair_kernel_enabled
+    monkeypatch.setattr(kernel, "FUSED_BLOCK_MAX_CHUNK", 0 if request.param.startswith("per_pair")
+                        else 1 << 30)
+    if request.param.endswith("composed"):
+        monkeypatch.setattr(kernel, "pair_kernel_enabled", lambda: False)
+    else:
+        assert pair_kernel_enabled()    # this CPU test machine has the BLAS kernels
     return request.param
 
 
@@ -147,7 +154,7 @@ def test_skipped_blocks_are_not_computed(monkeypatch, block_mode):
     every = list(range(2 * cp))
     expected = sum(masks.work(rank_chunks(cp, i), every) for i in range(cp))
     assert expected == 6 < (2 * cp) * (2 * cp + 1) // 2   # two documents: fewer than causal
-    if block_mode == "fused":
+    if block_mode.startswith("fused"):
         # every block of this mask holds a computed pair (e.g. rank 0's chunk 3 sees rank 1's
         # chunk 2, same document): one product per block
         blocks = [masks.block(rank_chunks(cp, i), rank_chunks(cp, j))

@@ -11,7 +11,7 @@ from mindspore import bool_
 
 from ms_llm.compat import F, bfloat16, float16, float32
 from . import cpu_kernels
-from ._dispatch import path_for
+from ._dispatch import blas_enabled, path_for
 from .linear import bmm
 from .stream import cast
 
@@ -34,6 +34,12 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = N
     if path == "aot" and attention_mask is None and square:
         return _causal_attention_aot(q, k, v, scale)
     return causal_attention_composed(q, k, v, scale, attention_mask)
+
+
+def pair_kernel_enabled() -> bool:
+    """True when one (query chunk, key block) pair of blockwise attention (context parallel)
+    runs as one C++ kernel (``cpu_kernels.pair_attention``): CPU with the BLAS kernels on."""
+    return path_for("attention") == "aot" and blas_enabled()
 
 
 def _causal_attention_aot(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:

@@ -16,7 +16,7 @@ OpenBLAS-backed matmuls live in a separate library that needs the ``scipy-openbl
 """
 
 from .blas import (bmm, blas_threads, causal_attention, linear, linear_fp32, linear_grad,
-                   set_blas_threads)
+                   pair_attention, pair_attention_grads, set_blas_threads)
 from .build import available, blas_available, blas_library_path, blas_reason, library_path, reason
 from .functional import (cast_float, causal_softmax, cross_entropy, cross_entropy_grad,
                          cross_entropy_lse, embedding, fork, residual_add, rms_norm, rope,
@@ -48,4 +48,6 @@ __all__ = [
     "linear",
     "bmm",
     "causal_attention",
+    "pair_attention",
+    "pair_attention_grads",
 ]

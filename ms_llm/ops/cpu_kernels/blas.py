@@ -160,6 +160,15 @@ def _make_prims():
     prims["causal_attention"] = custom(
         "CausalAttnFwd", lambda q, k, v, sc: (q, list(q[:-1]) + [k[-2]]),
         lambda q, k, v, sc: (q, q), attn_bprop)
+
+    # --- one blockwise-attention pair (blas_pair_attention.cpp), no autograd (the caller's
+    #     Function runs the backward): (q, k, v, bias, scale) -> (o, lse) ;
+    #     (q, k, v, do, delta, lse, bias, scale) -> (dq, dk, dv)
+    prims["pair_attention"] = custom("PairAttnFwd", lambda q, k, v, b, sc: (q, list(q[:-1])),
+                                     lambda q, k, v, b, sc: (q, q))
+    prims["pair_attention_grads"] = custom(
+        "PairAttnBwd", lambda q, k, v, do, dl, lse, b, sc: (q, k, v),
+        lambda q, k, v, do, dl, lse, b, sc: (q, k, v))
     return prims
 
 
@@ -263,3 +272,35 @@ def causal_attention(q, k, v, scale: float):
         probs = causal_softmax(scores, scale).reshape(lead + (r * s, s))
         return mint.matmul(probs, v)
     return _prim("causal_attention")(q, k, v, float(scale))[0]
+
+
+_NO_MASK: dict = {}
+
+
+def _no_mask():
+    """The bias operand meaning "no mask" (any shape other than [NB, C, K])."""
+    if not _NO_MASK:
+        _NO_MASK["t"] = ms.Tensor([0.0], ms.float32)
+    return _NO_MASK["t"]
+
+
+def pair_attention(q, k, v, bias, scale: float):
+    """Softmax attention of one (query chunk, key block) pair in the grouped layout, fp32:
+    q [B, G, R*C, D] (rows ``h*C + i``), k, v [B, G, K, D], ``bias`` an additive mask
+    [NB, C, K] (NB 1 or B) or None -> (normalised out [B, G, R*C, D], lse [B, G, R*C]).
+    ``blas_pair_attention.cpp``; None when the BLAS kernels are unavailable (the caller composes).
+    No autograd: :func:`pair_attention_grads` is the backward."""
+    if not _ensure_prims():
+        return None
+    o, lse = _PRIMS["pair_attention"](q, k, v, _no_mask() if bias is None else bias, float(scale))
+    return o, lse
+
+
+def pair_attention_grads(q, k, v, dout, delta, lse, bias, scale: float):
+    """``(dq, dk, dv)`` of one pair given the merged output's ``lse`` and ``delta = rowsum(dout *
+    out)`` (both [B, G, R*C]), operands as :func:`pair_attention`; None without the kernels."""
+    if not _ensure_prims():
+        return None
+    return tuple(_PRIMS["pair_attention_grads"](q, k, v, dout, delta, lse,
+                                                _no_mask() if bias is None else bias,
+                                                float(scale)))

@@ -18,11 +18,8 @@
 // Softmax statistics are fp32 (max-subtracted exp, the Cephes exp_f of cpu_math.h).
 //
 // Threads: the (batch x KV group) slices are independent, so with T = OpenBLAS's thread count > 1
-// they are split over T std::threads, each running single-threaded GEMMs (OpenBLAS set to 1 thread
-// for the call, restored after). Dozens of small GEMMs per slice, each a fork/join of OpenBLAS's
-// spinning pool, cost far more than one join per kernel call, most of all on a loaded machine.
-
-#include <cblas.h>
+// they are split over T std::threads, each running single-threaded GEMMs (``for_slices``,
+// blas_gemm.h).
 
 #include <cmath>
 #include <cstdint>
@@ -30,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "blas_gemm.h"
 #include "cpu_math.h"
 
 #define MSLLM_EXPORT extern "C" __attribute__((visibility("default")))
@@ -39,15 +37,6 @@ using namespace msllm;
 namespace {
 
 constexpr int64_t kBlock = 64;  // query rows per block; see benchmarks/attention.py
-
-// C[m, n] (ldc) = op(A) op(B) + beta C, row-major with explicit leading dimensions.
-void gemm_ld(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
-             int64_t ldb, float beta, float *c, int64_t ldc) {
-  if (m == 0 || n == 0 || k == 0) return;
-  scipy_cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-                    static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), 1.0f, a,
-                    static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
-}
 
 struct Dims {
   int64_t bg, r, s, d;
@@ -154,25 +143,6 @@ void bwd_slice(const Attn &a, int64_t g, const float *p, const float *dout, floa
     gemm_ld(true, false, q1, d, rows, ds, s, qs, d, 1.f, dkg, d);   // dK += dS^T Q
     scatter_rows(dqs, dq + g * r * s * d, r, s, d, q0, q1);
   }
-}
-
-// Runs body(first, last) over the slices [0, n): on T threads with single-threaded GEMMs when
-// OpenBLAS has T > 1 threads and there are at least 2 slices, else on this thread.
-template <typename Body>
-void for_slices(int64_t n, Body body) {
-  const int t = scipy_openblas_get_num_threads();
-  const int64_t workers = t < n ? t : n;
-  if (workers < 2) {
-    body(0, n);
-    return;
-  }
-  scipy_openblas_set_num_threads(1);
-  std::vector<std::thread> pool;
-  for (int64_t w = 1; w < workers; ++w)
-    pool.emplace_back(body, n * w / workers, n * (w + 1) / workers);
-  body(0, n / workers);
-  for (auto &th : pool) th.join();
-  scipy_openblas_set_num_threads(t);
 }
 
 }  // namespace

@@ -22,6 +22,8 @@ from mindspore import Tensor, mint
 
 from ms_llm.compat import float32
 from ms_llm.compat.autograd import Function
+from ms_llm.ops import cpu_kernels
+from ms_llm.ops.attention import pair_kernel_enabled
 from ms_llm.ops.linear import bmm
 from .layout import FULL, SKIP, ChunkMask
 
@@ -60,9 +62,19 @@ def _scores(qg: Tensor, k: Tensor, bias, scale: float, r: int) -> Tensor:
 
 
 # ------------------------------------------------------------------------------ per-pair math
+# On CPU each pair is one C++ kernel per direction (``cpu_kernels.pair_attention``: the ~20
+# composed ops below were 29 % of a cp = 2 step, mostly broadcast elementwise ops); the composed
+# form is the reference and every other device's path.
+def _kernel_bias(bias):
+    """ChunkMask's ``FULL`` or bias ``[nb, 1, 1, c, ck]`` as the kernel's operand."""
+    return None if bias is FULL else bias.reshape(bias.shape[0], bias.shape[-2], bias.shape[-1])
+
+
 def pair_forward(qg: Tensor, k: Tensor, v: Tensor, bias, scale: float, r: int
                  ) -> Tuple[Tensor, Tensor]:
     """Softmax attention of one (query chunk, key chunk) pair: normalised output and LSE."""
+    if pair_kernel_enabled():
+        return cpu_kernels.pair_attention(qg, k, v, _kernel_bias(bias), scale)
     s = _scores(qg, k, bias, scale, r)
     m = mint.amax(s, -1, keepdim=True)
     p = mint.exp(s - m)
@@ -87,6 +99,9 @@ def merge(state: Optional[Tuple[Tensor, Tensor]], out: Tensor, lse: Tensor
 def pair_backward(qg: Tensor, k: Tensor, v: Tensor, dout: Tensor, delta: Tensor, lse: Tensor,
                   bias, scale: float, r: int) -> Tuple[Tensor, Tensor, Tensor]:
     """Recompute ``P = exp(S - lse)`` for the pair and return its (dq, dk, dv) contributions."""
+    if pair_kernel_enabled():
+        return cpu_kernels.pair_attention_grads(qg, k, v, dout, delta, lse, _kernel_bias(bias),
+                                                scale)
     p = mint.exp(_scores(qg, k, bias, scale, r) - lse.unsqueeze(-1))
     dv = bmm(p, dout, transpose_a=True)
     dp = bmm(dout, v, transpose_b=True)
