@@ -41,6 +41,11 @@ COMMON = ["--training.jit", "false", "--training.progress_bar", "false",
           "--training.log_interval", "1", "--training.lr_warmup_steps", "1"]
 SHORT = {"seq": 128, "micro": 4, "global": 8}
 LONG = {"seq": 1024, "micro": 1, "global": 4}
+# The 55M model with every MLP a MoE layer (8 experts of FFN 704, top-2, grouped GEMM): the
+# expert-parallel row and its own one-process baseline.
+MOE = dict(SHORT, model=["--model.mlp_type", "moe", "--model.num_moe_experts", "8",
+                         "--model.moe_router_topk", "2", "--model.moe_ffn_hidden_size", "704",
+                         "--model.moe_grouped_gemm", "true"])
 PP2 = ["--parallel.pipeline_model_parallel_size", "2"]
 # name -> (label, overrides for 2 workers, shape, torch peer, (pp, m, schedules_method) or None)
 ROWS = {
@@ -63,6 +68,8 @@ ROWS = {
     "cp_ring": ("context parallel, ring", ["--parallel.context_parallel_size", "2",
                                            "--parallel.context_parallel_algo", "megatron_cp_algo"],
                 LONG, None, None),
+    "ep": ("expert parallel (MoE 8 experts top-2, ep 2 x dp 2)",
+           ["--parallel.expert_model_parallel_size", "2"], MOE, None, None),
 }
 # The same layouts over MindSpore's own CPU collectives (mccl) instead of the shared-memory
 # channel: what the channel is worth, side by side ("<row>_mccl").
@@ -77,11 +84,16 @@ def analytic_bubble(pp: int, m: int, method) -> float:
     return (pp - 1) / (3 * m + pp - 1) if method == "zbh1" else (pp - 1) / (m + pp - 1)
 
 
+def base_key(shape: dict) -> tuple:
+    """Rows of one shape (sequence and model) share their one-process baseline run."""
+    return shape["seq"], tuple(shape.get("model", ()))
+
+
 def shape_args(shape: dict, a) -> list:
     """The model and batch of a row's shape (``--layers`` and ``--seq-long`` scale it down)."""
     model = TINY_MODEL if a.small else MODEL + ["--model.num_layers", str(a.layers)]
     seq = 32 if a.small else (a.seq_long if shape is LONG else shape["seq"])
-    return model + COMMON + ["--data.seq_length", str(seq),
+    return model + shape.get("model", []) + COMMON + ["--data.seq_length", str(seq),
                              "--training.micro_batch_size", str(shape["micro"]),
                              "--training.global_batch_size", str(shape["global"])]
 
@@ -217,9 +229,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="scaling_", dir=os.environ.get("TMPDIR")) as tmp:
         for name in rows:
             label, extra, shape, peer, pipe = ROWS[name]
-            key = shape["seq"]
+            key = base_key(shape)
             if key not in bases:
-                recs = run_pretrain(tmp, f"one_{key}", 1, shape_args(shape, a), a.steps)
+                tag = f"one_{shape['seq']}" + ("_moe" if shape.get("model") else "")
+                recs = run_pretrain(tmp, tag, 1, shape_args(shape, a), a.steps)
                 bases[key] = tokens_per_s(recs, a.skip)
             recs = run_pretrain(tmp, name, 2, shape_args(shape, a) + extra, a.steps)
             results[name] = tokens_per_s(recs, a.skip)
@@ -235,13 +248,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name in rows:
         label, _, shape, peer, pipe = ROWS[name]
-        key = shape["seq"]
+        key = base_key(shape)
         bubble = f"{analytic_bubble(*pipe):.3f}" if pipe else "-"
         tp = "-"
         if peer and (peer, key) in peers:
             tp = f"{peer}: {peers[(peer, key)] / peers[('single', key)]:.2f} " \
                  f"({peers[(peer, key)]:.0f} / {peers[('single', key)]:.0f} tok/s)"
-        key_seq = a.seq_long if shape is LONG and not a.small else key
+        key_seq = a.seq_long if shape is LONG and not a.small else shape["seq"]
         print(f"| {label} | {key_seq} | {bases[key]:.0f} | {results[name]:.0f} | "
               f"{results[name] / bases[key]:.2f} | {bubble} | {tp} |")
 
