@@ -10,6 +10,8 @@ warm-up. Variants:
 * ``ms_plain``      the same architecture written directly in MindSpore PyNative (mint ops,
                     ``ops.cross_entropy``, ``experimental.optim.AdamW``): the floor
 * ``torch``         PyTorch eager fp32, if torch is installed (``pip install -e .[bench]``)
+* ``torch_compile`` the same model through ``torch.compile`` (inductor, C++ on CPU; the
+                    warm-up steps compile)
 * ``torch_bf16``    the same under ``torch.autocast("cpu", torch.bfloat16)`` (fp32 weights and
                     optimizer, bf16 matmuls): PyTorch's mixed-precision recipe
 * ``cli``           ``ms-llm train`` itself (subprocess through the console script, PyNative),
@@ -173,7 +175,7 @@ def run_ms_plain(steps: int, warmup: int) -> list:
 
 
 # ----------------------------------------------------------------------------- torch
-def run_torch(steps: int, warmup: int, bf16: bool = False) -> list:
+def run_torch(steps: int, warmup: int, bf16: bool = False, compiled: bool = False) -> list:
     import torch
     import torch.nn.functional as F
 
@@ -226,13 +228,14 @@ def run_torch(steps: int, warmup: int, bf16: bool = False) -> list:
     ang = torch.cat([ang, ang], -1)
     cos, sin = ang.cos().float(), ang.sin().float()
     model = Model()
+    fwd = torch.compile(model) if compiled else model   # inductor's C++ CPU backend; warm-up compiles
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     times = []
     for step in range(warmup + steps):
         ids, labels = batch(step)
         t0 = _now()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(torch.from_numpy(ids).long(), torch.from_numpy(labels).long(), cos, sin)
+            loss = fwd(torch.from_numpy(ids).long(), torch.from_numpy(labels).long(), cos, sin)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -276,6 +279,7 @@ RUNNERS = {
     "ms_plain": run_ms_plain,
     "torch": run_torch,
     "torch_bf16": lambda s, w: run_torch(s, w, bf16=True),
+    "torch_compile": lambda s, w: run_torch(s, w, compiled=True),
 }
 CLI = {"cli": dict(jit=False), "cli_jit": dict(jit=True), "cli_bf16": dict(jit=False, bf16=True),
        "cli_fused": dict(jit=False, fused=True)}
@@ -290,7 +294,8 @@ LABELS = {"ms_llm": "ms-llm fp32 inner loop (Trainer.train_step)",
           "ms_llm_bf16": "ms-llm bf16 inner loop (Trainer.train_step)",
           "ms_plain": "plain MindSpore PyNative fp32",
           "torch": "PyTorch eager fp32",
-          "torch_bf16": "PyTorch eager bf16 autocast"}
+          "torch_bf16": "PyTorch eager bf16 autocast",
+          "torch_compile": "PyTorch torch.compile fp32 (inductor)"}
 
 
 def child(variant: str, steps: int, warmup: int) -> None:

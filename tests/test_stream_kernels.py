@@ -145,3 +145,48 @@ def test_fork_gives_two_copies_whose_gradients_are_summed_once():
     g = ms.grad(loss)(x)
     assert g.dtype == ms.bfloat16
     np.testing.assert_array_equal(_np(g), (wa + wb).astype(BF16).astype(np.float32))
+
+
+@pytest.mark.parametrize("pieces", [(4, 1, 1), (2, 2, 1, 1), (3,)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_split_and_merge_heads_match_numpy_layouts(pieces, dtype):
+    """``split_heads`` / ``merge_heads`` (C copies on CPU) against NumPy's reshape + transpose,
+    values and gradients exact (pure data movement: no arithmetic)."""
+    import mindspore as ms
+    from ms_llm import ops as hot
+    from ms_llm.ops.stream import _heads_kernel
+    dt = ms.float32 if dtype == "fp32" else ms.bfloat16
+    assert _heads_kernel(dt)                        # the kernel path, not the composed one
+    b, s, g, d = 2, 5, 3, 4
+    rng = np.random.default_rng(len(pieces))
+    x = rng.standard_normal((b, s, g, sum(pieces) * d)).astype(np.float32)
+    xt = Tensor(x).astype(dt)
+    xr = xt.astype(ms.float32).asnumpy()             # the values bf16 holds
+    outs = hot.split_heads(xt, pieces)
+    off = 0
+    weights = []
+    for out, p in zip(outs, pieces):
+        want = xr[..., off * d:(off + p) * d].reshape(b, s, g * p, d).transpose(0, 2, 1, 3)
+        assert out.dtype == dt and out.shape == want.shape
+        np.testing.assert_array_equal(out.astype(ms.float32).asnumpy(), want)
+        weights.append(rng.standard_normal(want.shape).astype(np.float32))
+        off += p
+
+    def loss(t):
+        return sum((o.astype(ms.float32) * Tensor(w)).sum()
+                   for o, w in zip(hot.split_heads(t, pieces), weights))
+    grad = ms.grad(loss)(xt).astype(ms.float32).asnumpy()
+    want = np.concatenate([w.transpose(0, 2, 1, 3).reshape(b, s, g, -1) for w in weights], -1)
+    np.testing.assert_array_equal(grad, Tensor(want).astype(dt).astype(ms.float32).asnumpy())
+
+    o = rng.standard_normal((b, 6, s, d)).astype(np.float32)
+    ot = Tensor(o).astype(dt)
+    merged = hot.merge_heads(ot)
+    np.testing.assert_array_equal(merged.astype(ms.float32).asnumpy(),
+                                  ot.astype(ms.float32).asnumpy().transpose(0, 2, 1, 3)
+                                  .reshape(b, s, 6 * d))
+    w = rng.standard_normal((b, s, 6 * d)).astype(np.float32)
+    go = ms.grad(lambda t: (hot.merge_heads(t).astype(ms.float32) * Tensor(w)).sum())(ot)
+    np.testing.assert_array_equal(go.astype(ms.float32).asnumpy(),
+                                  Tensor(w.reshape(b, s, 6, d).transpose(0, 2, 1, 3))
+                                  .astype(dt).astype(ms.float32).asnumpy())

@@ -105,20 +105,17 @@ class SelfAttention(nn.Module):
         ng = qkv.shape[-1] // ((rq + 2) * d)
         qkv = qkv.reshape(b, s, ng, (rq + 2) * d)
         if self.gated:
-            q, gate, k, v = hot.split_last(qkv, [r * d, r * d, d, d])
-            gate = gate.reshape(b, s, ng * r * d)
+            q, gate, k, v = hot.split_heads(qkv, (r, r, 1, 1))
+            gate = hot.merge_heads(gate)
         else:
-            q, k, v = hot.split_last(qkv, [r * d, d, d])
-        q = q.reshape(b, s, ng * r, d)
-        if self.q_layernorm is not None:
+            q, k, v = hot.split_heads(qkv, (r, 1, 1))      # [b, nh, s, d], [b, ng, s, d] x 2
+        if self.q_layernorm is not None:                   # per head vector: any layout
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        q = hot.apply_rope(q.swapaxes(1, 2), cos, sin)      # [b, nh, s, d]
-        k = hot.apply_rope(k.swapaxes(1, 2), cos, sin)      # [b, ng, s, d]
-        v = v.swapaxes(1, 2)
+        q = hot.apply_rope(q, cos, sin)
+        k = hot.apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)      # the new K/V, or the whole cache buffer
-        out = self.core_attention(q, k, v, attention_mask)
-        out = out.swapaxes(1, 2).reshape(b, s, ng * r * d)
+        out = hot.merge_heads(self.core_attention(q, k, v, attention_mask))   # [b, s, nh * d]
         if self.gated:
             out = out * F.sigmoid(gate)
         return self.linear_proj(out)

@@ -5,7 +5,8 @@ from .attention import cache_attention, causal_attention
 from .cross_entropy import IGNORE_INDEX, cross_entropy
 from .fused_cross_entropy import fused_linear_cross_entropy
 from .linear import Linear, bmm, linear
-from .stream import Embedding, cast, embedding, fork, residual_add, split_last
+from .stream import (Embedding, cast, embedding, fork, merge_heads, residual_add, split_heads,
+                     split_last)
 from .rms_norm import rms_norm
 from .rope import apply_rope, rope_cos_sin
 from .swiglu import swiglu
@@ -13,4 +14,5 @@ from .swiglu import swiglu
 __all__ = ["causal_attention", "cache_attention", "cross_entropy", "fused_linear_cross_entropy",
            "IGNORE_INDEX", "rms_norm",
            "apply_rope", "rope_cos_sin", "swiglu", "linear", "bmm", "Linear", "resolve_paths",
-           "residual_add", "fork", "embedding", "Embedding", "split_last", "cast"]
+           "residual_add", "fork", "embedding", "Embedding", "split_last", "split_heads",
+           "merge_heads", "cast"]

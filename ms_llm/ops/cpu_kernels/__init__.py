@@ -19,8 +19,8 @@ from .blas import (bmm, blas_threads, causal_attention, linear, linear_fp32, lin
                    pair_attention, pair_attention_grads, set_blas_threads)
 from .build import available, blas_available, blas_library_path, blas_reason, library_path, reason
 from .functional import (cast_float, causal_softmax, cross_entropy, cross_entropy_grad,
-                         cross_entropy_lse, embedding, fork, residual_add, rms_norm, rope,
-                         split_last, swiglu)
+                         cross_entropy_lse, embedding, fork, join_heads, residual_add, rms_norm,
+                         rope, split_heads, split_last, swiglu)
 
 __all__ = [
     "available",
@@ -33,6 +33,8 @@ __all__ = [
     "cast_float",
     "embedding",
     "split_last",
+    "split_heads",
+    "join_heads",
     "cross_entropy",
     "cross_entropy_lse",
     "cross_entropy_grad",

@@ -218,6 +218,130 @@ def split_last(x, sections):
     return tuple(op(x, *keys))
 
 
+_HEADS: dict = {}
+
+
+@constexpr
+def _split_heads_prim(pieces):
+    """SplitHeads for ``pieces`` (heads per group of each piece): (x [B, S, G, W], keys) ->
+    pieces. The keys (:func:`_split_keys`) only make each layout's input shapes distinct:
+    MindSpore reuses an AOT kernel, output count included, for equal input shapes."""
+    key = ("split", pieces)
+    if key not in _HEADS:
+        def out_shape(xs, *ks):
+            return [[xs[0], xs[2] * k[0], xs[1], k[1]] for k in ks]
+        _HEADS[key] = ops.Custom(f"{library_path()}:SplitHeads", func_type="aot",
+                                 bprop=_SPLIT_BPROPS[len(pieces)], out_shape=out_shape,
+                                 out_dtype=lambda xt, *ks: [xt] * len(ks))
+    return _HEADS[key]
+
+
+@constexpr
+def _split_keys(pieces, d):
+    key = ("split_keys", pieces, d)
+    if key not in _HEADS:
+        _HEADS[key] = tuple(ms.Tensor(np.zeros((p, d), np.int8)) for p in pieces)
+    return _HEADS[key]
+
+
+@constexpr
+def _join_heads_prim(count):
+    """JoinHeads of ``count`` pieces: (pieces, key [G]) -> [B, S, G, W]."""
+    key = ("join", count)
+    if key not in _HEADS:
+        def out_shape(*shapes):
+            g = shapes[count][0]
+            return [shapes[0][0], shapes[0][2], g, sum(sh[1] // g * sh[3] for sh in shapes[:count])]
+        _HEADS[key] = ops.Custom(f"{library_path()}:JoinHeads", func_type="aot",
+                                 bprop=_JOIN_BPROPS[count], out_shape=out_shape,
+                                 out_dtype=lambda *dts: dts[0])
+    return _HEADS[key]
+
+
+@constexpr
+def _group_key(groups):
+    key = ("group_key", groups)
+    if key not in _HEADS:
+        _HEADS[key] = ms.Tensor(np.zeros((groups,), np.int8))
+    return _HEADS[key]
+
+
+@constexpr
+def _pieces_of(shapes, groups):
+    return tuple(sh[1] // groups for sh in shapes)
+
+
+# Module-level bprops, one per piece count with named parameters, reaching the other primitive
+# through constexpr helpers: so they also compile under ``mindspore.jit`` (a graph-mode bprop
+# needs named ``out`` / ``dout`` parameters and no closure over local names).
+def _split_grad(x, keys, dout):
+    dx = _join_heads_prim(len(dout))(*dout, _group_key(x.shape[2]))
+    return (dx,) + tuple(_zeros_like(k) for k in keys)
+
+
+def _join_grad(parts, gkey, dout):
+    pieces = _pieces_of(tuple(p.shape for p in parts), gkey.shape[0])
+    keys = _split_keys(pieces, dout.shape[3] // sum(pieces))
+    return tuple(_split_heads_prim(pieces)(dout, *keys)) + (_zeros_like(gkey),)
+
+
+def _split_bprop_1(x, k0, out, dout):
+    return _split_grad(x, (k0,), dout)
+
+
+def _split_bprop_2(x, k0, k1, out, dout):
+    return _split_grad(x, (k0, k1), dout)
+
+
+def _split_bprop_3(x, k0, k1, k2, out, dout):
+    return _split_grad(x, (k0, k1, k2), dout)
+
+
+def _split_bprop_4(x, k0, k1, k2, k3, out, dout):
+    return _split_grad(x, (k0, k1, k2, k3), dout)
+
+
+def _join_bprop_1(p0, g, out, dout):
+    return _join_grad((p0,), g, dout)
+
+
+def _join_bprop_2(p0, p1, g, out, dout):
+    return _join_grad((p0, p1), g, dout)
+
+
+def _join_bprop_3(p0, p1, p2, g, out, dout):
+    return _join_grad((p0, p1, p2), g, dout)
+
+
+def _join_bprop_4(p0, p1, p2, p3, g, out, dout):
+    return _join_grad((p0, p1, p2, p3), g, dout)
+
+
+_SPLIT_BPROPS = {1: _split_bprop_1, 2: _split_bprop_2, 3: _split_bprop_3, 4: _split_bprop_4}
+_JOIN_BPROPS = {1: _join_bprop_1, 2: _join_bprop_2, 3: _join_bprop_3, 4: _join_bprop_4}
+MAX_HEAD_PIECES = 4
+
+
+def split_heads(x, pieces):
+    """``x`` [B, S, G, W] (per group the pieces' heads side by side, ``W = D * sum(pieces)``) as
+    one contiguous [B, G * p, S, D] tensor per piece (p = ``pieces[i]`` heads per group; head
+    ``g * p + h``), fp32 / bf16 / fp16; at most ``MAX_HEAD_PIECES`` pieces. The gradient is
+    :func:`join_heads`."""
+    pieces = tuple(int(p) for p in pieces)
+    if not 1 <= len(pieces) <= MAX_HEAD_PIECES:
+        raise ValueError(f"split_heads: {len(pieces)} pieces; the kernel takes 1-{MAX_HEAD_PIECES}")
+    keys = _split_keys(pieces, int(x.shape[-1]) // sum(pieces))
+    return tuple(_split_heads_prim(pieces)(x, *keys))
+
+
+def join_heads(parts, groups: int):
+    """Inverse of :func:`split_heads`: pieces [B, G * p_i, S, D] -> [B, S, G, D * sum(p_i)]."""
+    parts = tuple(parts)
+    if not 1 <= len(parts) <= MAX_HEAD_PIECES:
+        raise ValueError(f"join_heads: {len(parts)} pieces; the kernel takes 1-{MAX_HEAD_PIECES}")
+    return _join_heads_prim(len(parts))(*parts, _group_key(int(groups)))
+
+
 def cast_float(x, dtype):
     """``x.astype(dtype)`` between fp32 and bf16 (either way; differentiable) in one C pass;
     ``astype`` for other dtypes, equal dtypes or without the kernels."""

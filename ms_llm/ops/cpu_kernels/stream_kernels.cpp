@@ -207,3 +207,73 @@ MSLLM_EXPORT int Fork(int nparam, void **params, int *ndims, int64_t **shapes, c
   std::memcpy(params[2], params[0], static_cast<size_t>(n) * esize);
   return 0;
 }
+
+// Attention's head layout changes. SplitHeads: x [B, S, G, W] (per group g, the pieces' columns
+// side by side: piece i is p_i heads of D columns, W = D * sum p_i) -> piece i as
+// [B, G * p_i, S, D] (head g * p_i + h; p_i and D read from the output shapes). JoinHeads is the
+// inverse: the pieces -> x [B, S, G, W] (G read from the output's shape). Each is the other's
+// gradient. Both also take tiny int8 keys (SplitHeads one [p_i, D] per piece, JoinHeads one [G]),
+// never read: MindSpore 2.10 reuses an AOT kernel, output count and shapes included, for equal
+// input shapes, so the keys make each layout's inputs distinct. Why: the composed form (split, reshape, swapaxes) leaves strided views that
+// MindSpore 2.10 makes contiguous before the next kernel at ~0.5 GB/s (8-9 ms per 4 MB copy on
+// a 2-core Zen 4; 2 x 8 layers of them per step of the ~55M model, forward and backward); here
+// each D-element head row is one memcpy. Any 2- or 4-byte dtype (fp32, bf16, fp16).
+namespace {
+
+size_t elem_size(const char *d) {
+  return is_f32(d) ? 4 : (is_bf16_dtype(d) || std::strcmp(d, "float16") == 0 ? 2 : 0);
+}
+
+// split: x -> pieces when true, pieces -> x when false; x_at / first_piece: param indices.
+int move_heads(void **params, int *ndims, int64_t **shapes, const char **dtypes, int x_at, int first_piece,
+               int k, bool split) {
+  const size_t es = elem_size(dtypes[x_at]);
+  if (es == 0) return kErrDtype;
+  if (ndims[x_at] != 4) return kErrShape;
+  const int64_t b = shapes[x_at][0], s = shapes[x_at][1], groups = shapes[x_at][2], w = shapes[x_at][3];
+  if (groups <= 0) return kErrShape;
+  std::vector<int64_t> heads(k), offset(k);
+  int64_t d = -1, total = 0;
+  for (int i = 0; i < k; ++i) {
+    const int o = first_piece + i;
+    if (std::strcmp(dtypes[o], dtypes[x_at]) != 0) return kErrDtype;
+    if (ndims[o] != 4 || shapes[o][0] != b || shapes[o][2] != s || shapes[o][1] % groups) return kErrShape;
+    if (d >= 0 && shapes[o][3] != d) return kErrShape;
+    d = shapes[o][3];
+    heads[i] = shapes[o][1] / groups;
+    offset[i] = total;
+    total += heads[i] * d;
+  }
+  if (total != w) return kErrShape;
+  const size_t row = static_cast<size_t>(d) * es;
+  const int64_t xstride = groups * w * static_cast<int64_t>(es);
+  char *x = static_cast<char *>(params[x_at]);
+  for (int i = 0; i < k; ++i) {
+    char *p = static_cast<char *>(params[first_piece + i]);
+    const int64_t ph = heads[i], nh = groups * ph;
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t h = 0; h < ph; ++h) {
+          char *pr = p + ((bi * nh + g * ph + h) * s) * row;
+          char *xr = x + ((bi * s * groups + g) * w + offset[i] + h * d) * es;
+          for (int64_t t = 0; t < s; ++t, pr += row, xr += xstride)
+            split ? std::memcpy(pr, xr, row) : std::memcpy(xr, pr, row);
+        }
+  }
+  return 0;
+}
+
+}  // namespace
+
+MSLLM_EXPORT int SplitHeads(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                            void *) {
+  if (nparam < 3 || (nparam - 1) % 2 != 0) return kErrNParam;  // x, one key per piece, the pieces
+  const int k = (nparam - 1) / 2;
+  return move_heads(params, ndims, shapes, dtypes, 0, 1 + k, k, true);
+}
+
+MSLLM_EXPORT int JoinHeads(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes, void *,
+                           void *) {
+  if (nparam < 3) return kErrNParam;  // the pieces, the group key, x
+  return move_heads(params, ndims, shapes, dtypes, nparam - 1, 0, nparam - 2, false);
+}
