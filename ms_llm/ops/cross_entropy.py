@@ -13,14 +13,15 @@ IGNORE_INDEX = -100
 def cross_entropy(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
     """logits [..., V], labels [...] -> loss [...] (0 where label == ignore_index)."""
     shape = labels.shape
-    logits2 = logits.reshape(-1, logits.shape[-1])
     labels1 = labels.reshape(-1)
     path = path_for("cross_entropy")
+    if path == "aot":   # fp32 arithmetic; bf16 logits read as they are (no [N, V] cast), and
+        # [..., V] as it is (a reshape copies the whole tensor in PyNative)
+        return cpu_kernels.cross_entropy(logits, labels1.astype(int32), ignore_index).reshape(shape)
+    logits2 = logits.reshape(-1, logits.shape[-1])
     if path == "native":
         loss = mint.nn.functional.cross_entropy(logits2.astype(float32), labels1.astype(int32),
                                                 reduction="none", ignore_index=ignore_index)
-    elif path == "aot":   # fp32 arithmetic; bf16 logits read as they are (no [N, V] cast)
-        loss = cpu_kernels.cross_entropy(logits2, labels1.astype(int32), ignore_index)
     else:
         loss = cross_entropy_composed(logits2.astype(float32), labels1, ignore_index)
     return loss.reshape(shape)

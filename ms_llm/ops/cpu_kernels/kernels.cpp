@@ -364,8 +364,8 @@ MSLLM_EXPORT int CrossEntropyFwd(int nparam, void **params, int *ndims, int64_t 
   if (kind < 0 || !is_f32(dtypes[3]) || !is_f32(dtypes[4])) return kErrDtype;
   const bool lab64 = is_i64(dtypes[1]);
   if (!lab64 && !is_i32(dtypes[1])) return kErrDtype;
-  if (ndims[0] != 2) return kErrShape;
-  const int64_t n = shapes[0][0], v = shapes[0][1];
+  if (ndims[0] < 1 || shapes[0][ndims[0] - 1] <= 0) return kErrShape;  // logits [..., V]: rows of V
+  const int64_t v = shapes[0][ndims[0] - 1], n = numel(ndims[0], shapes[0]) / v;
   if (numel(ndims[1], shapes[1]) != n || numel(ndims[3], shapes[3]) != n || numel(ndims[4], shapes[4]) != n)
     return kErrShape;
   double ign_d;
@@ -374,7 +374,8 @@ MSLLM_EXPORT int CrossEntropyFwd(int nparam, void **params, int *ndims, int64_t 
   return kind ? ce_fwd_t<uint16_t>(params, n, v, lab64, ignore) : ce_fwd_t<float>(params, n, v, lab64, ignore);
 }
 
-// Cross entropy backward.  inputs: logits [N, V], labels [N], lse [N], dloss [N], ignore_index.
+// Cross entropy backward.  inputs: logits [N, V] (or [..., V], N rows), labels [N], lse [N], dloss [N],
+// ignore_index.
 // output: dlogits [N, V] (logits' dtype) = (softmax(logits) - onehot(labels)) * dloss[:, None];
 // 0 for ignored rows.
 MSLLM_EXPORT int CrossEntropyBwd(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
@@ -384,8 +385,8 @@ MSLLM_EXPORT int CrossEntropyBwd(int nparam, void **params, int *ndims, int64_t 
   if (kind < 0 || !is_f32(dtypes[2]) || !is_f32(dtypes[3])) return kErrDtype;
   const bool lab64 = is_i64(dtypes[1]);
   if (!lab64 && !is_i32(dtypes[1])) return kErrDtype;
-  if (ndims[0] != 2) return kErrShape;
-  const int64_t n = shapes[0][0], v = shapes[0][1];
+  if (ndims[0] < 1 || shapes[0][ndims[0] - 1] <= 0) return kErrShape;  // logits [..., V]: rows of V
+  const int64_t v = shapes[0][ndims[0] - 1], n = numel(ndims[0], shapes[0]) / v;
   if (numel(ndims[1], shapes[1]) != n || numel(ndims[2], shapes[2]) != n || numel(ndims[3], shapes[3]) != n ||
       numel(ndims[5], shapes[5]) != n * v)
     return kErrShape;
