@@ -166,6 +166,12 @@ def copy_(dst: Tensor, src: Tensor) -> Tensor:
     return dst
 
 
+def owns_storage(t: Tensor) -> bool:
+    """True when ``t`` is its whole buffer (not a view into a larger one): a C kernel may then
+    write through it in place."""
+    return not _part_of_larger_storage(t)
+
+
 def _part_of_larger_storage(t: Tensor) -> bool:
     """True when ``t`` is a view into a larger buffer (or when MindSpore cannot say)."""
     try:

@@ -18,7 +18,7 @@ OpenBLAS-backed matmuls live in a separate library that needs the ``scipy-openbl
 from .blas import (bmm, blas_threads, causal_attention, linear, linear_fp32, linear_grad,
                    pair_attention, pair_attention_grads, set_blas_threads)
 from .build import available, blas_available, blas_library_path, blas_reason, library_path, reason
-from .functional import (cast_float, causal_softmax, cross_entropy, cross_entropy_grad,
+from .functional import (adamw_update, cast_float, causal_softmax, cross_entropy, cross_entropy_grad,
                          cross_entropy_lse, embedding, fork, join_heads, residual_add, rms_norm,
                          rope, split_heads, split_last, swiglu)
 
@@ -31,6 +31,7 @@ __all__ = [
     "residual_add",
     "fork",
     "cast_float",
+    "adamw_update",
     "embedding",
     "split_last",
     "split_heads",

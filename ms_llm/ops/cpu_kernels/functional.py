@@ -133,6 +133,9 @@ def _make_prims():
 
     emb = custom("EmbeddingFwd", lambda w, ids: list(ids) + [w[-1]], lambda w, ids: w, emb_bprop)
 
+    # --- AdamW in place (optim_kernels.cpp): (p, m, v, g, hyper [5], threads) -> done [1]
+    adamw = custom("AdamWUpdate", lambda p, m, v, g, h, t: [1], lambda p, m, v, g, h, t: ms.float32)
+
     # --- bf16 <-> fp32: x -> y ; the gradient converts back
     to_bf16 = custom("CastFloat", _same, lambda x: ms.bfloat16)
     to_f32 = custom("CastFloat", _same, lambda x: ms.float32)
@@ -151,6 +154,7 @@ def _make_prims():
         "swiglu": swiglu_fwd,
         "swiglu_bwd": swiglu_bwd,
         "cross_entropy": ce_fwd,
+        "adamw_update": adamw,
         "cross_entropy_bwd": ce_bwd,
         "causal_softmax": cs_fwd,
         "rope": rope_fwd,
@@ -465,3 +469,14 @@ def causal_softmax(scores, scale=1.0):
     dt = scores.dtype
     y = _prim("causal_softmax")(_f32(scores), float(scale))
     return y if dt == ms.float32 else y.astype(dt)
+
+
+def adamw_update(param, exp_avg, exp_avg_sq, grad, hyper, threads: int) -> bool:
+    """MindSpore's ``AdamWeightDecay`` update of fp32 ``param`` and its moments, in place, on
+    ``threads`` threads (``optim_kernels.cpp``); ``hyper``: fp32 [lr, beta1, beta2, eps,
+    decay]. Every tensor must own its whole storage (Parameters, not views: the kernel writes
+    through their buffers). False (nothing done) when the kernels are unavailable."""
+    if not _aot_enabled():
+        return False
+    _prim("adamw_update")(param, exp_avg, exp_avg_sq, grad, hyper, int(threads))
+    return True
