@@ -134,8 +134,8 @@ class AdamW:
 def _cpu_kernel_threads(tensors: Sequence[Tensor]) -> int:
     """Threads for ms-llm's CPU AdamW kernel, or 0 to keep MindSpore's (not on CPU, kernels
     off or unbuilt, or a tensor that is a view the kernel must not write through)."""
-    from ms_llm.ops._dispatch import aot_enabled
+    from ms_llm.ops import aot_enabled
     if not is_cpu() or not aot_enabled() or not all(owns_storage(t) for t in tensors):
         return 0
-    from ms_llm.ops.cpu_kernels.blas import blas_threads
+    from ms_llm.ops.cpu_kernels import blas_threads
     return max(1, blas_threads())

@@ -49,7 +49,9 @@ FP32 = 4
 # PyNative, fp32), in units of one tensor of that shape. Measured, see the module docstring.
 ACT = {
     "hidden": 4.0,       # [T, h]: norm inputs/outputs, residual branches, attention/MLP outputs
-    "qkv": 1.5,          # [T, (nh + 2 ng) d / tp]: fused QKV output, q/k before and after RoPE
+    "qkv": 1.0,          # [T, (nh + 2 ng) d / tp]: q/k/v as split_heads makes them, q/k after
+                         # RoPE (the fused QKV output is freed; 1.5 while the split made strided
+                         # views that MindSpore copied whole)
     "ffn": 1.5,          # [T, F / tp]: fc1 output ([gate; up] = 2 F) and the SwiGLU output
     # [s, s] terms of the BLAS causal attention kernel (ms_llm.ops.cpu_kernels): fitted on the
     # 55M model at seq 2048, micro-batch 1 (none / selective / full recompute: 3.40 / 2.21 /
@@ -57,10 +59,12 @@ ACT = {
     "scores": 1.4,       # [b, nh / tp, s, s]: kept through forward (its probabilities)
     "scores_backward": 4.5,   # [nh / tp, s, s] (one sequence: the kernel's backward works a
                               # sequence at a time), transient while one layer's backward runs
-    "scores_backward_full": 1.5,  # the same, for a layer re-run by full recompute: a compromise
-    # between the 55M run (2.7 fits it; 1.5 plans 0.91 of its peak) and the tiny model's block
-    # recompute (1.15 of its peak): the re-run layer is not modelled more closely than that
-    "logits": 2.0,       # [T, V]: fp32 logits and log-softmax (one fused cross entropy)
+    "scores_backward_full": 0.5,  # the same, for a layer re-run by full recompute: a compromise
+    # between the 55M run (2.7 fit it before the head-layout and cross-entropy copies went; not
+    # re-measured since) and the tiny model's block recompute (1.14 of its peak at 0.5, 1.31 at
+    # the earlier 1.5): the re-run layer is not modelled more closely than that
+    "logits": 1.0,       # [T, V]: fp32 logits kept for the cross entropy's backward (2.0
+                         # while a reshape to [T, V] copied them and their gradient)
     "logits_tp": 6.0,    # [T, V / tp]: vocab-parallel cross entropy (shifted, exp, gathers...)
     "moe_routed": 6.0,   # [T * topk, h]: permuted tokens, per-expert pieces, outputs back
     "accumulator": 2.0,  # accumulated + new gradients live with activations (micro-batches > 1)
