@@ -74,15 +74,15 @@ class AdamW:
         eps_k = self.eps * math.sqrt(bc2)
         decay_k = self.weight_decay * lr / lr_k if lr_k > 0 else 0.0
         if self._threads:
-            from ms_llm.ops import cpu_kernels
+            from ms_llm.ops import cast, cpu_kernels
             hyper: Dict[tuple, Tensor] = {}
             for p, m, v, g, lm, wm in zip(self.params, self.exp_avg, self.exp_avg_sq, grads,
                                           self.lr_mult, self.wd_mult):
                 if (lm, wm) not in hyper:
                     hyper[(lm, wm)] = Tensor(np.array([lr_k * lm, b1, b2, eps_k, decay_k * wm],
                                                       np.float32))
-                cpu_kernels.adamw_update(p, m, v, g.astype(float32) if g.dtype != float32 else g,
-                                         hyper[(lm, wm)], self._threads)
+                cpu_kernels.adamw_update(p, m, v, cast(g, float32), hyper[(lm, wm)],
+                                         self._threads)
             return
         for p, m, v, g, lm, wm in zip(self.params, self.exp_avg, self.exp_avg_sq, grads,
                                       self.lr_mult, self.wd_mult):
