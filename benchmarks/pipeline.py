@@ -100,7 +100,7 @@ def step_record(trainer, barrier) -> dict:
     if ex is None:
         return rec
     events = [list(e) for e in ex.events]
-    compute = sum(e[4] - e[3] for e in events if e[0] in ("F", "B", "W"))
+    compute = sum(e[4] - e[3] for e in events if e[0] in ("F", "B", "W", "R"))
     window = max(e[4] for e in events) - min(e[3] for e in events)
     f_s = [e[4] - e[3] for e in events if e[0] == "F"]
     b_s = [e[4] - e[3] for e in events if e[0] == "B"]
@@ -361,8 +361,8 @@ def print_table(rows: list[dict], args) -> None:
 
 def panel(ax, ranks: list[dict], spec: str, title: str) -> None:
     """Both ranks' last recorded step of ``spec`` on one time axis (ms from the step start)."""
-    colors = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "comm": "#DD8452",
-              "wait": "#C44E52"}
+    colors = {"F": "#4C72B0", "B": "#55A868", "W": "#8172B2", "R": "#64B5CD",
+              "comm": "#DD8452", "wait": "#C44E52"}
     steps = [r["runs"][spec][-1] for r in ranks]
     origin = min(s["t0"] for s in steps)
     _, vpp, _ = parse_spec(spec)
@@ -370,6 +370,8 @@ def panel(ax, ranks: list[dict], spec: str, title: str) -> None:
         ax.barh(rank, (step["t1"] - step["t0"]) * 1e3, left=(step["t0"] - origin) * 1e3,
                 height=0.8, color="#EEEEEE", edgecolor="#999999", linewidth=0.4)
         for kind, mb, chunk, t0, t1 in step["events"]:
+            if t1 - t0 < 1e-4:       # an empty span (e.g. "R" of a kept backward)
+                continue
             link = kind in ("comm", "wait")
             y = rank + (0.28 if link else -0.08)
             h = 0.18 if link else 0.5

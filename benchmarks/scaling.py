@@ -65,6 +65,15 @@ ROWS = {
                  PP2 + ["--parallel.schedules_method", "gpipe"], LONG, None, (2, 4, "gpipe")),
     "pp_zbh1": ("pipeline, zero bubble (ZB-H1)", PP2 + ["--parallel.schedules_method", "zbh1"],
                 LONG, None, (2, 4, "zbh1")),
+    # Stages balanced by layer count (MindSpeed's --num-layer-list): the last stage also runs
+    # the 32000-wide output layer and the loss (~1.3 layers' time at seq 1024), and the first
+    # stage re-runs the forward of every other micro-batch (MindSpore's last-in first-out
+    # pending backward), at 1F1B's and ZB-H1's own best split on Zen 4.
+    "pp_balanced": ("pipeline, 1F1B, 5/8 of the layers first",
+                    PP2 + ["--parallel.num_layer_list", 5 / 8], LONG, None, (2, 4, None)),
+    "pp_zbh1_balanced": ("pipeline, ZB-H1, 6/8 of the layers first",
+                         PP2 + ["--parallel.schedules_method", "zbh1",
+                                "--parallel.num_layer_list", 6 / 8], LONG, None, (2, 4, "zbh1")),
     "cp_ring": ("context parallel, ring", ["--parallel.context_parallel_size", "2",
                                            "--parallel.context_parallel_algo", "megatron_cp_algo"],
                 LONG, None, None),
@@ -96,6 +105,18 @@ def shape_args(shape: dict, a) -> list:
     return model + shape.get("model", []) + COMMON + ["--data.seq_length", str(seq),
                              "--training.micro_batch_size", str(shape["micro"]),
                              "--training.global_batch_size", str(shape["global"])]
+
+
+def layer_split(extra: list, layers: int) -> list:
+    """A row's overrides with a float ``--parallel.num_layer_list`` (the first stage's share of
+    the layers) turned into the two stages' layer counts for ``layers``."""
+    out = []
+    for word in extra:
+        if isinstance(word, float):
+            first = min(layers - 1, max(1, round(word * layers)))
+            word = f"{first},{layers - first}"
+        out.append(word)
+    return out
 
 
 def run_pretrain(tmp: str, tag: str, nproc: int, args: list, steps: int) -> list:
@@ -234,7 +255,9 @@ def main() -> None:
                 tag = f"one_{shape['seq']}" + ("_moe" if shape.get("model") else "")
                 recs = run_pretrain(tmp, tag, 1, shape_args(shape, a), a.steps)
                 bases[key] = tokens_per_s(recs, a.skip)
-            recs = run_pretrain(tmp, name, 2, shape_args(shape, a) + extra, a.steps)
+            layers = 2 if a.small else a.layers
+            recs = run_pretrain(tmp, name, 2, shape_args(shape, a) + layer_split(extra, layers),
+                                a.steps)
             results[name] = tokens_per_s(recs, a.skip)
             if a.torch and peer:
                 if ("single", key) not in peers:

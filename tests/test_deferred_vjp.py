@@ -42,3 +42,28 @@ def test_deferred_vjp_first_in_first_out_matches_numpy():
         # fp32 against float64: 1e-5 covers tanh's CPU error (~1e-6 relative) and rounding.
         np.testing.assert_allclose(gx[0].asnumpy(), local @ w.T, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(gw[0].asnumpy(), a.T @ local, rtol=1e-5, atol=1e-6)
+
+
+def test_prepare_reruns_the_forward_before_the_gradient_arrives():
+    """The pipeline re-runs a forward while it waits for the next stage's gradient: ``prepare``
+    then ``backward`` gives the same gradients, and ``prepare`` twice runs the forward once."""
+    xs = _inputs()
+    calls = []
+
+    def counted(x):
+        calls.append(1)
+        return fn(x)
+
+    steps = [DeferredVJP(counted, x, [W]) for x in xs]
+    w = W.asnumpy().astype(np.float64)
+    for step, x in zip(steps, xs):
+        step.prepare()
+        step.prepare()
+        a = x.asnumpy().astype(np.float64)
+        y = np.tanh(a @ w)
+        dy = np.full(y.shape, 0.25)
+        gx, gw = step.backward(Tensor(dy.astype(np.float32)))
+        local = dy * (1 - y ** 2)
+        np.testing.assert_allclose(gx[0].asnumpy(), local @ w.T, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(gw[0].asnumpy(), a.T @ local, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 4      # two forwards and two re-runs

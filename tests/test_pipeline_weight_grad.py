@@ -79,3 +79,37 @@ def test_split_linears_defer_weight_grads_to_w():
     np.testing.assert_allclose(got[blk.inner.fc1.weight.name], _numpy_grads(chunk, xs[0], dy)["w1"],
                                **TOL)
 
+
+
+class _LastChunk(nn.Module):
+    """A last pipeline stage: no layers of its own here, then the output layer."""
+
+    def __init__(self, untied: bool):
+        super().__init__()
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList([])
+        self.output_layer = Linear(3, 4, bias=False) if untied else None
+
+    def forward(self, x):
+        return self.output_layer(x)
+
+
+def test_output_layer_weight_grad_is_deferred_too():
+    """The last stage's hidden x vocabulary weight gradient is the largest of all: W runs it."""
+    assert split_weight_grads(_LastChunk(untied=False), WeightGradStore()) == 0   # tied head
+    chunk, store = _LastChunk(untied=True), WeightGradStore()
+    name = chunk.output_layer.weight.name
+    assert split_weight_grads(chunk, store) == 1
+    assert isinstance(chunk.output_layer, SplitWeightGradLinear)
+    assert chunk.output_layer.weight.name == name
+    rng = np.random.default_rng(1)
+    x, dy = rng.standard_normal((5, 3)), rng.standard_normal((5, 4))
+    w = chunk.output_layer.weight.asnumpy().astype(np.float64)
+    step = PendingVJP(chunk, Tensor(x.astype(np.float32)), chunk.trainable_params())
+    with store.collecting(0):
+        (gx,), (gw,) = step.backward(Tensor(dy.astype(np.float32)))
+    np.testing.assert_allclose(gx.asnumpy(), dy @ w, **TOL)
+    assert not gw.asnumpy().any()
+    (weight, xs, dys), = store.pop(0)
+    assert weight is chunk.output_layer.weight
+    np.testing.assert_allclose(WeightGradStore.weight_grad(xs, dys).asnumpy(), dy.T @ x, **TOL)

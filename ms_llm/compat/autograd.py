@@ -46,14 +46,22 @@ class DeferredVJP:
     def __init__(self, fn, x, weights):
         self.fn, self.x, self.weights = fn, x, list(weights)
         self.output = fn(x)
+        self._vjp = None
+
+    def prepare(self) -> None:
+        """Run the forward again now, keeping its backward closure for ``backward``: a caller
+        about to wait for ``dy`` (a pipeline rank waiting for the next stage's gradient) does
+        the re-run while it waits. No other ``mindspore.vjp`` may be taken until ``backward``."""
+        import mindspore as ms
+        if self._vjp is None:
+            with recomputing():
+                _, self._vjp = ms.vjp(self.fn, self.x, weights=self.weights)
+            self.fn = self.x = None
 
     def backward(self, dy):
-        import mindspore as ms
-        with recomputing():
-            _, vjp = ms.vjp(self.fn, self.x, weights=self.weights)
-        grads_in, grads_w = vjp(dy)
-        self.fn = self.x = None
-        return grads_in, grads_w
+        self.prepare()
+        vjp, self._vjp = self._vjp, None
+        return vjp(dy)
 
 
 class PendingVJP:
@@ -67,6 +75,9 @@ class PendingVJP:
     def __init__(self, fn, x, weights):
         import mindspore as ms
         self.output, self._vjp = ms.vjp(fn, x, weights=list(weights))
+
+    def prepare(self) -> None:
+        """Nothing to do: the closure was kept (``DeferredVJP.prepare``'s counterpart)."""
 
     def backward(self, dy):
         vjp, self._vjp = self._vjp, None

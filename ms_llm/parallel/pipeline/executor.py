@@ -13,8 +13,10 @@ one action:
   not compute the forward again, wherever the rank's schedule allows: MindSpore 2.10 runs pending
   backward closures last-in first-out only, so the kept F..B spans must nest
   (``schedules.kept_backwards``: all of GPipe's and of the last stage's, every other one of a
-  1F1B middle rank's). The rest keep only the stage input and re-run the forward inside ``B``
-  (``DeferredVJP``).
+  1F1B middle rank's). The rest keep only the stage input and re-run the forward for ``B``
+  (``DeferredVJP``), before waiting for the gradient, so that a rank waiting for the next stage
+  does the re-run meanwhile (``kept_backwards`` leaves the re-runs to the earliest micro-batches,
+  whose backward waits longest).
 
 After each round every rank posts the round's outputs to the ranks that need them, through
 ``comm.batch_isend_irecv`` (one global order, so blocking point-to-point cannot deadlock), and
@@ -68,8 +70,9 @@ class PipelineExecutor:
         self._send_work: List[object] = []
         comm.open_pairs(self.pp_ranks[r] for r in self._peers())
         # (kind, microbatch, chunk, t0, t1) with perf_counter times of the last step: "F"/"B"/"W"
-        # compute spans, "comm" spans (posting the round's exchange) and "wait" spans (blocked on
-        # a transfer still in flight), for timelines and benchmarks.
+        # compute spans, "R" forward re-runs for B (run before waiting for B's gradient), "comm"
+        # spans (posting the round's exchange) and "wait" spans (blocked on a transfer still in
+        # flight), for timelines and benchmarks.
         self.events: List[tuple] = []
         self.timed = False      # synchronise after each action (benchmarks' timelines)
 
@@ -114,6 +117,12 @@ class PipelineExecutor:
         for actions in self.rounds:
             act = actions[self.rank]
             outbox: Dict[tuple, Tensor] = {}
+            if act is not None and act.kind == "B" and \
+                    (act.microbatch, act.chunk) not in self.kept:
+                # the forward this B re-runs runs before waiting for B's gradient
+                t0 = time.perf_counter()
+                vjps[(act.microbatch, act.chunk)].prepare()
+                self._span("R", act.microbatch, act.chunk, t0)
             if act is not None and act.kind != "W":
                 self._await(act)
             t0 = time.perf_counter()

@@ -145,9 +145,12 @@ def kept_backwards(actions: list[Action]) -> set[tuple[int, int]]:
     MindSpore 2.10 PyNative holds pending ``mindspore.vjp`` closures on a stack: only the most
     recent may run ("Can not find top cell for backward" otherwise, ``tests/test_deferred_vjp``).
     So the kept F..B spans of a rank must nest (never cross); the others keep their input and
-    re-run the forward in B. Spans are taken greedily by earliest B, which is optimal when
-    backwards follow forwards' order (1F1B: no span nests in another); GPipe's reversed
-    backwards nest entirely and keep all."""
+    re-run the forward for B. Spans are taken greedily from the latest F backwards, which keeps
+    as many as taking them by earliest B (the same greedy in reversed time; optimal when
+    backwards follow forwards' order, as in 1F1B) but leaves the re-runs to the earliest
+    micro-batches: a rank's first B waits for the stages after it, and the executor re-runs
+    the forward during that wait (``DeferredVJP.prepare``), while a re-run at the end of the
+    step delays the step. GPipe's reversed backwards nest entirely and keep all."""
     start: dict[tuple[int, int], int] = {}
     spans = []
     for i, a in enumerate(actions):
@@ -158,7 +161,7 @@ def kept_backwards(actions: list[Action]) -> set[tuple[int, int]]:
             spans.append((start[key], i, key))
     kept: list[tuple[int, int]] = []
     out = set()
-    for s, e, key in spans:     # spans come in order of their B
+    for s, e, key in sorted(spans, reverse=True):     # latest F first
         if all(not (s0 < s < e0 < e or s < s0 < e < e0) for s0, e0 in kept):
             kept.append((s, e))
             out.add(key)

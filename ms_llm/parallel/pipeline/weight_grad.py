@@ -3,7 +3,7 @@ weight gradient later (Megatron's zero-bubble ``WeightGradStore`` idea, written 
 
 Only the linear layers split, as in the paper: their weight gradient ``dW = dy^T x`` is the
 half of a linear's backward that nobody downstream waits for. ``split_weight_grads`` swaps each
-plain ``Linear`` of a pipeline chunk's transformer layers for :class:`SplitWeightGradLinear`
+plain ``Linear`` of a pipeline chunk's transformer layers and its output layer for :class:`SplitWeightGradLinear`
 (same ``weight``/``bias`` Parameters, so names, placements and checkpoints do not change). Its
 backward returns ``dx`` and, while a :class:`WeightGradStore` is collecting for a micro-batch,
 records ``(weight, x, dy)`` instead of computing ``dW``; ``W`` pops the records and computes them.
@@ -87,21 +87,35 @@ class SplitWeightGradLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def split_weight_grads(chunk, store: WeightGradStore) -> int:
-    """Swap the plain fp32 ``Linear`` layers of ``chunk``'s transformer layers (exactly that
-    class: tensor-parallel, LoRA or quantized linears keep their own backward); returns how many."""
+def _swap(parent, attr: str, cell, store: WeightGradStore) -> None:
+    params = [p for p in (cell.weight, cell.bias) if p is not None]
+    names = [p.name for p in params]
+    setattr(parent, attr, SplitWeightGradLinear(cell, store))
+    for p, full in zip(params, names):   # attaching re-prefixes: keep the model's names
+        p.name = full
+
+
+def _splits(cell) -> bool:
+    """Exactly ``Linear`` in fp32: tensor-parallel, LoRA or quantized linears keep their own
+    backward."""
     from ms_llm.compat import float32
+    return type(cell) is Linear and cell.weight.dtype == float32
+
+
+def split_weight_grads(chunk, store: WeightGradStore) -> int:
+    """Swap the plain fp32 ``Linear`` layers of ``chunk``'s transformer layers, and its output
+    layer (on the last stage, the largest weight gradient of all: hidden x vocabulary), for
+    :class:`SplitWeightGradLinear`; returns how many."""
     swapped = 0
     for layer in chunk.decoder.layers:
         for name, cell in list(layer.cells_and_names()):
-            if type(cell) is not Linear or cell.weight.dtype != float32:
+            if not _splits(cell):
                 continue
             parent_name, _, attr = name.rpartition(".")
             parent = layer if not parent_name else dict(layer.cells_and_names())[parent_name]
-            params = [p for p in (cell.weight, cell.bias) if p is not None]
-            names = [p.name for p in params]
-            setattr(parent, attr, SplitWeightGradLinear(cell, store))
-            for p, full in zip(params, names):   # attaching re-prefixes: keep the model's names
-                p.name = full
+            _swap(parent, attr, cell, store)
             swapped += 1
+    if getattr(chunk, "output_layer", None) is not None and _splits(chunk.output_layer):
+        _swap(chunk, "output_layer", chunk.output_layer, store)
+        swapped += 1
     return swapped
