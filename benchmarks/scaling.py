@@ -74,6 +74,10 @@ ROWS = {
     "pp_zbh1_balanced": ("pipeline, ZB-H1, 6/8 of the layers first",
                          PP2 + ["--parallel.schedules_method", "zbh1",
                                 "--parallel.num_layer_list", 6 / 8], LONG, None, (2, 4, "zbh1")),
+    "pp_dualpipev": ("pipeline, DualPipe-V (4 stages in a V)",
+                     PP2 + ["--parallel.virtual_pipeline_model_parallel_size", "2",
+                            "--parallel.schedules_method", "dualpipev"], LONG, None,
+                     (2, 4, "dualpipev")),
     "cp_ring": ("context parallel, ring", ["--parallel.context_parallel_size", "2",
                                            "--parallel.context_parallel_algo", "megatron_cp_algo"],
                 LONG, None, None),
@@ -89,7 +93,12 @@ ROWS.update({f"{name}_mccl": (f"{label}, mccl collectives", extra + MCCL, shape,
 
 def analytic_bubble(pp: int, m: int, method) -> float:
     """Idle share of a balanced pipeline: 1F1B and GPipe (p-1)/(m+p-1); ZB-H1 at F = B = W
-    (p-1)/(3m+p-1) (its B/W split leaves (p-1)(F+B-W) idle per rank)."""
+    (p-1)/(3m+p-1) (its B/W split leaves (p-1)(F+B-W) idle per rank); DualPipe-V from the
+    schedule simulator at F = B = W per chunk (two chunks per rank)."""
+    if method == "dualpipev":
+        from ms_llm.parallel.pipeline.schedules import bubble_fraction, build_schedule, plan_rounds
+        return bubble_fraction(plan_rounds(build_schedule(pp, m, 2, method), pp, 2,
+                                           v_shape=True))
     return (pp - 1) / (3 * m + pp - 1) if method == "zbh1" else (pp - 1) / (m + pp - 1)
 
 

@@ -42,8 +42,8 @@ REFUSED = {
     "qwen25/tune_qwen25_72b_4k_lora_ptd.sh": "--no-shuffle",
     # evaluation (--eval-iters > 0) under pipeline parallel is not built
     "llama2/pretrain_llama2_13b_pack_ptd.sh": "--eval-interval",
-    "deepseek3/pretrain_deepseek3_671b_4k_A3_ptd.sh": "--schedules-method",
-    "deepseek3/pretrain_deepseek3_671b_4k_ptd.sh": "--schedules-method",
+    "deepseek3/pretrain_deepseek3_671b_4k_A3_ptd.sh": MOE_TP,
+    "deepseek3/pretrain_deepseek3_671b_4k_ptd.sh": MOE_TP,
     "deepseek3/tune_deepseek3_671b_4k_full_A3_ptd.sh": "--moe-tp-extend-ep",
     "glm45-air/tune_glm45_air_4k_full_ptd.sh": "--moe-tp-extend-ep",
 }

@@ -322,3 +322,73 @@ def test_unknown_schedule_method_is_refused_in_one_line():
         with pytest.raises(ValueError, match=match) as e:
             build_schedule(2, 4, vpp, method=method)
         assert "\n" not in str(e.value) and "parallel.schedules_method" in str(e.value)
+
+
+DUALPIPEV = [(pp, m) for pp in range(1, 6) for m in range(2 * pp, 2 * pp + 6)]
+
+
+def test_dualpipev_places_two_chunks_per_rank_in_a_v():
+    for pp in range(1, 6):
+        stages = {virtual_stage(r, c, pp, v_shape=True): (r, c) for r in range(pp) for c in (0, 1)}
+        assert sorted(stages) == list(range(2 * pp))
+        assert all(stage_of(v, pp, v_shape=True) == rc for v, rc in stages.items())
+        assert stages[0] == (0, 0) and stages[2 * pp - 1] == (0, 1)   # embedding and loss
+        assert stages[pp - 1] == (pp - 1, 0) and stages[pp] == (pp - 1, 1)   # the turn
+
+
+@pytest.mark.parametrize("pp,m", DUALPIPEV, ids=_ids(DUALPIPEV))
+def test_dualpipev_simulates_and_feeds_every_consumer(pp, m):
+    """DualPipe-V (DeepSeek's DualPipeV, cut-in-half): every (micro-batch, chunk) F, B, W once
+    per rank, each chunk's micro-batches in order, every input there before its action runs,
+    the exchange of every round deadlock-free under blocking p2p, one act and one grad per
+    stage boundary, the last rank's turn from chunk 0 to chunk 1 handed over locally."""
+    schedule = build_schedule(pp, m, 2, method="dualpipev")
+    rounds = plan_rounds(schedule, pp, 2, v_shape=True)
+    for rank, actions in enumerate(schedule):
+        assert [row[rank] for row in rounds if row[rank] is not None] == actions
+        for kind, chunk in itertools.product("FBW", (0, 1)):
+            assert [a.microbatch for a in actions if (a.kind, a.chunk) == (kind, chunk)] == \
+                list(range(m))
+    sent = {}
+    for i, r in enumerate(describe_rounds(rounds, pp, 2, v_shape=True)):
+        for rank, a in enumerate(r.actions):
+            if a is None:
+                continue
+            vs = virtual_stage(rank, a.chunk, pp, v_shape=True)
+            if a.kind == "F" and vs > 0:
+                assert sent[(rank, "act", a.microbatch, a.chunk)] < i
+            if a.kind == "B" and vs < 2 * pp - 1:
+                assert sent[(rank, "grad", a.microbatch, a.chunk)] < i
+        for src, dst, kind, mb, chunk in r.transfers:
+            src_vs = virtual_stage(src, r.actions[src].chunk, pp, v_shape=True)
+            assert virtual_stage(dst, chunk, pp, v_shape=True) == \
+                src_vs + (1 if kind == "act" else -1)
+            assert (src == dst) == (src_vs + (1 if kind == "act" else -1) in (pp - 1, pp)
+                                    and src == pp - 1)
+            sent[(dst, kind, mb, chunk)] = i
+        assert _blocking_p2p_completes(r.transfers)
+    assert len(sent) == 2 * m * (2 * pp - 1)
+
+
+@pytest.mark.parametrize("pp,m", DUALPIPEV, ids=_ids(DUALPIPEV))
+def test_dualpipev_memory_and_bubble(pp, m):
+    """DualPipe's README: 2 pp + 1 chunk activations per rank (held from F until W), and a
+    bubble below ZB-H1's on the same ranks (each ZB-H1 action is a whole stage, two chunks; the
+    simulator's unit costs: F = B = W per action)."""
+    schedule = build_schedule(pp, m, 2, method="dualpipev")
+    for actions in schedule:
+        live = peak = 0
+        for a in actions:
+            live += {"F": 1, "B": 0, "W": -1}[a.kind]
+            peak = max(peak, live)
+        assert peak <= 2 * pp + 1 and live == 0
+    ours = bubble_fraction(plan_rounds(schedule, pp, 2, v_shape=True))
+    zb = bubble_fraction(plan_rounds(build_schedule(pp, m, method="zbh1"), pp))
+    assert ours < zb or pp == 1
+
+
+def test_dualpipev_needs_two_chunks_and_2pp_microbatches():
+    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size 2"):
+        build_schedule(2, 4, 1, method="dualpipev")
+    with pytest.raises(ValueError, match=r"at least 2 x parallel.pipeline_model_parallel_size \(6\)"):
+        build_schedule(3, 5, 2, method="dualpipev")

@@ -19,6 +19,8 @@ LAYERS = ["--model.num_layers", "4", "--training.max_steps", "5", "--training.lr
 UNTIED = ["--model.untie_embeddings_and_output_weights", "true"]
 NOOP = ["--parallel.noop_layers", "1"]
 MB2 = ["--training.micro_batch_size", "2"]
+DUALPIPEV = ["--parallel.schedules_method", "dualpipev"]
+L8 = ["--model.num_layers", "8"]
 
 
 def _record(extra):
@@ -29,7 +31,7 @@ def _record(extra):
 @pytest.fixture(scope="module")
 def refs():
     return {"tied": _record([]), "untied": _record(UNTIED), "noop": _record(NOOP),
-            "moe": _record(MOE), "moe_bias": _record(MOE + MOE_DEAD)}
+            "moe": _record(MOE), "moe_bias": _record(MOE + MOE_DEAD), "l8": _record(L8)}
 
 
 def pp(n, vpp=1):
@@ -82,12 +84,22 @@ def test_two_stages(tmp_path, refs):
         # (4 micro-batches of 2: the reference's 2 of 4 differ only in the order of fp32 sums)
         spec("pp2_gpipe", LAYERS, pp(2), MB2, ["--parallel.schedules_method", "gpipe"]),
         spec("pp2_zbh1", LAYERS, UNTIED, pp(2), MB2, ["--parallel.schedules_method", "zbh1"]),
+        # DualPipe-V: 4 stages in a V (rank 0 holds layer 0 and layer 3, the embedding and the
+        # loss: the tied embedding is one module there), B/W split, rank 1's chunk 0 handing
+        # over to its own chunk 1; saved, then resumed in one process below
+        spec("pp2_dualpipev", LAYERS, pp(2, 2), MB2, DUALPIPEV),
+        spec("pp2_dualpipev_untied_save", LAYERS, UNTIED, pp(2, 2), MB2, DUALPIPEV,
+             ["--training.max_steps", "3", "--checkpoint.save_dir", str(tmp_path / "ck_v")]),
+        spec("pp2_dualpipev_moe", LAYERS, MOE, pp(2, 2), MB2, DUALPIPEV),
     ])
     for name, key in (("pp2_gpipe", "tied"), ("pp2_zbh1", "untied"),
                       ("pp2", "tied"), ("pp2_untied", "untied"), ("pp2_uneven", "tied"),
                       ("pp2_noop", "noop"), ("pp2_vpp2", "tied"), ("pp2_moe", "moe"),
-                      ("pp2_moe_bias", "moe_bias")):
+                      ("pp2_moe_bias", "moe_bias"), ("pp2_dualpipev", "tied"),
+                      ("pp2_dualpipev_moe", "moe")):
         check(res[name], refs[key], name)
+    check(res["pp2_dualpipev_untied_save"], refs["untied"], "pp2_dualpipev_untied_save",
+          slice(0, 3))
     check(res["pp2_vpp2_save"], refs["untied"], "pp2_vpp2_save", slice(0, 3))
     check(res["pp2_save_b"], refs["untied"], "pp2_save_b", slice(0, 3))
     check(res["pp2_resume_b"], refs["untied"], "pp2_resume_b", slice(3, 5))
@@ -100,6 +112,11 @@ def test_two_stages(tmp_path, refs):
     recs = Trainer(cfg).fit()
     check({"loss": [r["loss"] for r in recs], "grad_norm": [r["grad_norm"] for r in recs]},
           refs["untied"], "resumed at pp=1", slice(3, 5))
+    cfg = load_config(CONFIG, BASE + LAYERS + UNTIED + [
+        "--checkpoint.save_dir", str(tmp_path / "ck_v"), "--training.resume", "auto"])
+    recs = Trainer(cfg).fit()
+    check({"loss": [r["loss"] for r in recs], "grad_norm": [r["grad_norm"] for r in recs]},
+          refs["untied"], "dualpipev resumed at pp=1", slice(3, 5))
 
 
 @pytest.mark.msrun
@@ -110,6 +127,9 @@ def test_four_workers(tmp_path, refs):
         spec("pp4", LAYERS, pp(4)),
         # middle ranks: kept and re-run closures mixed, B/W split, transfers to two neighbours
         spec("pp4_zbh1", LAYERS, pp(4), MB2, ["--parallel.schedules_method", "zbh1"]),
+        # DualPipe-V at pp=4: 8 stages, 8 micro-batches of 1; middle ranks send both ways
+        spec("pp4_dualpipev", LAYERS, L8, pp(4, 2), ["--training.micro_batch_size", "1"],
+             DUALPIPEV),
         spec("pp2_dp2", LAYERS, pp(2)),
         spec("pp2_tp2_sp", LAYERS, UNTIED, pp(2), ["--parallel.tensor_model_parallel_size", "2",
                                                    "--parallel.sequence_parallel", "true"]),
@@ -128,6 +148,7 @@ def test_four_workers(tmp_path, refs):
     ])
     check(res["pp4"], refs["tied"], "pp4")
     check(res["pp4_zbh1"], refs["tied"], "pp4_zbh1")
+    check(res["pp4_dualpipev"], refs["l8"], "pp4_dualpipev")
     check(res["pp2_dp2"], refs["tied"], "pp2_dp2")
     check(res["pp2_tp2_sp"], refs["untied"], "pp2_tp2_sp")
     check(res["pp2_fsdp2"], refs["tied"], "pp2_fsdp2")
@@ -171,8 +192,11 @@ def test_schedule_command_prints_the_config_schedule(capsys):
 
 def test_unknown_schedules_method_is_refused_at_launch():
     from ms_llm.config import ConfigError
-    for method, match in (("dualpipev", "'dualpipev' is unknown"), ("zbh1", "one model chunk")):
-        args = pp(2, 2 if method == "zbh1" else 1) + ["--parallel.schedules_method", method]
+    for method, vpp, match in (("dualpipe", 1, "'dualpipe' is unknown"),
+                               ("zbh1", 2, "one model chunk"),
+                               ("dualpipev", 1, "two model chunks per rank in a V"),
+                               ("dualpipev", 2, "at least 2 x parallel.pipeline")):
+        args = pp(2, vpp) + ["--parallel.schedules_method", method]
         with pytest.raises(ConfigError, match=match) as e:
             load_config(CONFIG, BASE + LAYERS + args, world_size=2)
         assert "\n" not in str(e.value) and "parallel.schedules_method" in str(e.value)

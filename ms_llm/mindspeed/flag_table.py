@@ -156,9 +156,7 @@ TABLE: Dict[str, object] = {
     "--num-layers-per-virtual-pipeline-stage": Post(),
     "--num-layer-list": Map("parallel.num_layer_list"),
     "--noop-layers": Map("parallel.noop_layers"),
-    "--schedules-method": Refuse("the DualPipeV schedule is not built (1F1B, "
-                                 "interleaved 1F1B and parallel.schedules_method gpipe / zbh1 "
-                                 "are)", 1),
+    "--schedules-method": Post(),
     "--use-distributed-optimizer": Map("parallel.use_distributed_optimizer", 0, True),
     "--overlap-grad-reduce": Map("parallel.ddp_overlap", 0, True),
     "--overlap-param-gather": Noop(OVERLAP),

@@ -223,6 +223,17 @@ def _layout(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
             raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per}: --num-layers "
                               f"({layers}) must be a multiple of it x pipeline size ({pp})")
         k["parallel.virtual_pipeline_model_parallel_size"] = layers // (per * pp)
+    if "--schedules-method" in post:     # MindSpeed's one value: two chunks per rank in a V
+        method = post["--schedules-method"][0]
+        if method != "dualpipev":
+            raise ConfigError(f"--schedules-method {method}: MindSpeed's schedule methods are "
+                              f"dualpipev (built) only")
+        if "--num-layers-per-virtual-pipeline-stage" in post:
+            raise ConfigError("--schedules-method dualpipev with "
+                              "--num-layers-per-virtual-pipeline-stage: dualpipev places two "
+                              "chunks per rank itself")
+        k["parallel.schedules_method"] = method
+        k["parallel.virtual_pipeline_model_parallel_size"] = 2
 
 
 def _load(tr: Translation, folder: str, finetune: bool, no_optim: bool = False) -> None:
@@ -289,6 +300,7 @@ _POST_KEYS = {"model.num_query_groups": "--num-query-groups",
               "parallel.sequence_parallel": "--sequence-parallel",
               "parallel.virtual_pipeline_model_parallel_size":
                   "--num-layers-per-virtual-pipeline-stage",
+              "parallel.schedules_method": "--schedules-method",
               "training.global_batch_size": "--global-batch-size",
               "training.eval_interval": "--eval-interval", "training.eval_iters": "--eval-iters",
               "training.stage": "--stage", "checkpoint.load": "--load",

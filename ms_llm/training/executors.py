@@ -16,7 +16,7 @@ from mindspore import Tensor
 from ms_llm.compat import F, to_ms_dtype
 from ms_llm.parallel import comm
 from ms_llm.parallel.pipeline.executor import PipelineExecutor
-from ms_llm.parallel.pipeline.schedules import build_schedule
+from ms_llm.parallel.pipeline.schedules import build_schedule, v_shaped
 from . import grad as gradlib
 from . import mixed_precision
 from .callbacks import TrainerCallback
@@ -120,4 +120,5 @@ def build_pipeline(chunks, cfg, pstate, accum_steps: int, model_config) -> Pipel
     c = model_config        # a loaded checkpoint's architecture, not the YAML's
     return PipelineExecutor(chunks, pstate, schedule, vpp,
                             (cfg.training.micro_batch_size, seq, c.hidden_size),
-                            to_ms_dtype(c.params_dtype), mixed_precision.grad_dtype(cfg))
+                            to_ms_dtype(c.params_dtype), mixed_precision.grad_dtype(cfg),
+                            v_shape=v_shaped(p.schedules_method))

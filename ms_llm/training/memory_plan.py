@@ -155,16 +155,17 @@ def uses_distributed_optimizer(cfg) -> bool:
 
 
 # --------------------------------------------------------------------------- the model
-def _in_flight(pp: int, vpp: int, num_micro: int, stage: int) -> Tuple[int, int]:
+def _in_flight(pp: int, vpp: int, num_micro: int, stage: int,
+               method: Optional[str] = None) -> Tuple[int, int]:
     """(micro-batch x chunk activations held at once, chunks) on ``stage``: walked from the
     pipeline schedule training runs."""
     if pp == 1:
         return 1, 1
     from ms_llm.parallel.pipeline.schedules import build_schedule
-    actions = build_schedule(pp, num_micro, vpp)[stage]
+    actions = build_schedule(pp, num_micro, vpp, method)[stage]
     live = peak = 0
     for a in actions:
-        live += 1 if a.kind == "F" else -1
+        live += {"F": 1, "B": -1}.get(a.kind, 0)     # (a zero-bubble W: no activation)
         peak = max(peak, live)
     return peak, vpp
 
@@ -253,11 +254,20 @@ def _stage_layers(cfg, c: TransformerConfig, stage: int, pp: int, vpp: int) -> L
     from ms_llm.parallel.pipeline.stages import layer_ranges
     if pp == 1:
         return list(range(c.num_layers))
+    from ms_llm.parallel.pipeline.schedules import v_shaped, virtual_stage
     ranges = layer_ranges(c.num_layers, pp, vpp, cfg.parallel.num_layer_list or None)
+    v_shape = v_shaped(cfg.parallel.schedules_method)
     out = []
     for v in range(vpp):
-        out += list(ranges[v * pp + stage])
+        out += list(ranges[virtual_stage(stage, v, pp, v_shape)])
     return out
+
+
+def _holds_last_stage(cfg, stage: int, pp: int) -> bool:
+    """Whether pipeline rank ``stage`` runs the model's last stage (the head, MTP, the loss):
+    the last rank, or rank 0 in DualPipe-V's V."""
+    from ms_llm.parallel.pipeline.schedules import v_shaped
+    return stage == (0 if v_shaped(cfg.parallel.schedules_method) else pp - 1)
 
 
 def _recomputed(t, position: int) -> object:
@@ -302,7 +312,7 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
             opt_bytes += k * FP32 * q.numel
     # activations: the layers this stage runs, times the micro-batches in flight per chunk
     layers = _stage_layers(cfg, c, stage, pp, vpp)
-    in_flight, chunks = _in_flight(pp, vpp, num_micro, stage)
+    in_flight, chunks = _in_flight(pp, vpp, num_micro, stage, p.schedules_method)
     per_chunk = max(1, len(layers) // chunks)
     chunk_kept, remat = [0] * chunks, 0
     for pos, i in enumerate(layers):
@@ -310,7 +320,7 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
                                        c.is_moe_layer(i), cp, u, c.layer_type(i))
         chunk_kept[min(pos // per_chunk, chunks - 1)] += k
         remat = max(remat, r)
-    if stage == pp - 1:
+    if _holds_last_stage(cfg, stage, pp):
         # Multi-token prediction layers run on the last stage after the decoder, each built like
         # the last decoder layer (``is_moe_layer`` of an index >= num_layers says so).
         for i in range(c.num_layers, c.num_layers + (c.mtp_num_layers or 0)):
@@ -325,7 +335,7 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
             c.hidden_size
     else:
         kept = sum(chunk_kept)
-    last = stage == pp - 1
+    last = _holds_last_stage(cfg, stage, pp)
     copies = ACT["logits"] if tp == 1 else ACT["logits_tp"]
     logits = int(FP32 * copies * logits_tokens(c, b * s_loc, tp) * c.padded_vocab_size // tp) \
         if last else 0

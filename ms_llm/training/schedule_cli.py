@@ -8,7 +8,7 @@ import sys
 from typing import List
 
 from ms_llm.config import ConfigError, load_config
-from ms_llm.parallel.pipeline.schedules import (bubble_fraction, build_schedule,
+from ms_llm.parallel.pipeline.schedules import (bubble_fraction, build_schedule, v_shaped,
                                                 format_schedule, plan_rounds)
 
 
@@ -51,8 +51,8 @@ def main(argv: List[str]) -> int:
     except (ConfigError, ValueError) as e:
         print(f"ms-llm schedule: {e}", file=sys.stderr)
         return 2
-    rounds = plan_rounds(schedule, pp, vpp)
-    kind = {"gpipe": "GPipe", "zbh1": "ZB-H1"}.get(method) or \
+    rounds = plan_rounds(schedule, pp, vpp, v_shape=v_shaped(method))
+    kind = {"gpipe": "GPipe", "zbh1": "ZB-H1", "dualpipev": "DualPipe-V"}.get(method) or \
         ("interleaved 1F1B" if vpp > 1 else "1F1B")
     print(f"{kind}: pp={pp} vpp={vpp} micro-batches={m} (dp={dp}); actions F|B|W<microbatch>."
           f"<chunk>, one column per round")
@@ -61,6 +61,10 @@ def main(argv: List[str]) -> int:
         print(f"simulated bubble: {bubble_fraction(rounds):.3f} (F=B=W); ZB-H1's analytic "
               f"(p-1)/(3m+p-1) = {(pp - 1) / (3 * m + pp - 1):.3f}, 1F1B's (p-1)/(m+p-1) = "
               f"{(pp - 1) / (m + pp - 1):.3f}")
+    elif method == "dualpipev":
+        zb = bubble_fraction(plan_rounds(build_schedule(pp, m, 1, "zbh1"), pp))
+        print(f"simulated bubble: {bubble_fraction(rounds):.3f} (F=B=W per chunk, stages in a "
+              f"V: rank 0 holds the first and the last); ZB-H1 on the same ranks: {zb:.3f}")
     else:
         print(f"simulated bubble: {bubble_fraction(rounds):.3f} (F=B), "
               f"{bubble_fraction(rounds, {'F': 1, 'B': 2}):.3f} (B=2F); 1F1B's analytic "

@@ -43,12 +43,14 @@ from .weight_grad import WeightGradStore, split_weight_grads
 
 class PipelineExecutor:
     def __init__(self, chunks: Sequence, pstate, schedule: List[list], vpp: int,
-                 act_shape: Tuple[int, ...], act_dtype, grad_dtype=float32):
+                 act_shape: Tuple[int, ...], act_dtype, grad_dtype=float32,
+                 v_shape: bool = False):
         self.chunks = list(chunks)
+        self.v_shape = v_shape           # DualPipe-V's placement of the chunks
         self.grad_dtype = grad_dtype     # of the micro-batch gradient sums (fp32, or bf16)
         self.pp, self.rank, self.vpp = pstate.sizes.pp, pstate.pp_rank, vpp
         self.pp_ranks = pstate.ranks_along("pp")
-        self.rounds = plan_rounds(schedule, self.pp, vpp)
+        self.rounds = plan_rounds(schedule, self.pp, vpp, v_shape=v_shape)
         self.num_stages = self.pp * vpp
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
         self.params = [[p for p in c.trainable_params()] for c in self.chunks]
@@ -60,8 +62,9 @@ class PipelineExecutor:
         self.store: Optional[WeightGradStore] = None
         if any(a.kind == "W" for a in schedule[self.rank]):
             if any(hasattr(c, "set_requires_gradient_sync") for c in self.chunks):
-                raise ValueError("parallel.schedules_method zbh1 with parallel.fsdp_size > 1 is "
-                                 "not built: FSDP reduce-scatters in B, before W's gradients")
+                raise ValueError("parallel.schedules_method zbh1 or dualpipev with "
+                                 "parallel.fsdp_size > 1 is not built: FSDP reduce-scatters in "
+                                 "B, before W's gradients")
             self.store = WeightGradStore()
             self.split_linears = sum(split_weight_grads(c, self.store) for c in self.chunks)
         self.param_index = [{id(p): i for i, p in enumerate(ps)} for ps in self.params]
@@ -79,7 +82,7 @@ class PipelineExecutor:
     def _peers(self) -> set:
         """Pipeline ranks this rank exchanges with (its neighbours, and the ring's wrap)."""
         return {r for row in self.rounds for src, dst, *_ in
-                transfers_after(row, self.pp, self.vpp, self.num_stages)
+                transfers_after(row, self.pp, self.vpp, self.num_stages, self.v_shape)
                 if self.rank in (src, dst) for r in (src, dst)} - {self.rank}
 
     def _await(self, act) -> None:
@@ -162,9 +165,20 @@ class PipelineExecutor:
         if vjps or inbox:
             raise RuntimeError(f"pipeline: step ended with {len(vjps)} forwards without backward "
                                f"and {len(inbox)} unread messages")
-        flat = [g for gs, ps in zip(grads, self.params)
-                for g in (gs if gs is not None else [F.zeros_like(p) for p in ps])]
-        return loss, flat
+        return loss, self._flat(grads)
+
+    def _flat(self, grads: List[Optional[list]]) -> list:
+        """The chunks' gradients in parameter order, a parameter two chunks share (DualPipe-V's
+        first and last stage on one rank: the tied embedding) once, its gradients summed."""
+        flat, index = [], {}
+        for gs, ps in zip(grads, self.params):
+            for g, p in zip(gs if gs is not None else [F.zeros_like(p) for p in ps], ps):
+                if id(p) in index:
+                    flat[index[id(p)]] = flat[index[id(p)]] + g
+                else:
+                    index[id(p)] = len(flat)
+                    flat.append(g)
+        return flat
 
     def _forward(self, act, batch, inbox, vjps, loss_fn) -> Tensor:
         chunk = self.chunks[act.chunk]
@@ -224,11 +238,12 @@ class PipelineExecutor:
     def _exchange(self, actions, outbox, inbox) -> None:
         ops, recv_keys = [], []
         for src, dst, kind, mb, dst_chunk in transfers_after(actions, self.pp, self.vpp,
-                                                             self.num_stages):
+                                                             self.num_stages, self.v_shape):
             if self.rank not in (src, dst):
                 continue
-            v_dst = virtual_stage(dst, dst_chunk, self.pp)
-            src_chunk = stage_of(v_dst - 1 if kind == "act" else v_dst + 1, self.pp)[1]
+            v_dst = virtual_stage(dst, dst_chunk, self.pp, self.v_shape)
+            src_chunk = stage_of(v_dst - 1 if kind == "act" else v_dst + 1, self.pp,
+                                 self.v_shape)[1]
             if src == dst:
                 inbox[(kind, mb, dst_chunk)] = outbox.pop((kind, mb, src_chunk))
             elif src == self.rank:

@@ -10,11 +10,14 @@ global order (``transfers_after``). Every receive is then matched by a send of t
 a schedule whose data dependencies form a cycle is rejected before any device waits forever.
 
 Virtual stage ``vs = chunk * pp + rank`` (Megatron): chunk ``c`` of rank ``r`` feeds chunk ``c`` of
-rank ``r + 1``, and the last rank's chunk ``c`` feeds rank 0's chunk ``c + 1``.
+rank ``r + 1``, and the last rank's chunk ``c`` feeds rank 0's chunk ``c + 1``. DualPipe-V places
+its two chunks per rank in a V instead (``v_shape``): chunk 0 of rank ``r`` is stage ``r``,
+chunk 1 is stage ``2 pp - 1 - r``.
 """
 from dataclasses import dataclass
 
 from .actions import Action, check_sizes as _check_sizes
+from .dualpipe import dualpipe_v
 from .zero_bubble import zero_bubble_h1
 
 Transfer = tuple[int, int, str, int, int]  # (src_rank, dst_rank, "act"|"grad", microbatch, dst_chunk)
@@ -28,14 +31,24 @@ class Round:
     transfers: list[Transfer]
 
 
-def virtual_stage(rank: int, chunk: int, pp: int) -> int:
-    """Position of (rank, chunk) in the model's layer order (Megatron's interleaving)."""
+def virtual_stage(rank: int, chunk: int, pp: int, v_shape: bool = False) -> int:
+    """Position of (rank, chunk) in the model's layer order: Megatron's interleaving, or with
+    ``v_shape`` DualPipe-V's V (two chunks per rank)."""
+    if v_shape:
+        return rank if chunk == 0 else 2 * pp - 1 - rank
     return chunk * pp + rank
 
 
-def stage_of(virtual_stage: int, pp: int) -> tuple[int, int]:
+def stage_of(virtual_stage: int, pp: int, v_shape: bool = False) -> tuple[int, int]:
     """(rank, chunk) holding ``virtual_stage``; inverse of ``virtual_stage``."""
+    if v_shape:
+        return (virtual_stage, 0) if virtual_stage < pp else (2 * pp - 1 - virtual_stage, 1)
     return virtual_stage % pp, virtual_stage // pp
+
+
+def v_shaped(method: str | None) -> bool:
+    """Whether ``parallel.schedules_method`` places its chunks in a V (DualPipe-V)."""
+    return method == "dualpipev"
 
 
 def _one_f_one_b_order(forwards: list[Action], backwards: list[Action],
@@ -118,10 +131,17 @@ def gpipe(pp: int, rank: int, num_microbatches: int) -> list[Action]:
 def build_schedule(pp: int, num_microbatches: int, vpp: int = 1,
                    method: str | None = None) -> list[list[Action]]:
     """Action lists for every rank. ``method`` (``parallel.schedules_method``): None for
-    Megatron's 1F1B (``vpp == 1``) or interleaved 1F1B, ``gpipe``, or ``zbh1`` (zero bubble)."""
+    Megatron's 1F1B (``vpp == 1``) or interleaved 1F1B, ``gpipe``, ``zbh1`` (zero bubble), or
+    ``dualpipev`` (two chunks per rank in a V: ``vpp`` must be 2)."""
     if method not in SCHEDULE_METHODS:
         raise ValueError(f"parallel.schedules_method {method!r} is unknown; choose one of "
                          f"{', '.join(str(m) for m in SCHEDULE_METHODS)}")
+    if method == "dualpipev":
+        if vpp != 2:
+            raise ValueError(f"parallel.schedules_method dualpipev runs two model chunks per "
+                             f"rank in a V: set parallel.virtual_pipeline_model_parallel_size "
+                             f"2 (got {vpp})")
+        return dualpipe_v(pp, num_microbatches)
     if method is not None and vpp != 1:
         raise ValueError(f"parallel.schedules_method {method} runs one model chunk per rank: "
                          f"set parallel.virtual_pipeline_model_parallel_size 1 (got {vpp})")
@@ -135,8 +155,8 @@ def build_schedule(pp: int, num_microbatches: int, vpp: int = 1,
 
 
 # None: Megatron's default (1F1B, interleaved with vpp > 1); the others by the names of the
-# zero-bubble paper (ZB-H1) and torch.distributed.pipelining (GPipe).
-SCHEDULE_METHODS = (None, "gpipe", "zbh1")
+# zero-bubble paper (ZB-H1), torch.distributed.pipelining (GPipe) and MindSpeed (dualpipev).
+SCHEDULE_METHODS = (None, "gpipe", "zbh1", "dualpipev")
 
 
 def kept_backwards(actions: list[Action]) -> set[tuple[int, int]]:
@@ -193,9 +213,10 @@ def validate_schedule(schedule: list[list[Action]], pp: int, vpp: int = 1) -> in
     return num_mb
 
 
-def _needs(action: Action, rank: int, pp: int, nvs: int) -> list[tuple[str, int, int]]:
+def _needs(action: Action, rank: int, pp: int, nvs: int,
+           v_shape: bool = False) -> list[tuple[str, int, int]]:
     """(kind, microbatch, virtual stage) that must be finished in an earlier round."""
-    vs = virtual_stage(rank, action.chunk, pp)
+    vs = virtual_stage(rank, action.chunk, pp, v_shape)
     mb = action.microbatch
     if action.kind == "W":      # the same rank's B of the micro-batch
         return [("B", mb, vs)]
@@ -216,7 +237,7 @@ def _check_cost(cost: dict | None) -> dict:
 
 
 def plan_rounds(schedule: list[list[Action]], pp: int, vpp: int = 1,
-                cost: dict | None = None) -> list[list[Action | None]]:
+                cost: dict | None = None, v_shape: bool = False) -> list[list[Action | None]]:
     """Lockstep rounds: per round, the action each rank runs (None = idle).
 
     A rank runs its next action as soon as its inputs were produced in an earlier round; ranks
@@ -232,59 +253,62 @@ def plan_rounds(schedule: list[list[Action]], pp: int, vpp: int = 1,
         row: list[Action | None] = []
         for r in range(pp):
             a = schedule[r][pos[r]] if pos[r] < len(schedule[r]) else None
-            ok = a is not None and all(n in done for n in _needs(a, r, pp, nvs))
+            ok = a is not None and all(n in done for n in _needs(a, r, pp, nvs, v_shape))
             row.append(a if ok else None)
         if all(a is None for a in row):
             raise ValueError(f"pipeline schedule deadlocks at round {len(rounds)}: "
-                             + _stuck(schedule, pos, pp, nvs, done))
+                             + _stuck(schedule, pos, pp, nvs, done, v_shape))
         for r, a in enumerate(row):
             if a is not None:
-                done.add((a.kind, a.microbatch, virtual_stage(r, a.chunk, pp)))
+                done.add((a.kind, a.microbatch, virtual_stage(r, a.chunk, pp, v_shape)))
                 pos[r] += 1
         rounds.append(row)
     return rounds
 
 
 def _stuck(schedule: list[list[Action]], pos: list[int], pp: int, nvs: int,
-           done: set[tuple[str, int, int]]) -> str:
+           done: set[tuple[str, int, int]], v_shape: bool = False) -> str:
     """One-line account of what every waiting rank is blocked on."""
     parts = []
     for r in range(pp):
         if pos[r] < len(schedule[r]):
             a = schedule[r][pos[r]]
             waits = []
-            for kind, mb, vs in _needs(a, r, pp, nvs):
+            for kind, mb, vs in _needs(a, r, pp, nvs, v_shape):
                 if (kind, mb, vs) not in done:
-                    src, chunk = stage_of(vs, pp)
+                    src, chunk = stage_of(vs, pp, v_shape)
                     waits.append(f"{kind}{mb}.{chunk} on rank {src}")
             parts.append(f"rank {r} {a} waits for {', '.join(waits)}")
     return "; ".join(parts)
 
 
 def transfers_after(round_actions: list[Action | None], pp: int, vpp: int,
-                    num_virtual_stages: int) -> list[Transfer]:
+                    num_virtual_stages: int, v_shape: bool = False) -> list[Transfer]:
     """Outputs produced in one round and where they go, in one order shared by all ranks.
 
     Walking this list in order (send if src, recv if dst) cannot deadlock with blocking p2p:
     the earliest unfinished transfer has both ends waiting on it. Self-transfers (pp == 1 with
-    vpp > 1) are listed so the executor hands the tensor over locally."""
+    vpp > 1; DualPipe-V's turn at the last rank) are listed so the executor hands the tensor
+    over locally."""
     out: list[Transfer] = []
     for rank, a in enumerate(round_actions):
         if a is None:
             continue
-        vs = virtual_stage(rank, a.chunk, pp)
+        vs = virtual_stage(rank, a.chunk, pp, v_shape)
         if a.kind == "F" and vs < num_virtual_stages - 1:
-            dst, chunk = stage_of(vs + 1, pp)
+            dst, chunk = stage_of(vs + 1, pp, v_shape)
             out.append((rank, dst, "act", a.microbatch, chunk))
         elif a.kind == "B" and vs > 0:
-            dst, chunk = stage_of(vs - 1, pp)
+            dst, chunk = stage_of(vs - 1, pp, v_shape)
             out.append((rank, dst, "grad", a.microbatch, chunk))
     return out
 
 
-def describe_rounds(rounds: list[list[Action | None]], pp: int, vpp: int = 1) -> list[Round]:
+def describe_rounds(rounds: list[list[Action | None]], pp: int, vpp: int = 1,
+                    v_shape: bool = False) -> list[Round]:
     """``plan_rounds`` output with each round's transfers attached: the executor's whole script."""
-    return [Round(i, row, transfers_after(row, pp, vpp, pp * vpp)) for i, row in enumerate(rounds)]
+    return [Round(i, row, transfers_after(row, pp, vpp, pp * vpp, v_shape))
+            for i, row in enumerate(rounds)]
 
 
 def bubble_fraction(rounds: list[list[Action | None]], cost: dict | None = None) -> float:

@@ -2,7 +2,7 @@
 ``--num-layer-list`` and ``--noop-layers``).
 
 With ``pp`` ranks and ``vpp`` model chunks per rank there are ``pp * vpp`` virtual stages; virtual
-stage ``v = chunk * pp + rank`` (Megatron's interleaving) holds a contiguous range of global layer
+stage ``v = chunk * pp + rank`` (Megatron's interleaving; DualPipe-V's V: ``schedules``) holds a contiguous range of global layer
 indices. Noop layers (MindSpeed) count in that assignment but are not built: they pass activations
 through unchanged and exist only to balance stages. The embedding lives on virtual stage 0, the
 final norm, output layer, multi-token prediction block and loss on the last one; with tied
@@ -20,6 +20,7 @@ from ms_llm.compat import F, nn
 from ms_llm.compat.autograd import Function
 from ms_llm.models.moe import MoELayer
 from ..placement import add_partial, add_shard, placement_of, set_placement, update_placement
+from .schedules import virtual_stage
 
 
 def layer_ranges(num_layers: int, pp: int, vpp: int = 1,
@@ -153,9 +154,11 @@ class PipelineChunk(nn.Module):
 
 
 def split_model(model, pstate, vpp: int = 1, num_layer_list: Optional[Sequence[int]] = None,
-                noop_layers: Sequence[int] = ()) -> List[PipelineChunk]:
+                noop_layers: Sequence[int] = (), v_shape: bool = False) -> List[PipelineChunk]:
     """This rank's model chunks (``vpp`` of them), each recording the global index of its layers
-    in every parameter's ``Placement`` (checkpoints store layers under their global index)."""
+    in every parameter's ``Placement`` (checkpoints store layers under their global index).
+    ``v_shape``: DualPipe-V's placement (``schedules.virtual_stage``), where rank 0 holds the
+    first and the last stage and so one embedding for both (nothing to tie across ranks)."""
     pp, rank = pstate.sizes.pp, pstate.pp_rank
     n = model.config.num_layers
     ranges = layer_ranges(n, pp, vpp, num_layer_list)
@@ -165,7 +168,7 @@ def split_model(model, pstate, vpp: int = 1, num_layer_list: Optional[Sequence[i
     copy = tied or getattr(model, "mtp", None) is not None
     chunks = []
     for c in range(vpp):
-        v = c * pp + rank
+        v = virtual_stage(rank, c, pp, v_shape)
         keep = [i for i in ranges[v] if i not in noop]
         first, last = v == 0, v == pp * vpp - 1
         chunk = PipelineChunk(model, keep, first, last, tied_copy=last and copy and pp * vpp > 1)
@@ -179,7 +182,7 @@ def split_model(model, pstate, vpp: int = 1, num_layer_list: Optional[Sequence[i
             for _, p in chunk.parameters_and_names():
                 if not placement_of(p).sharded_over("pp"):
                     set_placement(p, add_shard(p, p.shape, "pp", None))
-        if copy:
+        if copy and not v_shape:    # (V: both stages on rank 0 share the one module)
             for chunk in chunks:
                 if chunk.embedding is not None:
                     add_partial(chunk.embedding.word_embeddings.weight, "emb")
