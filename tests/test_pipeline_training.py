@@ -188,6 +188,15 @@ def test_schedule_command_prints_the_config_schedule(capsys):
     assert rows[0][0] == "F0.0" and rows[1][0] == "."    # rank 1 waits for rank 0's output
     assert main(["schedule", *args, "--workers", "3"]) == 2
     assert "not divisible" in capsys.readouterr().err
+    assert main(["schedule", *args, "--parallel.schedules_method", "dualpipev"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("DualPipe-V: pp=2 vpp=2 micro-batches=4 (dp=1)")
+    rows = [line.split(":", 1)[1].split() for line in out if line.startswith("rank ")]
+    for row in rows:
+        assert sorted(a for a in row if a != ".") == \
+            sorted(f"{k}{m}.{c}" for k in "FBW" for m in range(4) for c in range(2))
+    assert rows[0][:2] == ["F0.0", "F1.0"] and rows[1][0] == "."
+    assert "ZB-H1 on the same ranks" in out[-1]
 
 
 def test_unknown_schedules_method_is_refused_at_launch():
