@@ -139,10 +139,15 @@ def _make_prims():
     # --- bf16 <-> fp32: x -> y ; the gradient converts back
     to_bf16 = custom("CastFloat", _same, lambda x: ms.bfloat16)
     to_f32 = custom("CastFloat", _same, lambda x: ms.float32)
-    to_bf16_grad = custom("CastFloat", _same, lambda x: ms.bfloat16,
-                          lambda x, out, dout: (to_f32(dout),))
-    to_f32_grad = custom("CastFloat", _same, lambda x: ms.float32,
-                         lambda x, out, dout: (to_bf16(dout),))
+    # (named functions, not lambdas: mindspore.jit parses a bprop's source)
+    def to_bf16_bprop(x, out, dout):
+        return (to_f32(dout),)
+
+    def to_f32_bprop(x, out, dout):
+        return (to_bf16(dout),)
+
+    to_bf16_grad = custom("CastFloat", _same, lambda x: ms.bfloat16, to_bf16_bprop)
+    to_f32_grad = custom("CastFloat", _same, lambda x: ms.float32, to_f32_bprop)
 
     return {
         "fork": fork,
