@@ -190,3 +190,25 @@ def test_split_and_merge_heads_match_numpy_layouts(pieces, dtype):
     np.testing.assert_array_equal(go.astype(ms.float32).asnumpy(),
                                   Tensor(w.reshape(b, s, 6, d).transpose(0, 2, 1, 3))
                                   .astype(dt).astype(ms.float32).asnumpy())
+
+
+def test_widening_and_narrowing_casts_differentiate_together_under_jit():
+    """Graph mode keys a Custom op's output type by its function and input shapes: both cast
+    directions under one kernel name gave a bf16 step an fp32 gradient beside a bf16 one (an
+    AddN type error in autograd). Each direction has its own name; the gradient is exact."""
+    from ms_llm.ops.stream import cast
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(ml_dtypes.bfloat16)
+
+    def f(a, b):
+        wide_a, wide_b = cast(a, ms.float32) * 2, cast(b, ms.float32) * 3
+        return (cast(wide_a, ms.bfloat16).astype(ms.float32) *
+                cast(wide_b, ms.bfloat16).astype(ms.float32)).sum()
+
+    ta, tb = (Tensor(v.astype(np.float32)).astype(ms.bfloat16) for v in x)
+    ga, gb = ms.jit(ms.grad(f, grad_position=(0, 1)))(ta, tb)
+    assert ga.dtype == gb.dtype == ms.bfloat16
+    a, b = x.astype(np.float64)
+    # d/da of (2a)(3b) = 6b, d/db = 6a: bf16 products of bf16 inputs, one rounding each
+    for got, want in ((ga, 6 * b), (gb, 6 * a)):
+        want = want.astype(ml_dtypes.bfloat16).astype(np.float64)
+        np.testing.assert_allclose(got.astype(ms.float32).asnumpy(), want, rtol=1e-2)

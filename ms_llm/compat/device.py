@@ -118,8 +118,12 @@ def is_ascend() -> bool:
 def bf16_graph_supported() -> bool:
     """Whether a bf16 model can be captured by ``mindspore.jit`` on this device. MindSpore 2.10's
     CPU graph mode has no bf16 ``TensorMove`` kernel ("Select CPU operator[TensorMove] fail!
-    Unsupported data type! ... get input[BFloat16]", inserted for the bf16 embedding table), so
-    bf16 training on CPU runs in PyNative there. Re-probe on a newer MindSpore."""
+    Unsupported data type! ... get input[BFloat16]", inserted for the bf16 embedding table) and
+    no bf16 ``Reshape`` (its CPU kernel lists every dtype but bf16; PyNative reshapes are views
+    and need none), so bf16 training on CPU runs in PyNative there. With ms-llm's embedding and
+    casts as Custom ops the capture gets as far as the first reshape of the fused QKV output;
+    what would remain is carrying bf16 as a 16-bit integer container through every reshape.
+    Re-probe on a newer MindSpore."""
     if not is_cpu():
         return True
     return not ms.__version__.startswith("2.10.")

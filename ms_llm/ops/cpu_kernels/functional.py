@@ -137,8 +137,9 @@ def _make_prims():
     adamw = custom("AdamWUpdate", lambda p, m, v, g, h, t: [1], lambda p, m, v, g, h, t: ms.float32)
 
     # --- bf16 <-> fp32: x -> y ; the gradient converts back
-    to_bf16 = custom("CastFloat", _same, lambda x: ms.bfloat16)
-    to_f32 = custom("CastFloat", _same, lambda x: ms.float32)
+    # (one kernel name per direction: stream_kernels.cpp says why)
+    to_bf16 = custom("CastToBf16", _same, lambda x: ms.bfloat16)
+    to_f32 = custom("CastToF32", _same, lambda x: ms.float32)
     # (named functions, not lambdas: mindspore.jit parses a bprop's source)
     def to_bf16_bprop(x, out, dout):
         return (to_f32(dout),)
@@ -146,8 +147,8 @@ def _make_prims():
     def to_f32_bprop(x, out, dout):
         return (to_bf16(dout),)
 
-    to_bf16_grad = custom("CastFloat", _same, lambda x: ms.bfloat16, to_bf16_bprop)
-    to_f32_grad = custom("CastFloat", _same, lambda x: ms.float32, to_f32_bprop)
+    to_bf16_grad = custom("CastToBf16", _same, lambda x: ms.bfloat16, to_bf16_bprop)
+    to_f32_grad = custom("CastToF32", _same, lambda x: ms.float32, to_f32_bprop)
 
     return {
         "fork": fork,

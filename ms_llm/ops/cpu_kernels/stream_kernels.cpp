@@ -192,6 +192,20 @@ MSLLM_EXPORT int CastFloat(int nparam, void **params, int *ndims, int64_t **shap
   return kErrDtype;
 }
 
+// The same conversion under one name per direction. MindSpore's graph mode (mindspore.jit) keys a
+// Custom op's inferred output type by its function and input shapes: with both directions named
+// CastFloat, a bf16 step with a widening and a narrowing cast of equal shapes got one output type
+// for both ("For primitive[AddN], the input type must be same" in autograd).
+MSLLM_EXPORT int CastToBf16(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                            void *stream, void *extra) {
+  return CastFloat(nparam, params, ndims, shapes, dtypes, stream, extra);
+}
+
+MSLLM_EXPORT int CastToF32(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                           void *stream, void *extra) {
+  return CastFloat(nparam, params, ndims, shapes, dtypes, stream, extra);
+}
+
 // Two copies of x: the two uses of the residual stream (its norm and its residual add) get
 // their own tensors, so their gradients are summed by ResidualAdd in this op's backward instead
 // of by MindSpore's bf16 Add in autograd (~12 ns per element).
