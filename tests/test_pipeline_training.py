@@ -130,6 +130,8 @@ def test_four_workers(tmp_path, refs):
         # DualPipe-V at pp=4: 8 stages, 8 micro-batches of 1; middle ranks send both ways
         spec("pp4_dualpipev", LAYERS, L8, pp(4, 2), ["--training.micro_batch_size", "1"],
              DUALPIPEV),
+        spec("pp2_tp2_sp_dualpipev", LAYERS, UNTIED, pp(2, 2), MB2, DUALPIPEV,
+             ["--parallel.tensor_model_parallel_size", "2", "--parallel.sequence_parallel", "true"]),
         spec("pp2_dp2", LAYERS, pp(2)),
         spec("pp2_tp2_sp", LAYERS, UNTIED, pp(2), ["--parallel.tensor_model_parallel_size", "2",
                                                    "--parallel.sequence_parallel", "true"]),
@@ -149,6 +151,7 @@ def test_four_workers(tmp_path, refs):
     check(res["pp4"], refs["tied"], "pp4")
     check(res["pp4_zbh1"], refs["tied"], "pp4_zbh1")
     check(res["pp4_dualpipev"], refs["l8"], "pp4_dualpipev")
+    check(res["pp2_tp2_sp_dualpipev"], refs["untied"], "pp2_tp2_sp_dualpipev")
     check(res["pp2_dp2"], refs["tied"], "pp2_dp2")
     check(res["pp2_tp2_sp"], refs["untied"], "pp2_tp2_sp")
     check(res["pp2_fsdp2"], refs["tied"], "pp2_fsdp2")
