@@ -76,9 +76,6 @@ class PendingVJP:
         import mindspore as ms
         self.output, self._vjp = ms.vjp(fn, x, weights=list(weights))
 
-    def prepare(self) -> None:
-        """Nothing to do: the closure was kept (``DeferredVJP.prepare``'s counterpart)."""
-
     def backward(self, dy):
         vjp, self._vjp = self._vjp, None
         return vjp(dy)

@@ -81,8 +81,10 @@ class AdamW:
                 if (lm, wm) not in hyper:
                     hyper[(lm, wm)] = Tensor(np.array([lr_k * lm, b1, b2, eps_k, decay_k * wm],
                                                       np.float32))
-                cpu_kernels.adamw_update(p, m, v, cast(g, float32), hyper[(lm, wm)],
-                                         self._threads)
+                if not cpu_kernels.adamw_update(p, m, v, cast(g, float32), hyper[(lm, wm)],
+                                                self._threads):
+                    raise RuntimeError("AdamW: the CPU kernels were turned off after the "
+                                       "optimizer chose them (runtime.aot_kernels)")
             return
         for p, m, v, g, lm, wm in zip(self.params, self.exp_avg, self.exp_avg_sq, grads,
                                       self.lr_mult, self.wd_mult):

@@ -266,9 +266,11 @@ def _stage_layers(cfg, c: TransformerConfig, stage: int, pp: int, vpp: int) -> L
 
 def _holds_last_stage(cfg, stage: int, pp: int) -> bool:
     """Whether pipeline rank ``stage`` runs the model's last stage (the head, MTP, the loss):
-    the last rank, or rank 0 in DualPipe-V's V."""
-    from ms_llm.parallel.pipeline.schedules import v_shaped
-    return stage == (0 if v_shaped(cfg.parallel.schedules_method) else pp - 1)
+    the last rank, or rank 0 in DualPipe-V's V (``schedules.stage_of``)."""
+    from ms_llm.parallel.pipeline.schedules import stage_of, v_shaped
+    p = cfg.parallel
+    last = pp * p.virtual_pipeline_model_parallel_size - 1
+    return stage == stage_of(last, pp, v_shaped(p.schedules_method))[0]
 
 
 def _recomputed(t, position: int) -> object:

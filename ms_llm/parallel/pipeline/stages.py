@@ -2,13 +2,13 @@
 ``--num-layer-list`` and ``--noop-layers``).
 
 With ``pp`` ranks and ``vpp`` model chunks per rank there are ``pp * vpp`` virtual stages; virtual
-stage ``v = chunk * pp + rank`` (Megatron's interleaving; DualPipe-V's V: ``schedules``) holds a contiguous range of global layer
-indices. Noop layers (MindSpeed) count in that assignment but are not built: they pass activations
-through unchanged and exist only to balance stages. The embedding lives on virtual stage 0, the
-final norm, output layer, multi-token prediction block and loss on the last one; with tied
-embeddings or MTP (which embeds the shifted tokens) the last stage keeps its own copy of the
-embedding weight, tied to the first stage's by summing the two gradients over the embedding group
-(``Placement.partial`` over ``emb``), as Megatron does.
+stage ``v = chunk * pp + rank`` (Megatron's interleaving; DualPipe-V's V: ``schedules``) holds a
+contiguous range of global layer indices. Noop layers (MindSpeed) count in that assignment but are
+not built: they pass activations through unchanged and exist only to balance stages. The embedding
+lives on virtual stage 0, the final norm, output layer, multi-token prediction block and loss on
+the last one; with tied embeddings or MTP (which embeds the shifted tokens) the last stage keeps
+its own copy of the embedding weight, tied to the first stage's by summing the two gradients over
+the embedding group (``Placement.partial`` over ``emb``), as Megatron does.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ms_llm.compat import F, nn
 from ms_llm.compat.autograd import Function
 from ms_llm.models.moe import MoELayer
 from ..placement import add_partial, add_shard, placement_of, set_placement, update_placement
-from .schedules import virtual_stage
+from .schedules import stage_of, virtual_stage
 
 
 def layer_ranges(num_layers: int, pp: int, vpp: int = 1,
@@ -182,7 +182,10 @@ def split_model(model, pstate, vpp: int = 1, num_layer_list: Optional[Sequence[i
             for _, p in chunk.parameters_and_names():
                 if not placement_of(p).sharded_over("pp"):
                     set_placement(p, add_shard(p, p.shape, "pp", None))
-        if copy and not v_shape:    # (V: both stages on rank 0 share the one module)
+        # a copy to tie only where the first and the last stage are on different ranks (not in
+        # DualPipe-V's V, whose rank 0 holds both and so the one module)
+        apart = stage_of(0, pp, v_shape)[0] != stage_of(pp * vpp - 1, pp, v_shape)[0]
+        if copy and apart:
             for chunk in chunks:
                 if chunk.embedding is not None:
                     add_partial(chunk.embedding.word_embeddings.weight, "emb")

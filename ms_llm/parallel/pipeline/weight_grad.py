@@ -1,13 +1,14 @@
-"""The split backward of zero-bubble schedules: ``B`` gives the input gradient now, ``W`` the
-weight gradient later (Megatron's zero-bubble ``WeightGradStore`` idea, written afresh).
+"""The split backward of zero-bubble schedules: ``B`` gives the input gradient now, ``W`` the weight
+gradient later (Megatron's zero-bubble ``WeightGradStore`` idea, written afresh).
 
-Only the linear layers split, as in the paper: their weight gradient ``dW = dy^T x`` is the
-half of a linear's backward that nobody downstream waits for. ``split_weight_grads`` swaps each
-plain ``Linear`` of a pipeline chunk's transformer layers and its output layer for :class:`SplitWeightGradLinear`
-(same ``weight``/``bias`` Parameters, so names, placements and checkpoints do not change). Its
-backward returns ``dx`` and, while a :class:`WeightGradStore` is collecting for a micro-batch,
-records ``(weight, x, dy)`` instead of computing ``dW``; ``W`` pops the records and computes them.
-Norms, embeddings, biases and tensor-parallel or expert linears keep their weight gradient in B.
+Only the linear layers split, as in the paper: their weight gradient ``dW = dy^T x`` is the half of
+a linear's backward that nobody downstream waits for. ``split_weight_grads`` swaps each plain
+``Linear`` of a pipeline chunk's transformer layers and its output layer for
+:class:`SplitWeightGradLinear` (same ``weight``/``bias`` Parameters, so names, placements and
+checkpoints do not change). Its backward returns ``dx`` and, while a :class:`WeightGradStore` is
+collecting for a micro-batch, records ``(weight, x, dy)`` instead of computing ``dW``; ``W`` pops
+the records and computes them. Norms, embeddings, biases and tensor-parallel or expert linears keep
+their weight gradient in B.
 """
 from __future__ import annotations
 
