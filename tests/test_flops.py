@@ -2,6 +2,7 @@
 cached CPU peak probe, and the TFLOP/s / MFU columns of metrics.jsonl."""
 import json
 
+import numpy as np
 import pytest
 
 from ms_llm.config import ConfigError
@@ -25,16 +26,24 @@ def macs_from_model(c: TransformerConfig) -> float:
     expert is visited by topk of num_moe_experts tokens on average."""
     total = 0.0
     for name, p in GPTModel(c).parameters_and_names():
-        if len(p.shape) != 2 or name.startswith("embedding."):
+        conv = name.endswith("conv1d.weight")      # depthwise: K MACs per channel and token
+        if (len(p.shape) != 2 and not conv) or name.startswith("embedding."):
             continue
         share = c.moe_router_topk / c.num_moe_experts if ".local_experts." in name else 1.0
-        total += p.shape[0] * p.shape[1] * share
+        total += int(np.prod(p.shape)) * share
     return total
 
 
-@pytest.mark.parametrize("extra", [{}, MOE, MLA], ids=["dense", "moe", "mla"])
+# hybrid layers: Gated DeltaNet, full attention, Gated DeltaNet (its depthwise conv1d weight is
+# [channels, 1, K]: K multiply-accumulates per channel and token)
+HYBRID = dict(num_layers=3, layer_types=["gated_delta_net", "attention", "gated_delta_net"],
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4)
+
+
+@pytest.mark.parametrize("extra", [{}, MOE, MLA, HYBRID], ids=["dense", "moe", "mla", "hybrid"])
 def test_matmul_weights_match_the_models_matmul_shapes(extra):
-    c = TransformerConfig(**BASE, **extra)
+    c = TransformerConfig(**{**BASE, **extra})
     assert matmul_weights_per_token(c) == macs_from_model(c)
 
 

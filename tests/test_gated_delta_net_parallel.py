@@ -14,8 +14,8 @@ from ms_llm.checkpoint.layouts_attention import LAYER_KINDS, A
 from ms_llm.checkpoint.layouts_spec import ModelSpec
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models.gated_delta_net import GatedDeltaNet
-from ms_llm.parallel.gated_delta_net_tp import (conv_parts, part_rows,
-                                                validate_gated_delta_net_tp)
+from ms_llm.parallel.mixer_plans.gated_delta_net import (conv_parts, part_rows,
+                                                         validate_gated_delta_net_tp)
 from ms_llm.parallel.placement import Mesh, Placement, add_shard, checkpoint_regions, \
     set_placement
 

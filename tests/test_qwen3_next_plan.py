@@ -4,7 +4,7 @@ planning them unfolded.
 
 Measured peaks (the trainer's RSS high-water mark above ``rss_before_model_gb``, one fresh forked
 child per training: tests/dist_workers/plan_memory_single.py, as tests/test_memory_plan.py):
-two tiny hybrid configs, dense at seq 512 (the one ``memory_plan_hybrid.FIT`` was fitted on) and
+two tiny hybrid configs, dense at seq 512 (the one ``models.mixers.gated_delta_net.FIT`` was fitted on) and
 MoE at seq 384 with chunk 32 (not fitted: 0.95 of its measured peak when fitted). Acceptance is
 test_memory_plan's band, +-20 %. Planning the DeltaNet layers as attention layers gave 0.33 of
 the first config's peak."""

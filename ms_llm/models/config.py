@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional
 
+from .mixers import validate_mixers
+
 
 @dataclass
 class TransformerConfig:
@@ -87,9 +89,9 @@ class TransformerConfig:
     # Output layer + cross entropy in chunks of tokens with their own backward: the logits and
     # their gradient never exist whole (ms_llm.ops.fused_cross_entropy; Megatron's flag name).
     cross_entropy_loss_fusion: bool = False
-    # Qwen3-Next hybrid layers (ms_llm.models.gated_delta_net). ``layer_types`` names each
-    # decoder layer's token mixer ("attention" or "gated_delta_net"; None: all attention) and is
-    # also the layer's checkpoint layout; the linear_* sizes are Megatron-Core's GatedDeltaNet.
+    # Hybrid layers (Qwen3-Next). ``layer_types`` names each decoder layer's token mixer, a kind
+    # of ms_llm.models.mixers ("attention": the model's full attention; "gated_delta_net"; None:
+    # all full attention); the linear_* sizes are Megatron-Core's GatedDeltaNet.
     layer_types: Optional[List[str]] = None
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
@@ -145,8 +147,7 @@ class TransformerConfig:
                              f"(only 'RMSNorm')")
         if self.position_embedding_type not in ("rope", "yarn"):
             raise ValueError("model.position_embedding_type must be 'rope' or 'yarn'")
-        if self.multi_latent_attention:
-            self._validate_mla()
+        validate_mixers(self)    # model.layer_types and each token mixer's own keys
         if not 0 < self.rotary_percent <= 1.0 or self.rotary_dim % 2:
             raise ValueError(f"model.rotary_percent ({self.rotary_percent}) must be in (0, 1] "
                              f"and rotate an even number of head dims")
@@ -167,43 +168,8 @@ class TransformerConfig:
         if self.attention_dropout != 0.0:
             raise ValueError("model.attention_dropout: only 0.0 is supported (fused attention "
                              "kernels here have no dropout); use model.hidden_dropout")
-        if self.layer_types is not None:
-            self._validate_layer_types()
         if self.kv_channels % 2:
             raise ValueError(f"model.kv_channels ({self.kv_channels}) must be even for RoPE")
-
-    def _validate_layer_types(self) -> None:
-        lt = self.layer_types
-        if len(lt) != self.num_layers or any(t not in ("attention", "gated_delta_net") for t in lt):
-            raise ValueError(f"model.layer_types {lt} must name one of 'attention' / "
-                             f"'gated_delta_net' per layer (num_layers={self.num_layers})")
-        if "gated_delta_net" in lt:
-            if self.linear_num_value_heads % self.linear_num_key_heads:
-                raise ValueError(f"model.linear_num_value_heads ({self.linear_num_value_heads}) "
-                                 f"must be a multiple of model.linear_num_key_heads "
-                                 f"({self.linear_num_key_heads})")
-            if self.multi_latent_attention:
-                raise ValueError("model.layer_types: gated_delta_net layers with MLA are not built")
-
-    def layer_type(self, layer_idx: int) -> str:
-        """Token mixer of layer ``layer_idx`` (an MTP layer, index >= num_layers: full attention,
-        as Megatron-Core's MTP block uses the attention spec)."""
-        if self.layer_types is None or layer_idx >= self.num_layers:
-            return "attention"
-        return self.layer_types[layer_idx]
-
-    def _validate_mla(self) -> None:
-        for key in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.{key} ({getattr(self, key)}) must be >= 1")
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise ValueError(f"model.q_lora_rank ({self.q_lora_rank}) must be >= 1 or null")
-        if self.qk_pos_emb_head_dim % 2:
-            raise ValueError(f"model.qk_pos_emb_head_dim ({self.qk_pos_emb_head_dim}) must be "
-                             f"even for RoPE")
-        if self.qk_layernorm or self.add_qkv_bias:
-            raise ValueError("model.multi_latent_attention: qk_layernorm / add_qkv_bias do not "
-                             "apply (MLA normalises its compressed q and kv)")
 
     def _validate_yarn(self) -> None:
         factor = self.yarn_rotary_scaling_factor

@@ -16,8 +16,7 @@ from .config import TransformerConfig
 from .fused_decode import layer_step as fused_layer_step
 from .kv_cache import KVCache
 from .layers import TransformerLayer, norm
-from .gated_delta_net import GatedDeltaNet
-from .mla import MLASelfAttention
+from .mixers import layer_mixer
 from .moe import aux_loss as moe_aux_loss, moe_mlp_factory
 from .mtp import MultiTokenPredictionBlock, MultiTokenPredictionLayer, mtp_loss
 from .mtp import roll_left as mtp_roll
@@ -38,12 +37,9 @@ class LanguageModelEmbedding(nn.Module):
 
 
 def layer_parts(config: TransformerConfig, mlp_factory: Optional[MLPFactory], i: int):
-    """The MLP and attention modules of layer ``i`` (``i >= num_layers``: an MTP layer)."""
-    if config.layer_type(i) == "gated_delta_net":
-        attention = GatedDeltaNet(config)
-    else:
-        attention = MLASelfAttention(config) if config.multi_latent_attention else None
-    return mlp_factory(config, i) if mlp_factory else None, attention
+    """The MLP and token mixer of layer ``i`` (``i >= num_layers``: an MTP layer); the mixer is
+    the layer's registered kind (``ms_llm.models.mixers``)."""
+    return mlp_factory(config, i) if mlp_factory else None, layer_mixer(config, i).make(config)
 
 
 class TransformerBlock(nn.Module):

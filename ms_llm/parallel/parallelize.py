@@ -31,7 +31,7 @@ from ms_llm.quant import apply_quantization
 from . import comm
 from .data_parallel import PartitionedGradSync, grad_reduce_dtype
 from .expert_parallel import apply_expert_parallel
-from .gated_delta_net_tp import describe_gated_delta_net
+from .mixer_plans import plan_for
 from .fsdp import MixedPrecisionPolicy, apply_fsdp, fsdp_group
 from .fsdp.recompute import check_recompute_under_fsdp, recompute_under_fsdp
 from .pipeline.schedules import v_shaped
@@ -70,7 +70,9 @@ def describe_layouts(model: GPTModel) -> None:
                     update_placement(p, layout="glu_halves")
         if isinstance(cell, LoRALinear) and placement_of(cell.weight).layout == "glu_halves":
             update_placement(cell.lora_B.weight, layout="glu_halves")
-    describe_gated_delta_net(model)
+        kind = getattr(cell, "mixer_kind", None)
+        if kind is not None:                 # a token mixer's own layouts (its parallel plan)
+            plan_for(kind).describe(cell)
     for layer in moe_layers(model):
         experts = layer.experts
         if hasattr(experts, "weight1"):      # grouped: weight1 [H, E*2F] stored as rows of 2F

@@ -25,6 +25,7 @@ masks); with ``lora.dropout`` 0 (the default) tp and one process compute the sam
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -34,11 +35,10 @@ from ms_llm.compat import F, float32, int32, nn
 from ms_llm import ops as hot
 from ms_llm.ops import IGNORE_INDEX
 from ms_llm.lora.modules import LoRABranch, LoRALinear, LoRAWeight
-from ms_llm.models.gated_delta_net import GatedDeltaNet
+from ms_llm.models.mixers import mixer_of, mixers_used
 from . import autograd as pa
 from . import tp_overlap
-from .gated_delta_net_tp import (apply_gated_delta_net_tensor_parallel,
-                                 validate_gated_delta_net_tp)
+from .mixer_plans import plan_for
 from .placement import add_partial, add_shard, placement_of, set_placement
 
 
@@ -245,36 +245,6 @@ def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, group, vocab_st
     return F.where(valid, loss, F.zeros_like(loss))
 
 
-def apply_mla_tensor_parallel(attn, group, sequence_parallel: bool = False) -> None:
-    """Shard one ``MLASelfAttention`` over ``group`` in place (Megatron-Core's MLA split).
-
-    The up-projections (``linear_q_up_proj`` or ``linear_q_proj``, ``linear_kv_up_proj``) are
-    column-parallel over whole heads and ``linear_proj`` is row-parallel; the down-projections and
-    their norms stay replicated (each rank computes the full, small latent). Their gradients are
-    full on every rank, not partial: the column-parallel up-projections all-reduce the gradient of
-    their input, and the rope key, which every rank's heads read but no column-parallel layer
-    consumes, passes ``copy_to_group`` (identity forward, all-reduce backward) through the
-    attention's ``rope_key_grad`` step.
-
-    Sequence parallel: the attention's ``sequence_gather`` step all-gathers the input's sequence
-    shards and, in backward, keeps this rank's shard of the gradient (no sum: by the above, the
-    gradient of the gathered input is full and the same on every rank), and ``linear_proj``
-    reduce-scatters its output back to the sequence shards."""
-    if sequence_parallel:
-        attn.sequence_gather = functools.partial(pa.gather_from_group, group=group, dim=1)
-    heads = attn.config.num_attention_heads
-    if heads % group.size:
-        raise ValueError(f"model.num_attention_heads ({heads}) is not divisible by "
-                         f"parallel.tensor_model_parallel_size ({group.size})")
-    if attn.linear_q_proj is not None:
-        attn.linear_q_proj = _column(attn.linear_q_proj, group)
-    else:
-        attn.linear_q_up_proj = _column(attn.linear_q_up_proj, group)
-    attn.linear_kv_up_proj = _column(attn.linear_kv_up_proj, group)
-    attn.linear_proj = _row(attn.linear_proj, group, sequence_parallel=sequence_parallel)
-    attn.rope_key_grad = functools.partial(pa.copy_to_group, group=group)
-
-
 # --------------------------------------------------------------------------- applying it
 def validate_tp(config, tp: int) -> None:
     checks = (("model.num_attention_heads", config.num_attention_heads),
@@ -285,8 +255,8 @@ def validate_tp(config, tp: int) -> None:
         if value % tp:
             raise ValueError(f"{key} ({value}) is not divisible by "
                              f"parallel.tensor_model_parallel_size ({tp})")
-    if "gated_delta_net" in (config.layer_types or ()):
-        validate_gated_delta_net_tp(config, tp)
+    for kind in mixers_used(config):
+        plan_for(kind).validate_tp(config, tp)
 
 
 def _tp_logits(h: Tensor, weight: Tensor, group, sequence_parallel: bool) -> Tensor:
@@ -316,6 +286,34 @@ def _row(full: nn.Module, group, **kwargs) -> nn.Module:
     return RowParallelLinear(full, group, **kwargs)
 
 
+@dataclass(frozen=True)
+class TensorParallelContext:
+    """What a mixer's tensor-parallel plan (``mixer_plans``) splits with: the group and the
+    run's sequence-parallel / communication-overlap switches, and the one set of (LoRA-aware)
+    builders every split uses. ``overlap=True`` lets a linear overlap its sequence-parallel
+    exchange with its GEMM when ``parallel.tp_comm_overlap`` is on."""
+    group: object
+    sequence_parallel: bool
+    comm_overlap: bool
+
+    def column(self, full: nn.Module, sequence_parallel: Optional[bool] = None,
+               overlap: bool = False, **kwargs) -> nn.Module:
+        sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+        return _column(full, self.group, sequence_parallel=sp,
+                       comm_overlap=self.comm_overlap and overlap, **kwargs)
+
+    def row(self, full: nn.Module, overlap: bool = False, **kwargs) -> nn.Module:
+        return _row(full, self.group, sequence_parallel=self.sequence_parallel,
+                    comm_overlap=self.comm_overlap and overlap, **kwargs)
+
+    def shard(self, param, dim: int, rows: Optional[np.ndarray] = None):
+        return _shard_param(param, dim, self.group.rank, self.group.size, rows)
+
+    @staticmethod
+    def mark_partial(module) -> None:
+        _mark_partial(module)
+
+
 def apply_tensor_parallel(model, group, sequence_parallel: bool = False,
                           comm_overlap: bool = False) -> None:
     """Shard a ``GPTModel`` over ``group`` (Megatron's column/row split of every layer, the
@@ -339,24 +337,9 @@ def apply_tensor_parallel(model, group, sequence_parallel: bool = False,
     # under sequence parallel they see this rank's shard: partial gradients, marked below).
     extra = [m.transformer_layer for m in mtp.layers] if mtp is not None else []
 
-    def shard(param, dim, rows=None):
-        return _shard_param(param, dim, group.rank, tp, rows)
-
+    ctx = TensorParallelContext(group, sp, comm_overlap)
     for layer in list(model.decoder.layers) + extra:
-        attn = layer.self_attention
-        if isinstance(attn, GatedDeltaNet):
-            apply_gated_delta_net_tensor_parallel(attn, group, _column, _row, shard, _mark_partial,
-                                                  sequence_parallel=sp)
-        elif c.multi_latent_attention:
-            apply_mla_tensor_parallel(attn, group, sp)
-        else:
-            attn.linear_qkv = _column(attn.linear_qkv, group, sequence_parallel=sp,
-                                      comm_overlap=comm_overlap)
-            attn.linear_proj = _row(attn.linear_proj, group, sequence_parallel=sp,
-                                    comm_overlap=comm_overlap)
-            if attn.q_layernorm is not None:  # each rank sees only its heads
-                _mark_partial(attn.q_layernorm)
-                _mark_partial(attn.k_layernorm)
+        plan_for(mixer_of(layer.self_attention)).tensor_parallel(layer.self_attention, ctx)
         mlp = layer.mlp
         rows = glu_rows(mlp.linear_fc1.out_features, group.rank, tp) \
             if c.gated_linear_unit else None

@@ -7,24 +7,17 @@ attention blocks are not counted), and divides the achieved rate by the hardware
 from __future__ import annotations
 
 from ms_llm.models.config import TransformerConfig
+from ms_llm.models.mixers import layer_mixer
 
 
 def matmul_weights_per_token(c: TransformerConfig) -> int:
     """Multiply-accumulates per token of every weight matmul (= the weights a token passes
-    through): attention projections (MLA's down/up projections), the dense or MoE MLP with only
-    the ``moe_router_topk`` routed experts a token visits plus shared experts and the router,
-    and the output layer (the logits matmul runs even when tied to the embedding). The input
+    through): the token mixer's projections (its kind's ``weights_per_token``), the dense or
+    MoE MLP with only the ``moe_router_topk`` routed experts a token visits plus shared experts
+    and the router, and the output layer (the logits matmul runs even when tied to the embedding). The input
     embedding is a gather (no FLOPs); norms, RoPE, biases and activations are ignored, as in
     torchtitan and Megatron."""
     H = c.hidden_size
-    nh, g, d = c.num_attention_heads, c.num_query_groups, c.kv_channels
-    if c.multi_latent_attention:
-        qk, pe, v = c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim
-        q = H * nh * (qk + pe) if c.q_lora_rank is None else \
-            H * c.q_lora_rank + c.q_lora_rank * nh * (qk + pe)
-        attn = q + H * (c.kv_lora_rank + pe) + c.kv_lora_rank * nh * (qk + v) + nh * v * H
-    else:
-        attn = H * nh * d + 2 * H * g * d + nh * d * H          # q, k, v, output projection
     mats = 3 if c.gated_linear_unit else 2                      # [gate; up], down
     dense_mlp = mats * H * c.ffn_hidden_size
     moe_mlp = mats * H * c.moe_ffn_hidden_size * c.moe_router_topk + \
@@ -34,19 +27,18 @@ def matmul_weights_per_token(c: TransformerConfig) -> int:
         moe_mlp += H if c.moe_shared_expert_gate else 0
     total = 0
     for i in range(c.num_layers):
-        total += attn + (moe_mlp if c.is_moe_layer(i) else dense_mlp)
+        total += layer_mixer(c, i).weights_per_token(c) + \
+            (moe_mlp if c.is_moe_layer(i) else dense_mlp)
     return total + H * c.padded_vocab_size                      # output layer (logits)
 
 
 def attention_flops_per_token(c: TransformerConfig, seq_length: int) -> int:
-    """Training FLOPs per token of the two attention products (Q K^T and P V): forward
-    ``2 * s * nh * (d_qk + d_v)`` per layer, times 3 for forward + backward. Full (not causal)
-    attention as in PaLM / torchtitan's ``12 * L * H * Q * T`` (= this with d_qk = d_v)."""
-    if c.multi_latent_attention:
-        d_qk, d_v = c.qk_head_dim + c.qk_pos_emb_head_dim, c.v_head_dim
-    else:
-        d_qk = d_v = c.kv_channels
-    return 6 * c.num_layers * seq_length * c.num_attention_heads * (d_qk + d_v)
+    """Training FLOPs per token of the token mixing itself, summed over layers: for softmax
+    attention the two products Q K^T and P V (forward ``2 * s * nh * (d_qk + d_v)`` per layer,
+    times 3 for forward + backward, full not causal as in PaLM / torchtitan); each mixer kind
+    counts its own (``MixerKind.mixing_flops_per_token``)."""
+    return sum(layer_mixer(c, i).mixing_flops_per_token(c, seq_length)
+               for i in range(c.num_layers))
 
 
 def flops_per_token(c: TransformerConfig, seq_length: int) -> int:

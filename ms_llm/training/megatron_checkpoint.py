@@ -20,6 +20,7 @@ from ms_llm.checkpoint.torch_dist import is_torch_dist_dir
 from ms_llm.checkpoint.torch_dist_train import export_torch_dist, import_torch_dist, \
     latest_torch_dist
 from ms_llm.config import ConfigError
+from ms_llm.models.mixers import mixers_used
 
 STAGING = ".ms_llm_staging"
 _FAILED = "FAILED"
@@ -45,11 +46,12 @@ def resume_source(cfg) -> Optional[str]:
         raise ConfigError(f"checkpoint.format {ck.format} / checkpoint.resume_from: Megatron "
                           f"training checkpoints of LoRA or MoE runs are not built (dense "
                           f"full-parameter training only)")
-    if (is_torch_dist(cfg) or ck.resume_from) and "gated_delta_net" in (cfg.model.layer_types
-                                                                         or ()):
+    unbuilt = [k.name for k in mixers_used(cfg.model) if not k.megatron_training_checkpoints]
+    if (is_torch_dist(cfg) or ck.resume_from) and unbuilt:
         raise ConfigError(f"checkpoint.format {ck.format} / checkpoint.resume_from: Megatron "
-                          f"training checkpoints of Gated DeltaNet layers (model.layer_types) "
-                          f"are not built (refused here, not at the first save)")
+                          f"training checkpoints of {', '.join(unbuilt)} layers "
+                          f"(model.layer_types) are not built (refused here, not at the first "
+                          f"save)")
     if cfg.training.resume == "auto" and ck.save_dir:
         if is_torch_dist(cfg):
             found = _latest(ck.save_dir)

@@ -8,8 +8,9 @@ What is counted, per rank (every pipeline stage is planned; the worst one decide
   placement and sharding code);
 * activations: per micro-batch, per layer, the tensors the backward pass keeps (a sum of
   ``[tokens, width]`` and ``[b, heads, s, s]`` terms, each with the number of copies the
-  PyNative executor keeps, ``ACT``), times the micro-batches in flight (the pipeline
-  schedule's own action lists), minus what recompute drops;
+  PyNative executor keeps, ``ACT``; each layer's token mixer adds its own registered term,
+  ``MixerKind.activation_bytes``), times the micro-batches in flight (the pipeline schedule's
+  own action lists), minus what recompute drops;
 * communication buffers: data-parallel buckets, FSDP's gathered units and flat gradients,
   sequence-parallel gathers, expert all-to-all and pipeline send/receive buffers;
 * context parallel (cp): every ``[tokens, width]`` term holds ``s / cp`` tokens of each
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from ms_llm.models.config import TransformerConfig
+from ms_llm.models.mixers import MixerKind, layer_mixer
 from ms_llm.optim import state_elements
 from .memory_vocab import logits_tokens, vocab_head_bytes
 
@@ -49,21 +51,9 @@ FP32 = 4
 # PyNative, fp32), in units of one tensor of that shape. Measured, see the module docstring.
 ACT = {
     "hidden": 4.0,       # [T, h]: norm inputs/outputs, residual branches, attention/MLP outputs
-    "qkv": 1.0,          # [T, (nh + 2 ng) d / tp]: q/k/v as split_heads makes them, q/k after
-                         # RoPE (the fused QKV output is freed; 1.5 while the split made strided
-                         # views that MindSpore copied whole)
+    # the token mixers' own terms (q/k/v, attention scores, ...) are their registrations'
+    # (ms_llm.models.mixers: MixerKind.activation_bytes)
     "ffn": 1.5,          # [T, F / tp]: fc1 output ([gate; up] = 2 F) and the SwiGLU output
-    # [s, s] terms of the BLAS causal attention kernel (ms_llm.ops.cpu_kernels): fitted on the
-    # 55M model at seq 2048, micro-batch 1 (none / selective / full recompute: 3.40 / 2.21 /
-    # 1.72 GB measured) and the tiny model at seq 512, micro-batch 2 (none / selective)
-    "scores": 1.4,       # [b, nh / tp, s, s]: kept through forward (its probabilities)
-    "scores_backward": 4.5,   # [nh / tp, s, s] (one sequence: the kernel's backward works a
-                              # sequence at a time), transient while one layer's backward runs
-    "scores_backward_full": 0.9,  # the same, for a layer re-run by full recompute: a
-    # compromise between the 55M model at seq 2048 (measured 1.72 GB on Zen 4, 2026-12-05: plan
-    # 0.79 of it at 0.5, 0.82 at 1.0, 0.88 at 1.75) and the tests' tiny block recompute (measured
-    # 0.147 GB in CI: 1.14 at 0.5, 1.17 at 1.0, 1.21 at 1.75); the re-run layer is not modelled
-    # more closely than that
     "logits": 1.0,       # [T, V]: fp32 logits kept for the cross entropy's backward (2.0
                          # while a reshape to [T, V] copied them and their gradient)
     "logits_tp": 6.0,    # [T, V / tp]: vocab-parallel cross entropy (shifted, exp, gathers...)
@@ -197,46 +187,35 @@ def _cp_attention_bytes(c: TransformerConfig, b: int, s: int, tp: int, cp: int, 
 
 
 def _layer_activation_bytes(c: TransformerConfig, b: int, s: int, tp: int, sp: bool,
-                            t, moe_layer: bool, cp: int = 1, u: int = 1,
-                            kind: str = "attention") -> Tuple[int, int]:
+                            t, moe_layer: bool, mixer: MixerKind, cp: int = 1,
+                            u: int = 1) -> Tuple[int, int]:
     """(kept through forward, re-materialized while its backward runs) for one layer and one
     micro-batch, under the recompute settings ``t``; ``cp``/``u``: context parallel size and
-    its Ulysses degree (this rank's tokens are ``s / cp`` of each sequence)."""
+    its Ulysses degree (this rank's tokens are ``s / cp`` of each sequence); ``mixer``: the
+    layer's token-mixer kind, whose own term (``activation_bytes``) this adds."""
     full_s, s = s, s // cp
     tokens = b * s
     t_sp = tokens // tp if sp else tokens
-    h, d = c.hidden_size, c.kv_channels
-    nh, ng = c.num_attention_heads // tp, c.num_query_groups // tp
+    h = c.hidden_size
     ffn = (c.moe_ffn_hidden_size * c.moe_router_topk if moe_layer else c.ffn_hidden_size) // tp
     if moe_layer and c.moe_shared_expert_intermediate_size:
         ffn += c.moe_shared_expert_intermediate_size // tp
     hidden = FP32 * (ACT["hidden"] - (2 * ACT["norm"] if t.recompute_norm else 0)) * t_sp * h
     if sp:   # column-parallel linears keep their all-gathered input (two per layer)
         hidden += FP32 * 2 * tokens * h
-    qkv = FP32 * ACT["qkv"] * tokens * (nh + 2 * ng) * d
     mlp = FP32 * ACT["ffn"] * tokens * ffn
     if moe_layer:   # routed copies of the hidden states: permuted in, expert outputs back
         mlp += FP32 * ACT["moe_routed"] * tokens * c.moe_router_topk * h
-    if kind == "gated_delta_net":     # no [s, s] scores: chunk and state terms (hybrid)
-        from .memory_plan_hybrid import gdn_activation_bytes
-        qkv = 0
-        scores, transient = gdn_activation_bytes(c, b, s, tp)
+    mix = mixer.activation_bytes(c, b, s, tp)
+    core, transient, rerun_transient = mix.core, mix.transient, mix.rerun_transient
+    if cp > 1 and mixer.core_attention:   # ring / Ulysses attention: no [s, s] scores
+        core, transient = _cp_attention_bytes(c, b, full_s, tp, cp, u)
         rerun_transient = transient
-    elif cp > 1:
-        scores, transient = _cp_attention_bytes(c, b, full_s, tp, cp, u)
-        rerun_transient = transient
-    else:
-        one_scores = FP32 * nh * s * s          # one sequence's
-        scores = ACT["scores"] * b * one_scores
-        transient = ACT["scores_backward"] * one_scores    # every layer's backward makes these
-        # the re-run layer's own backward makes fewer transient copies than a layer whose
-        # forward ran long before (measured)
-        rerun_transient = ACT["scores_backward_full"] * one_scores
-    whole = hidden + qkv + mlp + scores
+    whole = hidden + mix.projections + mlp + core
     if t.recompute_granularity == "full":
         return FP32 * t_sp * h, whole + rerun_transient
-    if t.recompute_granularity == "selective" and kind != "gated_delta_net":
-        return whole - scores, scores + transient
+    if t.recompute_granularity == "selective" and mixer.core_attention:
+        return whole - core, core + transient
     return whole, transient
 
 
@@ -320,14 +299,15 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
     chunk_kept, remat = [0] * chunks, 0
     for pos, i in enumerate(layers):
         k, r = _layer_activation_bytes(c, b, s, tp, sp, _recomputed(t, pos % per_chunk),
-                                       c.is_moe_layer(i), cp, u, c.layer_type(i))
+                                       c.is_moe_layer(i), layer_mixer(c, i), cp, u)
         chunk_kept[min(pos // per_chunk, chunks - 1)] += k
         remat = max(remat, r)
     if _holds_last_stage(cfg, stage, pp):
         # Multi-token prediction layers run on the last stage after the decoder, each built like
         # the last decoder layer (``is_moe_layer`` of an index >= num_layers says so).
         for i in range(c.num_layers, c.num_layers + (c.mtp_num_layers or 0)):
-            k, r = _layer_activation_bytes(c, b, s, tp, sp, t, c.is_moe_layer(i), cp, u)
+            k, r = _layer_activation_bytes(c, b, s, tp, sp, t, c.is_moe_layer(i),
+                                           layer_mixer(c, i), cp, u)
             chunk_kept[-1] += k
             remat = max(remat, r)
     if pp > 1:

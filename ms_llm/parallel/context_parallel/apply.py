@@ -1,8 +1,9 @@
 """Context parallel applied from outside the model: the attention swap and the batch split.
 
-``apply_context_parallel`` replaces every layer's ``core_attention`` (the model's own
-parameter-free module) by ``ContextParallelAttention`` (a Gated DeltaNet layer's conv and delta
-rule by their state-passing forms, ``delta_rule``) and gives every MoE router the cp
+``apply_context_parallel`` applies every layer's mixer plan (``parallel.mixer_plans``): softmax
+attention's ``core_attention`` (the model's own parameter-free module) becomes
+``ContextParallelAttention``, a Gated DeltaNet layer's conv and delta rule their state-passing
+forms (``delta_rule``); it also gives every MoE router the cp
 partition of its tokens (``sequence_sums``); the trainer gives the model this rank's
 part of each micro-batch (``ContextParallel.micro_batch``): tokens, labels and loss mask of
 its two chunks, the global RoPE positions of those tokens, and, in place of the attention mask
@@ -26,9 +27,9 @@ import numpy as np
 from mindspore import Tensor
 
 from ms_llm.compat import nn
-from ms_llm.models.gated_delta_net import GatedDeltaNet
+from ms_llm.models.mixers import mixer_of
 from .. import comm
-from .delta_rule import apply_delta_rule_context_parallel
+from ..mixer_plans import plan_for
 from .layout import ChunkMask, local_token_index, rank_chunks, split_sequence
 from .ring import RingExchange, RingPlan, ring_attention
 from .sequence_sums import install_router_partition
@@ -145,11 +146,8 @@ def apply_context_parallel(model, cfg, pstate) -> Optional[ContextParallel]:
         tp = pstate.sizes.tp
         check_heads(cfg.model.num_attention_heads // tp, cfg.model.num_query_groups // tp, cp.u,
                     "parallel.context_parallel_algo: ")
-    for layer in model.decoder.layers:
-        if isinstance(layer.self_attention, GatedDeltaNet):   # the state passes rank to rank
-            apply_delta_rule_context_parallel(layer.self_attention, cp)
-        else:
-            layer.self_attention.core_attention = ContextParallelAttention(cp)
+    for layer in model.decoder.layers:     # each mixer kind's own sequence split
+        plan_for(mixer_of(layer.self_attention)).context_parallel(layer.self_attention, cp)
     # the routers' balancing losses pool their counts over the sequences' pieces
     install_router_partition(model, pstate.group("cp"))
     return cp

@@ -1,4 +1,6 @@
-"""Tensor parallel of Gated DeltaNet layers (Megatron-Core / MindSpeed's split by heads).
+"""Gated DeltaNet's parallel plan. Tensor parallel: Megatron-Core / MindSpeed's split by heads;
+context parallel: the conv inputs and delta-rule state handed rank to rank
+(``context_parallel.delta_rule``).
 
 A rank keeps whole key-head groups: ``linear_num_key_heads / tp`` key heads and the
 ``linear_num_value_heads / linear_num_key_heads`` value heads that read each of them (the GQA-style
@@ -26,23 +28,17 @@ from typing import Tuple
 import numpy as np
 
 from ms_llm.models.gated_delta_net import GatedDeltaNet
-from .placement import update_placement
+from ..context_parallel.delta_rule import apply_delta_rule_context_parallel
+from ..placement import update_placement
+from . import MixerPlan, register_plan
 
-__all__ = ["conv_parts", "describe_gated_delta_net", "apply_gated_delta_net_tensor_parallel",
+__all__ = ["conv_parts", "part_rows", "apply_gated_delta_net_tensor_parallel",
            "validate_gated_delta_net_tp"]
 
 
 def conv_parts(mixer: GatedDeltaNet) -> Tuple[Tuple[str, int], ...]:
     """The named channel parts of ``conv1d.weight`` with their global sizes."""
     return (("q", mixer.key_dim), ("k", mixer.key_dim), ("v", mixer.value_dim))
-
-
-def describe_gated_delta_net(model) -> None:
-    """Record ``conv1d.weight``'s ``[q; k; v]`` layout on every Gated DeltaNet (any tp, so a
-    checkpoint names the parts alike under every layout)."""
-    for _, cell in model.cells_and_names():
-        if isinstance(cell, GatedDeltaNet):
-            update_placement(cell.conv1d.weight, layout="row_parts", row_parts=conv_parts(cell))
 
 
 def part_rows(parts, rank: int, size: int) -> np.ndarray:
@@ -64,19 +60,29 @@ def validate_gated_delta_net_tp(config, tp: int) -> None:
                          f"key-head groups of a Gated DeltaNet layer)")
 
 
-def apply_gated_delta_net_tensor_parallel(mixer: GatedDeltaNet, group, column, row, shard,
-                                          mark_partial, sequence_parallel: bool = False) -> None:
-    """Shard one ``GatedDeltaNet`` over ``group`` in place. ``column`` / ``row`` build the
-    (LoRA-aware) parallel linears, ``shard(param, dim, rows=None)`` a parameter's shard and
-    ``mark_partial(module)`` marks replicated weights with partial gradients (the tensor-parallel
-    module's own helpers, so one set of rules makes every split)."""
-    size, rank = group.size, group.rank
+def apply_gated_delta_net_tensor_parallel(mixer: GatedDeltaNet, tp) -> None:
+    """Shard one ``GatedDeltaNet`` in place; ``tp``: the ``TensorParallelContext`` whose
+    (LoRA-aware) column / row linears, ``shard`` and ``mark_partial`` make every split, so one
+    set of rules holds for every mixer."""
+    size, rank = tp.group.size, tp.group.rank
     validate_gated_delta_net_tp(mixer.config, size)
-    mixer.in_proj_qkvz = column(mixer.in_proj_qkvz, group, sequence_parallel=sequence_parallel)
-    mixer.in_proj_ba = column(mixer.in_proj_ba, group, sequence_parallel=sequence_parallel)
+    mixer.in_proj_qkvz = tp.column(mixer.in_proj_qkvz)
+    mixer.in_proj_ba = tp.column(mixer.in_proj_ba)
     conv = mixer.conv1d
-    conv.weight = shard(conv.weight, 0, rows=part_rows(conv_parts(mixer), rank, size))
-    mixer.A_log = shard(mixer.A_log, 0)
-    mixer.dt_bias = shard(mixer.dt_bias, 0)
-    mark_partial(mixer.norm)
-    mixer.out_proj = row(mixer.out_proj, group, sequence_parallel=sequence_parallel)
+    conv.weight = tp.shard(conv.weight, 0, rows=part_rows(conv_parts(mixer), rank, size))
+    mixer.A_log = tp.shard(mixer.A_log, 0)
+    mixer.dt_bias = tp.shard(mixer.dt_bias, 0)
+    tp.mark_partial(mixer.norm)
+    mixer.out_proj = tp.row(mixer.out_proj)
+
+
+def _describe(mixer: GatedDeltaNet) -> None:
+    """``conv1d.weight``'s ``[q; k; v]`` layout (any tp, so a checkpoint names the parts alike
+    under every layout)."""
+    update_placement(mixer.conv1d.weight, layout="row_parts", row_parts=conv_parts(mixer))
+
+
+register_plan("gated_delta_net", MixerPlan(
+    tensor_parallel=apply_gated_delta_net_tensor_parallel,
+    context_parallel=apply_delta_rule_context_parallel,
+    validate_tp=validate_gated_delta_net_tp, describe=_describe))
