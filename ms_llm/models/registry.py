@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .config import TransformerConfig
+from .mixers import layer_mixer
 
 __all__ = ["FamilySpec", "Qualify", "register_family", "unregister_family", "get_family",
            "family_for_hf", "family_for_config", "families", "names", "parse_hf_config",
@@ -106,8 +107,7 @@ class FamilySpec:
         """Checkpoint layout name of each decoder layer."""
         if self.layer_kinds is not None:
             return tuple(self.layer_kinds(config))
-        kind = "mla" if config.multi_latent_attention else "attention"
-        return (kind,) * config.num_layers
+        return tuple(layer_mixer(config, i).layout for i in range(config.num_layers))
 
     def config_for_layout(self, hf: Mapping, source: str) -> TransformerConfig:
         """The architecture the weights are shaped by. Usually ``from_hf``; a family whose

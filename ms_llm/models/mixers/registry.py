@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optiona
 if TYPE_CHECKING:
     from ..config import TransformerConfig
 
-__all__ = ["MixerKind", "ActivationBytes", "FULL_ATTENTION", "register_mixer", "get_mixer",
+__all__ = ["MixerKind", "ActivationBytes", "FULL_ATTENTION", "register_mixer",
+           "unregister_mixer", "get_mixer",
            "mixer_names", "mixer_of", "layer_mixer", "full_attention", "mixers_used", "validate_mixers"]
 
 # The ``model.layer_types`` word for "this model's full attention" (see the module docstring).
@@ -113,6 +114,11 @@ def register_mixer(kind: MixerKind) -> MixerKind:
         raise ValueError(f"register_mixer: mixer kind {kind.name!r} is already registered")
     _KINDS[kind.name] = kind
     return kind
+
+
+def unregister_mixer(name: str) -> MixerKind:
+    """Remove a kind (tests, or a plugin replacing a built-in kind)."""
+    return _KINDS.pop(get_mixer(name).name)
 
 
 def _ensure_builtin() -> None:

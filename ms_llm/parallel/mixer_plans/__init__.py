@@ -20,7 +20,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable, Dict
 
-__all__ = ["MixerPlan", "register_plan", "plan_for"]
+__all__ = ["MixerPlan", "register_plan", "unregister_plan", "plan_for"]
 
 
 def _nothing(*args) -> None:
@@ -45,6 +45,11 @@ def register_plan(kind: str, plan: MixerPlan) -> MixerPlan:
         raise ValueError(f"register_plan: mixer kind {kind!r} already has a parallel plan")
     _PLANS[kind] = plan
     return plan
+
+
+def unregister_plan(kind: str) -> MixerPlan:
+    """Remove a kind's plan (tests, or a plugin replacing a built-in plan)."""
+    return _PLANS.pop(kind)
 
 
 def plan_for(kind) -> MixerPlan:
