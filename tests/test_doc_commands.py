@@ -100,6 +100,25 @@ CLAIMS = {
     DPO + " --training.max_steps 4" + DPO_TAIL + " --training.resume auto":
         ("test_readme_dpo_sequence",),
     "ms-llm export ckpts/dpo hf_dpo": ("test_readme_dpo_sequence",),
+    # docs/guides/checkpoints.md
+    "ms-llm convert --load-model-type hf --save-model-type mg --model-type-hf qwen3 "
+    "--load-dir Qwen3-0.6B --save-dir qwen3_mg --target-tensor-parallel-size 2 "
+    "--target-pipeline-parallel-size 1": ("test_hf_to_mg_tp2_pp2_layout_and_round_trip",),
+    "ms-llm convert --load-model-type mg --save-model-type hf --load-dir qwen3_mg "
+    "--save-dir qwen3_hf": ("test_hf_to_mg_tp2_pp2_layout_and_round_trip",),
+    "ms-llm export outputs/ckpt hf_out": ("test_cli_export_newest_checkpoint",),
+    # docs/guides/inference.md
+    'ms-llm generate --load Qwen3-0.6B --prompt "The capital of France is" --max-new-tokens 32':
+        ("test_generate_stream_equals_plain_equals_python",),
+    'ms-llm chat --load Qwen3-0.6B --system "Answer briefly."':
+        ("test_chat_keeps_the_conversation",),
+    # docs/guides/evaluation.md
+    "ms-llm evaluate --task mmlu --task-data-path data/mmlu/test --load Qwen3-0.6B "
+    "--evaluation-batch-size 8 --max-new-tokens 2 --output-json mmlu.json":
+        ("test_every_format_matches_the_reference",),
+    "ms-llm lm-eval --model ms-llm --model_args pretrained=Qwen3-0.6B --tasks my_task "
+    "--include_path my_tasks/ --batch_size 16":
+        ("test_cli_runs_the_harness_with_ms_llm_registered",),
     # docs/qualification.md
     "ms-llm qualify --suite quick --out outputs/qualify": ("test_qualify_ci_matrix",),
     "ms-llm qualify --cells qwen35:dp,qwen35:Muon --out docs/support --merge":
