@@ -11,10 +11,12 @@ docs/performance.md was measured are written inline, not as blocks.
 import glob
 import os
 import re
+from pathlib import Path
 
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the repository root, wherever under tests/ this file sits
+ROOT = str(next(p for p in Path(__file__).resolve().parents if (p / "setup.cfg").is_file()))
 CI = ".ci/run"
 
 # the long fine-tuning commands of docs/guides/finetuning.md
