@@ -1,4 +1,4 @@
-"""README's DeepSeek-V3 command runs as typed (2 steps): the proxy config trains at ep=2 with an
+"""docs/features/moe.md's DeepSeek-V3 command runs as typed (2 steps): the proxy config trains at ep=2 with an
 MTP depth under msrun through scripts/pretrain.sh with finite losses (the MTP loss logged). Its
 numerics
 against one process are checked in test_deepseek_parallel."""

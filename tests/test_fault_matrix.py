@@ -1,4 +1,4 @@
-"""Fault-injection matrix (issue #33): bad inputs walked over the commands the README shows.
+"""Fault-injection matrix (issue #33): bad inputs walked over the commands the docs show.
 
 For every case: a non-zero exit with exactly one line on stderr and no traceback; no file
 outside the case's output changed (inputs are hashed before and after); no output folder left
@@ -277,7 +277,7 @@ CASES = {
                                 ("generate", "--max-context", "-3"),
                                 ("generate", "--max-new-tokens", "-1"),
                                 ("chat", "--max-new-tokens", "-1"), ("chat", "--top-k", "-2")]},
-    # other commands the README shows
+    # other commands the docs show
     "plan-yaml-duplicate-key": lambda fx, t, o: (
         ["plan", yaml_file(t, "training:\n  max_steps: 1\n  max_steps: 2\n"), "--nproc", "2"],
         r"^ms-llm plan: .*key 'max_steps' given twice"),

@@ -1,4 +1,4 @@
-"""README's LoRA commands end to end as a user types them (paths and a few size keys aside): an
+"""docs/guides/finetuning.md's LoRA commands end to end as a user types them (paths and a few size keys aside): an
 HF folder -> ``ms-llm train`` with ``checkpoint.load`` + ``lora`` -> checkpoint ->
 ``ms-llm export`` (merged HF), ``--lora-only`` (PEFT layout), ``ms-llm convert --lora-load``
 (merged Megatron) -> the merged folders compute the trained model's logits (rtol/atol 1e-4: the
@@ -34,7 +34,7 @@ def ms_llm(cwd, *args, timeout=600):
 
 
 def test_readme_lora_commands(tmp_path, monkeypatch):
-    hf = tmp_path / "Qwen3-0.6B"          # a tiny stand-in under the README's name
+    hf = tmp_path / "Qwen3-0.6B"          # a tiny stand-in under the docs' name
     make_hf_checkpoint(hf, "qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
                        ffn=96, vocab=64, tied=False, seed=3)
     write_tokenizer(hf)

@@ -1,4 +1,4 @@
-"""``ms-llm qualify`` on a CI-sized matrix (a strict subset of README's ``--suite quick``: its
+"""``ms-llm qualify`` on a CI-sized matrix (a strict subset of docs/qualification.md's ``--suite quick``: its
 qwen3 single and dp cells, plus qwen3:ep, which does not apply to a dense model), 4 steps:
 one msrun launch (dp) and two one-process jobs. A deliberately broken cell (test-only
 ``--break-cell``: its run uses another seed) must be reported Fail, so the command can fail.

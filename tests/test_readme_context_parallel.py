@@ -1,4 +1,4 @@
-"""README's long-context command runs as typed (two steps; numerics are checked against one
+"""docs/features/parallelism.md's context-parallel command runs as typed (two steps; numerics are checked against one
 process in test_context_parallel_training)."""
 import pytest
 

@@ -1,4 +1,4 @@
-"""README "Fine-tuning": the Evaluation and DPO command blocks run as typed (bash, the real
+"""docs/guides/finetuning.md: the SFT-with-evaluation and DPO command blocks run as typed (bash, the real
 ``ms-llm`` console script) in a folder holding ``hf_model`` (a tiny HF folder), ``alpaca.jsonl``
 and ``pairs.jsonl``. The DPO block is HF folder -> preprocess pairwise -> train stage dpo ->
 save -> resume -> export; its resumed losses equal one uninterrupted in-process run of the same
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def readme_block(heading: str) -> str:
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    text = open(os.path.join(ROOT, "docs", "guides", "finetuning.md"), encoding="utf-8").read()
     section = text.split(f"\n{heading}\n", 1)[1]
     return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
 
@@ -54,7 +54,7 @@ def metrics(path):
 
 
 def test_readme_sft_with_evaluation(workdir):
-    stdout = run_block(readme_block("### Evaluation"), workdir)
+    stdout = run_block(readme_block("## SFT with evaluation"), workdir)
     assert " validation loss at iteration 2 | eval_loss: " in stdout and "| eval_ppl: " in stdout
     rows = metrics(workdir / "outputs" / "sft" / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
@@ -64,7 +64,7 @@ def test_readme_sft_with_evaluation(workdir):
 
 
 def test_readme_dpo_sequence(workdir):
-    block = readme_block("### DPO")
+    block = readme_block("## DPO")
     stdout = run_block(block, workdir)
     assert "resumed from" in stdout and "training.jit ignored" in stdout
     assert "| rewards/accuracy: " in stdout and "| rewards/margin: " in stdout   # step lines

@@ -1,4 +1,4 @@
-"""README's parallel and recompute commands run as typed through scripts/pretrain.sh (default
+"""The parallel, pipeline and recompute commands of docs/features/ run as typed through scripts/pretrain.sh (default
 config, which has training.jit true): tensor + sequence parallel says in one line that it trains
 in PyNative, the pipeline and recompute commands train, and ms-llm schedule prints. A few steps each; the numerics are checked elsewhere against one
 process (test_parallel_training, test_pipeline_training)."""

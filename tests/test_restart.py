@@ -4,7 +4,7 @@ time-out, the supervisor relaunches it with resume=auto from the step-2 checkpoi
 metrics.jsonl (restarted steps appended) gives the uninterrupted curve. The first launch also
 has a NaN injected into one gradient at step 3 with training.nan_policy skip (the multi-rank
 guard: skipped on both ranks, the parameter named). The same test then resumes the dp=2
-checkpoint at dp=1 in this process and checks the samples it consumes. (The README's command,
+checkpoint at dp=1 in this process and checks the samples it consumes. (docs/features/fault_tolerance.md's command,
 with the small model of test_launch.)"""
 import json
 import os

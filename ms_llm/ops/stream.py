@@ -7,7 +7,7 @@ bf16 run spent ~0.35 s per step (~55M model) in the residual adds, ~0.35 s in wi
 gathering and re-rounding the embedding table, and ~0.3 s summing the zero-padded gradients of
 ``mint.narrow`` pieces of the QKV projection; autograd summed the residual stream's two
 gradients and the casts ran at 4-7 ns per element (``ms-llm train --training.bf16`` 407 -> 858
-tokens/s on a 2-core Zen 4 with all of them, see README "Speed"). fp32 keeps MindSpore's own
+tokens/s on a 2-core Zen 4 with all of them, see docs/performance.md). fp32 keeps MindSpore's own
 ops (fast, and traceable by ``training.jit``); Ascend keeps its native ones.
 """
 from __future__ import annotations

@@ -22,7 +22,7 @@ only the order of independent work changes. With ``C = G = 1`` it is the plain s
 On Ascend the asynchronous all-to-alls are native hccl ones (untested here: no device). On CPU
 they run on ``parallel.comm``'s communication thread; whether that hides time depends on free
 cores (on this 2-core machine with two busy workers: 1.13x the ``alltoall`` dispatcher at G=2,
-62% of the all-to-all time hidden; ``benchmarks/moe.py --mode ep``, ``docs/megamoe.md``).
+62% of the all-to-all time hidden; ``benchmarks/moe.py --mode ep``, ``docs/features/moe.md``).
 A ``Timeline`` records every span (compute, comm, exposed wait) for the figure and the
 hidden-fraction figure.
 """

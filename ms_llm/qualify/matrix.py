@@ -130,7 +130,7 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in [
     Feature("pipeline", 2, (PP, "2"),
             family_layout=tuple((f, (PP, "2", "--parallel.num_layer_list", "1,2"))
                                 for f in ("deepseek-v3", "qwen3-next", "qwen35", "qwen35-moe"))),
-    # MoE: the aux losses stay on (the routers sum their counts over cp, README)
+    # MoE: the aux losses stay on (the routers sum their counts over cp, docs/features/moe.md)
     Feature("context-parallel", 2, (CP, "2"),
             moe_tolerance=Tolerance(norm_rtol=3e-5, why="the routers' per-rank token sums "
                                     "reorder more terms (tests/test_context_parallel_training)")),
