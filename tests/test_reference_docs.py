@@ -10,11 +10,12 @@ import subprocess
 import sys
 import typing
 
+import ms_llm
 from ms_llm.compat.environment import SETTINGS, VARIABLES
 from ms_llm.config import RunConfig
 from ms_llm.mindspeed.flag_table import TABLE, Map, Noop, Post, Refuse
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ms_llm.__file__)))   # the checkout
 PAGES = os.path.join(ROOT, "docs", "reference")
 
 
@@ -34,6 +35,13 @@ def _generate(*args: str) -> subprocess.CompletedProcess:
 def test_pages_are_what_the_generator_writes():
     r = _generate("--check")
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_pages_hold_nothing_of_this_machine():
+    for name in sorted(os.listdir(PAGES)):
+        page = _page(name)
+        for local in (ROOT, os.path.expanduser("~"), sys.executable):
+            assert len(local) < 2 or local not in page, (name, local)
 
 
 def test_check_names_a_stale_page(tmp_path):

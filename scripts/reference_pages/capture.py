@@ -1,6 +1,6 @@
 """Run a command-line ``main`` in this process and keep what it prints, the way a user sees it
 in a terminal 100 columns wide (argparse wraps to ``$COLUMNS``: fixed, so pages are the same on
-every machine)."""
+every machine and Python version)."""
 import contextlib
 import io
 import os
@@ -27,4 +27,6 @@ def printed(main: Callable[[List[str]], int], argv: List[str]) -> str:
             os.environ["COLUMNS"] = saved
     if status not in (0, None):
         raise RuntimeError(f"{argv}: exit status {status}")
-    return "\n".join(line.rstrip() for line in out.getvalue().strip("\n").splitlines())
+    lines = (line.rstrip() for line in out.getvalue().strip("\n").splitlines())
+    # Python < 3.10 argparse titles the options section "optional arguments:"
+    return "\n".join("options:" if line == "optional arguments:" else line for line in lines)
