@@ -1,4 +1,4 @@
-"""MindSpeed-LLM's `pretrain_gpt.py`, for its example scripts under msrun (ms_llm/mindspeed/entry.py):
+r"""MindSpeed-LLM's `pretrain_gpt.py`, for its example scripts under msrun (ms_llm/mindspeed/entry.py):
     msrun --worker_num N --local_worker_num N --master_port P --log_dir LOGS --join True \
         /path/to/ms-llm/pretrain_gpt.py <the script's flags, unchanged>
 """

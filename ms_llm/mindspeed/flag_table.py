@@ -2,9 +2,11 @@
 
 Each entry is one of: ``Map`` (sets a run-config key from the flag's value, or to a constant for
 a switch), ``Noop`` (accepted, with the reason it changes nothing here), ``Refuse`` (one line:
-what is not built), or ``Post`` (read by ``flags.finish`` because it depends on other flags).
-A flag not in the table is refused naming it. ``MEGATRON_DEFAULTS`` are Megatron's values for
-keys whose flag a script may leave out, so a script means here what it means to Megatron.
+what is not built), or ``Post`` (read by ``flags._finish`` because it depends on other flags;
+its ``means`` says what it sets). A flag not in the table is refused naming it.
+``MEGATRON_DEFAULTS`` are Megatron's values for keys whose flag a script may leave out, so a
+script means here what it means to Megatron. ``scripts/gen_reference.py`` renders the table as
+docs/reference/mindspeed_flags.md.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class Refuse:
 
 @dataclass(frozen=True)
 class Post:
+    means: str                              # what the flag sets, for the flag glossary
     nargs: Nargs = 1
 
 
@@ -48,10 +51,12 @@ LAUNCH = "set by the launcher: msrun chooses the backend and the collective libr
 
 
 def _join(values):
+    """the values, comma-separated"""
     return ",".join(values)
 
 
 def _minutes(v):
+    """minutes, as seconds"""
     return float(v) * 60.0
 
 
@@ -61,21 +66,26 @@ TABLE: Dict[str, object] = {
     "--hidden-size": Map("model.hidden_size"),
     "--ffn-hidden-size": Map("model.ffn_hidden_size"),
     "--num-attention-heads": Map("model.num_attention_heads"),
-    "--num-query-groups": Post(),
-    "--group-query-attention": Post(0),
+    "--num-query-groups": Post("model.num_query_groups, only with --group-query-attention "
+                               "(Megatron ignores it without)"),
+    "--group-query-attention": Post("makes --num-query-groups count (grouped-query attention)", 0),
     "--kv-channels": Map("model.kv_channels"),
     "--max-position-embeddings": Map("model.max_position_embeddings"),
     "--padded-vocab-size": Map("model.padded_vocab_size"),
-    "--vocab-size": Post(),
+    "--vocab-size": Post("model.padded_vocab_size: the value rounded up to a multiple of "
+                         "--make-vocab-size-divisible-by x tensor-parallel size (unless "
+                         "--padded-vocab-size is given)"),
     "--make-vocab-size-divisible-by": Map("data.make_vocab_size_divisible_by"),
     "--rotary-base": Map("model.rotary_base"),
     "--rotary-percent": Map("model.rotary_percent"),
     "--disable-bias-linear": Map("model.add_bias_linear", 0, False),
     "--add-qkv-bias": Map("model.add_qkv_bias", 0, True),
-    "--swiglu": Post(0),
-    "--normalization": Post(),
+    "--swiglu": Post("required: model.gated_linear_unit true and model.activation_func silu "
+                     "(without it Megatron builds a GeLU MLP, which is not built)", 0),
+    "--normalization": Post("must be RMSNorm (Megatron's default, LayerNorm, is not built)"),
     "--norm-epsilon": Map("model.layernorm_epsilon"),
-    "--position-embedding-type": Post(),
+    "--position-embedding-type": Post("must be rope (Megatron's default, learned_absolute, is not "
+                                      "built)"),
     "--use-rotary-position-embeddings": Noop("--position-embedding-type rope says the same"),
     "--qk-layernorm": Map("model.qk_layernorm", 0, True),
     "--untie-embeddings-and-output-weights": Map("model.untie_embeddings_and_output_weights",
@@ -83,7 +93,8 @@ TABLE: Dict[str, object] = {
     "--init-method-std": Map("model.init_method_std"),
     "--attention-dropout": Map("model.attention_dropout"),
     "--hidden-dropout": Map("model.hidden_dropout"),
-    "--spec": Post(2),
+    "--spec": Post("model.family, from the layer spec's module name (qwen3 with --num-experts: "
+                   "qwen3-moe)", 2),
     "--use-mcore-models": Noop("ms-llm's models are the Megatron-Core ones"),
     "--transformer-impl": Noop("the local spec is the layout ms-llm builds and reads", 1,
                                ("local",)),
@@ -98,7 +109,8 @@ TABLE: Dict[str, object] = {
     "--qk-head-dim": Map("model.qk_head_dim"),
     "--qk-pos-emb-head-dim": Map("model.qk_pos_emb_head_dim"),
     "--v-head-dim": Map("model.v_head_dim"),
-    "--rope-scaling-type": Post(),
+    "--rope-scaling-type": Post("yarn: model.position_embedding_type yarn (other types are "
+                                "refused)"),
     "--rope-scaling-factor": Map("model.yarn_rotary_scaling_factor"),
     "--rope-scaling-original-max-position-embeddings":
         Map("model.yarn_original_max_position_embeddings"),
@@ -112,16 +124,19 @@ TABLE: Dict[str, object] = {
     "--mla-mm-split": Noop(KERNEL),
     "--mtp-mem-efficient-logits": Noop(MEMORY),
     # MoE
-    "--num-experts": Post(),
+    "--num-experts": Post("model.num_moe_experts, and model.mlp_type moe"),
     "--moe-router-topk": Map("model.moe_router_topk"),
     "--moe-ffn-hidden-size": Map("model.moe_ffn_hidden_size"),
     "--moe-router-load-balancing-type": Map("model.moe_router_load_balancing_type"),
-    "--seq-aux": Post(0),
+    "--seq-aux": Post("model.moe_router_load_balancing_type seq_aux_loss (with --num-experts)", 0),
     "--moe-aux-loss-coeff": Map("model.moe_aux_loss_coeff"),
     "--moe-z-loss-coeff": Map("model.moe_z_loss_coeff"),
-    "--moe-layer-freq": Post(),
-    "--first-k-dense-replace": Post(),
-    "--norm-topk-prob": Post(0),
+    "--moe-layer-freq": Post("model.moe_layer_pattern: every n-th layer after the dense ones is "
+                             "MoE (-1: every layer)"),
+    "--first-k-dense-replace": Post("model.moe_layer_pattern: the first k layers are dense"),
+    "--norm-topk-prob": Post("renormalise the top-k routing weights (softmax router: "
+                             "model.moe_router_pre_softmax false; sigmoid router: "
+                             "model.moe_router_norm_topk_prob true)", 0),
     "--moe-grouped-gemm": Map("model.moe_grouped_gemm", 0, True),
     "--moe-router-score-function": Map("model.moe_router_score_function"),
     "--moe-router-num-groups": Map("model.moe_router_num_groups"),
@@ -130,7 +145,8 @@ TABLE: Dict[str, object] = {
     "--moe-router-bias-update-rate": Map("model.moe_router_bias_update_rate"),
     "--moe-router-topk-scaling-factor": Map("model.moe_router_topk_scaling_factor"),
     "--moe-router-pre-softmax": Map("model.moe_router_pre_softmax", 0, True),
-    "--n-shared-experts": Post(),
+    "--n-shared-experts": Post("model.moe_shared_expert_intermediate_size = n x the expert FFN "
+                               "size (unless that key's flag is given)"),
     "--moe-shared-expert-intermediate-size": Map("model.moe_shared_expert_intermediate_size"),
     "--moe-token-dispatcher-type": Noop("alltoall, alltoall_seq and allgather route the same "
                                         "tokens; ms-llm dispatches with all-to-all", 1,
@@ -152,11 +168,14 @@ TABLE: Dict[str, object] = {
     "--expert-model-parallel-size": Map("parallel.expert_model_parallel_size"),
     "--expert-tensor-parallel-size": Noop("experts are not tensor-parallel here (1 is the only "
                                           "size built)", 1, ("1",)),
-    "--sequence-parallel": Post(0),
-    "--num-layers-per-virtual-pipeline-stage": Post(),
+    "--sequence-parallel": Post("parallel.sequence_parallel when tensor parallel > 1 (Megatron "
+                                "drops it at tp 1)", 0),
+    "--num-layers-per-virtual-pipeline-stage": Post("parallel.virtual_pipeline_model_parallel_size "
+                                                    "= layers / (this x pipeline size)"),
     "--num-layer-list": Map("parallel.num_layer_list"),
     "--noop-layers": Map("parallel.noop_layers"),
-    "--schedules-method": Post(),
+    "--schedules-method": Post("dualpipev only: parallel.schedules_method dualpipev with 2 virtual "
+                               "stages per rank"),
     "--use-distributed-optimizer": Map("parallel.use_distributed_optimizer", 0, True),
     "--overlap-grad-reduce": Map("parallel.ddp_overlap", 0, True),
     "--overlap-param-gather": Noop(OVERLAP),
@@ -225,7 +244,8 @@ TABLE: Dict[str, object] = {
     "--adam-beta1": Map("training.adam_beta1"),
     "--adam-beta2": Map("training.adam_beta2"),
     "--adam-eps": Map("training.adam_eps"),
-    "--optimizer": Post(),
+    "--optimizer": Post("training.optimizer: adam -> adamw, muon -> muon, dist_muon -> muon with "
+                        "parallel.use_distributed_optimizer (Megatron's default: adam)"),
     # Megatron-Core's Muon (training.optimizer muon; ms_llm.optim.muon) and QK-clip
     "--muon-momentum": Map("training.muon_momentum"),
     "--muon-no-split-qkv": Map("training.muon_split_qkv", 0, False),
@@ -244,7 +264,8 @@ TABLE: Dict[str, object] = {
     "--qk-clip-threshold": Map("model.qk_clip_threshold"),
     "--log-max-attention-logit": Map("model.log_max_attention_logit", 0, True),
     "--micro-batch-size": Map("training.micro_batch_size"),
-    "--global-batch-size": Post(),
+    "--global-batch-size": Post("training.global_batch_size (left out: micro batch x data-parallel "
+                                "size, as Megatron)"),
     "--seed": Map("training.seed"),
     # ------------------------------------------------------------------ data
     "--data-path": Map("data.data_path", "+", None, _join),
@@ -274,8 +295,8 @@ TABLE: Dict[str, object] = {
     "--reset-position-ids": Map("data.reset_position_ids", 0, True),
     "--eod-mask-loss": Map("data.eod_mask_loss", 0, True),
     # ------------------------------------------------------------------ stages
-    "--stage": Post(),
-    "--finetune": Post(0),
+    "--stage": Post("sft -> data.dataset_type sft, dpo -> training.stage dpo"),
+    "--finetune": Post("--load gives the weights only: never resumes a run saved there", 0),
     "--dpo-beta": Map("dpo.beta"),
     "--dpo-loss-type": Map("dpo.loss_type"),
     "--dpo-label-smoothing": Map("dpo.label_smoothing"),
@@ -288,15 +309,19 @@ TABLE: Dict[str, object] = {
     "--lora-load": Refuse("resuming adapters from a separate folder is not built (resume the "
                           "run from --save)", 1),
     # ------------------------------------------------------------------ checkpoints and logs
-    "--load": Post(),
+    "--load": Post("checkpoint.load (Hugging Face or Megatron weights); the --save folder of an "
+                   "ms-llm run or a Megatron training checkpoint resumes instead (training.resume "
+                   "auto, checkpoint.resume_from)"),
     "--save": Map("checkpoint.save_dir"),
     "--save-interval": Map("checkpoint.save_interval"),
-    "--no-load-optim": Post(0),   # (whether --load of a Megatron training checkpoint resumes)
+    "--no-load-optim": Post("a no-op for weights; with a Megatron training checkpoint as --load, "
+                            "loading its weights alone is refused", 0),
     "--no-load-rng": Noop("a --load folder gives the weights only; a resume of an ms-llm run "
                           "restores the RNG"),
     "--no-save-optim": Noop("ms-llm checkpoints always hold the optimizer state (resumable)"),
     "--no-save-rng": Noop("ms-llm checkpoints always hold the RNG state (resumable)"),
-    "--ckpt-format": Post(),
+    "--ckpt-format": Post("torch_dist -> checkpoint.format torch_dist; torch: --save writes "
+                          "ms-llm's format (noted)"),
     "--exit-on-missing-checkpoint": Noop("a missing --load folder is always an error here"),
     "--enable-hf2mg-convert": Noop("ms-llm reads a Hugging Face --load folder directly"),
     "--model-type-hf": Noop("the folder's config.json names the architecture", 1),
@@ -318,8 +343,9 @@ TABLE: Dict[str, object] = {
         "--log-batch-size-to-tensorboard", "--log-world-size-to-tensorboard")},
     "--tensorboard-log-interval": Noop("TensorBoard gets every logged step (--log-interval)", 1),
     "--tensorboard-queue-size": Noop("the writer flushes every logged step", 1),
-    "--eval-interval": Post(),
-    "--eval-iters": Post(),
+    "--eval-interval": Post("training.eval_interval (Megatron's default 1000 while "
+                            "--eval-iters > 0)"),
+    "--eval-iters": Post("training.eval_iters (Megatron's default 100; 0 turns evaluation off)"),
 }
 
 # Megatron's defaults where a script may leave the flag out and ms-llm's default differs.
