@@ -3,9 +3,9 @@
 Why here and not in the converter: a dcp checkpoint stores GPTModel (Megatron-Core local-spec)
 keys in pieces; this module assembles one layer at a time through ``DCPReader`` and hands the
 full tensors to the converter's own sinks (``convert.HFSink`` / ``convert.MegatronSink``), so the
-QKV / gate-up / vocab-padding / expert rules live in one place (``layouts``). Optimizer tensors
-and the training state are not exported. Output is written to ``<out>.tmp-<pid>`` and renamed at
-the end.
+QKV / gate-up / vocab-padding / expert rules live in one place (``ms_llm.models.layouts``).
+Optimizer tensors and the training state are not exported. Output is written to
+``<out>.tmp-<pid>`` and renamed at the end.
 
 What the training checkpoint stores differently from the converter's full layer form (and is
 undone in ``_Source.layer``):
