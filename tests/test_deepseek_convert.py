@@ -207,8 +207,8 @@ def test_trained_proxy_exports_to_hf(tmp_path, variant):
 def test_mla_shards_read_back_from_both_namings(q_lora):
     """``mla_merge`` undoes ``mla_shard`` (MindSpeed's names with ``q_lora_rank``, Megatron-Core's
     without) and also reads a checkpoint written with Megatron-Core's names."""
-    from ms_llm.checkpoint import layouts as L
-    from ms_llm.checkpoint import layouts_deepseek as DS
+    from ms_llm.models import layouts as L
+    from ms_llm.models.layouts import mla as DS
     spec = L.ModelSpec(family="deepseek-v3", num_layers=1, hidden=16, ffn=32, heads=4, groups=4,
                        head_dim=12, vocab=8, tied=False, qkv_bias=False, qk_norm=False, mla=True,
                        q_lora_rank=q_lora, kv_lora_rank=8, qk_nope=8, qk_rope=4, v_head=6,

@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from ms_llm.checkpoint import layouts as L
+from ms_llm.models import layouts as L
 from ms_llm.models import TransformerConfig
 from ms_llm.models.registry import (FamilySpec, families, family_for_config, family_for_hf,
                                     get_family, register_family, unregister_family)
@@ -124,7 +124,7 @@ def test_register_family_refuses_taken_names_and_new_families_appear_everywhere(
     from ms_llm.checkpoint.convert_args import build_parser
     from ms_llm.config_help import schema_help
     import ms_llm.models.families as F
-    from ms_llm.models.families import llama
+    from ms_llm.models.families.llama import hf as llama
     with pytest.raises(ValueError, match=r"name\(s\) \['llama2'\] belong to \['llama'\]"):
         register_family(FamilySpec(name="toy", hf_model_type="toy", hf_architecture="X",
                                    from_hf=llama.from_hf, to_hf=llama.to_hf, aliases=("llama2",)))
@@ -153,7 +153,7 @@ def test_a_family_with_two_layer_kinds_converts_layer_by_layer():
     and full-attention layers) names one kind per layer and registers the new kind; the
     converter's per-layer HF <-> Megatron <-> tp-shard path then handles both."""
     from collections import OrderedDict
-    from ms_llm.checkpoint.layouts_attention import LAYER_KINDS, LayerKind
+    from ms_llm.models.layouts import LAYER_KINDS, LayerKind
 
     A = "self_attention."
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ms_llm.checkpoint import layouts  # noqa: F401  (registers the layer kinds)
-from ms_llm.checkpoint.layouts_attention import LAYER_KINDS, A
-from ms_llm.checkpoint.layouts_spec import ModelSpec
+from ms_llm.models.families.qwen3_next.layouts import GATED_DELTA_NET
+from ms_llm.models.layouts import ModelSpec
+from ms_llm.models.layouts.kinds import A
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models.gated_delta_net import GatedDeltaNet
 from ms_llm.parallel.mixer_plans.gated_delta_net import (conv_parts, part_rows,
@@ -33,7 +33,7 @@ def test_in_memory_shard_is_the_converters_tp_shard(tp):
     mixer = GatedDeltaNet(c)
     full = {A + n: p.asnumpy() for n, p in mixer.parameters_and_names()}
     spec = ModelSpec.from_config("qwen3-next", c, kinds=("gated_delta_net",))
-    kind = LAYER_KINDS["gated_delta_net"]
+    kind = GATED_DELTA_NET
     for t in range(tp):
         want = kind.shard(spec, full, tp, t)
 

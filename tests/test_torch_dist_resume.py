@@ -82,7 +82,7 @@ def test_what_cannot_be_resumed_is_one_line(tmp_path):
         import_torch_dist(path, str(tmp_path / "s"), {}, gated=True, global_batch_size=4)
     # a hybrid model's DeltaNet layers have no torch_dist names: refused before training, not
     # at its first save
-    from ms_llm.models.families.qwen35 import QUALIFY_ARGS
+    from ms_llm.models.families.qwen35.spec import QUALIFY_ARGS
     with pytest.raises(ConfigError, match=r"checkpoint.format torch_dist .*Gated DeltaNet "
                                           r"layers \(model.layer_types\) are not built"):
         Trainer(cfg(tmp_path, *QUALIFY_ARGS, "--checkpoint.format", "torch_dist",

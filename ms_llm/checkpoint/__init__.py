@@ -1,5 +1,6 @@
 """Checkpoint formats and conversion: Hugging Face folders, Megatron legacy torch folders
-(``megatron``, ``torch_pickle``), per-family layouts (``layouts``) and ``ms-llm convert``.
+(``megatron``, ``torch_pickle``) and ``ms-llm convert``; the tensor layouts they write live with
+the models (``ms_llm.models.layouts``).
 
 ``from_pretrained`` is imported on first use, so the converter (``ms-llm convert``) runs without
 importing MindSpore (faster start, smaller memory)."""

@@ -34,8 +34,9 @@ from typing import Dict, List, Optional
 import ml_dtypes
 import numpy as np
 
-from . import layouts as L
-from . import layouts_mtp as MTP
+from ms_llm.models import layouts as L
+from ms_llm.models.layouts import mtp as MTP
+
 from .convert_args import (DTYPES, ConvertError, _check_num_layers,  # noqa: F401 (re-exported)
                            _int_list, _refuse_unsupported, build_parser)
 from .convert_stream import stream_to_sink  # noqa: F401 (re-exported: dcp_export, lora)

@@ -3,9 +3,9 @@
 Why here and not in the converter: a dcp checkpoint stores GPTModel (Megatron-Core local-spec)
 keys in pieces; this module assembles one layer at a time through ``DCPReader`` and hands the
 full tensors to the converter's own sinks (``convert.HFSink`` / ``convert.MegatronSink``), so the
-QKV / gate-up / vocab-padding / expert rules live in one place (``layouts``). Optimizer tensors
-and the training state are not exported. Output is written to ``<out>.tmp-<pid>`` and renamed at
-the end.
+QKV / gate-up / vocab-padding / expert rules live in one place (``ms_llm.models.layouts``).
+Optimizer tensors and the training state are not exported. Output is written to
+``<out>.tmp-<pid>`` and renamed at the end.
 
 What the training checkpoint stores differently from the converter's full layer form (and is
 undone in ``_Source.layer``):
@@ -29,7 +29,8 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from . import layouts as L
+from ms_llm.models import layouts as L
+
 from .convert import DTYPES, HFSink, MegatronSink, stream_to_sink
 from .dcp_format import DCPError
 from .dcp_load import DCPReader
@@ -45,9 +46,9 @@ PART_ORDERS = (("gate", "up"), ("q", "k", "v"))
 def hf_config_from_transformer_config(config, model_type_hf: Optional[str] = None
                                       ) -> Tuple[dict, str]:
     """HF ``config.json`` for a ``TransformerConfig`` and its ``--model-type-hf`` name: the
-    family is the registry's guess (``family_for_config``: MLA -> deepseek-v3, the DeepSeek router
-    -> glm45, other MoE -> qwen3-moe, QK-norm -> qwen3, QKV bias -> qwen25, else llama), unless
-    ``model_type_hf`` names one; the family's ``to_hf`` says what HF cannot express."""
+    family is the registry's guess (``family_for_config``: each family's ``claims`` in
+    ``claim_order``), unless ``model_type_hf`` names one; the family's ``to_hf`` says what HF
+    cannot express."""
     try:
         fam, mt = L.export_family(config, model_type_hf)
         return fam.to_hf(config), mt

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ms_llm.checkpoint import layouts as L
+from ms_llm.models import layouts as L
 from ms_llm.checkpoint.hf_io import HFWriter
 from ms_llm.lora.base import STATE_KEY
 from .lora_merge import MODULES, PEFT_PREFIX, AdapterError, read_checkpoint_adapters

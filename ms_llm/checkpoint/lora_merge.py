@@ -2,7 +2,7 @@
 turn them into weight deltas in Megatron's full-layer form, and merge them into a converter
 source, so ``ms-llm export`` and ``ms-llm convert --lora-load`` stream base + delta one layer at
 a time through the converter's own sinks (the QKV / gate-up / vocabulary rules stay in
-``checkpoint.layouts``).
+``models.layouts``).
 
 The merged weight is ``W + (alpha / r) B A``, computed in float64 and stored in W's dtype. A
 module whose B is all zero (an untrained adapter) is left bit-identical: adding zero would only
@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ms_llm.checkpoint import layouts as L
+from ms_llm.models import layouts as L
 from ms_llm.lora.base import STATE_KEY, check_base
 
 # Megatron module (relative to decoder.layers.{i}.) -> HF module(s) it fuses

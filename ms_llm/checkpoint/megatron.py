@@ -24,9 +24,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ms_llm.models.layouts import ModelSpec, ParallelLayout, family_of
 from ms_llm.models.registry import get_family
 
-from .layouts_spec import ModelSpec, ParallelLayout, family_of
 from .torch_pickle import GlobalRef, LazyTensor, TorchCheckpoint, TorchZipWriter, torch_dtype
 
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -11,20 +11,20 @@ import numpy as np
 
 from ms_llm.compat import load_state_dict, to_ms_dtype
 from ms_llm.models.config import TransformerConfig
+from ms_llm.models import layouts as L
 from ms_llm.models.registry import family_for_hf, parse_hf_config
 from ms_llm.models.gpt import GPTModel
+from ms_llm.models.layouts import mtp as MTP
+
 from .hf_io import read_hf_config, read_hf_weights
-from . import layouts as L
-from . import layouts_mtp as MTP
 from .megatron import is_megatron_dir
 
 log = logging.getLogger("ms_llm.checkpoint")
 
 
 def pretrained_architecture(path: str) -> Tuple[TransformerConfig, str]:
-    """The ``TransformerConfig`` and family (``llama``, ``qwen25``, ``qwen3``, ``qwen3-moe``,
-    ``deepseek-v3``, ``glm45``)
-    that ``from_pretrained(path)`` builds, read from the folder's config (and, for a Megatron
+    """The ``TransformerConfig`` and family name (any registered family) that
+    ``from_pretrained(path)`` builds, read from the folder's config (and, for a Megatron
     folder, its embedding rows: the padded vocabulary) without loading any weight, so a run can
     take its architecture from the folder before it builds anything."""
     if is_megatron_dir(path):
@@ -138,7 +138,7 @@ def _hf_to_mcore(hf: dict, hf_cfg: dict, cfg: TransformerConfig, source: str) ->
     for j in range(depths):
         out.update(mtp_state(MTP.mtp_hf_to_full(spec, get, j, L.hf_layer_to_full, source),
                              j, cfg, spec))
-    mtp = sorted(k for k in hf if L.DS.is_mtp_tensor(spec, k) and k not in used)
+    mtp = sorted(k for k in hf if MTP.is_mtp_tensor(spec, k) and k not in used)
     if mtp:
         log.warning("%s: skipped %d tensors of MTP depths %d.. (model.mtp_num_layers is %d)",
                     source, len(mtp), depths, depths)

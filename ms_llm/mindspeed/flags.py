@@ -15,11 +15,10 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from ms_llm.config_rules import ConfigError
+from ms_llm.models.registry import families
 from .flag_table import MEGATRON_DEFAULTS, TABLE, Map, Noop, Refuse
 
 _SPEC = re.compile(r"(?:^|\.)([a-z0-9_]+)_spec$")
-_SPEC_FAMILIES = {"qwen3": "qwen3", "deepseek": "deepseek-v3", "llama": "llama",
-                  "qwen25": "qwen25", "glm45": "glm45", "glm4_moe": "glm45"}
 
 
 @dataclass
@@ -174,15 +173,20 @@ def _architecture(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
             int(k.get("parallel.tensor_model_parallel_size", 1))
         k["model.padded_vocab_size"] = -(-int(post["--vocab-size"][0]) // div) * div
     if "--spec" in post:
-        module = post["--spec"][0]
-        m = _SPEC.search(module)
-        family = _SPEC_FAMILIES.get(m.group(1)) if m else None
-        if family is None:
-            raise ConfigError(f"--spec {module}: unknown layer spec (known: "
-                              f"{', '.join(f'{s}_spec' for s in _SPEC_FAMILIES)})")
-        if family == "qwen3" and "--num-experts" in post:
-            family = "qwen3-moe"
-        k["model.family"] = family
+        k["model.family"] = _family_of_spec(post["--spec"][0], "--num-experts" in post)
+
+
+def _family_of_spec(module: str, moe: bool) -> str:
+    """The family a MindSpeed-LLM ``--spec`` module (``..<name>_spec``) builds: the registered
+    family listing ``<name>`` in ``mindspeed_specs``; when two share it (a dense and a MoE
+    family), the one whose MLP ``--num-experts`` (``moe``) says."""
+    m = _SPEC.search(module)
+    named = [s for s in families() if m and m.group(1) in s.mindspeed_specs]
+    if not named:
+        known = dict.fromkeys(n for s in families() for n in s.mindspeed_specs)
+        raise ConfigError(f"--spec {module}: unknown layer spec (known: "
+                          f"{', '.join(f'{n}_spec' for n in known)})")
+    return next((s.name for s in named if s.is_moe == moe), named[0].name)
 
 
 def _moe(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:

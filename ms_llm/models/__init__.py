@@ -1,5 +1,6 @@
-"""Megatron-Core-shaped GPT models (model code only; no parallelism) and the model-family
-registry (``ms_llm.models.registry``).
+"""Megatron-Core-shaped GPT models (model code only; no parallelism), the model-family
+registry (``ms_llm.models.registry``, one folder per family under ``families/``) and the HF <->
+Megatron state-dict layouts (``ms_llm.models.layouts``, pure numpy).
 
 ``GPTModel`` is imported on first use (PEP 562): the config schema (``TransformerConfig``, the
 family registry) is needed by every command's ``--help`` and config check, which should not pay

@@ -7,8 +7,11 @@ reads and writes (``model_type``, architecture class, the two translations ``fro
 take (``layer_kinds``: the converter's per-layer layout names) and the names the Megatron /
 MindSpeed converter uses for it (``megatron_names``, ``megatron_args``). Everything else that
 needs a family (``ms-llm convert``'s ``--model-type-hf``, ``from_pretrained``, ``ms-llm export``'s
-family guess, ``ms-llm qualify``'s matrix, the config schema's family list, the registry tests)
-derives from these records, so a new family is one module that calls ``register_family``.
+family guess, ``ms-llm qualify``'s matrix, the MindSpeed ``--spec`` table, the config schema's
+family list, the registry tests) derives from these records, so a new family is one folder,
+``ms_llm/models/families/<name>/``: ``hf.py`` (the ``config.json`` mapping), ``spec.py`` (the
+``FamilySpec``), ``layouts.py`` (its own checkpoint layer kinds, if any) and an ``__init__.py``
+that registers them.
 
 Why a registry and not a table per consumer: the same facts were written in five places, and
 they disagreed (an alias known to one and not another, a sparse-layer rule computed twice).
@@ -28,8 +31,8 @@ __all__ = ["FamilySpec", "Qualify", "register_family", "unregister_family", "get
            "family_for_hf", "family_for_config", "families", "names", "parse_hf_config",
            "BUILTIN_FAMILY_MODULES"]
 
-# The first families ms-llm shipped, listed first; ``families()`` imports every module of
-# ``ms_llm.models.families`` on first use (each family module registers itself).
+# The first families ms-llm shipped, listed first; ``families()`` imports every package of
+# ``ms_llm.models.families`` on first use (each family package registers itself).
 BUILTIN_FAMILY_MODULES = ("llama", "qwen25", "qwen3", "qwen3_moe", "deepseek_v3", "glm45")
 
 
@@ -48,11 +51,15 @@ def _no_args(config: TransformerConfig) -> dict:
 @dataclass(frozen=True)
 class Qualify:
     """How ``ms-llm qualify`` trains the family: a row name, a YAML under ``configs/`` and the
-    tiny-shape command-line keys (PyNative, micro-batch 2)."""
+    tiny-shape command-line keys (PyNative, micro-batch 2). ``num_layer_list``: Megatron's
+    ``--num-layer-list`` of the two-stage pipeline cell when the row's layers do not split evenly
+    (a 3-layer row: "1,2"); ``quick``: the row is in the ``quick`` suite."""
 
     name: str
     config: str
     args: Tuple[str, ...]
+    num_layer_list: Optional[str] = None
+    quick: bool = False
 
 
 @dataclass(frozen=True, eq=False)   # identity: one record per family
@@ -66,10 +73,12 @@ class FamilySpec:
     here (asked in ``claim_order``, lowest first). ``layer_kinds(config)`` names each decoder
     layer's checkpoint layout (``"attention"``: fused QKV; ``"mla"``: latent attention; a family
     with linear- and full-attention layers returns one name per layer and registers the new
-    kind's layout with ``ms_llm.checkpoint.layouts.register_layer_kind``). ``layout_extras(hf,
+    kind's layout with ``ms_llm.models.layouts.register_layer_kind``). ``layout_extras(hf,
     source)`` returns the layout facts a model config does not hold (MTP depths in the folder,
     MLA linear biases). ``tiny_hf``: a small ``config.json`` the registry tests build a random
-    transformers model from (parity and conversion round trip, per family, automatically)."""
+    transformers model from (parity and conversion round trip, per family, automatically).
+    ``mindspeed_specs``: the MindSpeed-LLM ``--spec`` module names (``<name>_spec``) that build
+    this family; two families may share one (Qwen3 and Qwen3-MoE: ``--num-experts`` decides)."""
 
     name: str
     hf_model_type: str
@@ -80,6 +89,7 @@ class FamilySpec:
     aliases: Tuple[str, ...] = ()
     megatron_names: Tuple[str, ...] = ()
     megatron_args: Callable[[TransformerConfig], dict] = _no_args
+    mindspeed_specs: Tuple[str, ...] = ()
     claims: Callable[[TransformerConfig], bool] = _no_claim
     claim_order: int = 100
     layer_kinds: Optional[Callable[[TransformerConfig], Tuple[str, ...]]] = None
@@ -120,6 +130,7 @@ _FAMILIES: Dict[str, FamilySpec] = {}
 _NAMES: Dict[str, str] = {}          # every name, alias and --model-type-hf name -> family
 _HF_TYPES: Dict[str, str] = {}       # config.json model_type -> family
 _loaded = False
+_PACKAGE = "ms_llm.models.families"
 
 
 def register_family(spec: FamilySpec) -> FamilySpec:
@@ -155,10 +166,11 @@ def unregister_family(name: str) -> FamilySpec:
 
 
 def _family_modules() -> List[str]:
-    """Every module of ``ms_llm.models.families`` (a module there is a family once it calls
-    ``register_family``), the original six first so listings keep their order."""
-    pkg = importlib.import_module("ms_llm.models.families")
-    found = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__))
+    """Every package (folder) of ``ms_llm.models.families``: a family is a folder whose
+    ``__init__`` calls ``register_family``; plain modules there (``common``, ``deepseek_moe``) are
+    helpers families share. The original six first so listings keep their order."""
+    pkg = importlib.import_module(_PACKAGE)
+    found = sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.ispkg)
     return [m for m in BUILTIN_FAMILY_MODULES if m in found] + \
         [m for m in found if m not in BUILTIN_FAMILY_MODULES]
 
@@ -168,16 +180,22 @@ def _ensure_builtin() -> None:
     if not _loaded:
         _loaded = True
         for mod in _family_modules():
-            importlib.import_module(f"ms_llm.models.families.{mod}")
+            importlib.import_module(f"{_PACKAGE}.{mod}")
+
+
+def _package_of(spec: FamilySpec) -> str:
+    """The family folder ``spec.from_hf`` is defined in (``ms_llm.models.families.<name>``), or
+    its module when it comes from elsewhere."""
+    module = getattr(spec.from_hf, "__module__", "") or ""
+    return ".".join(module.split(".")[:4]) if module.startswith(_PACKAGE + ".") else module
 
 
 def families() -> List[FamilySpec]:
     """All registered families: those of ``ms_llm.models.families`` in ``_family_modules``
     order, then any registered from elsewhere, in registration order."""
     _ensure_builtin()
-    order = {f"ms_llm.models.families.{m}": i for i, m in enumerate(_family_modules())}
-    return sorted(_FAMILIES.values(),
-                  key=lambda s: order.get(getattr(s.from_hf, "__module__", ""), len(order)))
+    order = {f"{_PACKAGE}.{m}": i for i, m in enumerate(_family_modules())}
+    return sorted(_FAMILIES.values(), key=lambda s: order.get(_package_of(s), len(order)))
 
 
 def names() -> Dict[str, str]:

@@ -44,13 +44,15 @@ class Family:
     args: Tuple[str, ...]
     moe: bool
     hf_type: str          # ms-llm convert --model-type-hf
+    num_layer_list: Optional[str] = None   # the pipeline cell's uneven split (FamilySpec.qualify)
+    quick: bool = False                    # in the quick suite
 
 
 def _families() -> Dict[str, Family]:
     """The registry's families that say how to qualify them (``FamilySpec.qualify``)."""
     from ms_llm.models.registry import families
     return {s.qualify.name: Family(s.qualify.name, s.qualify.config, s.qualify.args, s.is_moe,
-                                   s.convert_name)
+                                   s.convert_name, s.qualify.num_layer_list, s.qualify.quick)
             for s in families() if s.qualify is not None}
 
 
@@ -93,7 +95,8 @@ class Feature:
     moe_tolerance: Optional[Tolerance] = None
     notes: str = ""
     moe_layout: Optional[Tuple[str, ...]] = None   # MoE families: e.g. ep where tp is refused
-    family_layout: Tuple[Tuple[str, Tuple[str, ...]], ...] = ()   # (family, layout) overrides
+    # pipeline stages: a family whose layers do not split evenly adds its --num-layer-list
+    split_layers: bool = False
 
     def tol(self, family: Family) -> Tolerance:
         return self.moe_tolerance if family.moe and self.moe_tolerance else self.tolerance
@@ -126,10 +129,8 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in [
                                 "W + (alpha/r) B A once, the adapter forward twice")),
     Feature("DPO", 2, (), ("--training.stage", "dpo"), needs=("pairs",)),
     # the 3-layer rows (the DeepSeek proxy, the hybrid families' DeltaNet / attention /
-    # DeltaNet) split 1 + 2 (Megatron's --num-layer-list): an even split is refused
-    Feature("pipeline", 2, (PP, "2"),
-            family_layout=tuple((f, (PP, "2", "--parallel.num_layer_list", "1,2"))
-                                for f in ("deepseek-v3", "qwen3-next", "qwen35", "qwen35-moe"))),
+    # DeltaNet) split 1 + 2 (their Qualify.num_layer_list): an even split is refused
+    Feature("pipeline", 2, (PP, "2"), split_layers=True),
     # MoE: the aux losses stay on (the routers sum their counts over cp, docs/features/moe.md)
     Feature("context-parallel", 2, (CP, "2"),
             moe_tolerance=Tolerance(norm_rtol=3e-5, why="the routers' per-rank token sums "
@@ -150,7 +151,7 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in [
 
 SUITES: Dict[str, Tuple[List[str], List[str]]] = {
     # (families, features)
-    "quick": (["qwen3", "qwen3-moe"], ["single", "dp", "tp+sp", "ep"]),
+    "quick": ([f for f, fam in FAMILIES.items() if fam.quick], ["single", "dp", "tp+sp", "ep"]),
     "full": (list(FAMILIES), list(FEATURES)),
 }
 
@@ -168,9 +169,8 @@ class Cell:
     def layout(self) -> Tuple[str, ...]:
         """The parallel keys this cell's parallel run adds to the one-process arguments."""
         f = self.feature
-        for name, layout in f.family_layout:
-            if name == self.family.name:
-                return layout
+        if f.split_layers and self.family.num_layer_list:
+            return (*f.layout, "--parallel.num_layer_list", self.family.num_layer_list)
         return f.moe_layout if self.family.moe and f.moe_layout is not None else f.layout
 
     @property

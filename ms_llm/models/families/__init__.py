@@ -1,5 +1,9 @@
-"""The built-in model families, one module each (``llama``, ``qwen25``, ``qwen3``, ``qwen3_moe``,
-``deepseek_v3``, ``glm45``); each registers a ``FamilySpec`` with ``ms_llm.models.registry``.
+"""The built-in model families, one folder each (``llama/``, ``qwen25/``, ``qwen3/``,
+``qwen3_moe/``, ``deepseek_v3/``, ``glm45/``, ``qwen3_next/``, ``qwen35/``, ``qwen35_moe/``): its
+``hf.py`` maps the HF ``config.json``, its ``spec.py`` holds the ``FamilySpec``, its ``layouts.py``
+the checkpoint layer kinds only it has, and its ``__init__`` registers them with
+``ms_llm.models.registry`` (and ``ms_llm.models.layouts``). The plain modules here (``common``,
+``deepseek_moe``) are what several families share.
 
 The names below are views of the registry for the config schema and callers that want a plain
 function: ``family_defaults(name)`` (a run's ``model.family`` switches) and ``config_from_hf``

@@ -37,6 +37,13 @@ def decoder_fields(hf: Mapping, source: str) -> dict:
         **rope)
 
 
+def partial_rotary_factor(hf: Mapping) -> float:
+    """The rotary fraction of a head (GLM-4.5, Qwen3-Next, Qwen3.5), wherever the config keeps
+    it: ``rope_parameters`` / ``rope_scaling`` or the top level."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0)
+
+
 def check_heads(hf: Mapping, source: str) -> None:
     heads = int(need(hf, "num_attention_heads", source))
     groups = int(hf.get("num_key_value_heads") or heads)

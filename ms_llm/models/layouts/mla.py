@@ -1,5 +1,4 @@
-"""HF <-> Megatron-Core layouts of the DeepSeek-V3 / GLM-4.5 parts ``layouts`` calls into:
-multi-head latent attention, the router's expert bias and the shared experts.
+"""Multi-head latent attention (layer kind ``"mla"``, DeepSeek-V3): HF <-> Megatron-Core names.
 
 Megatron-Core keys (relative to ``decoder.layers.{i}.``) and their HF names:
 
@@ -9,18 +8,16 @@ Megatron-Core keys (relative to ``decoder.layers.{i}.``) and their HF names:
   ``self_attention.linear_q_proj`` = ``q_proj``;
 * ``self_attention.linear_kv_down_proj`` = ``kv_a_proj_with_mqa`` (+ bias),
   ``self_attention.kv_layernorm`` = ``kv_a_layernorm``, ``self_attention.linear_kv_up_proj`` =
-  ``kv_b_proj``, ``self_attention.linear_proj`` = ``o_proj`` (+ bias);
-* ``mlp.router.expert_bias`` = ``mlp.gate.e_score_correction_bias``;
-* ``mlp.shared_experts.linear_fc1`` = ``[gate_proj; up_proj]`` of ``mlp.shared_experts``,
-  ``mlp.shared_experts.linear_fc2`` = its ``down_proj``.
+  ``kv_b_proj``, ``self_attention.linear_proj`` = ``o_proj`` (+ bias).
 
 On disk (Megatron checkpoint files) the MLA tensors of a model with ``q_lora_rank`` take
 MindSpeed-LLM's names, so its DeepSeek-V3 checkpoints load and ours load there:
 ``self_attention.linear_qkv`` = ``[linear_q_down_proj; linear_kv_down_proj]`` rows,
 ``linear_qb`` / ``linear_kvb`` = the up-projections, ``k_layernorm`` = ``kv_layernorm``; reading
-also accepts the Megatron-Core names. Tensor parallel: the up-projections (and ``linear_q_proj``) split their rows by whole heads
-(dim 0), ``linear_proj`` its columns (dim 1); the down-projections, their norms and all biases
-but none of the up-projections' are replicated; the shared experts split like the dense MLP.
+also accepts the Megatron-Core names. Tensor parallel: the up-projections (and
+``linear_q_proj``) split their rows by whole heads (dim 0), ``linear_proj`` its columns (dim 1);
+the down-projections, their norms and all biases but none of the up-projections' are
+replicated.
 Weights are kept exactly as released (DeepSeek's interleaved rope rows included: the model
 de-interleaves at run time, as Megatron-Core's MLA does), so HF -> Megatron -> HF is bit-exact.
 """
@@ -31,7 +28,7 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
-A = "self_attention."
+from .kinds import A, LayerKind
 
 
 # ------------------------------------------------------------------------------------ MLA
@@ -141,84 +138,4 @@ def mla_merge(spec, part: Callable[[int, int, str], np.ndarray], tp: int) -> "Or
     return out
 
 
-# ------------------------------------------------------------- expert bias, shared experts
-def moe_extra_hf_names(spec, prefix: str) -> List[Tuple[str, tuple]]:
-    out = []
-    if spec.expert_bias:
-        out.append((prefix + "mlp.gate.e_score_correction_bias", (spec.num_experts,)))
-    if spec.shared_ffn:
-        s, H, F = prefix + spec.hf_shared, spec.hidden, spec.shared_ffn
-        out += [(s + "gate_proj.weight", (F, H)), (s + "up_proj.weight", (F, H)),
-                (s + "down_proj.weight", (H, F))]
-    if spec.shared_gate:
-        out.append((prefix + "mlp.shared_expert_gate.weight", (1, spec.hidden)))
-    return out
-
-
-def moe_extra_hf_to_full(spec, get: Callable[[str], np.ndarray], prefix: str) -> Dict:
-    out = OrderedDict()
-    if spec.expert_bias:
-        out["mlp.router.expert_bias"] = get(prefix + "mlp.gate.e_score_correction_bias")
-    if spec.shared_ffn:
-        s = prefix + spec.hf_shared
-        out["mlp.shared_experts.linear_fc1.weight"] = np.concatenate(
-            [get(s + "gate_proj.weight"), get(s + "up_proj.weight")], axis=0)
-        out["mlp.shared_experts.linear_fc2.weight"] = get(s + "down_proj.weight")
-    if spec.shared_gate:
-        out["mlp.shared_experts.gate_weight"] = get(prefix + "mlp.shared_expert_gate.weight")
-    return out
-
-
-def moe_extra_full_to_hf(spec, full: Dict, prefix: str) -> Dict:
-    out = {}
-    if spec.expert_bias:
-        out[prefix + "mlp.gate.e_score_correction_bias"] = full["mlp.router.expert_bias"]
-    if spec.shared_ffn:
-        s, fc1 = prefix + spec.hf_shared, full["mlp.shared_experts.linear_fc1.weight"]
-        out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = np.split(fc1, 2, axis=0)
-        out[s + "down_proj.weight"] = full["mlp.shared_experts.linear_fc2.weight"]
-    if spec.shared_gate:
-        out[prefix + "mlp.shared_expert_gate.weight"] = full["mlp.shared_experts.gate_weight"]
-    return out
-
-
-def moe_extra_shard(spec, full: Dict, tp: int, t: int, fc1_shard) -> "OrderedDict":
-    out = OrderedDict()
-    if spec.expert_bias:
-        out["mlp.router.expert_bias"] = full["mlp.router.expert_bias"]
-    if spec.shared_ffn:
-        out["mlp.shared_experts.linear_fc1.weight"] = fc1_shard(
-            full["mlp.shared_experts.linear_fc1.weight"], tp, t)
-        out["mlp.shared_experts.linear_fc1._extra_state"] = None
-        out["mlp.shared_experts.linear_fc2.weight"] = np.split(
-            full["mlp.shared_experts.linear_fc2.weight"], tp, axis=1)[t]
-        out["mlp.shared_experts.linear_fc2._extra_state"] = None
-    if spec.shared_gate:
-        out["mlp.shared_experts.gate_weight"] = full["mlp.shared_experts.gate_weight"]
-    return out
-
-
-def moe_extra_merge(spec, part: Callable[[int, int, str], np.ndarray], tp: int,
-                    fc1_merge) -> "OrderedDict":
-    out = OrderedDict()
-    if spec.expert_bias:
-        out["mlp.router.expert_bias"] = part(0, 0, "mlp.router.expert_bias")
-    if spec.shared_ffn:
-        out["mlp.shared_experts.linear_fc1.weight"] = fc1_merge(
-            [part(t, 0, "mlp.shared_experts.linear_fc1.weight") for t in range(tp)])
-        out["mlp.shared_experts.linear_fc2.weight"] = np.concatenate(
-            [part(t, 0, "mlp.shared_experts.linear_fc2.weight") for t in range(tp)], axis=1)
-    if spec.shared_gate:
-        out["mlp.shared_experts.gate_weight"] = part(0, 0, "mlp.shared_experts.gate_weight")
-    return out
-
-
-def is_mtp_tensor(spec, name: str) -> bool:
-    """HF keeps DeepSeek's / GLM's MTP module as ``model.layers.{num_layers + j}.*``
-    (Qwen3-Next's / Qwen3.5's as ``mtp.*``)."""
-    if spec.mtp_hf == "mtp":
-        return name.startswith("mtp.")
-    if not spec.mtp_layers or not name.startswith("model.layers."):
-        return False
-    idx = name.split(".")[2]
-    return idx.isdigit() and spec.num_layers <= int(idx) < spec.num_layers + spec.mtp_layers
+MLA = LayerKind(mla_hf_names, mla_hf_to_full, mla_full_to_hf, mla_shard, mla_merge)

@@ -1,10 +1,4 @@
-"""The token-mixing part of a decoder layer in each checkpoint layout (``LayerKind``), by name.
-
-A family names each layer's kind (``FamilySpec.layer_kinds``: ``"attention"`` for grouped-query
-attention with a fused ``linear_qkv``, ``"mla"`` for multi-head latent attention); ``layouts``
-handles the norms and the (dense or MoE) MLP around it and asks the kind for the rest. A family
-with two kinds of layers (linear attention and full attention, as Qwen3-Next) registers its new
-kind here with ``register_layer_kind`` and returns one name per layer.
+"""Grouped-query attention with a fused ``linear_qkv`` (layer kind ``"attention"``).
 
 GQA rules (Megatron-Core's local spec): ``linear_qkv`` per KV group ``[q(nh/ng*d) k(d) v(d)]``,
 tp rank r holds groups ``[r*ng/tp, (r+1)*ng/tp)`` (a contiguous dim-0 chunk); ``linear_proj``
@@ -13,68 +7,13 @@ dim-1 chunks; QK-norm weights replicated.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
-from . import layouts_deepseek as DS
-
-EXTRA = "_extra_state"
-A = "self_attention."
+from .kinds import A, EXTRA, LayerKind, fuse_qkv, split_qkv
 
 
-@dataclass(frozen=True)
-class LayerKind:
-    """Five functions of ``(spec, ...)``; ``prefix`` is the HF layer prefix
-    ``model.layers.{i}.``, Megatron keys are relative to ``decoder.layers.{i}.``.
-
-    * ``hf_names(spec, prefix)``: HF names and shapes, in HF module order;
-    * ``hf_to_full(spec, get, prefix)``: HF tensors -> full (tp = 1) Megatron tensors;
-    * ``full_to_hf(spec, full, prefix)``: the inverse;
-    * ``shard(spec, full, tp, t)``: tp rank ``t``'s tensors in Megatron state-dict order,
-      ``_extra_state`` entries included;
-    * ``merge(spec, part, tp)``: the inverse; ``part(tp_rank, ep_rank, key)`` reads a shard."""
-
-    hf_names: Callable
-    hf_to_full: Callable
-    full_to_hf: Callable
-    shard: Callable
-    merge: Callable
-
-
-LAYER_KINDS: Dict[str, LayerKind] = {}
-
-
-def register_layer_kind(name: str, kind: LayerKind) -> None:
-    if LAYER_KINDS.get(name, kind) is not kind:
-        raise ValueError(f"register_layer_kind: {name!r} is already registered")
-    LAYER_KINDS[name] = kind
-
-
-def layer_kind(spec, i: int) -> LayerKind:
-    name = spec.kind(i)
-    if name not in LAYER_KINDS:
-        raise ValueError(f"{spec.family}: layer {i} has checkpoint layout {name!r}, which is not "
-                         f"registered (known: {sorted(LAYER_KINDS)})")
-    return LAYER_KINDS[name]
-
-
-def fuse_qkv(q, k, v, ng):
-    tail = q.shape[1:]
-    return np.concatenate([q.reshape(ng, -1, *tail), k.reshape(ng, -1, *tail),
-                           v.reshape(ng, -1, *tail)], axis=1).reshape(-1, *tail)
-
-
-def split_qkv(qkv, nh, ng, d):
-    tail = qkv.shape[1:]
-    g = qkv.reshape(ng, (nh // ng + 2) * d, *tail)
-    qd = nh // ng * d
-    return (g[:, :qd].reshape(-1, *tail), g[:, qd:qd + d].reshape(-1, *tail),
-            g[:, qd + d:].reshape(-1, *tail))
-
-
-# ------------------------------------------------------------------ grouped-query attention
 def _gqa_hf_names(spec, p: str) -> List[Tuple[str, tuple]]:
     H, d = spec.hidden, spec.head_dim
     out = [(p + "self_attn.q_proj.weight", (spec.heads * d, H))]
@@ -151,8 +90,4 @@ def _gqa_merge(spec, part, tp: int) -> "OrderedDict":
     return full
 
 
-register_layer_kind("attention", LayerKind(_gqa_hf_names, _gqa_hf_to_full, _gqa_full_to_hf,
-                                           _gqa_shard, _gqa_merge))
-register_layer_kind("mla", LayerKind(DS.mla_hf_names, DS.mla_hf_to_full, DS.mla_full_to_hf,
-                                     DS.mla_shard, lambda spec, part, tp: DS.mla_merge(spec, part,
-                                                                                       tp)))
+GQA = LayerKind(_gqa_hf_names, _gqa_hf_to_full, _gqa_full_to_hf, _gqa_shard, _gqa_merge)

@@ -1,6 +1,4 @@
-"""Qwen3-MoE (HF ``Qwen3MoeForCausalLM``): Qwen3 attention and dropless MoE MLPs
-(``Qwen3MoeSparseMoeBlock``: softmax router, top-k, ``norm_topk_prob`` renormalises the k
-weights = Megatron's top-k-then-softmax, ``moe_router_pre_softmax`` false; no shared experts).
+"""Qwen3-MoE's ``config.json`` <-> TransformerConfig.
 
 Which layers are sparse is computed here once (``sparse_pattern``): layer i is sparse when
 ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers``. Writing HF spells the
@@ -11,11 +9,9 @@ from __future__ import annotations
 
 from typing import List, Mapping, Optional
 
-from ..config import TransformerConfig
-from ..registry import FamilySpec, Qualify, register_family
-from .common import check_heads, decoder_fields, decoder_to_hf, refuse_attention_bias
-from .llama import TINY_ARGS
-from .qwen3 import qwen3_attention_refusal
+from ...config import TransformerConfig
+from ..common import check_heads, decoder_fields, decoder_to_hf, refuse_attention_bias
+from ..qwen3.hf import qwen3_attention_refusal
 
 
 def sparse_pattern(hf: Mapping, layers: int, experts: int) -> List[int]:
@@ -88,22 +84,3 @@ def to_hf(c: TransformerConfig) -> dict:
                mlp_only_layers=[i for i in range(c.num_layers) if not c.is_moe_layer(i)],
                router_aux_loss_coef=float(c.moe_aux_loss_coeff or 0.0))
     return cfg
-
-
-SPEC = register_family(FamilySpec(
-    name="qwen3-moe", hf_model_type="qwen3_moe", hf_architecture="Qwen3MoeForCausalLM",
-    from_hf=from_hf, to_hf=to_hf,
-    # Qwen3 attention + dropless MoE MLPs (num_moe_experts etc. come from the config).
-    defaults=dict(qk_layernorm=True, add_qkv_bias=False, layernorm_epsilon=1e-6,
-                  rotary_base=1000000.0, mlp_type="moe"),
-    aliases=("qwen3_moe",), megatron_names=("qwen3-moe", "qwen3_moe"),
-    claims=lambda c: c.mlp_type == "moe", claim_order=30,
-    tiny_hf=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=96,
-                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                 decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
-                 tie_word_embeddings=False, max_position_embeddings=128),
-    qualify=Qualify("qwen3-moe", "tiny_moe.yaml",
-                    (*TINY_ARGS, "--model.num_moe_experts", "4", "--model.moe_router_topk", "2",
-                     "--model.moe_ffn_hidden_size", "32", "--model.moe_aux_loss_coeff",
-                     "0.01"))))

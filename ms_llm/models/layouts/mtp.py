@@ -26,8 +26,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .kinds import EXTRA
+
 log = logging.getLogger("ms_llm.checkpoint")
-EXTRA = "_extra_state"
 _OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
 
 
@@ -42,6 +43,17 @@ def hf_prefix(spec, j: int) -> str:
 
 def _qwen(spec) -> bool:
     return spec.mtp_hf == "mtp"
+
+
+def is_mtp_tensor(spec, name: str) -> bool:
+    """HF keeps DeepSeek's / GLM's MTP module as ``model.layers.{num_layers + j}.*``
+    (Qwen3-Next's / Qwen3.5's as ``mtp.*``)."""
+    if spec.mtp_hf == "mtp":
+        return name.startswith("mtp.")
+    if not spec.mtp_layers or not name.startswith("model.layers."):
+        return False
+    idx = name.split(".")[2]
+    return idx.isdigit() and spec.num_layers <= int(idx) < spec.num_layers + spec.mtp_layers
 
 
 def hf_marker(spec, j: int) -> str:

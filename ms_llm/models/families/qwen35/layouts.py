@@ -1,5 +1,5 @@
-"""Qwen3.5's Gated DeltaNet layer kind (``gated_delta_net_split``; HF ``Qwen3_5ForCausalLM`` /
-``Qwen3_5MoeForCausalLM``).
+"""Qwen3.5's Gated DeltaNet checkpoint layer kind (``gated_delta_net_split``; HF
+``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``).
 
 Qwen3.5 stores the DeltaNet input projections split and flat: ``in_proj_qkv`` rows ``[q (hk*dk)
 | k (hk*dk) | v (hv*dv)]``, ``in_proj_z`` ``[hv*dv]``, ``in_proj_b`` / ``in_proj_a`` ``[hv]``.
@@ -18,8 +18,8 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from .layouts_attention import A, LayerKind, register_layer_kind
-from .layouts_qwen3_next import GDN, HF_LIN, _gdn_merge, _gdn_shapes, _gdn_shard
+from ...layouts.kinds import A, LayerKind
+from ..qwen3_next.layouts import GDN, HF_LIN, _gdn_merge, _gdn_shapes, _gdn_shard
 
 SPLIT = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
 SAME = tuple(n for n in GDN if not n.startswith("in_proj_"))
@@ -76,5 +76,4 @@ def _full_to_hf(spec, full: Dict, p: str) -> Dict:
     return out
 
 
-register_layer_kind("gated_delta_net_split", LayerKind(_hf_names, _hf_to_full, _full_to_hf,
-                                                       _gdn_shard, _gdn_merge))
+GATED_DELTA_NET_SPLIT = LayerKind(_hf_names, _hf_to_full, _full_to_hf, _gdn_shard, _gdn_merge)

@@ -13,10 +13,9 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ms_llm.models.config import TransformerConfig
-from ms_llm.models.registry import FamilySpec, families, family_for_config, get_family
-
-from . import layouts_mtp as MTP
+from ..config import TransformerConfig
+from ..registry import FamilySpec, families, family_for_config, get_family
+from . import mtp as MTP
 
 
 def megatron_names() -> Dict[str, str]:
@@ -61,7 +60,7 @@ class ModelSpec:
     moe_ffn: int = 0
     moe_topk: int = 0
     moe_layers: Tuple[bool, ...] = ()
-    # DeepSeek-V3 / GLM-4.5 (layouts_deepseek): MLA dims, shared experts, expert bias, MTP.
+    # DeepSeek-V3 / GLM-4.5 (mla, moe): MLA dims, shared experts, expert bias, MTP.
     mla: bool = False
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
@@ -78,13 +77,13 @@ class ModelSpec:
     # Gated DeltaNet sizes (key heads, value heads, key / value head dims, conv kernel).
     linear: Tuple[int, ...] = ()
     mtp_layers: int = 0
-    # Where HF keeps the MTP depths (layouts_mtp): "layers" = DeepSeek's model.layers.{L + j};
+    # Where HF keeps the MTP depths (mtp): "layers" = DeepSeek's model.layers.{L + j};
     # "mtp" = Qwen3-Next's / Qwen3.5's mtp.* (one depth).
     mtp_hf: str = "layers"
     # Layout of the MTP layers; empty: the last decoder layer's (a hybrid model's MTP layer is
     # full attention whatever its last decoder layer is).
     mtp_kind: str = ""
-    # Checkpoint layout name of each decoder layer (``layouts.LAYER_KINDS``); empty: every layer
+    # Checkpoint layout name of each decoder layer (``kinds.LAYER_KINDS``); empty: every layer
     # "mla" when ``mla`` else "attention". The config the spec was read from (None when built
     # by hand).
     layer_kinds: Tuple[str, ...] = ()

@@ -1,4 +1,5 @@
-"""Qwen3-Next's two layer kinds (``register_layer_kind``; the family names one per layer).
+"""Qwen3-Next's two checkpoint layer kinds (registered by the package; the family names one per
+layer).
 
 ``gated_attention``: HF ``q_proj`` holds per head ``[q (d) | gate (d)]``; the model (Megatron-
 Core's ``attention_output_gate``) fuses per KV group ``[q (r*d) | gate (r*d) | k (d) | v (d)]``
@@ -23,7 +24,7 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
-from .layouts_attention import A, EXTRA, LayerKind, register_layer_kind
+from ...layouts.kinds import A, EXTRA, LayerKind
 
 HF_ATTN, HF_LIN = "self_attn.", "linear_attn."
 GDN = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log",
@@ -156,7 +157,6 @@ def _gdn_merge(spec, part, tp: int) -> "OrderedDict":
     return full
 
 
-register_layer_kind("gated_attention", LayerKind(_ga_hf_names, _ga_hf_to_full, _ga_full_to_hf,
-                                                 _ga_shard, _ga_merge))
-register_layer_kind("gated_delta_net", LayerKind(_gdn_hf_names, _gdn_hf_to_full,
-                                                 _gdn_full_to_hf, _gdn_shard, _gdn_merge))
+GATED_ATTENTION = LayerKind(_ga_hf_names, _ga_hf_to_full, _ga_full_to_hf, _ga_shard, _ga_merge)
+GATED_DELTA_NET = LayerKind(_gdn_hf_names, _gdn_hf_to_full, _gdn_full_to_hf, _gdn_shard,
+                            _gdn_merge)

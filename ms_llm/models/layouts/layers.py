@@ -1,4 +1,5 @@
-"""Per-family HF <-> Megatron-Core (local spec) tensor layouts with tp / pp / vpp / ep splits.
+"""HF <-> Megatron-Core (local spec) tensors of one decoder layer, with tp / ep splits, and the
+vocabulary-parallel embedding / output layer.
 
 Every conversion goes through one *full* per-layer form: Megatron-Core local-spec keys relative to
 ``decoder.layers.{i}.`` at tp = ep = 1, with MoE experts under their global id
@@ -29,17 +30,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import layouts_deepseek as DS
-from . import layouts_mtp as MTP
-from . import layouts_qwen3_next  # noqa: F401  (registers Qwen3-Next's layer kinds)
-from . import layouts_qwen35  # noqa: F401  (registers Qwen3.5's split DeltaNet layer kind)
-from .layouts_attention import (LAYER_KINDS, LayerKind, fuse_qkv, layer_kind,  # noqa: F401
-                                register_layer_kind, split_qkv)
-from .layouts_spec import (ModelSpec, ParallelLayout, default_megatron_name,  # noqa: F401
-                           export_family, family_of, megatron_names, padded_vocab_size,
-                           spec_from_hf_config, spec_of_config)
-
-EXTRA = "_extra_state"
+from . import moe as MOE
+from . import mtp as MTP
+from .kinds import EXTRA, layer_kind
+from .spec import ModelSpec, ParallelLayout
 
 # --------------------------------------------------------------------------------------------
 # HF <-> full layer
@@ -56,7 +50,7 @@ def _mlp_hf_names(spec: ModelSpec, i: int, p: str) -> List[Tuple[str, tuple]]:
     if spec.is_moe(i):
         F = spec.moe_ffn
         out.append((p + "mlp.gate.weight", (spec.num_experts, H)))
-        out += DS.moe_extra_hf_names(spec, p)
+        out += MOE.moe_extra_hf_names(spec, p)
         for e in range(spec.num_experts):
             q = f"{p}mlp.experts.{e}."
             out += [(q + "gate_proj.weight", (F, H)), (q + "up_proj.weight", (F, H)),
@@ -96,7 +90,7 @@ def _mlp_hf_to_full(spec: ModelSpec, get: Callable[[str], np.ndarray], i: int, p
     full["pre_mlp_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
     if spec.is_moe(i):
         full["mlp.router.weight"] = get(p + "mlp.gate.weight")
-        full.update(DS.moe_extra_hf_to_full(spec, get, p))
+        full.update(MOE.moe_extra_hf_to_full(spec, get, p))
         for e in range(spec.num_experts):
             q, m = f"{p}mlp.experts.{e}.", f"mlp.experts.local_experts.{e}."
             full[m + "linear_fc1.weight"] = np.concatenate(
@@ -121,7 +115,7 @@ def full_layer_to_hf(spec: ModelSpec, full: Dict, i: int) -> Dict[str, np.ndarra
 def _mlp_full_to_hf(spec: ModelSpec, full: Dict, i: int, p: str, hf: Dict) -> Dict:
     if spec.is_moe(i):
         hf[p + "mlp.gate.weight"] = full["mlp.router.weight"]
-        hf.update(DS.moe_extra_full_to_hf(spec, full, p))
+        hf.update(MOE.moe_extra_full_to_hf(spec, full, p))
         for e in range(spec.num_experts):
             m = f"mlp.experts.local_experts.{e}."
             fc1 = full[m + "linear_fc1.weight"]
@@ -175,7 +169,7 @@ def shard_layer(spec: ModelSpec, lay: ParallelLayout, full: Dict, hf_layer: int
         for q in range(ep):
             sd = OrderedDict(dense)
             sd["mlp.router.weight"] = full["mlp.router.weight"]
-            sd.update(DS.moe_extra_shard(spec, full, tp, t, _fc1_shard))
+            sd.update(MOE.moe_extra_shard(spec, full, tp, t, _fc1_shard))
             _experts_shard(spec, lay, full, t, q, n_local, sd)
             out[(t, q)] = sd
     return out
@@ -218,7 +212,7 @@ def merge_layer(spec: ModelSpec, lay: ParallelLayout, part: Callable[[int, int, 
             [part(t, 0, "mlp.linear_fc2.weight") for t in range(tp)], axis=1)
         return full
     full["mlp.router.weight"] = part(0, 0, "mlp.router.weight")
-    full.update(DS.moe_extra_merge(spec, part, tp, _fc1_merge))
+    full.update(MOE.moe_extra_merge(spec, part, tp, _fc1_merge))
     _experts_merge(spec, lay, part, full)
     return full
 

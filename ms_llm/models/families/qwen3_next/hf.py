@@ -1,21 +1,16 @@
-"""Qwen3-Next (HF ``Qwen3NextForCausalLM``): hybrid layers, Gated DeltaNet linear attention
-(``layer_types`` "linear_attention") and gated full attention (every
-``full_attention_interval``-th layer: output gate, partial rotary, QK-norm), zero-centred
-RMSNorms (``1 + weight``), and Qwen3-MoE routing (softmax, top-k renormalised) with a shared
-expert scaled by ``sigmoid(shared_expert_gate)``.
-
-The per-layer token mixer is ``TransformerConfig.layer_types`` ("gated_delta_net" /
-"attention"), which is also each layer's checkpoint layout (``layer_kinds``): the layouts are
-registered by ``ms_llm.checkpoint.layouts_qwen3_next``."""
+"""Qwen3-Next's ``config.json`` <-> TransformerConfig: ``layer_types`` ("linear_attention" /
+"full_attention", or every ``full_attention_interval``-th layer full) as ``layer_types``
+("gated_delta_net" / "attention"), the Gated DeltaNet sizes, gated attention, zero-centred norms,
+partial rotary, Qwen3-MoE routing with a gated shared expert, and the one MTP layer; also the
+helpers Qwen3.5 shares (``hybrid_to_hf``, ``mtp_extras``)."""
 from __future__ import annotations
 
 from typing import List, Mapping
 
-from ..config import TransformerConfig
-from ..registry import FamilySpec, Qualify, register_family
-from .common import check_heads, decoder_fields, decoder_to_hf, need, refuse_attention_bias
-from .glm45 import partial_rotary_factor
-from .qwen3_moe import moe_fields
+from ...config import TransformerConfig
+from ..common import (check_heads, decoder_fields, decoder_to_hf, need, partial_rotary_factor,
+                      refuse_attention_bias)
+from ..qwen3_moe.hf import moe_fields
 
 HF_KINDS = {"linear_attention": "gated_delta_net", "full_attention": "attention"}
 LINEAR_KEYS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
@@ -51,6 +46,11 @@ def mtp_to_hf(c: TransformerConfig) -> dict:
         raise ValueError(f"export: HF Qwen3-Next / Qwen3.5 hold one MTP layer, not "
                          f"{c.mtp_num_layers}")
     return {"mtp_num_hidden_layers": c.mtp_num_layers or 0, "mtp_use_dedicated_embeddings": False}
+
+
+def layout_extras(hf: Mapping, source: str) -> dict:
+    """The shared expert's HF prefix and the MTP layout facts."""
+    return dict(hf_shared="mlp.shared_expert.", **mtp_extras(hf, source))
 
 
 def from_hf(hf: Mapping, source: str = "config.json") -> TransformerConfig:
@@ -107,47 +107,3 @@ def to_hf(c: TransformerConfig) -> dict:
     else:
         cfg.update(num_experts=0, mlp_only_layers=list(range(c.num_layers)))
     return cfg
-
-
-TINY_HF = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, vocab_size=96, num_experts=4,
-               num_experts_per_tok=2, moe_intermediate_size=32,
-               shared_expert_intermediate_size=48, linear_key_head_dim=16,
-               linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-               linear_conv_kernel_dim=4, full_attention_interval=2, mlp_only_layers=[1],
-               norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=256,
-               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                "partial_rotary_factor": 0.25})
-
-# ``ms-llm qualify``'s row: the 80B YAML shrunk (Gated DeltaNet / gated attention / Gated
-# DeltaNet, chunks of 16 so a 32-token sequence carries a state across chunks, 4 experts top 2
-# with a gated shared expert and the aux loss; 16 value heads so in_proj_ba's 32 rows take
-# MXFP8's 32-blocks)
-TINY_HYBRID_ARGS = ("--model.num_layers", "3",
-                    "--model.layer_types", "gated_delta_net,attention,gated_delta_net",
-                    "--model.hidden_size", "64", "--model.ffn_hidden_size", "96",
-                    "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
-                    "--model.kv_channels", "16", "--model.max_position_embeddings", "64",
-                    "--model.linear_key_head_dim", "16", "--model.linear_value_head_dim", "16",
-                    "--model.linear_num_key_heads", "2", "--model.linear_num_value_heads", "16",
-                    "--model.linear_chunk_size", "16")
-QUALIFY_ARGS = (*TINY_HYBRID_ARGS, "--model.num_moe_experts", "4",
-                "--model.moe_router_topk", "2", "--model.moe_ffn_hidden_size", "32",
-                "--model.moe_shared_expert_intermediate_size", "32",
-                "--model.moe_aux_loss_coeff", "0.01")
-
-SPEC = register_family(FamilySpec(
-    name="qwen3-next", hf_model_type="qwen3_next", hf_architecture="Qwen3NextForCausalLM",
-    from_hf=from_hf, to_hf=to_hf,
-    defaults=dict(qk_layernorm=True, add_qkv_bias=False, layernorm_epsilon=1e-6,
-                  attention_output_gate=True, layernorm_zero_centered_gamma=True,
-                  rotary_percent=0.25, mlp_type="moe", moe_shared_expert_gate=True),
-    aliases=("qwen3_next",), megatron_names=("qwen3-next", "qwen3_next"),
-    claims=lambda c: c.layer_types is not None and "gated_delta_net" in c.layer_types,
-    claim_order=5,
-    layer_kinds=lambda c: tuple("gated_attention" if t == "attention" else t
-                                for t in (c.layer_types or ["attention"] * c.num_layers)),
-    layout_extras=lambda hf, source: dict(hf_shared="mlp.shared_expert.",
-                                          **mtp_extras(hf, source)),
-    tiny_hf=TINY_HF,
-    qualify=Qualify("qwen3-next", "qwen3_next_80b_a3b.yaml", QUALIFY_ARGS)))
