@@ -1,9 +1,10 @@
-"""GLM-4.5's ``FamilySpec``: names, defaults, the converter's Megatron arguments, export guess
-and test config."""
+"""GLM-4.5's ``FamilySpec``: names, defaults, the converter's Megatron arguments, export guess,
+test config and qualify row."""
 from __future__ import annotations
 
-from ...registry import FamilySpec
+from ...registry import FamilySpec, Qualify
 from .. import deepseek_moe as DS
+from ..llama.spec import TINY_ARGS
 from .hf import from_hf, to_hf
 
 SPEC = FamilySpec(
@@ -19,4 +20,12 @@ SPEC = FamilySpec(
     layout_extras=DS.layout_extras,
     tiny_hf=dict(DS.TINY_MOE, num_key_value_heads=2, head_dim=24, n_group=1, topk_group=1,
                  partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
-                 rms_norm_eps=1e-5))
+                 rms_norm_eps=1e-5),
+    # GLM-4.5's attention (QKV bias, QK-norm, half-width rotary) and sigmoid-routed MoE with an
+    # expert bias and a shared expert, on tiny_moe.yaml's data at tiny sizes
+    qualify=Qualify("glm45", "tiny_moe.yaml",
+                    ("--model.family", "glm45", *TINY_ARGS, "--model.qk_layernorm", "true",
+                     "--model.num_moe_experts", "4", "--model.moe_router_topk", "2",
+                     "--model.moe_ffn_hidden_size", "32",
+                     "--model.moe_shared_expert_intermediate_size", "32",
+                     "--model.moe_router_bias_update_rate", "0.01")))
