@@ -239,7 +239,7 @@ def _schedules_method(k: Dict[str, Any], post: Dict[str, List[str]], method: str
     if "--num-layers-per-virtual-pipeline-stage" in post:
         raise ConfigError(f"--schedules-method {method} with "
                           f"--num-layers-per-virtual-pipeline-stage: {method} "
-                          f"{spec.chunks_rule} itself")
+                          f"{spec.chunks_rule}, which sets the virtual pipeline size")
     k["parallel.schedules_method"] = method
     k["parallel.virtual_pipeline_model_parallel_size"] = spec.min_chunks
 
