@@ -202,9 +202,10 @@ def analytic_bubble(pp: int, vpp: int, m: int) -> float:
 
 def simulated_bubble(pp: int, vpp: int, m: int) -> float:
     """The repo's own schedule simulator on the rounds the executor runs, B = 3 F."""
-    from ms_llm.parallel.pipeline.schedules import bubble_fraction, build_schedule, plan_rounds
+    from ms_llm.parallel.pipeline.schedules import bubble_fraction, get_schedule, plan_rounds
     cost = {"F": 1.0, "B": 3.0}
-    return bubble_fraction(plan_rounds(build_schedule(pp, m, vpp), pp, vpp, cost), cost)
+    schedule = get_schedule(vpp=vpp).build(pp, m, vpp)
+    return bubble_fraction(plan_rounds(schedule, pp, vpp, cost), cost)
 
 
 def replay_bubble(pp: int, vpp: int, m: int, costs: list[dict]) -> float:
@@ -214,9 +215,9 @@ def replay_bubble(pp: int, vpp: int, m: int, costs: list[dict]) -> float:
     it (blocking point-to-point). Exchanges take no time here, so the gap to the measured window
     bubble is the transfers themselves plus jitter; the gap to the uniform simulator is stage
     imbalance and the real B/F ratio."""
-    from ms_llm.parallel.pipeline.schedules import build_schedule, plan_rounds, transfers_after
+    from ms_llm.parallel.pipeline.schedules import get_schedule, plan_rounds, transfers_after
     clock, busy = [0.0] * pp, 0.0
-    for row in plan_rounds(build_schedule(pp, m, vpp), pp, vpp):
+    for row in plan_rounds(get_schedule(vpp=vpp).build(pp, m, vpp), pp, vpp):
         for rank, a in enumerate(row):
             if a is not None:
                 clock[rank] += costs[rank][f"{a.kind}{a.chunk}"]
@@ -230,8 +231,9 @@ def dataflow_bubble(pp: int, vpp: int, m: int, costs: list[dict]) -> float:
     """The same per-rank action lists and measured times run free, as Megatron's ranks do: an
     action starts when its rank is free and its input exists; sends never block. The gap to
     ``replay_bubble`` is what the lockstep rounds cost."""
-    from ms_llm.parallel.pipeline.schedules import build_schedule, virtual_stage
-    schedule, last = build_schedule(pp, m, vpp), pp * vpp - 1
+    from ms_llm.parallel.pipeline.schedules import get_schedule
+    spec = get_schedule(vpp=vpp)
+    schedule, last = spec.build(pp, m, vpp), pp * vpp - 1
     finished: dict = {}
     clock, pos, busy = [0.0] * pp, [0] * pp, 0.0
     while any(pos[r] < len(schedule[r]) for r in range(pp)):
@@ -239,7 +241,7 @@ def dataflow_bubble(pp: int, vpp: int, m: int, costs: list[dict]) -> float:
             if pos[rank] == len(schedule[rank]):
                 continue
             a = schedule[rank][pos[rank]]
-            vs = virtual_stage(rank, a.chunk, pp)
+            vs = spec.placement.virtual_stage(rank, a.chunk, pp)
             needs = [("F", a.microbatch, vs - 1)] if a.kind == "F" and vs > 0 else []
             if a.kind == "B":
                 needs = [("F", a.microbatch, vs)] + ([("B", a.microbatch, vs + 1)]

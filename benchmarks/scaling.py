@@ -47,7 +47,8 @@ MOE = dict(SHORT, model=["--model.mlp_type", "moe", "--model.num_moe_experts", "
                          "--model.moe_router_topk", "2", "--model.moe_ffn_hidden_size", "704",
                          "--model.moe_grouped_gemm", "true"])
 PP2 = ["--parallel.pipeline_model_parallel_size", "2"]
-# name -> (label, overrides for 2 workers, shape, torch peer, (pp, m, schedules_method) or None)
+# name -> (label, overrides for 2 workers, shape, torch peer,
+#          (pp, m, schedules_method, virtual pipeline size) or None)
 ROWS = {
     "dp": ("data parallel", [], SHORT, "ddp", None),
     "distopt": ("distributed optimizer", ["--parallel.use_distributed_optimizer", "true"],
@@ -60,24 +61,24 @@ ROWS = {
                       ["--parallel.tensor_model_parallel_size", "2",
                        "--parallel.sequence_parallel", "true", "--parallel.tp_comm_overlap", "true"],
                       LONG, None, None),
-    "pp": ("pipeline, 1F1B", PP2, LONG, None, (2, 4, None)),
+    "pp": ("pipeline, 1F1B", PP2, LONG, None, (2, 4, None, 1)),
     "pp_gpipe": ("pipeline, GPipe (no forward re-run)",
-                 PP2 + ["--parallel.schedules_method", "gpipe"], LONG, None, (2, 4, "gpipe")),
+                 PP2 + ["--parallel.schedules_method", "gpipe"], LONG, None, (2, 4, "gpipe", 1)),
     "pp_zbh1": ("pipeline, zero bubble (ZB-H1)", PP2 + ["--parallel.schedules_method", "zbh1"],
-                LONG, None, (2, 4, "zbh1")),
+                LONG, None, (2, 4, "zbh1", 1)),
     # Stages balanced by layer count (MindSpeed's --num-layer-list): the last stage also runs
     # the 32000-wide output layer and the loss (~1.3 layers' time at seq 1024), and the first
     # stage re-runs the forward of every other micro-batch (MindSpore's last-in first-out
     # pending backward), at 1F1B's and ZB-H1's own best split on Zen 4.
     "pp_balanced": ("pipeline, 1F1B, 5/8 of the layers first",
-                    PP2 + ["--parallel.num_layer_list", 5 / 8], LONG, None, (2, 4, None)),
+                    PP2 + ["--parallel.num_layer_list", 5 / 8], LONG, None, (2, 4, None, 1)),
     "pp_zbh1_balanced": ("pipeline, ZB-H1, 6/8 of the layers first",
                          PP2 + ["--parallel.schedules_method", "zbh1",
-                                "--parallel.num_layer_list", 6 / 8], LONG, None, (2, 4, "zbh1")),
+                                "--parallel.num_layer_list", 6 / 8], LONG, None, (2, 4, "zbh1", 1)),
     "pp_dualpipev": ("pipeline, DualPipe-V (4 stages in a V)",
                      PP2 + ["--parallel.virtual_pipeline_model_parallel_size", "2",
                             "--parallel.schedules_method", "dualpipev"], LONG, None,
-                     (2, 4, "dualpipev")),
+                     (2, 4, "dualpipev", 2)),
     "cp_ring": ("context parallel, ring", ["--parallel.context_parallel_size", "2",
                                            "--parallel.context_parallel_algo", "megatron_cp_algo"],
                 LONG, None, None),
@@ -91,15 +92,14 @@ ROWS.update({f"{name}_mccl": (f"{label}, mccl collectives", extra + MCCL, shape,
              for name, (label, extra, shape, _, pipe) in list(ROWS.items())})
 
 
-def analytic_bubble(pp: int, m: int, method) -> float:
-    """Idle share of a balanced pipeline: 1F1B and GPipe (p-1)/(m+p-1); ZB-H1 at F = B = W
-    (p-1)/(3m+p-1) (its B/W split leaves (p-1)(F+B-W) idle per rank); DualPipe-V from the
-    schedule simulator at F = B = W per chunk (two chunks per rank)."""
-    if method == "dualpipev":
-        from ms_llm.parallel.pipeline.schedules import bubble_fraction, build_schedule, plan_rounds
-        return bubble_fraction(plan_rounds(build_schedule(pp, m, 2, method), pp, 2,
-                                           v_shape=True))
-    return (pp - 1) / (3 * m + pp - 1) if method == "zbh1" else (pp - 1) / (m + pp - 1)
+def analytic_bubble(pp: int, m: int, method, vpp: int) -> float:
+    """Idle share of a balanced pipeline, from the schedule simulator at unit cost per action
+    (per chunk): exactly the analytic (p-1)/(m+p-1) of 1F1B and GPipe and (p-1)/(3m+p-1) of
+    ZB-H1 at F = B = W (``tests/test_pipeline_schedules.py``)."""
+    from ms_llm.parallel.pipeline.schedules import bubble_fraction, get_schedule, plan_rounds
+    spec = get_schedule(method, vpp)
+    return bubble_fraction(plan_rounds(spec.build(pp, m, vpp), pp, vpp,
+                                       placement=spec.placement))
 
 
 def base_key(shape: dict) -> tuple:

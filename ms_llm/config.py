@@ -130,7 +130,7 @@ class ParallelConfig(_Section):
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int = 1   # model chunks per pipeline rank (interleaved)
-    schedules_method: Optional[str] = None   # null: 1F1B, interleaved | gpipe | zbh1 (MindSpeed)
+    schedules_method: Optional[str] = None   # null: 1F1B / interleaved; others: parallel/pipeline/schedules/
     num_layer_list: List[int] = field(default_factory=list)  # layers per stage, e.g. 3,5
     noop_layers: List[int] = field(default_factory=list)     # global indices passed through
     context_parallel_size: int = 1

@@ -279,7 +279,7 @@ def check_launch(cfg, world_size: int) -> None:
     it, expert parallel the data-parallel size), the global batch (a multiple of micro batch x
     data-parallel size), FSDP's group size and the pipeline schedule (its micro-batch count). ``scripts/pretrain.sh``
     runs them before msrun starts, the trainer again in every worker (the same function)."""
-    from ms_llm.parallel.pipeline.schedules import build_schedule
+    from ms_llm.parallel.pipeline.schedules import schedule_of
     from ms_llm.parallel.state import ParallelSizes
     p, t = cfg.parallel, cfg.training
     sizes = ParallelSizes(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
@@ -303,8 +303,8 @@ def check_launch(cfg, world_size: int) -> None:
               f"parallel)): FSDP shards over that group; hybrid sharding is not supported")
     if sizes.pp > 1:
         try:
-            build_schedule(sizes.pp, t.global_batch_size // mb_total,
-                           p.virtual_pipeline_model_parallel_size, p.schedules_method)
+            schedule_of(p).build(sizes.pp, t.global_batch_size // mb_total,
+                                 p.virtual_pipeline_model_parallel_size)
         except ValueError as e:
             _fail(cfg, mesh_keys[2:3] + ("training.global_batch_size",
                                          "parallel.schedules_method"), str(e))

@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from ms_llm.models import layouts as L
+from ms_llm.parallel.pipeline.schedules import all_schedules
 
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16),
           "fp16": np.dtype(np.float16), "float32": np.dtype(np.float32),
@@ -78,7 +79,8 @@ _REFUSED = [
      "--num-layers-per-virtual-pipeline-stage and --noop-layers"),
     ("--moe-tp-extend-ep", _FLAG, "experts are split by expert parallel only"),
     ("--mla-mm-split", _FLAG, "MLA up-projections are written whole (linear_qb / linear_kvb)"),
-    ("--schedules-method", dict(choices=["dualpipev"]), "1F1B and interleaved layouts only"),
+    ("--schedules-method", dict(choices=[s.method for s in all_schedules() if s.mindspeed]),
+     "Megatron's round-robin stage order only"),
     ("--first-k-dense-replace", _INT, "the dense layers come from config.json "
      "(first_k_dense_replace, or mlp_only_layers / decoder_sparse_step)"),
     ("--input-tp-rank", _INT, "the whole checkpoint is converted"),

@@ -227,17 +227,25 @@ def _layout(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
             raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per}: --num-layers "
                               f"({layers}) must be a multiple of it x pipeline size ({pp})")
         k["parallel.virtual_pipeline_model_parallel_size"] = layers // (per * pp)
-    if "--schedules-method" in post:     # MindSpeed's one value: two chunks per rank in a V
-        method = post["--schedules-method"][0]
-        if method != "dualpipev":
-            raise ConfigError(f"--schedules-method {method}: MindSpeed's schedule methods are "
-                              f"dualpipev (built) only")
-        if "--num-layers-per-virtual-pipeline-stage" in post:
-            raise ConfigError("--schedules-method dualpipev with "
-                              "--num-layers-per-virtual-pipeline-stage: dualpipev places two "
-                              "chunks per rank itself")
-        k["parallel.schedules_method"] = method
-        k["parallel.virtual_pipeline_model_parallel_size"] = 2
+    if "--schedules-method" in post:     # a schedule record that sets its chunks per rank
+        _schedules_method(k, post, post["--schedules-method"][0])
+
+
+def _schedules_method(k: Dict[str, Any], post: Dict[str, List[str]], method: str) -> None:
+    """MindSpeed's ``--schedules-method``: the schedule records marked as its values; each runs
+    a fixed number of chunks per rank, so it sets the virtual pipeline size too."""
+    from ms_llm.parallel.pipeline.schedules import all_schedules
+    specs = {s.method: s for s in all_schedules() if s.mindspeed}
+    spec = specs.get(method)
+    if spec is None:
+        raise ConfigError(f"--schedules-method {method}: MindSpeed's schedule methods are "
+                          f"{', '.join(sorted(specs))} (built) only")
+    if "--num-layers-per-virtual-pipeline-stage" in post:
+        raise ConfigError(f"--schedules-method {method} with "
+                          f"--num-layers-per-virtual-pipeline-stage: {method} "
+                          f"{spec.chunks_rule}, which sets the virtual pipeline size")
+    k["parallel.schedules_method"] = method
+    k["parallel.virtual_pipeline_model_parallel_size"] = spec.min_chunks
 
 
 def _load(tr: Translation, folder: str, finetune: bool, no_optim: bool = False) -> None:

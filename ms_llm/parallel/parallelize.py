@@ -34,7 +34,7 @@ from .expert_parallel import apply_expert_parallel
 from .mixer_plans import plan_for
 from .fsdp import MixedPrecisionPolicy, apply_fsdp, fsdp_group
 from .fsdp.recompute import check_recompute_under_fsdp, recompute_under_fsdp
-from .pipeline.schedules import v_shaped
+from .pipeline.schedules import schedule_of
 from .pipeline.stages import apply_noop_layers, split_model
 from .context_parallel.apply import apply_context_parallel
 from .placement import grad_replica_dims, placement_of, update_placement
@@ -112,7 +112,7 @@ def _pipeline_chunks(model: GPTModel, cfg, pstate: ParallelState) -> Optional[li
         return None
     return split_model(model, pstate, p.virtual_pipeline_model_parallel_size,
                        p.num_layer_list or None, p.noop_layers,
-                       v_shape=v_shaped(p.schedules_method))
+                       placement=schedule_of(p).placement)
 
 
 def _recompute(model: GPTModel, chunks: Optional[list], cfg) -> List[str]:

@@ -16,7 +16,7 @@ from mindspore import Tensor
 from ms_llm.compat import F, to_ms_dtype
 from ms_llm.parallel import comm
 from ms_llm.parallel.pipeline.executor import PipelineExecutor
-from ms_llm.parallel.pipeline.schedules import build_schedule, v_shaped
+from ms_llm.parallel.pipeline.schedules import schedule_of
 from . import grad as gradlib
 from . import mixed_precision
 from .callbacks import TrainerCallback
@@ -110,7 +110,8 @@ def build_pipeline(chunks, cfg, pstate, accum_steps: int, model_config) -> Pipel
     a schedule the layout cannot run (the caller names the config keys)."""
     p = cfg.parallel
     vpp = p.virtual_pipeline_model_parallel_size
-    schedule = build_schedule(pstate.sizes.pp, accum_steps, vpp, p.schedules_method)
+    spec = schedule_of(p)
+    schedule = spec.build(pstate.sizes.pp, accum_steps, vpp)
     tp = pstate.group("tp").size
     seq = cfg.data.seq_length // (tp if p.sequence_parallel else 1)
     seq //= pstate.sizes.cp    # context parallel: each rank's stages carry its chunks
@@ -118,7 +119,6 @@ def build_pipeline(chunks, cfg, pstate, accum_steps: int, model_config) -> Pipel
         # rank's aux loss is its share of the micro-batch's: over dp only)
         chunk.aux_loss_scale = 1.0 / (accum_steps * pstate.group("dp").size)
     c = model_config        # a loaded checkpoint's architecture, not the YAML's
-    return PipelineExecutor(chunks, pstate, schedule, vpp,
+    return PipelineExecutor(chunks, pstate, spec, schedule, vpp,
                             (cfg.training.micro_batch_size, seq, c.hidden_size),
-                            to_ms_dtype(c.params_dtype), mixed_precision.grad_dtype(cfg),
-                            v_shape=v_shaped(p.schedules_method))
+                            to_ms_dtype(c.params_dtype), mixed_precision.grad_dtype(cfg))

@@ -152,8 +152,8 @@ def _in_flight(pp: int, vpp: int, num_micro: int, stage: int,
     pipeline schedule training runs."""
     if pp == 1:
         return 1, 1
-    from ms_llm.parallel.pipeline.schedules import build_schedule
-    actions = build_schedule(pp, num_micro, vpp, method)[stage]
+    from ms_llm.parallel.pipeline.schedules import get_schedule
+    actions = get_schedule(method, vpp).build(pp, num_micro, vpp)[stage]
     live = peak = 0
     for a in actions:
         live += {"F": 1, "B": -1}.get(a.kind, 0)     # (a zero-bubble W: no activation)
@@ -234,22 +234,24 @@ def _stage_layers(cfg, c: TransformerConfig, stage: int, pp: int, vpp: int) -> L
     from ms_llm.parallel.pipeline.stages import layer_ranges
     if pp == 1:
         return list(range(c.num_layers))
-    from ms_llm.parallel.pipeline.schedules import v_shaped, virtual_stage
+    from ms_llm.parallel.pipeline.schedules import schedule_of
     ranges = layer_ranges(c.num_layers, pp, vpp, cfg.parallel.num_layer_list or None)
-    v_shape = v_shaped(cfg.parallel.schedules_method)
+    placement = schedule_of(cfg.parallel).placement
     out = []
     for v in range(vpp):
-        out += list(ranges[virtual_stage(stage, v, pp, v_shape)])
+        out += list(ranges[placement.virtual_stage(stage, v, pp)])
     return out
 
 
 def _holds_last_stage(cfg, stage: int, pp: int) -> bool:
     """Whether pipeline rank ``stage`` runs the model's last stage (the head, MTP, the loss):
-    the last rank, or rank 0 in DualPipe-V's V (``schedules.stage_of``)."""
-    from ms_llm.parallel.pipeline.schedules import stage_of, v_shaped
+    the last rank, or rank 0 in a V (the schedule's ``placement``)."""
+    if pp == 1:      # no schedule runs
+        return stage == 0
+    from ms_llm.parallel.pipeline.schedules import schedule_of
     p = cfg.parallel
     last = pp * p.virtual_pipeline_model_parallel_size - 1
-    return stage == stage_of(last, pp, v_shaped(p.schedules_method))[0]
+    return stage == schedule_of(p).placement.stage_of(last, pp)[0]
 
 
 def _recomputed(t, position: int) -> object:

@@ -8,8 +8,7 @@ import sys
 from typing import List
 
 from ms_llm.config import ConfigError, load_config
-from ms_llm.parallel.pipeline.schedules import (bubble_fraction, build_schedule, v_shaped,
-                                                format_schedule, plan_rounds)
+from ms_llm.parallel.pipeline.schedules import format_schedule, plan_rounds, schedule_of
 
 
 def main(argv: List[str]) -> int:
@@ -46,27 +45,14 @@ def main(argv: List[str]) -> int:
                               f"({t.micro_batch_size} x {dp})")
         m = t.global_batch_size // (t.micro_batch_size * dp)
         pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-        method = par.schedules_method
-        schedule = build_schedule(pp, m, vpp, method)
+        spec = schedule_of(par)
+        schedule = spec.build(pp, m, vpp)
     except (ConfigError, ValueError) as e:
         print(f"ms-llm schedule: {e}", file=sys.stderr)
         return 2
-    rounds = plan_rounds(schedule, pp, vpp, v_shape=v_shaped(method))
-    kind = {"gpipe": "GPipe", "zbh1": "ZB-H1", "dualpipev": "DualPipe-V"}.get(method) or \
-        ("interleaved 1F1B" if vpp > 1 else "1F1B")
-    print(f"{kind}: pp={pp} vpp={vpp} micro-batches={m} (dp={dp}); actions F|B|W<microbatch>."
-          f"<chunk>, one column per round")
+    rounds = plan_rounds(schedule, pp, vpp, placement=spec.placement)
+    print(f"{spec.label}: pp={pp} vpp={vpp} micro-batches={m} (dp={dp}); actions "
+          f"F|B|W<microbatch>.<chunk>, one column per round")
     print(format_schedule(schedule, rounds))
-    if method == "zbh1":
-        print(f"simulated bubble: {bubble_fraction(rounds):.3f} (F=B=W); ZB-H1's analytic "
-              f"(p-1)/(3m+p-1) = {(pp - 1) / (3 * m + pp - 1):.3f}, 1F1B's (p-1)/(m+p-1) = "
-              f"{(pp - 1) / (m + pp - 1):.3f}")
-    elif method == "dualpipev":
-        zb = bubble_fraction(plan_rounds(build_schedule(pp, m, 1, "zbh1"), pp))
-        print(f"simulated bubble: {bubble_fraction(rounds):.3f} (F=B=W per chunk, stages in a "
-              f"V: rank 0 holds the first and the last); ZB-H1 on the same ranks: {zb:.3f}")
-    else:
-        print(f"simulated bubble: {bubble_fraction(rounds):.3f} (F=B), "
-              f"{bubble_fraction(rounds, {'F': 1, 'B': 2}):.3f} (B=2F); 1F1B's analytic "
-              f"(p-1)/(m+p-1) = {(pp - 1) / (m + pp - 1):.3f}")
+    print(spec.bubble_note(rounds, pp, m))
     return 0

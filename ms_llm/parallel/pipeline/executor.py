@@ -1,7 +1,8 @@
 """One executor for every pipeline schedule.
 
-A schedule is data (per rank, a list of ``Action(F|B, microbatch, chunk)``, see ``schedules``);
-``plan_rounds`` turns all ranks' lists into lockstep rounds. In each round this rank runs at most
+A schedule is data (per rank, a list of ``Action(F|B, microbatch, chunk)``, see ``schedules/``);
+``plan_rounds`` turns all ranks' lists into lockstep rounds, placing the chunks as the schedule's
+record says (``ScheduleSpec.placement``). In each round this rank runs at most
 one action:
 
 * ``F``: the chunk's forward on the micro-batch (token ids on the first virtual stage, the
@@ -37,20 +38,20 @@ from ms_llm.compat import F, float32
 from ms_llm.compat.autograd import DeferredVJP, PendingVJP
 from ms_llm.models.moe import collect_router_counts
 from .. import comm
-from .schedules import kept_backwards, plan_rounds, stage_of, transfers_after, virtual_stage
+from .schedules import ScheduleSpec, kept_backwards, plan_rounds, transfers_after
 from .weight_grad import WeightGradStore, split_weight_grads
 
 
 class PipelineExecutor:
-    def __init__(self, chunks: Sequence, pstate, schedule: List[list], vpp: int,
-                 act_shape: Tuple[int, ...], act_dtype, grad_dtype=float32,
-                 v_shape: bool = False):
+    def __init__(self, chunks: Sequence, pstate, spec: ScheduleSpec, schedule: List[list],
+                 vpp: int, act_shape: Tuple[int, ...], act_dtype, grad_dtype=float32):
+        """``schedule``: every rank's actions, built by ``spec`` (the schedule's record)."""
         self.chunks = list(chunks)
-        self.v_shape = v_shape           # DualPipe-V's placement of the chunks
+        self.placement = spec.placement  # which (rank, chunk) runs each virtual stage
         self.grad_dtype = grad_dtype     # of the micro-batch gradient sums (fp32, or bf16)
         self.pp, self.rank, self.vpp = pstate.sizes.pp, pstate.pp_rank, vpp
         self.pp_ranks = pstate.ranks_along("pp")
-        self.rounds = plan_rounds(schedule, self.pp, vpp, v_shape=v_shape)
+        self.rounds = plan_rounds(schedule, self.pp, vpp, placement=self.placement)
         self.num_stages = self.pp * vpp
         self.act_shape, self.act_dtype = tuple(act_shape), act_dtype
         self.params = [[p for p in c.trainable_params()] for c in self.chunks]
@@ -60,11 +61,10 @@ class PipelineExecutor:
         self.kept = kept_backwards(schedule[self.rank])
         # Zero-bubble schedules: B gives the input gradient, W the linears' weight gradients.
         self.store: Optional[WeightGradStore] = None
-        if any(a.kind == "W" for a in schedule[self.rank]):
+        if spec.splits_backward:
             if any(hasattr(c, "set_requires_gradient_sync") for c in self.chunks):
-                raise ValueError("parallel.schedules_method zbh1 or dualpipev with "
-                                 "parallel.fsdp_size > 1 is not built: FSDP reduce-scatters in "
-                                 "B, before W's gradients")
+                raise ValueError(f"{spec.config_name} with parallel.fsdp_size > 1 is not built: "
+                                 f"FSDP reduce-scatters in B, before W's gradients")
             self.store = WeightGradStore()
             self.split_linears = sum(split_weight_grads(c, self.store) for c in self.chunks)
         self.param_index = [{id(p): i for i, p in enumerate(ps)} for ps in self.params]
@@ -82,7 +82,7 @@ class PipelineExecutor:
     def _peers(self) -> set:
         """Pipeline ranks this rank exchanges with (its neighbours, and the ring's wrap)."""
         return {r for row in self.rounds for src, dst, *_ in
-                transfers_after(row, self.pp, self.vpp, self.num_stages, self.v_shape)
+                transfers_after(row, self.pp, self.vpp, self.num_stages, self.placement)
                 if self.rank in (src, dst) for r in (src, dst)} - {self.rank}
 
     def _await(self, act) -> None:
@@ -168,8 +168,9 @@ class PipelineExecutor:
         return loss, self._flat(grads)
 
     def _flat(self, grads: List[Optional[list]]) -> list:
-        """The chunks' gradients in parameter order, a parameter two chunks share (DualPipe-V's
-        first and last stage on one rank: the tied embedding) once, its gradients summed."""
+        """The chunks' gradients in parameter order, a parameter two chunks share (a V
+        placement's first and last stage on one rank: the tied embedding) once, its gradients
+        summed."""
         flat, index = [], {}
         for gs, ps in zip(grads, self.params):
             for g, p in zip(gs if gs is not None else [F.zeros_like(p) for p in ps], ps):
@@ -238,12 +239,12 @@ class PipelineExecutor:
     def _exchange(self, actions, outbox, inbox) -> None:
         ops, recv_keys = [], []
         for src, dst, kind, mb, dst_chunk in transfers_after(actions, self.pp, self.vpp,
-                                                             self.num_stages, self.v_shape):
+                                                             self.num_stages, self.placement):
             if self.rank not in (src, dst):
                 continue
-            v_dst = virtual_stage(dst, dst_chunk, self.pp, self.v_shape)
-            src_chunk = stage_of(v_dst - 1 if kind == "act" else v_dst + 1, self.pp,
-                                 self.v_shape)[1]
+            v_dst = self.placement.virtual_stage(dst, dst_chunk, self.pp)
+            src_chunk = self.placement.stage_of(v_dst - 1 if kind == "act" else v_dst + 1,
+                                                self.pp)[1]
             if src == dst:
                 inbox[(kind, mb, dst_chunk)] = outbox.pop((kind, mb, src_chunk))
             elif src == self.rank:

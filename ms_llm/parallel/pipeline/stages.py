@@ -2,7 +2,7 @@
 ``--num-layer-list`` and ``--noop-layers``).
 
 With ``pp`` ranks and ``vpp`` model chunks per rank there are ``pp * vpp`` virtual stages; virtual
-stage ``v = chunk * pp + rank`` (Megatron's interleaving; DualPipe-V's V: ``schedules``) holds a
+stage (``v = chunk * pp + rank``, Megatron's interleaving, or the schedule's ``placement``) holds a
 contiguous range of global layer indices. Noop layers (MindSpeed) count in that assignment but are
 not built: they pass activations through unchanged and exist only to balance stages. The embedding
 lives on virtual stage 0, the final norm, output layer, multi-token prediction block and loss on
@@ -20,7 +20,7 @@ from ms_llm.compat import F, nn
 from ms_llm.compat.autograd import Function
 from ms_llm.models.moe import MoELayer
 from ..placement import add_partial, add_shard, placement_of, set_placement, update_placement
-from .schedules import stage_of, virtual_stage
+from .schedules import ROUND_ROBIN, StagePlacement
 
 
 def layer_ranges(num_layers: int, pp: int, vpp: int = 1,
@@ -154,11 +154,13 @@ class PipelineChunk(nn.Module):
 
 
 def split_model(model, pstate, vpp: int = 1, num_layer_list: Optional[Sequence[int]] = None,
-                noop_layers: Sequence[int] = (), v_shape: bool = False) -> List[PipelineChunk]:
+                noop_layers: Sequence[int] = (),
+                placement: StagePlacement = ROUND_ROBIN) -> List[PipelineChunk]:
     """This rank's model chunks (``vpp`` of them), each recording the global index of its layers
     in every parameter's ``Placement`` (checkpoints store layers under their global index).
-    ``v_shape``: DualPipe-V's placement (``schedules.virtual_stage``), where rank 0 holds the
-    first and the last stage and so one embedding for both (nothing to tie across ranks)."""
+    ``placement``: the schedule's virtual stage of each chunk; where it puts the first and the
+    last stage on one rank (a V), that rank keeps one embedding for both (nothing to tie across
+    ranks)."""
     pp, rank = pstate.sizes.pp, pstate.pp_rank
     n = model.config.num_layers
     ranges = layer_ranges(n, pp, vpp, num_layer_list)
@@ -168,7 +170,7 @@ def split_model(model, pstate, vpp: int = 1, num_layer_list: Optional[Sequence[i
     copy = tied or getattr(model, "mtp", None) is not None
     chunks = []
     for c in range(vpp):
-        v = virtual_stage(rank, c, pp, v_shape)
+        v = placement.virtual_stage(rank, c, pp)
         keep = [i for i in ranges[v] if i not in noop]
         first, last = v == 0, v == pp * vpp - 1
         chunk = PipelineChunk(model, keep, first, last, tied_copy=last and copy and pp * vpp > 1)
@@ -183,8 +185,8 @@ def split_model(model, pstate, vpp: int = 1, num_layer_list: Optional[Sequence[i
                 if not placement_of(p).sharded_over("pp"):
                     set_placement(p, add_shard(p, p.shape, "pp", None))
         # a copy to tie only where the first and the last stage are on different ranks (not in
-        # DualPipe-V's V, whose rank 0 holds both and so the one module)
-        apart = stage_of(0, pp, v_shape)[0] != stage_of(pp * vpp - 1, pp, v_shape)[0]
+        # a V, whose rank 0 holds both and so the one module)
+        apart = placement.stage_of(0, pp)[0] != placement.stage_of(pp * vpp - 1, pp)[0]
         if copy and apart:
             for chunk in chunks:
                 if chunk.embedding is not None:

@@ -1,9 +1,10 @@
-"""DualPipe-V (DeepSeek's "DualPipeV", MindSpeed's ``--schedules-method dualpipev``) as data.
+"""DualPipe-V (DeepSeek's "DualPipeV", ``parallel.schedules_method dualpipev``; MindSpeed's
+``--schedules-method dualpipev`` sets it and two chunks per rank) as data.
 
 The model is cut into ``2 * pp`` stages placed in a V: rank ``r`` holds stage ``r`` (chunk 0,
 on the way down) and stage ``2 * pp - 1 - r`` (chunk 1, on the way back), so rank 0 holds both
 the embedding and the loss, and the last rank hands its chunk-0 output to its own chunk 1 without
-a transfer (``schedules.virtual_stage(..., v_shape=True)``).
+a transfer (``placement.V_SHAPE``).
 
 Each rank runs eight phases (``pp`` ranks, ``m >= 2 * pp`` micro-batches, rank ``r``):
 
@@ -30,18 +31,17 @@ from __future__ import annotations
 
 from collections import deque
 
-from .actions import Action, check_sizes as _check_sizes
+from .actions import Action
+from .placement import V_SHAPE
+from .rounds import bubble_fraction, plan_rounds
+from .spec import ScheduleSpec
+from .zero_bubble import SCHEDULE as ZB_H1
 
 
 def dualpipe_v_rank(pp: int, rank: int, num_microbatches: int) -> list[Action]:
-    """DualPipe-V's action list for ``rank`` (two chunks per rank, the V placement)."""
-    _check_sizes(pp, num_microbatches, 2)
+    """DualPipe-V's action list for ``rank`` (two chunks per rank, the V placement;
+    ``num_microbatches >= 2 pp``, which ``SCHEDULE.build`` checks)."""
     m = num_microbatches
-    if m < 2 * pp:
-        raise ValueError(f"parallel.schedules_method dualpipev needs at least 2 x "
-                         f"parallel.pipeline_model_parallel_size ({2 * pp}) micro-batches, got "
-                         f"{m} (training.global_batch_size / (training.micro_batch_size x "
-                         f"data-parallel size))")
     acts: list[Action] = []
     fwd, bwd = [0, 0], [0, 0]          # next micro-batch per chunk
     queued: deque = deque()            # deferred W's, first in first out
@@ -100,6 +100,17 @@ def dualpipe_v_rank(pp: int, rank: int, num_microbatches: int) -> list[Action]:
     return acts
 
 
-def dualpipe_v(pp: int, num_microbatches: int) -> list[list[Action]]:
-    """DualPipe-V for every rank."""
-    return [dualpipe_v_rank(pp, r, num_microbatches) for r in range(pp)]
+def dualpipe_v_note(rounds: list, pp: int, m: int) -> str:
+    """The simulated bubble beside ZB-H1's on the same ranks (each of its actions a whole stage:
+    two chunks)."""
+    zb = bubble_fraction(plan_rounds(ZB_H1.build(pp, m, 1), pp))
+    return (f"simulated bubble: {bubble_fraction(rounds):.3f} (F=B=W per chunk, stages in a "
+            f"V: rank 0 holds the first and the last); ZB-H1 on the same ranks: {zb:.3f}")
+
+
+SCHEDULE = ScheduleSpec(
+    name="dualpipev", label="DualPipe-V", method="dualpipev",
+    rank_actions=lambda pp, rank, m, vpp: dualpipe_v_rank(pp, rank, m),
+    bubble_note=dualpipe_v_note, chunks_rule="runs two model chunks per rank in a V",
+    min_chunks=2, max_chunks=2, placement=V_SHAPE, splits_backward=True,
+    microbatches_per_rank=2, mindspeed=True)

@@ -1,4 +1,5 @@
-"""Zero-bubble pipeline schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
+"""ZB-H1 (``parallel.schedules_method zbh1``), the zero-bubble schedule of Qi et al., "Zero Bubble
+Pipeline Parallelism", ICLR 2024.
 
 The backward is split into ``B`` (the input gradient, which the previous stage waits for) and
 ``W`` (the weight gradient, which nobody waits for), so ``W`` can fill the slots where 1F1B
@@ -11,12 +12,13 @@ never idles after its first forward, and the bubble is ``(p - 1)(F + B - W)`` ag
 """
 from __future__ import annotations
 
-from .actions import Action, check_sizes as _check_sizes
+from .actions import Action
+from .rounds import bubble_fraction
+from .spec import ScheduleSpec
 
 
 def zero_bubble_h1_rank(pp: int, rank: int, num_microbatches: int) -> list[Action]:
     """ZB-H1's action list for ``rank`` (one model chunk per rank)."""
-    _check_sizes(pp, num_microbatches)
     m = num_microbatches
     f = min(pp - rank, m)
     acts = [Action("F", k) for k in range(f)]
@@ -35,6 +37,15 @@ def zero_bubble_h1_rank(pp: int, rank: int, num_microbatches: int) -> list[Actio
     return acts + [Action("W", k) for k in range(w, m)]
 
 
-def zero_bubble_h1(pp: int, num_microbatches: int) -> list[list[Action]]:
-    """ZB-H1 for every rank."""
-    return [zero_bubble_h1_rank(pp, r, num_microbatches) for r in range(pp)]
+def zero_bubble_note(rounds: list, pp: int, m: int) -> str:
+    """The simulated bubble at F = B = W beside the paper's and 1F1B's analytic ones."""
+    return (f"simulated bubble: {bubble_fraction(rounds):.3f} (F=B=W); ZB-H1's analytic "
+            f"(p-1)/(3m+p-1) = {(pp - 1) / (3 * m + pp - 1):.3f}, 1F1B's (p-1)/(m+p-1) = "
+            f"{(pp - 1) / (m + pp - 1):.3f}")
+
+
+SCHEDULE = ScheduleSpec(
+    name="zbh1", label="ZB-H1", method="zbh1",
+    rank_actions=lambda pp, rank, m, vpp: zero_bubble_h1_rank(pp, rank, m),
+    bubble_note=zero_bubble_note, chunks_rule="runs one model chunk per rank",
+    splits_backward=True)
