@@ -32,7 +32,7 @@ def wants_help(argv: List[str]) -> bool:
 
 
 def print_help() -> None:
-    from ms_llm.config_help import schema_help
+    from ms_llm.config.help import schema_help
     print(USAGE + schema_help())
 
 

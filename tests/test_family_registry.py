@@ -122,7 +122,7 @@ def test_names_translations_and_export_guess_agree(name):
 
 def test_register_family_refuses_taken_names_and_new_families_appear_everywhere():
     from ms_llm.checkpoint.convert_args import build_parser
-    from ms_llm.config_help import schema_help
+    from ms_llm.config.help import schema_help
     import ms_llm.models.families as F
     from ms_llm.models.families import llama
     with pytest.raises(ValueError, match=r"name\(s\) \['llama2'\] belong to \['llama'\]"):

@@ -28,9 +28,9 @@ The order, bottom to top (a package may import only from layers below its own):
 * ``data`` (datasets, tokenizers; imports none of the above);
 * ``inference`` (generation on a loaded model), then ``evaluation`` (benchmarks scored through
   it, data/tensor parallel under msrun);
-* ``config`` (``config``, ``config_parse``, ``config_values``, ``config_rules``,
-  ``config_help``, ``config_pretrained``: the run schema, whose cross-key rules may ask the packages below, e.g.
-  pipeline stages or a checkpoint folder's architecture);
+* ``config`` (the run schema, its parsing, value and cross-key rules, ``--help`` text and
+  pretrained-folder adoption: its cross-key rules may ask the packages below, e.g. pipeline
+  stages or a checkpoint folder's architecture);
 * ``training`` (the loop, composing everything below);
 * ``mindspeed`` (MindSpeed-LLM's script flags onto the run config, then a training run) and
   ``qualify`` (the support matrix: runs training jobs);
@@ -58,16 +58,13 @@ LAYERS: List[Tuple[str, ...]] = [
     ("data",),
     ("inference",),
     ("evaluation",),
-    ("config", "config_values", "config_rules", "config_help", "config_parse",
-     "config_pretrained"),
+    ("config",),
     ("training",),
     ("mindspeed", "qualify"),
     ("cli", "train", "inference_cli"),
 ]
 # Top-level modules that form one unit with another (private names may cross between them).
-UNITS = {"config_values": "config", "config_rules": "config", "config_help": "config",
-         "config_parse": "config", "config_pretrained": "config",
-         "train": "cli", "inference_cli": "cli"}
+UNITS = {"train": "cli", "inference_cli": "cli"}
 
 
 def layer_of(unit: str) -> int:

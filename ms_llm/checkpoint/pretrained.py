@@ -39,7 +39,7 @@ def pretrained_architecture(path: str) -> Tuple[TransformerConfig, str]:
     return cfg, fam.name
 
 
-# (a run config adopting a folder's architecture: ms_llm.config_pretrained)
+# (a run config adopting a folder's architecture: ms_llm.config.pretrained)
 def from_pretrained(path: str, dtype: Optional[str] = None,
                     config: Optional[TransformerConfig] = None) -> GPTModel:
     """Load a Hugging Face folder (``config.json`` + safetensors, fp32/bf16/fp16) or a Megatron

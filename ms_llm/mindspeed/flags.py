@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from ms_llm.config_rules import ConfigError
+from ms_llm.config.rules import ConfigError
 from .flag_table import MEGATRON_DEFAULTS, TABLE, Map, Noop, Refuse
 
 _SPEC = re.compile(r"(?:^|\.)([a-z0-9_]+)_spec$")

@@ -1,7 +1,7 @@
 """The value rules of the run config: what each key's value must be (positive sizes, rates,
-probabilities, choices, existing folders). ``config_parse`` checks them on every explicitly set
-key right after its type, so the error names the key's source; ``config_help`` prints them.
-The cross-key and launch rules are in ``config_rules``."""
+probabilities, choices, existing folders). ``parse`` checks them on every explicitly set
+key right after its type, so the error names the key's source; ``help`` prints them.
+The cross-key and launch rules are in ``rules``."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,6 @@
 """Parsing of the run config: YAML files and dotted command-line overrides, layered (the
-command line wins), each explicitly set key type-checked and value-checked (``config_rules``)
-so an error names the key and the source that set it. ``config.load_config`` is the entry."""
+command line wins), each explicitly set key type-checked and value-checked (``rules``)
+so an error names the key and the source that set it. ``schema.load_config`` is the entry."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from ms_llm.config_values import ConfigError, check_value
+from ms_llm.config.values import ConfigError, check_value
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models.families import family_defaults
 from ms_llm.validation import size_bound_problem, yaml_load_unique

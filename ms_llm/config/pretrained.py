@@ -7,7 +7,7 @@ import math
 import os
 
 from ms_llm.checkpoint.pretrained import pretrained_architecture
-from ms_llm.config_rules import ConfigError
+from ms_llm.config.rules import ConfigError
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models.registry import get_family
 
@@ -25,8 +25,9 @@ TRAINING_MODEL_KEYS = frozenset({
     "linear_chunk_size"})
 # The config ms-llm train uses when no file is named: its model section describes the default
 # small model, not a request about a loaded folder (same path as ms_llm.train.DEFAULT_CONFIG).
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "configs", "tiny.yaml")
+DEFAULT_CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "configs", "tiny.yaml")
 
 
 def adopt_pretrained_architecture(cfg) -> None:

@@ -8,8 +8,8 @@ import typing
 from dataclasses import fields
 from typing import Any, List
 
-from ms_llm.config import _SECTIONS, _hints
-from ms_llm.config_values import RULES
+from ms_llm.config.schema import _SECTIONS, _hints
+from ms_llm.config.values import RULES
 from ms_llm.models.config import TransformerConfig
 
 

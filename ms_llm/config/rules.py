@@ -1,7 +1,7 @@
 """Every rule of the run config, in one place, all checked when the config is loaded (before
 anything starts); the loaded config is then frozen (``config.RunConfig.freeze``).
 
-* Value rules (``RULES``, in ``config_values``): what each key's value must be, checked on every
+* Value rules (``RULES``, in ``values``): what each key's value must be, checked on every
   explicitly set key right after its type, so the error names the key's source.
 * Cross-key rules (``validate``): combinations of keys, including the stage (DPO, evaluation),
   bf16, fused cross entropy, pipeline, context parallel and MoE rules.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Sequence, Tuple, Optional
 
-from ms_llm.config_values import RULES, ConfigError, check_value  # noqa: F401 (re-exported)
+from ms_llm.config.values import RULES, ConfigError, check_value  # noqa: F401 (re-exported)
 
 
 # ------------------------------------------------------------------------------ cross-key rules
@@ -41,7 +41,7 @@ def _fail(cfg, keys: Sequence[str], message: str) -> None:
 def _check_schedule(cfg) -> None:
     """Megatron's scheduler rules (training/lr_schedule.py applies the schedule). A sample-based
     run (``training.train_samples``) has ``max_steps`` = ``train_samples // global_batch_size``
-    (``config.load_config`` derives it) unless it was set explicitly (then they must agree)."""
+    (``schema.load_config`` derives it) unless it was set explicitly (then they must agree)."""
     t = cfg.training
     if t.train_samples:
         iters = t.train_samples // t.global_batch_size

@@ -1,10 +1,10 @@
 """The one run-config schema (its sections below). YAML files and dotted command-line
-overrides both go through ``load_config`` (parsing in ``config_parse``); unknown keys, wrong
-types, out-of-range values and bad combinations (every rule lives in ``config_rules``) are
+overrides both go through ``load_config`` (parsing in ``parse``); unknown keys, wrong
+types, out-of-range values and bad combinations (every rule lives in ``rules``) are
 rejected with one line naming the key and the source that set it (the YAML path, or
 ``command line --section.key``). The loaded config is frozen: setting a key afterwards raises
 ``FrozenConfigError``; code that needs a variant derives a copy (``RunConfig.replace``,
-``RunConfig.with_values``). ``config_help.schema_help()`` renders the schema for ``--help``."""
+``RunConfig.with_values``). ``help.schema_help()`` renders the schema for ``--help``."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ms_llm.models.config import TransformerConfig
-from ms_llm.config_rules import (RULES, ConfigError, check_launch,  # noqa: F401 (re-exported)
-                                 check_value, validate)
-from ms_llm.config_parse import (COMMAND_LINE, build_model, build_section,  # noqa: F401
-                                 layer, type_hints as _hints, parse_overrides)
+from ms_llm.config.rules import ConfigError, check_launch, validate
+from ms_llm.config.parse import build_model, build_section, layer, type_hints as _hints
 
 
 class FrozenConfigError(dataclasses.FrozenInstanceError):
@@ -307,7 +305,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
     cfg = RunConfig(model=model, model_family=family, model_overrides=explicit, sources=sources,
                     base_source=base, **built)
     if cfg.checkpoint.load:   # the folder's architecture, before the cross-key checks see it
-        from ms_llm.config_pretrained import adopt_pretrained_architecture
+        from ms_llm.config.pretrained import adopt_pretrained_architecture
         adopt_pretrained_architecture(cfg)
     t = cfg.training
     if t.train_samples and "training.max_steps" not in cfg.sources:   # a sample-based run
