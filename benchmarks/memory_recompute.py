@@ -52,8 +52,8 @@ def measure(name: str, overrides, steps: int, out_root: str, nproc: int = 1) -> 
              "--training.max_steps", str(steps), "--training.log_interval", "1",
              "--training.progress_bar", "false", "--training.output_dir", out]
     cmd = [sys.executable, "-m", "ms_llm.cli", "train", *train]
-    if nproc > 1:   # msrun runs a script: ms_llm/train.py, as scripts/pretrain.sh does
-        cmd = msrun_command(os.path.join(ROOT, "ms_llm", "train.py"), train, worker_num=nproc,
+    if nproc > 1:   # msrun runs a script: ms_llm/cli/train.py, as scripts/pretrain.sh does
+        cmd = msrun_command(os.path.join(ROOT, "ms_llm", "cli", "train.py"), train, worker_num=nproc,
                             master_port=free_port(), log_dir=f"{out}_logs")
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=launch_env())
     if r.returncode:

@@ -64,7 +64,7 @@ command -v msrun >/dev/null || { echo "pretrain.sh: msrun not found (is mindspor
 set +e
 ENTRY="$("$PY" -c "import sys
 try:
-    import mindspore, ms_llm.train as entry
+    import mindspore, ms_llm.cli.train as entry
     from ms_llm.config import load_config, ConfigError
 except ImportError as e:
     print(f'pretrain.sh: ms_llm or mindspore is not importable by {sys.executable} ({e}); '

@@ -34,7 +34,7 @@ The order, bottom to top (a package may import only from layers below its own):
 * ``training`` (the loop, composing everything below);
 * ``mindspeed`` (MindSpeed-LLM's script flags onto the run config, then a training run) and
   ``qualify`` (the support matrix: runs training jobs);
-* the entry points ``cli``, ``train`` and ``inference_cli``.
+* the entry points: ``cli`` (one module per ``ms-llm`` command).
 """
 from __future__ import annotations
 
@@ -61,10 +61,8 @@ LAYERS: List[Tuple[str, ...]] = [
     ("config",),
     ("training",),
     ("mindspeed", "qualify"),
-    ("cli", "train", "inference_cli"),
+    ("cli",),
 ]
-# Top-level modules that form one unit with another (private names may cross between them).
-UNITS = {"train": "cli", "inference_cli": "cli"}
 
 
 def layer_of(unit: str) -> int:
@@ -92,11 +90,6 @@ def top(module: str) -> str:
     ``__init__``)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
-
-
-def unit_of(module: str) -> str:
-    t = top(module)
-    return UNITS.get(t, t)
 
 
 def imports(module: str, path: str) -> Iterator[Tuple[int, str, List[str]]]:
@@ -132,7 +125,7 @@ def violations() -> Tuple[List[str], List[str], List[str]]:
     """(undeclared units, imports against the order, private names across packages)."""
     undeclared, upward, private = set(), [], []
     for module, path in _modules().items():
-        src = unit_of(module)
+        src = top(module)
         try:
             src_layer = layer_of(top(module))
         except KeyError:
@@ -140,7 +133,7 @@ def violations() -> Tuple[List[str], List[str], List[str]]:
             continue
         where = f"{os.path.relpath(path, ROOT)}"
         for line, target, names in imports(module, path):
-            dst = unit_of(target)
+            dst = top(target)
             if dst == src:
                 continue
             try:

@@ -75,7 +75,7 @@ def config_error(root, tmp_path, *extra, config=CONFIG) -> str:
 
 
 def test_default_config_path_is_the_trainers():
-    from ms_llm.train import DEFAULT_CONFIG as TRAIN_DEFAULT
+    from ms_llm.cli.train import DEFAULT_CONFIG as TRAIN_DEFAULT
     assert os.path.realpath(DEFAULT_CONFIG) == os.path.realpath(TRAIN_DEFAULT)
 
 

@@ -98,7 +98,7 @@ def test_guard_policies():
 
 def test_nan_stop_names_the_parameter_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch,
                                                                           capsys):
-    from ms_llm.train import main
+    from ms_llm.cli.train import main
     save = tmp_path / "ckpt"
     monkeypatch.setenv(faults.NAN_ENV, f"3:{PARAM}")
     rc = main([CONFIG, *TINY, "--training.output_dir", str(tmp_path / "stop"),

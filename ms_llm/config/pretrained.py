@@ -24,7 +24,7 @@ TRAINING_MODEL_KEYS = frozenset({
     # the Gated DeltaNet's chunk of its parallel form: the same function, another work split
     "linear_chunk_size"})
 # The config ms-llm train uses when no file is named: its model section describes the default
-# small model, not a request about a loaded folder (same path as ms_llm.train.DEFAULT_CONFIG).
+# small model, not a request about a loaded folder (same path as ms_llm.cli.train.DEFAULT_CONFIG).
 DEFAULT_CONFIG = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     "configs", "tiny.yaml")

@@ -14,12 +14,12 @@ The harness's options follow.
 """
 
 
-def lm_eval_main(argv: List[str]) -> int:
+def main(argv: List[str]) -> int:
     """``ms-llm lm-eval ARGS``: the harness's ``lm_eval ARGS`` with ``ms-llm`` registered."""
     if argv in (["-h"], ["--help"]):
         print(USAGE, flush=True)
     try:
-        from .lm_eval_backend import register
+        from ms_llm.evaluation.lm_eval_backend import register
     except ImportError as e:
         if argv in (["-h"], ["--help"]):
             print(f"({e})")

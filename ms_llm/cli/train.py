@@ -1,4 +1,4 @@
-"""Training entry point: ``python -m ms_llm.train [CONFIG.yaml] [--section.key VALUE ...]``.
+"""Training entry point: ``python -m ms_llm.cli.train [CONFIG.yaml] [--section.key VALUE ...]``.
 
 This is the script ``scripts/pretrain.sh`` hands to ``msrun``. Config errors print one line
 (``config error: <file or command line --key>: <key> ...``) and exit with code 2; ``--help``
@@ -11,8 +11,9 @@ import os
 import sys
 from typing import List, Optional
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "configs", "tiny.yaml")
+DEFAULT_CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "configs", "tiny.yaml")
 
 
 USAGE = """usage: ms-llm train [CONFIG.yaml] [--section.key VALUE | --section.key=VALUE ...]

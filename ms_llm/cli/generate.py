@@ -1,4 +1,4 @@
-"""``ms-llm generate`` and ``ms-llm chat``.
+"""``ms-llm generate``, and the model flags, sampling and loading ``ms-llm chat`` shares.
 
 Sampling follows the common CLI convention: greedy unless a sampling flag is given
 (``--temperature`` > 0, ``--top-k`` > 0 or ``--top-p`` < 1); ``--temperature 0`` is greedy.
@@ -11,7 +11,7 @@ import sys
 from typing import List, Optional, TextIO
 
 
-def _common(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+def add_common_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--load", required=True,
                    help="HF folder, Megatron folder or training checkpoint (save_dir / iter_*)")
     p.add_argument("--tokenizer", default=None,
@@ -46,7 +46,7 @@ def sampling_args(args: argparse.Namespace) -> dict:
             "top_k": args.top_k or 0, "top_p": 1.0 if args.top_p is None else args.top_p}
 
 
-def _load(args: argparse.Namespace):
+def load_from_args(args: argparse.Namespace):
     from ms_llm.inference.loading import eos_token_ids, load_model, load_tokenizer_for
     tokenizer = load_tokenizer_for(args.load, args.tokenizer)
     model = load_model(args.load, args.dtype)
@@ -54,10 +54,10 @@ def _load(args: argparse.Namespace):
     return model, tokenizer, eos_token_ids(args.load, tokenizer), context
 
 
-def generate_main(argv: List[str], out: Optional[TextIO] = None) -> int:
+def main(argv: List[str], out: Optional[TextIO] = None) -> int:
     """``ms-llm generate --load PATH --prompt TEXT``: continue one prompt."""
-    p = argparse.ArgumentParser(prog="ms-llm generate", description=generate_main.__doc__)
-    _common(p, max_new_tokens=128)
+    p = argparse.ArgumentParser(prog="ms-llm generate", description=main.__doc__)
+    add_common_args(p, max_new_tokens=128)
     p.add_argument("--prompt", required=True)
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     args = p.parse_args(argv)
@@ -67,7 +67,7 @@ def generate_main(argv: List[str], out: Optional[TextIO] = None) -> int:
     from ms_llm.inference.streamer import TextStreamer
     try:
         sampling = sampling_args(args)
-        model, tokenizer, eos, context = _load(args)
+        model, tokenizer, eos, context = load_from_args(args)
         ids = encode_prompt(tokenizer, args.prompt)
         if len(ids) > context:
             raise ValueError(f"the prompt is {len(ids)} tokens, longer than the model's "
@@ -90,46 +90,3 @@ def generate_main(argv: List[str], out: Optional[TextIO] = None) -> int:
         out.write(tokenizer.decode(new) + "\n")
         out.flush()
     return 0
-
-
-def chat_main(argv: List[str], stdin: Optional[TextIO] = None,
-              out: Optional[TextIO] = None) -> int:
-    """``ms-llm chat --load PATH``: a conversation on stdin / stdout with the tokenizer's chat
-    template; each line is a user turn; EOF or ``exit`` ends it."""
-    p = argparse.ArgumentParser(prog="ms-llm chat", description=chat_main.__doc__)
-    _common(p, max_new_tokens=512)
-    p.add_argument("--system", default=None, help="system prompt")
-    args = p.parse_args(argv)
-    stdin, out = stdin or sys.stdin, out or sys.stdout
-    from ms_llm.inference.chat import ChatSession, ContextTooLong
-    from ms_llm.inference.streamer import TextStreamer
-    try:
-        sampling = sampling_args(args)
-        model, tokenizer, eos, context = _load(args)
-        if not tokenizer.chat_template:
-            raise ValueError(f"tokenizer {tokenizer.path} has no chat_template "
-                             f"(tokenizer_config.json)")
-        session = ChatSession(model, tokenizer, eos, context, system=args.system,
-                              max_new_tokens=args.max_new_tokens,
-                              sampling=dict(sampling, vocab_size=tokenizer.vocab_size),
-                              seed=args.seed,
-                              say=lambda m: print(f"ms-llm chat: {m}", file=sys.stderr))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"ms-llm chat: {e}", file=sys.stderr)
-        return 2
-    interactive = stdin.isatty()
-    while True:
-        if interactive:
-            out.write("> ")
-            out.flush()
-        line = stdin.readline()
-        if not line or line.strip() == "exit":
-            return 0
-        text = line.rstrip("\n")
-        if not text.strip():
-            continue
-        try:
-            session.send(text, streamer=TextStreamer(tokenizer, skip_token_ids=eos, out=out))
-        except ContextTooLong as e:
-            print(f"ms-llm chat: {e}; start a new chat", file=sys.stderr)
-            return 2

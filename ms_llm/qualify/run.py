@@ -1,58 +1,21 @@
-"""``ms-llm qualify [--suite quick|full] [--cells ...] [--out DIR] [--merge]``: run the
-qualification matrix as real jobs and write DIR/support.md, DIR/support.json and DIR/logs/
-(docs/qualification.md defines the criteria); ``--merge`` / ``--merge-from`` build one table
-from several runs (``qualify.merge``). Exit 0 when no cell fails, 1 when one does, 2 on bad
-arguments."""
+"""``ms-llm qualify``'s run (its command line is ``ms_llm.cli.qualify``): the qualification
+matrix as real jobs, written to DIR/support.md, DIR/support.json and DIR/logs/
+(docs/qualification.md defines the criteria), or one table merged from several runs
+(``qualify.merge``)."""
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from . import criteria as C
 from .fault import launch_cells
-from .matrix import STEPS, SUITES, select
+from .matrix import select
 from .plan import Planner
 from .runner import run_job, segment
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ms-llm qualify", description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=sorted(SUITES), default="quick",
-                   help="quick: 2 families x 4 layouts (< 10 min on 2 cores); full: everything")
-    p.add_argument("--out", default="outputs/qualify", help="where support.md/.json and logs/ go")
-    p.add_argument("--work", default=None,
-                   help="scratch folder for checkpoints and exports (default: a temporary one, "
-                        "removed at the end)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
-    p.add_argument("--cells", default=None,
-                   help="only these cells: family:feature, comma-separated (e.g. a re-run "
-                        "after a fix, with --merge)")
-    p.add_argument("--merge", action="store_true",
-                   help="add this run's cells to the table already in --out (a cell replaces "
-                        "the same family:feature; each cell names its run's commit)")
-    p.add_argument("--merge-from", action="append", default=[], metavar="DIR",
-                   type=lambda v: ("all", v),
-                   help="run nothing: merge the qualify --out folder DIR (its cells and logs) "
-                        "into --out; repeatable, a later DIR's cell wins")
-    p.add_argument("--merge-d-from", action="append", dest="merge_from", metavar="DIR",
-                   type=lambda v: ("d", v),
-                   help="as --merge-from, but only criterion (d) of DIR's cells patches the "
-                        "same cells (the newest (d) evidence of cells re-run since)")
-    p.add_argument("--fault-only", default=None, metavar="WORK",
-                   help="run criterion (d) alone, comparing with the uninterrupted runs of the "
-                        "earlier run whose --work folder was WORK; merged into a table holding "
-                        "those cells, it patches their (d) (qualify.fault_only)")
-    # test-only: cells whose parallel run is deliberately changed (another seed), to show a
-    # Fail is reported
-    p.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
-    p.add_argument("--break-cell", action="append", default=[], help=argparse.SUPPRESS)
-    # test-only: skip criterion (d)'s fault launches (reported as not run, never as met)
-    p.add_argument("--no-fault", action="store_true", help=argparse.SUPPRESS)
-    return p
 
 
 def _cell_log(path: str, cell, status: str, unmet, test, checks, runs: List[str],
@@ -83,9 +46,9 @@ def _cell_log(path: str, cell, status: str, unmet, test, checks, runs: List[str]
     os.replace(path + ".tmp", path)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+def qualify(args, argv: List[str]) -> int:
+    """Run the cells ``args`` (``ms_llm.cli.qualify``'s options) select, or only merge
+    (``--merge-from``); ``argv`` is recorded as the command in the table."""
     if args.merge_from:
         return _merge_only(args)
     try:

@@ -1,6 +1,6 @@
 """``ms-llm schedule``: print the pipeline schedule a config would run, before any process
-starts (per rank, the actions of each lockstep round, and the simulated bubble). It reads a
-training config, so it sits with ``training`` (``parallel`` builds the schedule)."""
+starts (per rank, the actions of each lockstep round, and the simulated bubble); ``parallel``
+builds the schedule."""
 from __future__ import annotations
 
 import argparse
