@@ -27,7 +27,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from ms_llm.launch import free_port, launch_env, msrun_command  # noqa: E402
+from ms_llm.launch.msrun import free_port, launch_env, msrun_command  # noqa: E402
 from bench_util import model_55m  # noqa: E402  (benchmarks/, the script's folder)
 
 MODEL = model_55m("qwen3")

@@ -3,7 +3,7 @@
 
 ``scripts/pretrain.sh`` launches through this module (with ``MAX_RESTARTS``, or the config's
 ``training.max_restarts``, of 0 it is one plain launch); the msrun command of each attempt comes
-from :func:`ms_llm.launch.msrun_command`. The script's config check supplies N and
+from :func:`ms_llm.launch.msrun.msrun_command`. The script's config check supplies N and
 ``checkpoint.save_dir``, so this loop imports no MindSpore until a relaunch reports its step::
 
     python -m ms_llm.training.restart --max-restarts N --save-dir SAVE_DIR \\
@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Callable, List, Optional, Sequence
 
-from ms_llm.launch import msrun_command
+from ms_llm.launch.msrun import msrun_command
 
 from .faults import ATTEMPT_ENV
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Mapping, Optional, Sequence, Union
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = "timeout"    # LaunchResult.returncode of a launch stopped at its time-out
 
 
