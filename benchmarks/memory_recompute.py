@@ -68,7 +68,7 @@ def measure(name: str, overrides, steps: int, out_root: str, nproc: int = 1) -> 
 
 def predict(overrides, nproc: int = 1, distopt=None) -> float:
     from ms_llm.config import load_config
-    from ms_llm.training.memory_plan import plan_memory
+    from ms_llm.planning.memory_plan import plan_memory
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), overrides)
     return plan_memory(cfg, nproc, distributed_optimizer=distopt).peak_gb
 

@@ -47,7 +47,7 @@ def test_pretrain_sh_trains_and_plots(tmp_path):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert "iteration        4/       4" in r.stdout and "lm loss:" in r.stdout
-    # MFU columns (ms_llm.training.flops; the peak from training.peak_tflops or the CPU probe)
+    # MFU columns (ms_llm.planning.flops; the peak from training.peak_tflops or the CPU probe)
     assert "| MFU: " in r.stdout and all(row["mfu"] > 0 and row["tflops_per_device"] > 0
                                          and row["peak_tflops"] > 0 for row in rows)
     p = run_ms_llm("plot", out, timeout=120)

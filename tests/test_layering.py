@@ -31,6 +31,8 @@ The order, bottom to top (a package may import only from layers below its own):
 * ``config`` (the run schema, its parsing, value and cross-key rules, ``--help`` text and
   pretrained-folder adoption: its cross-key rules may ask the packages below, e.g. pipeline
   stages or a checkpoint folder's architecture);
+* ``planning`` (per-rank memory plan, model FLOPs, the CPU GEMM peak: what a run will need,
+  read from its config before it starts);
 * ``training`` (the loop, composing everything below);
 * ``mindspeed`` (MindSpeed-LLM's script flags onto the run config, then a training run) and
   ``qualify`` (the support matrix: runs training jobs);
@@ -59,6 +61,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("inference",),
     ("evaluation",),
     ("config",),
+    ("planning",),
     ("training",),
     ("mindspeed", "qualify"),
     ("cli",),

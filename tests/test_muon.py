@@ -191,7 +191,7 @@ def test_muon_training_resumes_exactly_and_is_planned(tmp_path, capsys):
     ``ms-llm plan`` counts one buffer per Muon element instead of AdamW's two moments."""
     from parallel_common import TINY_MODEL
     from ms_llm.config import load_config
-    from ms_llm.training.memory_plan import plan_memory
+    from ms_llm.planning.memory_plan import plan_memory
     from ms_llm.training.trainer import Trainer
     base = TINY_MODEL + ["--training.micro_batch_size", "2", "--training.global_batch_size", "4",
                          "--training.progress_bar", "false", "--training.lr_warmup_steps", "1",

@@ -1,10 +1,10 @@
 """``ms-llm plan``: per-rank memory of a config and layout before launch, and what makes it fit
-(the plan is ``training.memory_plan_fit``)."""
+(the plan is ``planning.memory_plan_fit``)."""
 from __future__ import annotations
 
 from typing import Sequence
 
-from ms_llm.training.memory_plan_fit import format_plan, plan_with_fix
+from ms_llm.planning.memory_plan_fit import format_plan, plan_with_fix
 
 
 def main(argv: Sequence[str]) -> int:

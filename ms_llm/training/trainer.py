@@ -304,8 +304,8 @@ class Trainer:
         probe, rank 0 only: only it logs) for the TFLOP/s and MFU columns."""
         if not is_main:
             return {}
-        from .flops import flops_per_token
-        from .peak import resolve_peak_tflops
+        from ms_llm.planning.flops import flops_per_token
+        from ms_llm.planning.peak import resolve_peak_tflops
         return {"flops_per_token": flops_per_token(self.model.config, self.cfg.data.seq_length),
                 "peak_tflops": resolve_peak_tflops(self.cfg.training.peak_tflops,
                                                    ms.get_context("device_target"), self._say),

@@ -137,7 +137,7 @@ class MemoryPlan:
 def planned_model_config(cfg) -> TransformerConfig:
     """The architecture training would build: a ``checkpoint.load`` folder's, or the config's
     with the tokenizer's padded vocabulary (as ``build_data`` decides), without reading data."""
-    from ms_llm.training.data_setup import padded_vocab
+    from ms_llm.data.tokenizer import padded_vocab
     if cfg.checkpoint.load:     # load_config adopted the folder's architecture
         return cfg.model
     if "padded_vocab_size" in cfg.model_overrides:
