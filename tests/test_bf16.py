@@ -197,7 +197,7 @@ def _run(tmp_path, *extra):
 
 def test_bf16_training_fp32_mains_exact_resume_and_export(tmp_path):
     from ms_llm.cli import main as cli_main
-    from ms_llm.checkpoint import dcp
+    from ms_llm.checkpoint.native import dcp
     save = str(tmp_path / "ckpt")
     # the CLI reaches it (tiny.yaml asks for jit: on CPU bf16 falls back to PyNative)
     assert cli_main(["train", CONFIG, *TINY, "--training.max_steps", "2", "--training.output_dir",

@@ -18,7 +18,7 @@ from mindspore import Tensor
 
 from cli_util import run_ms_llm
 from hf_fixtures import make_hf_checkpoint
-from ms_llm.checkpoint.pretrained import pretrained_architecture
+from ms_llm.checkpoint.hf.pretrained import pretrained_architecture
 from ms_llm.config.pretrained import DEFAULT_CONFIG
 from ms_llm.config import ConfigError, load_config
 from ms_llm.checkpoint import from_pretrained

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from parallel_common import TINY_MODEL
 
-from ms_llm.checkpoint import dcp
+from ms_llm.checkpoint.native import dcp
 from ms_llm.config import ConfigError, load_config
 from ms_llm.data.dataset import BatchIterator
 from ms_llm.training import faults, restart

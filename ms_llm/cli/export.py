@@ -1,5 +1,5 @@
 """``ms-llm export``: a training checkpoint as a Hugging Face or Megatron folder (the export
-itself is ``checkpoint.dcp_export`` / ``checkpoint.lora_export``)."""
+itself is ``checkpoint.native.export`` / ``checkpoint.adapters.export``)."""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +28,7 @@ def main(argv: List[str]) -> int:
     p.add_argument("--base", default=None,
                    help="LoRA checkpoint: its base folder, if moved (default: the recorded one)")
     args = p.parse_args(argv)
-    from ms_llm.checkpoint import dcp, dcp_export
+    from ms_llm.checkpoint.native import dcp, export as dcp_export
     try:
         path = args.checkpoint
         if not os.path.basename(os.path.normpath(path)).startswith("iter_"):
@@ -36,7 +36,7 @@ def main(argv: List[str]) -> int:
             if latest is None:
                 raise dcp.DCPError(f"{path}: no complete checkpoint found")
             path = latest
-        from ms_llm.checkpoint import lora_export
+        from ms_llm.checkpoint.adapters import export as lora_export
         if lora_export.is_lora_checkpoint(path):
             out = lora_export.export_peft(path, args.out_dir) if args.lora_only else \
                 lora_export.export_merged(path, args.out_dir, fmt=args.format, dtype=args.dtype,

@@ -44,7 +44,7 @@ def split_args(argv: List[str]):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from ms_llm.checkpoint.dcp_format import DCPError
+    from ms_llm.checkpoint.native.format import DCPError
     from ms_llm.config import ConfigError, load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)

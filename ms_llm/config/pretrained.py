@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 
-from ms_llm.checkpoint.pretrained import pretrained_architecture
+from ms_llm.checkpoint.hf.pretrained import pretrained_architecture
 from ms_llm.config.rules import ConfigError
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models.registry import get_family

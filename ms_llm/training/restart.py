@@ -41,7 +41,7 @@ def say(msg: str) -> None:
 
 def resume_point(save_dir: Optional[str]) -> str:
     """Where a relaunch resumes: the newest complete checkpoint, or a fresh start."""
-    from ms_llm.checkpoint.dcp_discovery import find_latest_complete, read_state
+    from ms_llm.checkpoint.native.discovery import find_latest_complete, read_state
     path = find_latest_complete(save_dir, report=lambda m: say(m))
     if path is None:
         return f"step 0 (no complete checkpoint in {save_dir} yet: starting fresh)"

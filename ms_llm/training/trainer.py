@@ -13,7 +13,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor
 
-from ms_llm.checkpoint import dcp
+from ms_llm.checkpoint.native import dcp
 from ms_llm.checkpoint.verify import guard_save_dir
 from ms_llm.compat import manual_seed, setup_device
 from ms_llm.compat.environment import configure

@@ -26,8 +26,8 @@ import numpy as np
 
 from ms_llm.models.registry import get_family
 
-from .layouts_spec import ModelSpec, ParallelLayout, family_of
-from .torch_pickle import GlobalRef, LazyTensor, TorchCheckpoint, TorchZipWriter, torch_dtype
+from ..layouts_spec import ModelSpec, ParallelLayout, family_of
+from ..torch_pickle import GlobalRef, LazyTensor, TorchCheckpoint, TorchZipWriter, torch_dtype
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"

@@ -1,7 +1,7 @@
 """The converter's streaming loop: source -> sink one decoder layer at a time, published by one
 rename, with every tensor checked for NaN/inf on the way.
 
-Why its own module: ``ms-llm convert``, ``ms-llm export`` (``dcp_export``) and the LoRA merge
+Why its own module: ``ms-llm convert``, ``ms-llm export`` (``native.export``) and the LoRA merge
 all stream through it, and "complete or absent" (the output folder appears only after every
 tensor was written and the source's ``check()`` found nothing left unread) must hold for all.
 """
@@ -13,7 +13,7 @@ import shutil
 import ml_dtypes
 import numpy as np
 
-from .convert_args import ConvertError
+from .args import ConvertError
 
 __all__ = ["stream_to_sink", "check_finite"]
 

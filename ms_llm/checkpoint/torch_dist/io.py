@@ -26,9 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import torch_pickle
-from .torch_pickle_format import GlobalRef, torch_dtype
-from .torch_pickle_reader import load as load_torch_file
+from .. import torch_pickle
+from ..torch_pickle.format import GlobalRef, torch_dtype
+from ..torch_pickle.reader import load as load_torch_file
 
 METADATA, COMMON, BACKEND = ".metadata", "common.pt", "metadata.json"
 _DCP = "torch.distributed.checkpoint"
@@ -145,7 +145,7 @@ class TorchDistReader:
                 chunk.file, chunk.byte_offset, chunk.length = where
             else:
                 self.objects[idx.fqn] = Chunk((), (), *where)
-        from .torch_dist_verify import torch_dist_problem   # chunks inside files, no aliasing
+        from .verify import torch_dist_problem   # chunks inside files, no aliasing
         why = torch_dist_problem(self)
         if why:
             raise ValueError(why)

@@ -29,10 +29,10 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from . import layouts as L
-from .convert import DTYPES, HFSink, MegatronSink, stream_to_sink
-from .dcp_format import DCPError
-from .dcp_load import DCPReader
+from .. import layouts as L
+from ..convert import DTYPES, HFSink, MegatronSink, stream_to_sink
+from .format import DCPError
+from .load import DCPReader
 
 __all__ = ["export_hf", "export_megatron", "hf_config_from_transformer_config"]
 

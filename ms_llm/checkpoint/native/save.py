@@ -17,9 +17,9 @@ from typing import Callable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .dcp_format import (FAILED, FORMAT, METADATA, TRACKER, VERSION, DCPError, LocalChunk,
-                         iter_dir, list_iters, read_json, volume)
-from .hf_io import _ST_NAMES
+from .format import (FAILED, FORMAT, METADATA, TRACKER, VERSION, DCPError, LocalChunk,
+                     iter_dir, list_iters, read_json, volume)
+from ..hf.io import _ST_NAMES
 
 log = logging.getLogger("ms_llm.checkpoint")
 

@@ -20,7 +20,7 @@ try:
 except ImportError:  # NumPy 1.x
     from numpy.core import multiarray
 
-from .torch_pickle_archive import LazyTensor, Storage
+from .archive import LazyTensor, Storage
 
 _OD = collections.OrderedDict
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional, Tuple
 
-from .hf_io import check_byte_ranges
+from ..hf.io import check_byte_ranges
 
 __all__ = ["torch_dist_problem"]
 

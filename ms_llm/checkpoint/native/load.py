@@ -12,9 +12,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from .dcp_discovery import check_complete
-from .dcp_format import METADATA, DCPError, WantedChunk, read_json, stored_dtype, volume
-from .verify import verify_file
+from .discovery import check_complete
+from .format import METADATA, DCPError, WantedChunk, read_json, stored_dtype, volume
+from ..verify import verify_file
 
 
 class DCPReader:

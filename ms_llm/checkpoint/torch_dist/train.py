@@ -1,6 +1,6 @@
-"""ms-llm's own training checkpoint (``ms_llm.checkpoint.dcp``) <-> a Megatron-Core ``torch_dist``
-training checkpoint (``--ckpt-format torch_dist``), so a job moves between the PyTorch lane and
-ms-llm mid-training in either direction.
+"""ms-llm's own training checkpoint (``ms_llm.checkpoint.native.dcp``) <-> a Megatron-Core
+``torch_dist`` training checkpoint (``--ckpt-format torch_dist``), so a job moves between the
+PyTorch lane and ms-llm mid-training in either direction.
 
 Why a conversion between two complete folders (and not a second loader in the trainer): ms-llm's
 own format already reshards to any layout (tp / pp / dp / FSDP), so a torch_dist checkpoint
@@ -17,7 +17,7 @@ What maps (Megatron-Core's ``FP32Optimizer`` layout, the non-distributed optimiz
 What cannot: Megatron's ``rng_state`` holds torch / CUDA generator states, which MindSpore's
 generators cannot take (the resumed run keeps its ``training.seed`` generators; exact only
 without dropout). The distributed optimizer's layouts (``--use-distributed-optimizer``) are read
-by ``torch_dist_distopt``; the export writes the non-distributed layout (see there).
+by ``distopt``; the export writes the non-distributed layout (see there).
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from . import dcp
-from .dcp_format import LocalChunk, TRACKER
-from .torch_dist import TorchDistReader, TorchDistWriter, is_torch_dist_dir
-from .torch_dist_distopt import read_distributed, sharding_type
-from .torch_dist_model import MOMENTS, read_state, read_training_state, write_training_state
+from ..native import dcp
+from ..native.format import LocalChunk, TRACKER
+from .io import TorchDistReader, TorchDistWriter, is_torch_dist_dir
+from .distopt import read_distributed, sharding_type
+from .model import MOMENTS, read_state, read_training_state, write_training_state
 
 OPT = "optimizer."
 _GATED = ("linear_fc1.weight", "linear_fc1.bias")

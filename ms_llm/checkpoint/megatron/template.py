@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Tuple
 
-from .layouts import ModelSpec, ParallelLayout
+from ..layouts import ModelSpec, ParallelLayout
 
 
 def expected_shapes(spec: ModelSpec, lay: ParallelLayout) -> List[Tuple[str, tuple]]:

@@ -21,9 +21,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .torch_dist_distopt import _LOCAL, _TE, STATES, named_order
-from .torch_dist_model import MOMENTS
-from .torch_pickle_reader import load as load_torch_file
+from ..torch_dist.distopt import _LOCAL, _TE, STATES, named_order
+from ..torch_dist.model import MOMENTS
+from ..torch_pickle.reader import load as load_torch_file
 
 DISTRIB = "distrib_optim.pt"
 

@@ -14,7 +14,7 @@ without the distributed optimizer (every dp rank's state is the same). Reading m
 pp (the converter's merge rules, applied to the moments as to the weights) and the import is
 then resharded to any layout by ms-llm's load; writing is one file (tp = pp = 1), which Megatron
 resumes at tp = pp = 1 only. ``distrib_optim.pt`` beside a rank file (the distributed
-optimizer) is read for resume by ``legacy_distopt`` (not written). Refused with one line:
+optimizer) is read for resume by ``distopt`` (not written). Refused with one line:
 expert parallel, virtual pipeline stages, MoE.
 """
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import torch_pickle
-from .dcp_format import TRACKER
-from .legacy_distopt import DISTRIB, read_distrib_optim
-from .torch_dist_model import MOMENTS
-from .torch_dist_train import read_training_dcp, write_tracker, write_training_dcp
-from .torch_pickle_reader import load as load_torch_file
+from .. import torch_pickle
+from ..native.format import TRACKER
+from .distopt import DISTRIB, read_distrib_optim
+from ..torch_dist.model import MOMENTS
+from ..torch_dist.train import read_training_dcp, write_tracker, write_training_dcp
+from ..torch_pickle.reader import load as load_torch_file
 
 FILE = "model_optim_rng.pt"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -132,7 +132,7 @@ def _rank_files(path: str) -> List[str]:
 def _merged(path: str, model_type_hf: Optional[str]):
     """Several ``mp_rank_*`` files (tp / pp > 1): each rank's weights and moments, merged into
     whole tensors by the converter's own tp / pp rules (moments shard like their weights)."""
-    from .convert import MegatronSource
+    from ..convert import MegatronSource
     folder = os.path.dirname(os.path.abspath(path))
     tracker = os.path.join(folder, TRACKER)
     named = open(tracker, encoding="utf-8").read().strip() if os.path.isfile(tracker) else ""

@@ -21,9 +21,9 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ms_llm.checkpoint import layouts as L
-from ms_llm.checkpoint.hf_io import HFWriter
+from ms_llm.checkpoint.hf.io import HFWriter
 from ms_llm.lora.base import STATE_KEY
-from .lora_merge import MODULES, PEFT_PREFIX, AdapterError, read_checkpoint_adapters
+from .merge import MODULES, PEFT_PREFIX, AdapterError, read_checkpoint_adapters
 
 
 def export_merged(ckpt: str, out_dir: str, *, fmt: str = "hf", dtype: Optional[str] = None,
@@ -32,8 +32,8 @@ def export_merged(ckpt: str, out_dir: str, *, fmt: str = "hf", dtype: Optional[s
     """Merge the adapters of ``ckpt`` into their base (``base`` overrides the recorded folder;
     its fingerprint must still match) and write an HF or Megatron folder."""
     from ms_llm.checkpoint.convert import convert
-    from ms_llm.checkpoint.convert_args import build_parser
-    from ms_llm.checkpoint.megatron import is_megatron_dir
+    from ms_llm.checkpoint.convert.args import build_parser
+    from ms_llm.checkpoint.megatron.io import is_megatron_dir
     ad = read_checkpoint_adapters(ckpt)
     folder = base or ad.state.get("base")
     if not folder or not os.path.isdir(folder):
@@ -52,7 +52,7 @@ def export_merged(ckpt: str, out_dir: str, *, fmt: str = "hf", dtype: Optional[s
 
 
 def _spec_of(state: dict) -> L.ModelSpec:
-    from ms_llm.checkpoint.dcp_export import hf_config_from_transformer_config
+    from ms_llm.checkpoint.native.export import hf_config_from_transformer_config
     from ms_llm.models.config import TransformerConfig
     if not isinstance(state.get("model_config"), dict):
         raise AdapterError("export --lora-only: the checkpoint state has no model_config")
@@ -133,7 +133,7 @@ def export_peft(ckpt: str, out_dir: str) -> str:
 
 
 def is_lora_checkpoint(ckpt: str) -> bool:
-    from ms_llm.checkpoint.dcp_load import DCPReader
+    from ms_llm.checkpoint.native.load import DCPReader
     r = DCPReader(ckpt)
     try:
         return bool(r.state.get(STATE_KEY))

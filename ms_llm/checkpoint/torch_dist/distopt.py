@@ -16,7 +16,7 @@ its flags (``dp_reshardable`` by default, ``fully_reshardable`` under
                           parameters lie in it in reverse ``named_parameters`` order, each start
                           padded to 64 elements (``_ParamAndGradBuffer``), so the layout is
                           rebuilt from the model's shapes and checked against every chunk edge
-Written (``torch_dist_model.distributed_common``): ``fully_reshardable``, with the ``content_metadata``
+Written (``model.distributed_common``): ``fully_reshardable``, with the ``content_metadata``
 Megatron-LM reads back to choose the layout it loads with; the flat-bucket layouts depend on
 the loading run's bucket sizes and dp size, so they are not written.
 Refused with one line naming the type: ``dp_zero_gather_scatter`` (a pickled object per
@@ -31,9 +31,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .torch_dist import TorchDistReader
-from .torch_dist_model import MOMENTS, read_state
-from .torch_pickle_reader import load as load_torch_file
+from .io import TorchDistReader
+from .model import MOMENTS, read_state
+from ..torch_pickle.reader import load as load_torch_file
 
 STATES = ("param", *MOMENTS)
 _BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"

@@ -9,7 +9,7 @@ from typing import List, Optional
 import ml_dtypes
 import numpy as np
 
-from . import layouts as L
+from .. import layouts as L
 
 DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16),
           "fp16": np.dtype(np.float16), "float32": np.dtype(np.float32),

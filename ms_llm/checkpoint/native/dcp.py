@@ -21,10 +21,10 @@ rank then checks the outcome, so a failed finalisation raises on all ranks inste
 Loading (``load_checkpoint``) never touches a checkpoint whose metadata is missing or whose files
 do not have their recorded sizes; ``find_latest_complete`` falls back past such checkpoints and
 says so. Tensors are read slice by slice (``safe_open(...).get_slice``), so a rank reads only the
-rows it wants. Export to Hugging Face / Megatron folders lives in ``dcp_export``.
+rows it wants. Export to Hugging Face / Megatron folders lives in ``export``.
 
-This module is the public face; the code lives in ``dcp_format`` (names, pieces, helpers shared
-by all the others), ``dcp_save``, ``dcp_discovery``, ``dcp_load`` and ``dcp_export``. The export
+This module is the public face; the code lives in ``format`` (names, pieces, helpers shared by
+all the others), ``save``, ``discovery``, ``load`` and ``export``. The export
 functions are imported on first use: they pull in the converter, which saving and loading do not
 need.
 """
@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .dcp_discovery import check_complete, find_latest_complete, read_state, resolve_resume
-from .dcp_format import (FAILED, FORMAT, METADATA, TRACKER, VERSION, DCPError, LocalChunk,
-                         WantedChunk, block_chunk, dim0_chunk)
-from .dcp_load import DCPReader, load_checkpoint
-from .dcp_save import finalize, save_checkpoint, write_rank_files
+from .discovery import check_complete, find_latest_complete, read_state, resolve_resume
+from .format import (FAILED, FORMAT, METADATA, TRACKER, VERSION, DCPError, LocalChunk,
+                     WantedChunk, block_chunk, dim0_chunk)
+from .load import DCPReader, load_checkpoint
+from .save import finalize, save_checkpoint, write_rank_files
 
 __all__ = ["LocalChunk", "WantedChunk", "DCPError", "save_checkpoint", "write_rank_files",
            "finalize", "load_checkpoint", "DCPReader", "find_latest_complete", "check_complete",
@@ -46,6 +46,6 @@ __all__ = ["LocalChunk", "WantedChunk", "DCPError", "save_checkpoint", "write_ra
 
 def __getattr__(name: str) -> Any:
     if name in ("export_hf", "export_megatron"):
-        from . import dcp_export
+        from . import export as dcp_export
         return getattr(dcp_export, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

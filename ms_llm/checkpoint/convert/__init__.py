@@ -34,15 +34,15 @@ from typing import Dict, List, Optional
 import ml_dtypes
 import numpy as np
 
-from . import layouts as L
-from . import layouts_mtp as MTP
-from .convert_args import (DTYPES, ConvertError, _check_num_layers,  # noqa: F401 (re-exported)
+from .. import layouts as L
+from .. import layouts_mtp as MTP
+from .args import (DTYPES, ConvertError, _check_num_layers,  # noqa: F401 (re-exported)
                            _int_list, _refuse_unsupported, build_parser)
-from .convert_stream import stream_to_sink  # noqa: F401 (re-exported: dcp_export, lora)
-from .hf_io import HFReader, HFWriter, copy_hf_side_files, read_hf_config
-from .megatron import (MegatronReader, MegatronWriter, check_hf_template, hf_config_from_args,
-                       make_args, write_hf_config)
-from .torch_pickle import ForbiddenGlobalError, TorchFormatError
+from .stream import stream_to_sink  # noqa: F401 (re-exported: native.export, adapters)
+from ..hf.io import HFReader, HFWriter, copy_hf_side_files, read_hf_config
+from ..megatron.io import (MegatronReader, MegatronWriter, check_hf_template, hf_config_from_args,
+                           make_args, write_hf_config)
+from ..torch_pickle import ForbiddenGlobalError, TorchFormatError
 
 log = logging.getLogger("ms_llm.checkpoint")
 
@@ -141,8 +141,8 @@ class MegatronSource:
             raise
 
     def _check_template_shapes(self, path: str, template_dir: str) -> None:
-        """No ``args``: the tensors are all that confirms the template (megatron_template)."""
-        from .megatron_template import check_template
+        """No ``args``: the tensors are all that confirms the template (megatron.template)."""
+        from ..megatron.template import check_template
         r = self.reader
         layers = sum(1 + max((int(k.split(".")[2]) for k in sd if k.startswith("decoder.layers.")),
                              default=-1)
@@ -383,8 +383,8 @@ def convert(opts: argparse.Namespace, progress=None) -> str:
     tmp = f"{save.rstrip(os.sep)}.tmp-{os.getpid()}"
     sink = None
     try:
-        if opts.lora_load:     # W + alpha/r B A, one layer at a time (lora_merge)
-            from .lora_merge import merged_source
+        if opts.lora_load:     # W + alpha/r B A, one layer at a time (adapters.merge)
+            from ..adapters.merge import merged_source
             src = merged_source(src, opts, opts.load_dir)
         spec = src.spec
         _check_num_layers(opts, spec)

@@ -139,7 +139,7 @@ def _gdn_shapes(spec: L.ModelSpec) -> Dict[str, List[tuple]]:
 # ------------------------------------------------------------------------------ reading
 def read_checkpoint_adapters(path: str) -> Adapters:
     """The adapters of an ms-llm training checkpoint (an ``iter_*`` folder)."""
-    from ms_llm.checkpoint.dcp_load import DCPReader
+    from ms_llm.checkpoint.native.load import DCPReader
     reader = DCPReader(path)
     try:
         st = reader.state.get(STATE_KEY)
@@ -172,7 +172,7 @@ def read_checkpoint_adapters(path: str) -> Adapters:
 def read_peft_adapters(folder: str) -> Adapters:
     """PEFT's ``adapter_config.json`` + ``adapter_model.safetensors`` (LoRA, no rsLoRA, no
     per-module rank or alpha patterns, no DoRA)."""
-    from ms_llm.checkpoint.hf_io import SafetensorsFile
+    from ms_llm.checkpoint.hf.io import SafetensorsFile
     from ms_llm.validation import InputError, read_json_object, validate_adapter_config
     cfg_path = os.path.join(folder, "adapter_config.json")
     try:
@@ -205,7 +205,7 @@ def read_adapters(path: str) -> Adapters:
     """A PEFT folder, an ms-llm ``iter_*`` checkpoint, or a save_dir (its newest one)."""
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         return read_peft_adapters(path)
-    from ms_llm.checkpoint.dcp_discovery import find_latest_complete
+    from ms_llm.checkpoint.native.discovery import find_latest_complete
     if not os.path.basename(os.path.normpath(path)).startswith("iter_"):
         latest = find_latest_complete(path) if os.path.isdir(path) else None
         if latest is None:

@@ -1,6 +1,6 @@
 """The distributed checkpoint's on-disk format, shared by saving, discovery, loading and export.
 
-Everything ``dcp_save``, ``dcp_discovery``, ``dcp_load`` and ``dcp_export`` must agree on lives
+Everything ``save``, ``discovery``, ``load`` and ``export`` must agree on lives
 here and imports nothing of theirs: the file and folder names, the error type, the piece
 descriptions (``LocalChunk`` to write, ``WantedChunk`` to read back), the sharding rules that
 produce them, and the JSON / dtype helpers. The layout itself is described in ``dcp``.

@@ -10,8 +10,8 @@ import logging
 import os
 from typing import Callable, Optional
 
-from .dcp_format import METADATA, TRACKER, DCPError, list_iters, read_json
-from .verify import verify_checkpoint
+from .format import METADATA, TRACKER, DCPError, list_iters, read_json
+from ..verify import verify_checkpoint
 
 log = logging.getLogger("ms_llm.checkpoint")
 

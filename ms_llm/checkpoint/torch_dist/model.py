@@ -16,7 +16,7 @@ from typing import Dict, Iterable, Optional
 
 import numpy as np
 
-from .torch_dist import TorchDistReader, TorchDistWriter
+from .io import TorchDistReader, TorchDistWriter
 
 LAYERS = "decoder.layers."
 _TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",

@@ -13,10 +13,10 @@ from ms_llm.compat import load_state_dict, to_ms_dtype
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models.registry import family_for_hf, parse_hf_config
 from ms_llm.models.gpt import GPTModel
-from .hf_io import read_hf_config, read_hf_weights
-from . import layouts as L
-from . import layouts_mtp as MTP
-from .megatron import is_megatron_dir
+from .io import read_hf_config, read_hf_weights
+from .. import layouts as L
+from .. import layouts_mtp as MTP
+from ..megatron.io import is_megatron_dir
 
 log = logging.getLogger("ms_llm.checkpoint")
 
@@ -28,7 +28,7 @@ def pretrained_architecture(path: str) -> Tuple[TransformerConfig, str]:
     folder, its embedding rows: the padded vocabulary) without loading any weight, so a run can
     take its architecture from the folder before it builds anything."""
     if is_megatron_dir(path):
-        from .convert import MegatronSource
+        from ..convert import MegatronSource
         src = MegatronSource(path, None)
         try:
             fam, cfg = parse_hf_config(src.config, os.path.join(path, "config.json"))
@@ -71,7 +71,7 @@ def _from_megatron(path: str, dtype: Optional[str],
                    config: Optional[TransformerConfig]) -> GPTModel:
     """Merge the tp / ep shards and pipeline stages of a Megatron folder one layer at a time
     into the global (tp = pp = 1) Megatron-Core keys GPTModel uses."""
-    from .convert import MegatronSource  # the converter's streaming reader
+    from ..convert import MegatronSource  # the converter's streaming reader
     src = MegatronSource(path, None)
     try:
         cfg = config or parse_hf_config(src.config, os.path.join(path, "config.json"))[1]

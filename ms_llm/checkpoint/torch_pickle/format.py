@@ -1,7 +1,7 @@
 """The vocabulary shared by the torch ``.pt`` reader and writer: error types, the storage and
 dtype tables, and ``GlobalRef``, the stand-in for a torch global such as ``torch.bfloat16``.
 
-Why a module of its own: the reader (``torch_pickle_reader``) and the writer (``torch_pickle``)
+Why a module of its own: the reader (``reader``) and the writer (``torch_pickle``)
 both need these names, and the reader must not depend on the writer.
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from .torch_pickle_format import TorchFormatError, contiguous_strides
+from .format import TorchFormatError, contiguous_strides
 
 MAX_NDIM = 32  # NumPy's own limit on array dimensions
 

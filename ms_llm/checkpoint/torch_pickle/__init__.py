@@ -6,7 +6,7 @@ not compressed) of ``<prefix>/data.pkl`` -- a pickle in which every tensor is
 ``torch._utils._rebuild_tensor_v2(<persistent storage id>, offset, size, stride, ...)`` -- and
 ``<prefix>/data/<key>``, the raw little-endian bytes of each storage.
 
-Reading (``torch_pickle_reader``, ``torch_pickle_archive``) uses a *restricted* pure-Python
+Reading (``reader``, ``archive``) uses a *restricted* pure-Python
 unpickler: only the globals a checkpoint needs resolve, ``BUILD`` works only on the containers a
 checkpoint holds, and every size is checked against the file before anything is allocated;
 anything else raises ``TorchFormatError`` (``ForbiddenGlobalError`` for a refused global) before
@@ -35,11 +35,11 @@ from typing import Dict, Iterable, Optional
 
 import numpy as np
 
-from .torch_pickle_archive import LazyTensor
-from .torch_pickle_format import (STORAGE_BY_DTYPE, STORAGE_DTYPES, ForbiddenGlobalError,
-                                  GlobalCall, GlobalRef, TorchFormatError, contiguous_strides,
-                                  torch_dtype)
-from .torch_pickle_reader import TorchCheckpoint, load
+from .archive import LazyTensor
+from .format import (STORAGE_BY_DTYPE, STORAGE_DTYPES, ForbiddenGlobalError,
+                     GlobalCall, GlobalRef, TorchFormatError, contiguous_strides,
+                     torch_dtype)
+from .reader import TorchCheckpoint, load
 
 __all__ = ["load", "save", "LazyTensor", "TorchCheckpoint", "TorchZipWriter", "GlobalRef",
            "GlobalCall", "torch_dtype", "ForbiddenGlobalError", "TorchFormatError",

@@ -34,10 +34,10 @@ from typing import Any, Callable, Dict, Iterator
 
 import numpy as np
 
-from .torch_pickle_archive import Archive, LazyTensor, Storage, one_line
-from .torch_pickle_format import (MEGATRON_ENUMS, STORAGE_DTYPES, TORCH_DTYPE_NAMES,
-                                  ForbiddenGlobalError, GlobalCall, GlobalRef, TorchFormatError)
-from .torch_pickle_globals import CALLABLE, GLOBALS, NEW, SIZED, Refusal, build_dtype, numeric
+from .archive import Archive, LazyTensor, Storage, one_line
+from .format import (MEGATRON_ENUMS, STORAGE_DTYPES, TORCH_DTYPE_NAMES,
+                     ForbiddenGlobalError, GlobalCall, GlobalRef, TorchFormatError)
+from .allowed_globals import CALLABLE, GLOBALS, NEW, SIZED, Refusal, build_dtype, numeric
 
 MAX_DEPTH = 100  # nesting of containers; real checkpoints use about 8
 _OD = collections.OrderedDict
