@@ -18,7 +18,7 @@ A second, separate library holds the kernels that call BLAS (``blas_*.cpp`` ->
 ``libmsllm_blas_kernels.so``, see :func:`blas_library_path`): it links the OpenBLAS of the PyPI
 package ``scipy-openblas32`` (``-L<libdir> -lscipy_openblas -Wl,-rpath,<libdir>``), so when that
 package is missing only the BLAS kernels are unavailable (``blas_available()`` False, reason logged)
-and the library above is unaffected. Both go through the same :class:`_Library` machinery (key,
+and the library above is unaffected. Both go through the same :class:`Library` machinery (key,
 lock, atomic replace, load check); the BLAS key also hashes the OpenBLAS version and location.
 
 Environment:
@@ -151,8 +151,9 @@ def _check_library(path: Path, abi_symbol: str = "MsLlmKernelsAbiVersion", abi_v
     return None
 
 
-class _Library:
-    """One shared library built from some of the sources next to this file.
+class Library:
+    """One shared library built from C++ sources: the kernels' next to this file, and the
+    shared-memory collectives' beside ``parallel.comm.shm`` (which builds them the same way).
 
     ``flag_sets()`` returns the (compile flags, link flags) pairs to try in order, as ``(flags, libs,
     note)``; the first pair is the preferred build and is the one hashed into the cache key, the
@@ -258,7 +259,7 @@ class _Library:
             self.state.update(done=False, path=None, reason=None)
 
 
-def _main_flag_sets():
+def main_flag_sets():
     # Read _BASE_FLAGS at call time (tests monkeypatch it). Without libgomp, -fopenmp-simd keeps the
     # vectorised loops and only the optional threading is lost.
     return [
@@ -301,15 +302,15 @@ def _blas_key_extra():
     return ("scipy-openblas32 " + ob["version"],)
 
 
-_MAIN = _Library(
+_MAIN = Library(
     "AOT kernels",
     LIB_NAME,
     "MsLlmKernelsAbiVersion",
     sources,
-    _main_flag_sets,
+    main_flag_sets,
     fallback_msg="using composed MindSpore ops",
 )
-_BLAS = _Library(
+_BLAS = Library(
     "BLAS kernels",
     BLAS_LIB_NAME,
     "MsLlmBlasKernelsAbiVersion",
@@ -324,7 +325,7 @@ _lock = _MAIN.lock
 
 
 def _compile(cxx: str, out_dir: Path) -> Path:
-    return _MAIN.compile(cxx, out_dir, _main_flag_sets())
+    return _MAIN.compile(cxx, out_dir, main_flag_sets())
 
 
 def _build() -> Path:

@@ -21,7 +21,7 @@ import ctypes
 from pathlib import Path
 from typing import Optional
 
-from .build import _BASE_FLAGS, _Library
+from .build import _BASE_FLAGS, Library
 
 LIB_NAME = "libmsllm_dnnl_gemm.so"
 _SRC = Path(__file__).resolve().parent / "dnnl_gemm.cpp"
@@ -56,9 +56,9 @@ def _flag_sets():
     return [(_BASE_FLAGS + ["-fopenmp"], [str(lib), f"-Wl,-rpath,{lib.parent}"], "")]
 
 
-_DNNL = _Library("oneDNN bf16 GEMM", LIB_NAME, "MsLlmDnnlAbiVersion", lambda: [_SRC], _flag_sets,
-                 key_extra=lambda: ("onednn " + onednn_version(),),
-                 fallback_msg="bf16 GEMMs use another path")
+_DNNL = Library("oneDNN bf16 GEMM", LIB_NAME, "MsLlmDnnlAbiVersion", lambda: [_SRC], _flag_sets,
+                key_extra=lambda: ("onednn " + onednn_version(),),
+                fallback_msg="bf16 GEMMs use another path")
 
 
 def library() -> ctypes.CDLL:
