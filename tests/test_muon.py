@@ -123,7 +123,7 @@ def test_muon_bf16_newton_schulz_option():
     """``training.muon_fp32_matmul_prec: medium`` (bf16 GEMM operands in Newton-Schulz): one
     step's Muon updates within 5e-2 of the float64 reference's, relative to their largest
     element (the bf16 Newton-Schulz bound test_muon_kernel justifies), AdamW's as in fp32."""
-    from ms_llm.ops.cpu_kernels.muon_ns import bf16_ns_available
+    from ms_llm.ops.cpu_kernels.optimizer.muon_ns import bf16_ns_available
     if not bf16_ns_available()[0]:
         pytest.skip(bf16_ns_available()[1])
     _, init, history, muon = _run_both(1, False, precision="medium")

@@ -1,6 +1,7 @@
 """Build the ahead-of-time C++ CPU kernels on first use, into a per-user cache.
 
-The C++ sources ship inside the package (``ms_llm/ops/cpu_kernels/*.cpp``); nothing is prebuilt.
+The C++ sources ship inside the package (``ms_llm/ops/cpu_kernels/<domain>/*.cpp``: ``model``,
+``optimizer``, ``decode``, ``gemm``; the headers they share here); nothing is prebuilt.
 The first call to :func:`library_path` or :func:`available` compiles them with
 
     g++ -O3 -march=native -fopenmp -shared -fPIC -std=c++17
@@ -60,16 +61,16 @@ def _is_blas_source(p: Path) -> bool:
 
 
 def sources() -> list[Path]:
-    """The C++ sources of the main library (every ``*.cpp``/``*.h`` next to this file but ``blas_*``
-    and ``dnnl_*``, which build their own libraries: :mod:`.dnnl_gemm`)."""
-    return sorted(p for p in list(_SRC_DIR.glob("*.cpp")) + list(_SRC_DIR.glob("*.h"))
+    """The C++ sources of the main library (every ``*.cpp``/``*.h`` under this folder but ``blas_*``
+    and ``dnnl_*``, which build their own libraries: :mod:`.gemm.dnnl`)."""
+    return sorted(p for p in list(_SRC_DIR.rglob("*.cpp")) + list(_SRC_DIR.rglob("*.h"))
                   if not _is_blas_source(p) and not p.name.startswith("dnnl_"))
 
 
 def blas_sources() -> list[Path]:
-    """The C++ sources of the BLAS library (``blas_*.cpp`` / ``blas_*.h``, and the shared
-    ``cpu_math.h``)."""
-    return sorted(p for p in list(_SRC_DIR.glob("blas_*.cpp")) + list(_SRC_DIR.glob("blas_*.h"))
+    """The C++ sources of the BLAS library (``blas_*.cpp`` / ``blas_*.h`` under this folder, and
+    the shared ``cpu_math.h``)."""
+    return sorted(p for p in list(_SRC_DIR.rglob("blas_*.cpp")) + list(_SRC_DIR.rglob("blas_*.h"))
                   + [_SRC_DIR / "cpu_math.h"])
 
 
@@ -183,7 +184,8 @@ class Library:
         errors = []
         for n, (flags, libs, note) in enumerate(sets):
             tmp = out_dir / f".{self.lib_name}.{os.getpid()}.{threading.get_ident()}.tmp"
-            ok, log = _run([cxx, *flags, "-o", str(tmp), *srcs, *libs], out_dir)
+            # -I: the headers every domain folder shares (cpu_math.h, blas_gemm.h) sit here
+            ok, log = _run([cxx, *flags, f"-I{_SRC_DIR}", "-o", str(tmp), *srcs, *libs], out_dir)
             if ok:
                 err = self.check(tmp)
                 if err is None:

@@ -1,6 +1,6 @@
 """Which GEMM multiplies bf16 operands on CPU (the BLAS kernels' bf16 path; fp32 accumulation).
 
-* oneDNN's bf16 matmul primitive (:mod:`.dnnl_gemm`, MindSpore's bundled ``libdnnl.so.3``, no extra
+* oneDNN's bf16 matmul primitive (:mod:`.dnnl`, MindSpore's bundled ``libdnnl.so.3``, no extra
   package): brgemm kernels on AVX512-BF16 / AMX-BF16 units, the rate torch's bf16 matmul reaches.
   ``auto``'s first choice on a CPU with those units; ``dnnl`` elsewhere is refused in one line.
 * oneMKL's ``cblas_gemm_bf16bf16f32`` (PyPI package ``mkl``, the ``ms-llm[cpu-bf16]`` extra) runs
@@ -80,7 +80,7 @@ def _pick(choice: str, units: list, threads: int) -> tuple:
         return "openblas", None, "this CPU has no AVX512-BF16/AMX-BF16 units"
     errors = []
     if choice in ("auto", "dnnl"):
-        from .dnnl_gemm import load_dnnl_gemm, onednn_version
+        from .dnnl import load_dnnl_gemm, onednn_version
         try:
             addr = load_dnnl_gemm(threads)
             return "dnnl", addr, f"oneDNN {onednn_version()} matmul, CPU units: {', '.join(units)}"
@@ -106,7 +106,7 @@ def register_bf16_gemm(lib, threads: int) -> str:
     lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(addr))
     matmul = None
     if path == "dnnl":
-        from .dnnl_gemm import matmul_address
+        from .dnnl import matmul_address
         matmul = matmul_address(threads)
     lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(matmul))
     if path == "openblas":

@@ -23,8 +23,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from .blas import _cdll
-from .build import blas_available, blas_library_path
+from ..gemm.blas import _cdll
+from ..build import blas_available, blas_library_path
 
 logger = logging.getLogger("ms_llm.ops.cpu_kernels")
 _STATE: dict = {}

@@ -26,7 +26,7 @@ from mindspore import ops
 from mindspore.ops import constexpr
 
 from . import composed
-from .build import available, library_path
+from ..build import available, library_path
 
 _PRIMS: dict = {}
 

@@ -1,11 +1,11 @@
 """MindSpore ops backed by OpenBLAS sgemm (``ops.Custom(func_type="aot")`` with AOT backward).
 
 The kernels live in ``blas_kernels.cpp``, compiled into their own library linked against the PyPI
-package ``scipy-openblas32`` (see :mod:`.build`). :func:`blas_available` is False (reason logged once)
+package ``scipy-openblas32`` (see :mod:`..build`). :func:`blas_available` is False (reason logged once)
 when that package or the compiler is missing; the functions then run ``mindspore.mint`` matmuls.
 
-Same conventions as :mod:`.functional`: fp32 compute (fp16 inputs upcast, result cast back; bf16
-operands go to the kernels as they are -- bf16 x bf16 with fp32 accumulation, see :mod:`.bf16_gemm`),
+Same conventions as :mod:`..model.functional`: fp32 compute (fp16 inputs upcast, result cast back; bf16
+operands go to the kernels as they are -- bf16 x bf16 with fp32 accumulation, see :mod:`.bf16`),
 works in PyNative and inside ``mindspore.jit`` (availability and primitives reached through
 ``constexpr`` helpers, so a jit graph keeps the choice made when it was compiled).
 
@@ -31,8 +31,8 @@ from mindspore.ops import constexpr
 
 from ms_llm.compat.environment import setting
 
-from .build import blas_available, blas_library_path
-from .functional import causal_softmax
+from ..build import blas_available, blas_library_path
+from ..model.functional import causal_softmax
 
 logger = logging.getLogger("ms_llm.ops.cpu_kernels")
 
@@ -50,7 +50,7 @@ def _cdll():
     if not _THREADS["set"]:  # first use: replace OpenBLAS's load-time thread count (see module doc)
         _THREADS["set"] = True
         lib.MsLlmBlasSetThreads(default_blas_threads())
-        from .bf16_gemm import register_bf16_gemm
+        from .bf16 import register_bf16_gemm
         register_bf16_gemm(lib, default_blas_threads())
     return lib
 

@@ -17,8 +17,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from .blas import _ensure_prims
-from .build import blas_available, blas_library_path
+from ..gemm.blas import _ensure_prims
+from ..build import blas_available, blas_library_path
 
 _PRIMS: dict = {}
 

@@ -3,7 +3,7 @@
 MindSpore's wheel ships oneDNN 3 (``<mindspore>/lib/libdnnl.so.3``) without headers. ``dnnl_gemm.cpp``
 declares the few C API functions it needs, is compiled on first use into
 ``libmsllm_dnnl_gemm.so`` (same cache, key, lock and atomic-replace machinery as the other kernel
-libraries, :mod:`.build`) and linked against that copy, so a bf16 step needs no extra package.
+libraries, :mod:`..build`) and linked against that copy, so a bf16 step needs no extra package.
 
 Why the matmul primitive and not ``dnnl_gemm_bf16bf16f32``: on a 2-core Zen 4 (AVX512-BF16, no AMX)
 the plain GEMM entry point reached 276-407 GFLOP/s at n = 512-2048 against 475-734 for torch's bf16
@@ -21,7 +21,7 @@ import ctypes
 from pathlib import Path
 from typing import Optional
 
-from .build import _BASE_FLAGS, Library
+from ..build import _BASE_FLAGS, Library
 
 LIB_NAME = "libmsllm_dnnl_gemm.so"
 _SRC = Path(__file__).resolve().parent / "dnnl_gemm.cpp"

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 from mindspore import Tensor
 
-from .build import blas_available, blas_library_path
+from ..build import blas_available, blas_library_path
 
 _PRIMS: dict = {}
 
@@ -46,7 +46,7 @@ def set_enabled(on: bool) -> bool:
 def _prims() -> dict:
     if not _PRIMS:
         from mindspore import ops
-        from .blas import _cdll
+        from ..gemm.blas import _cdll
         _cdll()   # sets OpenBLAS's thread count on first use, as the other BLAS kernels do
         path = str(blas_library_path())
         _PRIMS["attn"] = ops.Custom(f"{path}:DecodeAttnBlock", out_shape=lambda x, *_: x,
@@ -151,7 +151,7 @@ class ModelStep:
                  rope_table, dims: dict, eps: float, scale: float, threads: int,
                  parallel_macs: int = 0):
         import ctypes
-        from .blas import _cdll
+        from ..gemm.blas import _cdll
         self._fn = _cdll().DecodeModelStep
         self._fn.restype = ctypes.c_int
         self._keep = (layers, embedding, final_norm, head)
