@@ -1,6 +1,6 @@
 """Shared by the benchmark scripts: launching a worker (one plain process, or msrun through
-``ms_llm.launch``), the tiny model of a quick ``--small`` check, and the machine line every figure
-is printed with (figures on a shared machine are only comparable within one run)."""
+``ms_llm.launch.msrun``), the tiny model of a quick ``--small`` check, and the machine line every
+figure is printed with (figures on a shared machine are only comparable within one run)."""
 from __future__ import annotations
 
 import os
@@ -11,8 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from ms_llm.launch import (LaunchResult, MsrunJob, free_port, launch_env,  # noqa: E402,F401
-                           msrun_command, run_msrun)
+from ms_llm.launch.msrun import (LaunchResult, MsrunJob, free_port,  # noqa: E402,F401
+                                 launch_env, msrun_command, run_msrun)
 
 # The tiny model (and sequence) of the tests (tests/parallel_common.py TINY_MODEL).
 TINY_MODEL = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size",

@@ -2,7 +2,7 @@
 
 First table (``--skip-raw`` to leave out): the raw bf16 GEMM side by side with torch's bf16 matmul
 (``torch.nn.functional.linear`` / ``torch.matmul``, oneDNN inside), alternating torch, oneDNN's
-matmul primitive as ms-llm calls it (:mod:`ms_llm.ops.cpu_kernels.dnnl_gemm`), torch again, on
+matmul primitive as ms-llm calls it (:mod:`ms_llm.ops.cpu_kernels.gemm.dnnl`), torch again, on
 square n = 512 / 1024 / 2048 and the model's linear shapes; CPU model and load printed with it.
 
 GEMMs go through ms_llm's own BLAS kernels (``ms_llm.ops.cpu_kernels.linear``, forward), as
@@ -47,9 +47,9 @@ def gemm_table(reps: int) -> None:
     from ms_llm.compat import setup_device
     setup_device("CPU")
     from ms_llm.ops import cpu_kernels as ck
-    from ms_llm.ops.cpu_kernels import bf16_gemm
+    from ms_llm.ops.cpu_kernels.gemm import bf16 as bf16_gemm
     assert ck.blas_available(), ck.blas_reason()
-    lib = ck.blas._cdll()
+    lib = ck.gemm.blas._cdll()
     try:
         mkl_addr = bf16_gemm.load_mkl_gemm(ck.blas_threads())[0]
     except RuntimeError as e:
@@ -58,7 +58,7 @@ def gemm_table(reps: int) -> None:
     print(f"CPU bf16 units: {', '.join(bf16_gemm.cpu_bf16_units()) or 'none'}; "
           f"BLAS threads {ck.blas_threads()}\n")
     try:
-        from ms_llm.ops.cpu_kernels import dnnl_gemm
+        from ms_llm.ops.cpu_kernels.gemm import dnnl as dnnl_gemm
         dnnl_addr = dnnl_gemm.load_dnnl_gemm(ck.blas_threads()) if bf16_gemm.cpu_bf16_units() else None
         if dnnl_addr is None:
             print("(no oneDNN row: this CPU has no bf16 units)")
@@ -107,8 +107,8 @@ def raw_table(reps: int, threads: int) -> None:
     """bf16 GEMM GFLOP/s: torch's bf16 matmul and oneDNN's matmul primitive as ms-llm calls it
     (fp32 accumulation, fp32 output), same bf16 operands, alternating torch / ours / torch."""
     import torch
-    from ms_llm.ops.cpu_kernels import dnnl_gemm
-    from ms_llm.ops.cpu_kernels.bf16_gemm import cpu_bf16_units
+    from ms_llm.ops.cpu_kernels.gemm import dnnl as dnnl_gemm
+    from ms_llm.ops.cpu_kernels.gemm.bf16 import cpu_bf16_units
     bench_util = _bench_util()
     torch.set_num_threads(threads)
     dnnl_gemm.load_dnnl_gemm(threads)

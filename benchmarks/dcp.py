@@ -1,4 +1,5 @@
-"""Distributed checkpoint (``ms_llm.checkpoint.dcp``) save / load throughput against a baseline.
+"""Distributed checkpoint (``ms_llm.checkpoint.native.dcp``) save / load throughput against a
+baseline.
 
     python benchmarks/dcp.py                 # ~200 MB fp32 (vocab 32001 x 1024 + 6 ffn matrices)
     python benchmarks/dcp.py --layers 2
@@ -22,8 +23,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ms_llm.checkpoint import dcp  # noqa: E402
-from ms_llm.checkpoint.dcp import LocalChunk, WantedChunk  # noqa: E402
+from ms_llm.checkpoint.native import dcp  # noqa: E402
+from ms_llm.checkpoint.native.dcp import LocalChunk, WantedChunk  # noqa: E402
 
 
 def tensors(layers: int, hidden: int, ffn: int, vocab: int) -> dict:

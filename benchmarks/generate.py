@@ -73,7 +73,7 @@ def write_folder(path: str) -> str:
 
 def run_ms(model, prompt: np.ndarray, new: int) -> Dict[str, float]:
     from ms_llm.inference import generate
-    from ms_llm.ops.cpu_kernels import decode
+    from ms_llm.ops.cpu_kernels.decode import steps as decode
     clock = Clock()
     decode.STEP_SECONDS[:] = 0
     t = time.perf_counter()
@@ -165,7 +165,8 @@ def per_step_parts(grid, best, new: int) -> None:
     """Where the whole time and an ms-llm decode step go, from the main runs (best round): the
     prefill's share of the call, and per step the C step's parts (``decode.STEP_SECONDS``) and
     the rest (Python loop, streamer, host bookkeeping)."""
-    from ms_llm.ops.cpu_kernels import blas, decode
+    from ms_llm.ops.cpu_kernels.gemm import blas
+    from ms_llm.ops.cpu_kernels.decode import steps as decode
     print(f"\nwhere the time goes (ms per decode step, the whole-model step on "
           f"{blas.default_blas_threads()} threads; prefill share of the whole generate call):")
     print("| batch | prompt | prefill share | ms/step (mean) | "

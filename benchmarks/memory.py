@@ -91,7 +91,7 @@ def worker_ms_llm(args) -> dict:
     from ms_llm.config import load_config
     from ms_llm.parallel.runtime import init_distributed
     from ms_llm.training.callbacks import TrainerCallback
-    from ms_llm.training.memory_plan import plan_memory
+    from ms_llm.planning.memory_plan import plan_memory
     from ms_llm.training.observability import apply_deterministic
     from ms_llm.training.trainer import Trainer
 

@@ -27,7 +27,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from ms_llm.launch import free_port, launch_env, msrun_command  # noqa: E402
+from ms_llm.launch.msrun import free_port, launch_env, msrun_command  # noqa: E402
 from bench_util import model_55m  # noqa: E402  (benchmarks/, the script's folder)
 
 MODEL = model_55m("qwen3")
@@ -52,8 +52,8 @@ def measure(name: str, overrides, steps: int, out_root: str, nproc: int = 1) -> 
              "--training.max_steps", str(steps), "--training.log_interval", "1",
              "--training.progress_bar", "false", "--training.output_dir", out]
     cmd = [sys.executable, "-m", "ms_llm.cli", "train", *train]
-    if nproc > 1:   # msrun runs a script: ms_llm/train.py, as scripts/pretrain.sh does
-        cmd = msrun_command(os.path.join(ROOT, "ms_llm", "train.py"), train, worker_num=nproc,
+    if nproc > 1:   # msrun runs a script: ms_llm/cli/train.py, as scripts/pretrain.sh does
+        cmd = msrun_command(os.path.join(ROOT, "ms_llm", "cli", "train.py"), train, worker_num=nproc,
                             master_port=free_port(), log_dir=f"{out}_logs")
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=launch_env())
     if r.returncode:
@@ -68,7 +68,7 @@ def measure(name: str, overrides, steps: int, out_root: str, nproc: int = 1) -> 
 
 def predict(overrides, nproc: int = 1, distopt=None) -> float:
     from ms_llm.config import load_config
-    from ms_llm.training.memory_plan import plan_memory
+    from ms_llm.planning.memory_plan import plan_memory
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), overrides)
     return plan_memory(cfg, nproc, distributed_optimizer=distopt).peak_gb
 

@@ -6,7 +6,7 @@ interleaved (AdamW, Muon, AdamW, ...) so load from other processes hits both, an
 ``--reps`` steps after one warm-up is reported with the ratio. Muon orthogonalises every hidden
 matrix (5 quintic Newton-Schulz steps in fp32: ~3 GEMMs of the matrix's smaller side per step)
 and runs AdamW on the embedding, output layer and norms. Muon runs three ways: its default (fp32
-Newton-Schulz as one CPU op over OpenBLAS, ``ms_llm.ops.cpu_kernels.muon_ns``), with
+Newton-Schulz as one CPU op over OpenBLAS, ``ms_llm.ops.cpu_kernels.optimizer.muon_ns``), with
 ``muon_fp32_matmul_prec: medium`` (bf16 GEMM operands through oneDNN) and with the composed
 ``mint`` Newton-Schulz the kernel replaced.
 

@@ -135,7 +135,7 @@ def _matmul_table(args, rng, modes):
     if not ck.blas_available():
         print(f"\nBLAS kernels unavailable: {ck.blas_reason()}")
         return
-    from ms_llm.ops.cpu_kernels.blas import blas_config
+    from ms_llm.ops.cpu_kernels.gemm.blas import blas_config
 
     print(f"\nBLAS library: {ck.blas_library_path()}\nOpenBLAS threads={ck.blas_threads()} ({blas_config()})\n")
     grad_all = ops.GradOperation(get_all=True, sens_param=True)
@@ -225,7 +225,7 @@ def main():
     ms.device_context.cpu.op_tuning.threads_num(args.ms_threads)
 
     from ms_llm.ops import cpu_kernels as ck
-    from ms_llm.ops.cpu_kernels import composed
+    from ms_llm.ops.cpu_kernels.model import composed
 
     if not ck.available():
         print(f"AOT kernels unavailable: {ck.reason()}")

@@ -26,8 +26,8 @@ warm-up. Variants:
 
 Every row of one run is measured back to back on the same machine; on a shared machine compare
 the ratios, not the absolute figures. MFU is against the peak fp32 GEMM rate of the kernel
-ms-llm's linears use (``ms_llm.training.peak``'s probe, measured in this run), model FLOPs per token from
-``ms_llm.training.flops`` (the same for every row: same model).
+ms-llm's linears use (``ms_llm.planning.peak``'s probe, measured in this run), model FLOPs per token from
+``ms_llm.planning.flops`` (the same for every row: same model).
 
 ``ms_llm_bf16`` is the bf16 inner loop (``Trainer.train_step`` with ``--training.bf16 true``).
 ``--clock cpu``: process CPU time per step on one thread (see ``_now``), for a loaded machine.
@@ -317,8 +317,8 @@ def model_flops_and_peak() -> tuple:
     measured afresh in this run (not the cached figure, which may come from a busier moment)."""
     from ms_llm.compat import setup_device
     from ms_llm.models.config import TransformerConfig
-    from ms_llm.training.flops import flops_per_token
-    from ms_llm.training.peak import measure_cpu_peak
+    from ms_llm.planning.flops import flops_per_token
+    from ms_llm.planning.peak import measure_cpu_peak
     setup_device("CPU")
     c = TransformerConfig(num_layers=LAYERS, hidden_size=H, ffn_hidden_size=FFN,
                           num_attention_heads=HEADS, num_query_groups=KV, kv_channels=H // HEADS,

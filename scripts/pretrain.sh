@@ -64,7 +64,7 @@ command -v msrun >/dev/null || { echo "pretrain.sh: msrun not found (is mindspor
 set +e
 ENTRY="$("$PY" -c "import sys
 try:
-    import mindspore, ms_llm.train as entry
+    import mindspore, ms_llm.cli.train as entry
     from ms_llm.config import load_config, ConfigError
 except ImportError as e:
     print(f'pretrain.sh: ms_llm or mindspore is not importable by {sys.executable} ({e}); '
@@ -90,8 +90,9 @@ export GLOG_v="${GLOG_v:-3}"             # MindSpore C++ logs: errors only
 export PYTHONUNBUFFERED=1
 mkdir -p "$LOG_DIR"
 
-# The msrun command is built by ms_llm.launch; the supervisor (ms_llm/training/restart.py) runs
-# it once, and with MAX_RESTARTS > 0 relaunches it on a new port and log folder after a failure.
+# The msrun command is built by ms_llm.launch.msrun; the supervisor (ms_llm/training/restart.py)
+# runs it once, and with MAX_RESTARTS > 0 relaunches it on a new port and log folder after a
+# failure.
 set +e
 "$PY" -m ms_llm.training.restart --max-restarts "$MAX_RESTARTS" --save-dir "$SAVE_DIR" \
       --master-port "$MASTER_PORT" --log-dir "$LOG_DIR" --worker-num "$WORLD_SIZE" \

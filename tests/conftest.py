@@ -9,7 +9,7 @@ if _HERE not in sys.path:
 
 from ms_llm.compat import setup_device  # noqa: E402
 
-# The trainer's MFU peak probe (ms_llm.training.peak) caches per host; a probe taken while the
+# The trainer's MFU peak probe (ms_llm.planning.peak) caches per host; a probe taken while the
 # suite loads the machine would measure low, so the suite keeps its own file (probed once per
 # run, inherited by subprocesses) instead of writing the user's ~/.cache/ms_llm one.
 if "MS_LLM_PEAK_FILE" not in os.environ:

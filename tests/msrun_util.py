@@ -1,14 +1,14 @@
 """The tests' side of msrun: worker scripts under ``tests/dist_workers`` launched through
-``ms_llm.launch`` (free port, bounded wait, worker logs), and the one run-spec encoding the
+``ms_llm.launch.msrun`` (free port, bounded wait, worker logs), and the one run-spec encoding the
 shared training workers read (``name:--key=value,--key=value,@flag``)."""
 import json
 import os
 from typing import List, Sequence, Tuple
 
-from ms_llm.launch import (ROOT, LaunchResult, free_port, launch_env,  # noqa: F401 (re-exported)
-                           read_worker_logs)
-from ms_llm.launch import msrun_command as _msrun_command
-from ms_llm.launch import run_msrun as _run_msrun
+from ms_llm.launch.msrun import (ROOT, LaunchResult, free_port,  # noqa: F401 (re-exported)
+                                 launch_env, read_worker_logs)
+from ms_llm.launch.msrun import msrun_command as _msrun_command
+from ms_llm.launch.msrun import run_msrun as _run_msrun
 
 WORKERS = os.path.join(ROOT, "tests", "dist_workers")
 # A comma inside a value (data.split 90,10,0; num_layer_list 1,3) travels as "|".

@@ -20,7 +20,7 @@ from hf_fixtures import load_config as load_hf_config, make_hf_checkpoint
 from parallel_common import TINY_MODEL
 from ms_llm.config import ConfigError, load_config
 from ms_llm.ops import cpu_kernels as ck
-from ms_llm.ops.cpu_kernels import bf16_gemm
+from ms_llm.ops.cpu_kernels.gemm import bf16 as bf16_gemm
 from ms_llm.training.trainer import Trainer
 
 BF16 = ml_dtypes.bfloat16
@@ -51,7 +51,7 @@ def gemm_path(request):
     ``[cpu-bf16]`` extra, part of the test extra: MKL runs it on any x86 CPU, on AMX/AVX512-BF16
     units where they exist), or with oneDNN's matmul primitive (CPUs with bf16 units only)."""
     assert ck.blas_available(), ck.blas_reason()
-    lib = ck.blas._cdll()
+    lib = ck.gemm.blas._cdll()
     import ctypes
     lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(None))
     if request.param == "mkl":
@@ -60,7 +60,7 @@ def gemm_path(request):
     elif request.param == "dnnl":
         if not bf16_gemm.cpu_bf16_units():
             pytest.skip("no AVX512-BF16/AMX-BF16 units: runtime.bf16_gemm dnnl is refused here")
-        from ms_llm.ops.cpu_kernels.dnnl_gemm import load_dnnl_gemm, matmul_address
+        from ms_llm.ops.cpu_kernels.gemm.dnnl import load_dnnl_gemm, matmul_address
         lib.MsLlmBlasSetBf16Gemm(ctypes.c_void_p(load_dnnl_gemm(ck.blas_threads())))
         lib.MsLlmBlasSetBf16Matmul(ctypes.c_void_p(matmul_address(ck.blas_threads())))
     else:
@@ -197,7 +197,7 @@ def _run(tmp_path, *extra):
 
 def test_bf16_training_fp32_mains_exact_resume_and_export(tmp_path):
     from ms_llm.cli import main as cli_main
-    from ms_llm.checkpoint import dcp
+    from ms_llm.checkpoint.native import dcp
     save = str(tmp_path / "ckpt")
     # the CLI reaches it (tiny.yaml asks for jit: on CPU bf16 falls back to PyNative)
     assert cli_main(["train", CONFIG, *TINY, "--training.max_steps", "2", "--training.output_dir",

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ms_llm.ops.cpu_kernels import bf16_gemm
+from ms_llm.ops.cpu_kernels.gemm import bf16 as bf16_gemm
 
 BF16 = ml_dtypes.bfloat16
 needs_units = pytest.mark.skipif(not bf16_gemm.cpu_bf16_units(),
@@ -19,7 +19,7 @@ needs_units = pytest.mark.skipif(not bf16_gemm.cpu_bf16_units(),
 def dnnl():
     from ms_llm.compat import setup_device
     setup_device("CPU")
-    from ms_llm.ops.cpu_kernels import dnnl_gemm
+    from ms_llm.ops.cpu_kernels.gemm import dnnl as dnnl_gemm
     dnnl_gemm.load_dnnl_gemm(2)
     return dnnl_gemm
 

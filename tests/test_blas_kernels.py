@@ -25,7 +25,8 @@ ms.set_device("CPU")
 ms.set_context(pynative_synchronize=True)
 
 from ms_llm.ops import cpu_kernels as ck  # noqa: E402
-from ms_llm.ops.cpu_kernels import blas, build  # noqa: E402
+from ms_llm.ops.cpu_kernels import build  # noqa: E402
+from ms_llm.ops.cpu_kernels.gemm import blas  # noqa: E402
 
 pytestmark = pytest.mark.skipif(build._compiler() is None, reason="no C++ compiler on this machine")
 
@@ -66,10 +67,11 @@ def test_separate_library(blas_ok):
     assert path is not None and path.is_file() and path.name == build.BLAS_LIB_NAME
     assert path.parent.parent == build.cache_root()
     assert all(not s.name.startswith("blas_") for s in build.sources())  # main library does not need BLAS
-    names = [s.name for s in build.blas_sources()]
-    # every blas_* source of the folder (a new kernel file joins by its name) and the shared math
-    folder = sorted(p.name for p in build.blas_sources()[0].parent.iterdir()
-                    if p.name.startswith("blas_") and p.suffix in (".cpp", ".h"))
+    names = sorted(s.name for s in build.blas_sources())
+    # every blas_* source of the kernels' domain folders (a new kernel file joins by its name) and
+    # the shared math
+    folder = sorted(p.name for p in build._SRC_DIR.rglob("blas_*")
+                    if p.suffix in (".cpp", ".h"))
     assert names == sorted(folder + ["cpu_math.h"])
     assert {"blas_kernels.cpp", "blas_attention.cpp", "blas_decode.cpp", "blas_moe.cpp",
             "blas_muon.cpp"} <= set(names)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from parallel_common import TINY_MODEL
 
-from ms_llm.checkpoint import dcp
-from ms_llm.checkpoint.dcp import DCPError, LocalChunk, WantedChunk
+from ms_llm.checkpoint.native import dcp
+from ms_llm.checkpoint.native.dcp import DCPError, LocalChunk, WantedChunk
 from ms_llm.checkpoint.verify import guard_save_dir, main as verify_main, metadata_problem
 from ms_llm.config import load_config
 
@@ -160,7 +160,7 @@ def test_corrupt_shard_of_newest_checkpoint_resumes_from_previous_on_the_same_cu
 
 
 def _torch_dist(path, alias=False):
-    from ms_llm.checkpoint.torch_dist import TorchDistWriter
+    from ms_llm.checkpoint.torch_dist.io import TorchDistWriter
     w = TorchDistWriter(str(path))
     w.add("w", W.shape, (0, 0), W[:3])
     w.add("w", W.shape, (3, 0), W[3:])
@@ -174,7 +174,7 @@ def _torch_dist(path, alias=False):
 def test_torch_dist_folders_are_checked_for_byte_ranges(tmp_path, capsys):
     """Megatron-Core torch_dist records no checksum: its reader and ``ms-llm checkpoint
     verify`` check the chunks' byte ranges (inside the file, not aliasing) and coverage."""
-    from ms_llm.checkpoint.torch_dist import TorchDistReader
+    from ms_llm.checkpoint.torch_dist.io import TorchDistReader
     good = _torch_dist(tmp_path / "good")
     np.testing.assert_array_equal(TorchDistReader(good).tensor("w"), W)
     assert verify_main(["verify", good]) == 0

@@ -7,7 +7,7 @@ import pytest
 from cli_util import run_ms_llm
 
 from ms_llm.cli import COMMANDS
-from ms_llm.config import _SECTIONS
+from ms_llm.config.schema import _SECTIONS
 from ms_llm.models import TransformerConfig
 
 

@@ -3,7 +3,7 @@
 and MindSpore tear down."""
 import threading
 
-from ms_llm.launch import launch_env
+from ms_llm.launch.msrun import launch_env
 from ms_llm.parallel.comm import comm_thread, watchdog
 from ms_llm.parallel.comm.teardown import release
 

@@ -76,7 +76,7 @@ def test_parse_overrides_forms():
 
 def test_cli_bad_config_exits_nonzero_with_one_line(tmp_path):
     path = write(tmp_path, "training:\n  max_stepz: 3\n")
-    r = subprocess.run([sys.executable, "-m", "ms_llm.train", path], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "ms_llm.cli.train", path], capture_output=True,
                        text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2
     err = [line for line in r.stderr.splitlines() if line.strip()]

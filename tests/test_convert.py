@@ -22,7 +22,7 @@ import pytest
 from hf_fixtures import make_hf_checkpoint
 from ms_llm.checkpoint import torch_pickle as tp
 from ms_llm.checkpoint.convert import main as convert_main
-from ms_llm.checkpoint.hf_io import read_hf_weights
+from ms_llm.checkpoint.hf.io import read_hf_weights
 
 DENSE = {
     # GQA 8 heads / 4 groups, QK-norm, untied, head_dim 12 != hidden/heads

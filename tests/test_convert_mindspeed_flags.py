@@ -18,7 +18,7 @@ from mindspore import Tensor
 from cli_util import run_ms_llm
 from hf_fixtures import make_hf_checkpoint
 from ms_llm.checkpoint.convert import main as convert_main
-from ms_llm.checkpoint.hf_io import read_hf_weights
+from ms_llm.checkpoint.hf.io import read_hf_weights
 from ms_llm.data import load_tokenizer
 from ms_llm.checkpoint import from_pretrained
 

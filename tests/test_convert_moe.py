@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 from ms_llm.checkpoint import torch_pickle as tp
 from ms_llm.checkpoint.convert import main as convert_main
-from ms_llm.checkpoint.hf_io import read_hf_weights
+from ms_llm.checkpoint.hf.io import read_hf_weights
 
 H, NH, NG, D, E, F, FFN, V, LAYERS = 32, 4, 2, 8, 4, 16, 24, 64, 3
 
@@ -170,7 +170,7 @@ def test_integer_moe_layer_freq_maps_to_the_same_layers():
     """Megatron's --moe-layer-freq N makes layers 0, N, 2N... MoE; HF's decoder_sparse_step N
     would make layers N-1, 2N-1... sparse, so the config must list the dense layers instead."""
     from argparse import Namespace
-    from ms_llm.checkpoint.megatron import hf_config_from_args
+    from ms_llm.checkpoint.megatron.io import hf_config_from_args
     from ms_llm.models import config_from_hf
     args = Namespace(num_layers=5, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                      group_query_attention=True, num_query_groups=2, kv_channels=8,

@@ -1,6 +1,6 @@
 """AOT C++ CPU kernels (ms_llm.ops.cpu_kernels): build/caching behaviour, and every kernel's forward and
 backward against an independent float64 NumPy implementation, in PyNative and under mindspore.jit.
-The composed MindSpore fallback (cpu_kernels.composed, used when the kernels are unavailable) is run
+The composed MindSpore fallback (cpu_kernels.model.composed, used when the kernels are unavailable) is run
 through the same checks.
 
 The NumPy gradients are themselves checked against central finite differences of the NumPy forward
@@ -35,7 +35,8 @@ ms.set_device("CPU")
 ms.set_context(pynative_synchronize=True)
 
 from ms_llm.ops import cpu_kernels as ck  # noqa: E402
-from ms_llm.ops.cpu_kernels import build, composed  # noqa: E402
+from ms_llm.ops.cpu_kernels import build  # noqa: E402
+from ms_llm.ops.cpu_kernels.model import composed  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_CXX = build._compiler() is not None

@@ -1,4 +1,4 @@
-"""Distributed checkpoints (``ms_llm.checkpoint.dcp``): reshardable save/load, completeness,
+"""Distributed checkpoints (``ms_llm.checkpoint.native.dcp``): reshardable save/load, completeness,
 resume discovery, pruning and export.
 
 Ranks are simulated in one process: ``write_rank_files`` for rank 0..W-1 then ``finalize``
@@ -22,8 +22,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ms_llm.checkpoint import dcp
-from ms_llm.checkpoint.dcp import DCPError, LocalChunk, WantedChunk
+from ms_llm.checkpoint.native import dcp
+from ms_llm.checkpoint.native.dcp import DCPError, LocalChunk, WantedChunk
 
 RNG = np.random.default_rng(1234)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -371,7 +371,7 @@ EXPORT_CASES = {
 @pytest.mark.parametrize("name", list(EXPORT_CASES))
 def test_export_hf_and_megatron_give_same_logits(tmp_path, name):
     import hf_reference as ref
-    from ms_llm.checkpoint.hf_io import read_hf_config, read_hf_weights
+    from ms_llm.checkpoint.hf.io import read_hf_config, read_hf_weights
     from ms_llm.checkpoint import from_pretrained
 
     cfg, model, sd = _model_and_weights(EXPORT_CASES[name], seed=len(name))

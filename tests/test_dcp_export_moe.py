@@ -1,4 +1,5 @@
-"""Export of MoE training checkpoints (``dcp_export``) to Hugging Face Qwen3-MoE and Megatron.
+"""Export of MoE training checkpoints (``checkpoint.native.export``) to Hugging Face Qwen3-MoE and
+Megatron.
 
 A tiny Qwen3-MoE-shaped GPTModel (8 experts, top-2, 2 layers) is saved through the trainer's own
 ``training.checkpointing.save`` (so the checkpoint holds what real runs write: ``:gate``/``:up``
@@ -28,10 +29,10 @@ import pytest
 
 import moe_reference
 from cli_util import run_ms_llm
-from ms_llm.checkpoint import dcp
-from ms_llm.checkpoint.dcp import DCPError
-from ms_llm.checkpoint.dcp_export import hf_config_from_transformer_config
-from ms_llm.checkpoint.hf_io import read_hf_config, read_hf_weights
+from ms_llm.checkpoint.native import dcp
+from ms_llm.checkpoint.native.dcp import DCPError
+from ms_llm.checkpoint.native.export import hf_config_from_transformer_config
+from ms_llm.checkpoint.hf.io import read_hf_config, read_hf_weights
 
 E, K, H, FFN, F, V = 8, 2, 32, 24, 12, 61
 BASE = dict(num_layers=2, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=4,
@@ -149,7 +150,7 @@ def _same_routes(got, want, what):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_export_hf_and_megatron_keep_logits_and_routes(tmp_path, name):
-    from ms_llm.checkpoint.megatron import MegatronReader
+    from ms_llm.checkpoint.megatron.io import MegatronReader
     from ms_llm.checkpoint import from_pretrained
 
     cfg, model, sd = _build(CASES[name], seed=7 + len(name))

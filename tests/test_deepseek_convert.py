@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 import deepseek_fixtures as fx
 from deepseek_fixtures import run_convert as run, same_bits as same
 from ms_llm.checkpoint import torch_pickle as tp
-from ms_llm.checkpoint.hf_io import read_hf_weights
+from ms_llm.checkpoint.hf.io import read_hf_weights
 
 import transformers  # noqa: E402,F401  (test extra: cross-checks against HF modeling code)
 
@@ -123,7 +123,7 @@ def test_mtp_weights_are_loaded_when_asked_and_skipped_otherwise(hf_dir, tmp_pat
         np.testing.assert_array_equal(_logits(src), _logits(root / "hf"))
     assert sum("skipped" in r.getMessage() and "MTP" in r.getMessage()
                for r in caplog.records) == 1
-    from ms_llm.checkpoint.hf_io import read_hf_config
+    from ms_llm.checkpoint.hf.io import read_hf_config
     from ms_llm.checkpoint import from_pretrained
     from ms_llm.models.families import config_from_hf
     cfg = config_from_hf(read_hf_config(str(src))).replace(mtp_num_layers=1)

@@ -27,7 +27,7 @@ import deepseek_fixtures as fx
 from deepseek_fixtures import run_convert as _run, same_bits as _same
 from ms_llm.checkpoint import torch_pickle as tp
 from ms_llm.checkpoint.convert import main as convert_main
-from ms_llm.checkpoint.hf_io import read_hf_weights
+from ms_llm.checkpoint.hf.io import read_hf_weights
 
 import transformers  # noqa: E402,F401  (test extra: the reference's modules)
 
@@ -131,7 +131,7 @@ def _reference(big, mtp, ids, labels, mask):
 
 
 def _ms_model(path):
-    from ms_llm.checkpoint.hf_io import read_hf_config
+    from ms_llm.checkpoint.hf.io import read_hf_config
     from ms_llm.checkpoint import from_pretrained
     from ms_llm.models.families import config_from_hf
     cfg = config_from_hf(read_hf_config(str(path))).replace(mtp_num_layers=D,

@@ -26,7 +26,7 @@ def test_tp2_dp2_equals_one_process(tmp_path):
                   [*args, "--tensor-model-parallel-size", "2", "--output-json", str(out)],
                   timeout=900)
     assert r.returncode == 0, "\n".join(log[-3000:] for log in worker_logs(str(tmp_path / "logs"), 4))
-    from ms_llm.evaluation.cli import main
+    from ms_llm.cli.evaluate import main
     single = tmp_path / "single.json"
     assert main([*args, "--output-json", str(single)]) == 0
     got, want = json.loads(out.read_text()), json.loads(single.read_text())

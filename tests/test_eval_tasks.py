@@ -188,7 +188,7 @@ def test_every_format_matches_the_reference(ref, tmp_path):
         he.append((completion, ok))
     expected["human_eval"] = {"HumanEval": he}
 
-    from ms_llm.evaluation.cli import main
+    from ms_llm.cli.evaluate import main
     out_json = tmp_path / "out.json"
     tasks = ["mmlu", "mmlu_ppl", "ceval", "boolq", "gsm8k", "human_eval"]
     code = main(["--task", *tasks, "--task-data-path", mmlu, ppl, ceval, boolq, gsm8k, human,
@@ -205,7 +205,7 @@ def test_every_format_matches_the_reference(ref, tmp_path):
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
-    from ms_llm.evaluation.cli import main
+    from ms_llm.cli.evaluate import main
     bad = tmp_path / "mmlu" / "test"
     bad.mkdir(parents=True)
     (bad / "x_test.csv").write_text("q,a,b,c,d,E\n")
@@ -260,7 +260,7 @@ def test_megatron_folder_scores_like_its_hf_source(ref, tmp_path):
     mg = str(tmp_path / "mg")
     assert convert(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", folder,
                     "--save-dir", mg, "--make-vocab-size-divisible-by", "128"]) == 0
-    from ms_llm.evaluation.cli import main
+    from ms_llm.cli.evaluate import main
     ppl = eval_fixtures.write_mmlu(str(tmp_path / "mmlu"))
     boolq = eval_fixtures.write_boolq(str(tmp_path / "boolq"))
     results = []

@@ -79,7 +79,7 @@ def test_logits_match_transformers(family_dir):
 
 def test_hf_megatron_hf_round_trip_is_bit_exact(family_dir):
     from deepseek_fixtures import run_convert, same_bits
-    from ms_llm.checkpoint.hf_io import read_hf_weights
+    from ms_llm.checkpoint.hf.io import read_hf_weights
     spec, _, root = family_dir
     mg, back = root / "mg", root / "back"
     layout = ["--target-tensor-parallel-size", "2"]
@@ -121,8 +121,8 @@ def test_names_translations_and_export_guess_agree(name):
 
 
 def test_register_family_refuses_taken_names_and_new_families_appear_everywhere():
-    from ms_llm.checkpoint.convert_args import build_parser
-    from ms_llm.config_help import schema_help
+    from ms_llm.checkpoint.convert.args import build_parser
+    from ms_llm.config.help import schema_help
     import ms_llm.models.families as F
     from ms_llm.models.families.llama import hf as llama
     with pytest.raises(ValueError, match=r"name\(s\) \['llama2'\] belong to \['llama'\]"):

@@ -27,8 +27,8 @@ from safetensors.numpy import load_file, save_file
 
 from hf_fixtures import make_hf_checkpoint
 from parallel_common import TINY_MODEL
-from ms_llm.checkpoint import dcp
-from ms_llm.checkpoint.dcp import LocalChunk
+from ms_llm.checkpoint.native import dcp
+from ms_llm.checkpoint.native.dcp import LocalChunk
 from ms_llm.cli import main as cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,8 +8,8 @@ import pytest
 from ms_llm.config import ConfigError
 from ms_llm.models import GPTModel
 from ms_llm.models.config import TransformerConfig
-from ms_llm.training import peak
-from ms_llm.training.flops import flops_per_token, matmul_weights_per_token
+from ms_llm.planning import peak
+from ms_llm.planning.flops import flops_per_token, matmul_weights_per_token
 from ms_llm.training.metrics import MetricsLogger
 
 BASE = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,

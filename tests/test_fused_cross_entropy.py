@@ -16,7 +16,7 @@ from mindspore import Parameter, Tensor
 from parallel_common import CONFIG, TINY_MODEL
 from ms_llm.config import ConfigError, load_config
 from ms_llm.ops import fused_linear_cross_entropy
-from ms_llm.ops.cpu_kernels import composed
+from ms_llm.ops.cpu_kernels.model import composed
 from ms_llm.ops.fused_cross_entropy import chunk_tokens_for
 
 RTOL = 1e-5

@@ -106,8 +106,9 @@ def test_training_checkpoint_with_conv_parts_exports_to_hf(tmp_path):
     HF with the conv weight reassembled bit for bit and the same logits after reloading."""
     import dataclasses
     import mindspore as ms
-    from ms_llm.checkpoint import dcp, from_pretrained
-    from ms_llm.checkpoint.hf_io import read_hf_weights
+    from ms_llm.checkpoint import from_pretrained
+    from ms_llm.checkpoint.native import dcp
+    from ms_llm.checkpoint.hf.io import read_hf_weights
     from ms_llm.models import GPTModel
     from ms_llm.optim import AdamW
     from ms_llm.parallel.parallelize import describe_layouts

@@ -172,7 +172,7 @@ def test_graph_sees_relative_and_function_level_imports():
     graph = import_graph()
     assert "ms_llm.parallel.comm.groups" in graph["ms_llm.parallel.comm.collectives"]
     assert "ms_llm.parallel.comm" in graph["ms_llm.parallel.runtime"]          # inside a function
-    assert "ms_llm.checkpoint.dcp_export" in graph["ms_llm.checkpoint.dcp"]    # module __getattr__
+    assert "ms_llm.checkpoint.native.export" in graph["ms_llm.checkpoint.native.dcp"]  # __getattr__
 
 
 def test_cycle_finder_reports_a_cycle():

@@ -14,8 +14,8 @@ import pytest
 from cli_util import run_ms_llm
 from parallel_common import TINY_MODEL
 
-from ms_llm import launch as ms_launch
-from ms_llm.launch import free_port, msrun_command
+from ms_llm.launch import msrun as ms_launch
+from ms_llm.launch.msrun import free_port, msrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = TINY_MODEL + ["--training.micro_batch_size", "4", "--training.global_batch_size", "8",
@@ -47,7 +47,7 @@ def test_pretrain_sh_trains_and_plots(tmp_path):
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert "iteration        4/       4" in r.stdout and "lm loss:" in r.stdout
-    # MFU columns (ms_llm.training.flops; the peak from training.peak_tflops or the CPU probe)
+    # MFU columns (ms_llm.planning.flops; the peak from training.peak_tflops or the CPU probe)
     assert "| MFU: " in r.stdout and all(row["mfu"] > 0 and row["tflops_per_device"] > 0
                                          and row["peak_tflops"] > 0 for row in rows)
     p = run_ms_llm("plot", out, timeout=120)
@@ -163,7 +163,7 @@ def test_two_nodes_train_like_one_two_worker_launch(tmp_path):
     np.testing.assert_allclose(nodes, single, rtol=1e-5)
 
 
-# ------------------------------------------------------------------ ms_llm.launch itself
+# ------------------------------------------------------------------ ms_llm.launch.msrun itself
 def test_msrun_command_single_and_multi_node():
     one = msrun_command("w.py", ["a", 3], worker_num=2, master_port=9000, log_dir="L")
     assert one == ["msrun", "--worker_num", "2", "--local_worker_num", "2", "--master_port",
@@ -182,7 +182,7 @@ def test_msrun_command_single_and_multi_node():
 
 def test_pretrain_sh_supervisor_builds_the_msrun_command(monkeypatch):
     """scripts/pretrain.sh hands its node settings to ms_llm.training.restart, which builds the
-    command with ms_llm.launch (placeholders filled per attempt)."""
+    command with ms_llm.launch.msrun (placeholders filled per attempt)."""
     from ms_llm.training import restart
     seen = {}
     monkeypatch.setattr(restart, "run_with_restarts",

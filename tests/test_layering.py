@@ -28,13 +28,15 @@ The order, bottom to top (a package may import only from layers below its own):
 * ``data`` (datasets, tokenizers; imports none of the above);
 * ``inference`` (generation on a loaded model), then ``evaluation`` (benchmarks scored through
   it, data/tensor parallel under msrun);
-* ``config`` (``config``, ``config_parse``, ``config_values``, ``config_rules``,
-  ``config_help``, ``config_pretrained``: the run schema, whose cross-key rules may ask the packages below, e.g.
-  pipeline stages or a checkpoint folder's architecture);
+* ``config`` (the run schema, its parsing, value and cross-key rules, ``--help`` text and
+  pretrained-folder adoption: its cross-key rules may ask the packages below, e.g. pipeline
+  stages or a checkpoint folder's architecture);
+* ``planning`` (per-rank memory plan, model FLOPs, the CPU GEMM peak: what a run will need,
+  read from its config before it starts);
 * ``training`` (the loop, composing everything below);
 * ``mindspeed`` (MindSpeed-LLM's script flags onto the run config, then a training run) and
   ``qualify`` (the support matrix: runs training jobs);
-* the entry points ``cli``, ``train`` and ``inference_cli``.
+* the entry points: ``cli`` (one module per ``ms-llm`` command).
 """
 from __future__ import annotations
 
@@ -58,16 +60,12 @@ LAYERS: List[Tuple[str, ...]] = [
     ("data",),
     ("inference",),
     ("evaluation",),
-    ("config", "config_values", "config_rules", "config_help", "config_parse",
-     "config_pretrained"),
+    ("config",),
+    ("planning",),
     ("training",),
     ("mindspeed", "qualify"),
-    ("cli", "train", "inference_cli"),
+    ("cli",),
 ]
-# Top-level modules that form one unit with another (private names may cross between them).
-UNITS = {"config_values": "config", "config_rules": "config", "config_help": "config",
-         "config_parse": "config", "config_pretrained": "config",
-         "train": "cli", "inference_cli": "cli"}
 
 
 def layer_of(unit: str) -> int:
@@ -95,11 +93,6 @@ def top(module: str) -> str:
     ``__init__``)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
-
-
-def unit_of(module: str) -> str:
-    t = top(module)
-    return UNITS.get(t, t)
 
 
 def imports(module: str, path: str) -> Iterator[Tuple[int, str, List[str]]]:
@@ -135,7 +128,7 @@ def violations() -> Tuple[List[str], List[str], List[str]]:
     """(undeclared units, imports against the order, private names across packages)."""
     undeclared, upward, private = set(), [], []
     for module, path in _modules().items():
-        src = unit_of(module)
+        src = top(module)
         try:
             src_layer = layer_of(top(module))
         except KeyError:
@@ -143,7 +136,7 @@ def violations() -> Tuple[List[str], List[str], List[str]]:
             continue
         where = f"{os.path.relpath(path, ROOT)}"
         for line, target, names in imports(module, path):
-            dst = unit_of(target)
+            dst = top(target)
             if dst == src:
                 continue
             try:

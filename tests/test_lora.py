@@ -171,7 +171,7 @@ def split_qkv(w):
 
 def adapters_of(ckpt):
     """(A, B) per Megatron module from a saved checkpoint (fc1's B stored as :gate/:up)."""
-    from ms_llm.checkpoint.dcp_load import DCPReader
+    from ms_llm.checkpoint.native.load import DCPReader
     r = DCPReader(ckpt)
     out = {}
     for i in range(2):

@@ -65,7 +65,7 @@ def test_lora_tp_sp_fsdp_pp_equal_one_process(tmp_path):
 
 
 def adapters(save_dir):
-    from ms_llm.checkpoint.dcp import DCPReader, find_latest_complete
+    from ms_llm.checkpoint.native.dcp import DCPReader, find_latest_complete
     r = DCPReader(find_latest_complete(str(save_dir)))
     names = r.names()
     model = [n for n in names if not n.startswith("optimizer.")]

@@ -26,8 +26,9 @@ from ms_llm.config import load_config
 from ms_llm.models import GPTModel
 from ms_llm.parallel.plan_shapes import full_shapes, rank_params
 from ms_llm.parallel.state import ParallelSizes
-from ms_llm.training.memory_plan import plan_memory
-from ms_llm.training.memory_plan_cli import main as plan_main, plan_with_fix
+from ms_llm.planning.memory_plan import plan_memory
+from ms_llm.cli.plan import main as plan_main
+from ms_llm.planning.memory_plan_fit import plan_with_fix
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 TINY_MOE = os.path.join(ROOT, "configs", "tiny_moe.yaml")

@@ -183,7 +183,7 @@ def test_load_of_a_torch_dist_training_checkpoint_resumes_from_it(tmp_path):
     """``--load`` of the PyTorch lane's torch_dist checkpoint resumes from it
     (``checkpoint.resume_from``) and ``--ckpt-format torch_dist`` saves in that format; with
     ``--finetune`` (weights only) it is refused in one line."""
-    from ms_llm.checkpoint.torch_dist import TorchDistWriter
+    from ms_llm.checkpoint.torch_dist.io import TorchDistWriter
     import numpy as np
     w = TorchDistWriter(str(tmp_path / "ck" / "iter_0000010"))
     w.add("output_layer.weight", (2, 2), (0, 0), np.zeros((2, 2), np.float32))

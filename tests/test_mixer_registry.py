@@ -80,7 +80,7 @@ def test_a_new_kind_is_one_registration(doubled_attention):
     from ms_llm.models import GPTModel
     from ms_llm.models.mixers import mixer_of
     from ms_llm.parallel.tensor_parallel import validate_tp
-    from ms_llm.training.flops import matmul_weights_per_token
+    from ms_llm.planning.flops import matmul_weights_per_token
     base = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                 num_query_groups=2, padded_vocab_size=64)
     plain = TransformerConfig(**base)
@@ -101,7 +101,7 @@ def test_a_new_kind_is_one_registration(doubled_attention):
 
 def test_memory_plan_adds_the_kinds_own_term(doubled_attention):
     from types import SimpleNamespace
-    from ms_llm.training.memory_plan import _layer_activation_bytes
+    from ms_llm.planning.memory_plan import _layer_activation_bytes
     c = TransformerConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64,
                           num_attention_heads=4, num_query_groups=2, padded_vocab_size=64)
     t = SimpleNamespace(recompute_norm=False, recompute_granularity=None)

@@ -30,7 +30,7 @@ from safetensors.numpy import save_file
 import moe_reference
 from moe_reference import softmax
 
-from ms_llm.checkpoint.pretrained import experts_to_grouped
+from ms_llm.checkpoint.hf.pretrained import experts_to_grouped
 from ms_llm.compat import load_state_dict, manual_seed
 from ms_llm.models import GPTModel, TransformerConfig, config_from_hf
 from ms_llm.checkpoint import from_pretrained

@@ -1,4 +1,4 @@
-"""The fused CPU MoE kernels (``ms_llm/ops/cpu_kernels/blas_moe.cpp``) against a NumPy reference
+"""The fused CPU MoE kernels (``ms_llm/ops/cpu_kernels/model/blas_moe.cpp``) against a NumPy reference
 written here and against the composed ops they replace: values and gradients of the sort, the row
 permutation, the SwiGLU expert FFN (both weight layouts, per-expert and stacked weights, experts
 without tokens) and the weighted combine, then a whole MoE layer (fused vs ``composed_only``).

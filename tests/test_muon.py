@@ -123,7 +123,7 @@ def test_muon_bf16_newton_schulz_option():
     """``training.muon_fp32_matmul_prec: medium`` (bf16 GEMM operands in Newton-Schulz): one
     step's Muon updates within 5e-2 of the float64 reference's, relative to their largest
     element (the bf16 Newton-Schulz bound test_muon_kernel justifies), AdamW's as in fp32."""
-    from ms_llm.ops.cpu_kernels.muon_ns import bf16_ns_available
+    from ms_llm.ops.cpu_kernels.optimizer.muon_ns import bf16_ns_available
     if not bf16_ns_available()[0]:
         pytest.skip(bf16_ns_available()[1])
     _, init, history, muon = _run_both(1, False, precision="medium")
@@ -191,7 +191,7 @@ def test_muon_training_resumes_exactly_and_is_planned(tmp_path, capsys):
     ``ms-llm plan`` counts one buffer per Muon element instead of AdamW's two moments."""
     from parallel_common import TINY_MODEL
     from ms_llm.config import load_config
-    from ms_llm.training.memory_plan import plan_memory
+    from ms_llm.planning.memory_plan import plan_memory
     from ms_llm.training.trainer import Trainer
     base = TINY_MODEL + ["--training.micro_batch_size", "2", "--training.global_batch_size", "4",
                          "--training.progress_bar", "false", "--training.lr_warmup_steps", "1",

@@ -1,5 +1,5 @@
-"""Muon's Newton-Schulz CPU kernel (``ms_llm.ops.cpu_kernels.muon_ns``, ``blas_muon.cpp``) against
-a NumPy float64 Newton-Schulz written here: wide, tall and square matrices and a batch, every
+"""Muon's Newton-Schulz CPU kernel (``ms_llm.ops.cpu_kernels.optimizer.muon_ns``, ``blas_muon.cpp``)
+against a NumPy float64 Newton-Schulz written here: wide, tall and square matrices and a batch, every
 coefficient schedule shape (cycling quintic, the ``c = 0`` path), fp32 and bf16 GEMM operands.
 
 Tolerances. fp32: 1e-5 relative to the largest element, the bound test_muon holds the composed form
@@ -22,7 +22,7 @@ import pytest
 import torch
 from mindspore import Tensor
 
-from ms_llm.ops.cpu_kernels.muon_ns import bf16_ns_available, newton_schulz_kernel, \
+from ms_llm.ops.cpu_kernels.optimizer.muon_ns import bf16_ns_available, newton_schulz_kernel, \
     ns_kernel_available
 
 QUINTIC = [(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),

@@ -111,7 +111,7 @@ def test_profile_two_steps_on_cpu_has_the_matmuls(tmp_path):
     ``Custom-opN``; with them off (MS_LLM_DISABLE_BLAS=1) the linears are MindSpore's MatMul
     kernels and show up by name."""
     env = dict(os.environ, PYTHONPATH=ROOT, MS_LLM_DISABLE_BLAS="1", GLOG_v="3")
-    cmd = [sys.executable, "-m", "ms_llm.train", CONFIG, *PLAIN,
+    cmd = [sys.executable, "-m", "ms_llm.cli.train", CONFIG, *PLAIN,
            "--training.output_dir", str(tmp_path / "out"), "--training.max_steps", "3",
            "--training.profile", "true", "--training.profile_step_start", "2",
            "--training.profile_step_end", "4"]

@@ -18,8 +18,8 @@ from mindspore import Tensor
 
 from cli_util import run_ms_llm
 from hf_fixtures import make_hf_checkpoint
-from ms_llm.checkpoint.pretrained import pretrained_architecture
-from ms_llm.config_pretrained import DEFAULT_CONFIG
+from ms_llm.checkpoint.hf.pretrained import pretrained_architecture
+from ms_llm.config.pretrained import DEFAULT_CONFIG
 from ms_llm.config import ConfigError, load_config
 from ms_llm.checkpoint import from_pretrained
 from ms_llm.training.data_setup import build_data
@@ -75,7 +75,7 @@ def config_error(root, tmp_path, *extra, config=CONFIG) -> str:
 
 
 def test_default_config_path_is_the_trainers():
-    from ms_llm.train import DEFAULT_CONFIG as TRAIN_DEFAULT
+    from ms_llm.cli.train import DEFAULT_CONFIG as TRAIN_DEFAULT
     assert os.path.realpath(DEFAULT_CONFIG) == os.path.realpath(TRAIN_DEFAULT)
 
 
@@ -203,7 +203,7 @@ def test_moe_settings_follow_the_loaded_model(hf, tmp_path):
 def test_shipped_architecture_config_agrees_with_the_published_folder(tmp_path):
     """configs/qwen3_0p6b.yaml names Qwen3-0.6B's architecture: with checkpoint.load of that
     folder (only its config.json is read here) every key it sets agrees."""
-    from ms_llm.config_pretrained import adopt_pretrained_architecture
+    from ms_llm.config.pretrained import adopt_pretrained_architecture
     folder = tmp_path / "Qwen3-0.6B"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({

@@ -5,7 +5,7 @@ its run). No job runs: the merge logic is pure JSON and file copies."""
 import json
 
 from ms_llm.qualify import report
-from ms_llm.qualify.cli import main
+from ms_llm.cli.qualify import main
 from ms_llm.qualify.merge import load
 
 VERSIONS = {"Python": "3.11.7", "MindSpore": "2.10.0", "NumPy": "1.26.4",

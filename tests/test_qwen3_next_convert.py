@@ -22,7 +22,7 @@ import transformers  # noqa: F401  (test extra)
 
 from deepseek_fixtures import run_convert
 from ms_llm.checkpoint import torch_pickle as tp
-from ms_llm.checkpoint.hf_io import read_hf_weights
+from ms_llm.checkpoint.hf.io import read_hf_weights
 from ms_llm.models.registry import get_family
 
 

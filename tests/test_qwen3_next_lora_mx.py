@@ -71,7 +71,7 @@ def _lora_run(root, out):
 
 
 def _adapters(ckpt):
-    from ms_llm.checkpoint.dcp_load import DCPReader
+    from ms_llm.checkpoint.native.load import DCPReader
     r = DCPReader(ckpt)
     try:
         return {n: r.read(n).astype(np.float64) for n in r.names() if ".lora_" in n}

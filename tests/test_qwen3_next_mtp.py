@@ -29,7 +29,7 @@ import transformers  # noqa: F401  (test extra: the reference's modules)
 
 from deepseek_fixtures import run_convert, same_bits
 from ms_llm.checkpoint import torch_pickle as tp
-from ms_llm.checkpoint.hf_io import read_hf_weights
+from ms_llm.checkpoint.hf.io import read_hf_weights
 from ms_llm.models.registry import get_family
 
 L, SCALE = 4, 0.3
@@ -154,7 +154,7 @@ def _ms_loss(model, ids, labels, mask):
 
 def test_mtp_loss_and_grads_match_reference(folder):
     from ms_llm.checkpoint import from_pretrained
-    from ms_llm.checkpoint.hf_io import read_hf_config
+    from ms_llm.checkpoint.hf.io import read_hf_config
     from ms_llm.models.families import config_from_hf
     root, big, extra = folder
     cfg = config_from_hf(read_hf_config(str(root / "hf"))).replace(

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from ms_llm.config import load_config
-from ms_llm.training.memory_plan import plan_memory
+from ms_llm.planning.memory_plan import plan_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Q3N = os.path.join(ROOT, "configs", "qwen3_next_80b_a3b.yaml")

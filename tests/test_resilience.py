@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from parallel_common import TINY_MODEL
 
-from ms_llm.checkpoint import dcp
+from ms_llm.checkpoint.native import dcp
 from ms_llm.config import ConfigError, load_config
 from ms_llm.data.dataset import BatchIterator
 from ms_llm.training import faults, restart
@@ -98,7 +98,7 @@ def test_guard_policies():
 
 def test_nan_stop_names_the_parameter_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch,
                                                                           capsys):
-    from ms_llm.train import main
+    from ms_llm.cli.train import main
     save = tmp_path / "ckpt"
     monkeypatch.setenv(faults.NAN_ENV, f"3:{PARAM}")
     rc = main([CONFIG, *TINY, "--training.output_dir", str(tmp_path / "stop"),

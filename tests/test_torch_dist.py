@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from ms_llm.checkpoint.torch_dist import TorchDistReader, TorchDistWriter, is_torch_dist_dir
-from ms_llm.checkpoint.torch_dist_model import (read_state, read_training_state, write_state,
+from ms_llm.checkpoint.torch_dist.io import TorchDistReader, TorchDistWriter, is_torch_dist_dir
+from ms_llm.checkpoint.torch_dist.model import (read_state, read_training_state, write_state,
                                                 write_training_state)
 
 pytest.importorskip("megatron.core")
@@ -107,9 +107,9 @@ def test_legacy_training_checkpoint_both_ways(tmp_path, legacy_saved):
     writes (torch AdamW over megatron-core's ``_get_param_groups``) reads here with each moment
     on its parameter; written here, ``torch.load`` + ``load_state_dict`` of the model and the
     torch optimizer built from megatron-core's param groups take it, tensors equal."""
-    from ms_llm.checkpoint import dcp
-    from ms_llm.checkpoint.legacy_train import export_legacy, import_legacy, latest_legacy
-    from ms_llm.checkpoint.torch_dist_train import read_training_dcp, write_training_dcp
+    from ms_llm.checkpoint.native import dcp
+    from ms_llm.checkpoint.megatron.train import export_legacy, import_legacy, latest_legacy
+    from ms_llm.checkpoint.torch_dist.train import read_training_dcp, write_training_dcp
     folder, want = legacy_saved
     found = latest_legacy(str(folder))
     assert found == (str(folder / "iter_0000002"), 2)
@@ -160,8 +160,8 @@ def test_legacy_tp2_training_checkpoint_reads_whole(tmp_path, legacy_saved):
     reads here as the tp=1 state it was split from, weights and moments exactly."""
     import argparse
     import torch
-    from ms_llm.checkpoint.legacy_train import import_legacy
-    from ms_llm.checkpoint.torch_dist_train import read_training_dcp
+    from ms_llm.checkpoint.megatron.train import import_legacy
+    from ms_llm.checkpoint.torch_dist.train import read_training_dcp
     want = legacy_saved[1]
     order, sizes = [str(n) for n in want["group_names"]], list(want["group_sizes"])
     args = argparse.Namespace(

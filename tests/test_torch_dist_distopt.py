@@ -10,8 +10,8 @@ between buckets (``param_index_map`` offsets into buffers it built without that 
 import numpy as np
 import pytest
 
-from ms_llm.checkpoint.torch_dist import TorchDistWriter
-from ms_llm.checkpoint.torch_dist_train import import_torch_dist, read_training_dcp
+from ms_llm.checkpoint.torch_dist.io import TorchDistWriter
+from ms_llm.checkpoint.torch_dist.train import import_torch_dist, read_training_dcp
 
 pytest.importorskip("megatron.core")
 from test_torch_dist import mcore  # noqa: E402
@@ -48,7 +48,7 @@ def test_written_here_loads_in_megatron_cores_distributed_optimizer(tmp_path, sa
     so with ``distributed=True`` the export writes ``fully_reshardable`` and its
     ``content_metadata``: a fresh DistributedOptimizer loads it (the layout taken from the
     checkpoint, as Megatron-LM does), main params, moments and step equal to what was written."""
-    from ms_llm.checkpoint.torch_dist_train import export_torch_dist, write_training_dcp
+    from ms_llm.checkpoint.torch_dist.train import export_torch_dist, write_training_dcp
     want = saved["dp_reshardable"][1]
     names = [k[len("param."):] for k in want if k.startswith("param.")]
     rng = np.random.default_rng(4)
@@ -73,7 +73,7 @@ def test_legacy_distrib_optim_resumes_here(tmp_path):
     ``state_dict``: param groups with the step) and megatron-core's own
     ``save_parameter_state`` file ``distrib_optim.pt`` over ten buckets; every parameter's fp32
     main param and moments read back equal to the optimizer's own."""
-    from ms_llm.checkpoint.legacy_train import import_legacy, latest_legacy
+    from ms_llm.checkpoint.megatron.train import import_legacy, latest_legacy
     want = mcore("save_distopt:legacy:4000", tmp_path / "mc", tmp_path / "mc.npz")
     found = latest_legacy(str(tmp_path / "mc"))
     assert found == (str(tmp_path / "mc" / "iter_0000002"), 2)

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from ms_llm.checkpoint.torch_dist import TorchDistWriter, is_torch_dist_dir
-from ms_llm.checkpoint.torch_dist_train import import_torch_dist
+from ms_llm.checkpoint.torch_dist.io import TorchDistWriter, is_torch_dist_dir
+from ms_llm.checkpoint.torch_dist.train import import_torch_dist
 from ms_llm.config import ConfigError, load_config
 from test_training import CONFIG, TINY
 from ms_llm.training.trainer import Trainer
@@ -46,8 +46,8 @@ def test_a_distributed_optimizer_run_saves_the_layout_its_lane_loads(tmp_path):
     """``parallel.use_distributed_optimizer`` with ``checkpoint.format torch_dist``: the save is
     the DistributedOptimizer's ``fully_reshardable`` layout (tests/test_torch_dist_distopt.py
     loads that layout in megatron-core), and the run resumes from it exactly."""
-    from ms_llm.checkpoint.torch_dist import TorchDistReader
-    from ms_llm.checkpoint.torch_dist_distopt import sharding_type
+    from ms_llm.checkpoint.torch_dist.io import TorchDistReader
+    from ms_llm.checkpoint.torch_dist.distopt import sharding_type
     dist = ("--parallel.use_distributed_optimizer", "true")
     full = losses(cfg(tmp_path, "--training.max_steps", "4", *dist))
     save = str(tmp_path / "distopt")
@@ -97,8 +97,8 @@ def test_what_cannot_be_resumed_is_one_line(tmp_path):
 def test_a_relaunch_resumes_its_own_save_not_the_lane_checkpoint(tmp_path):
     """``--load X --save X`` over the lane's torch_dist folder, saving ms-llm's format: once the
     run has saved there, a relaunch resumes its own newest checkpoint, not the lane's."""
-    from ms_llm.checkpoint import dcp
-    from ms_llm.checkpoint.dcp_format import LocalChunk
+    from ms_llm.checkpoint.native import dcp
+    from ms_llm.checkpoint.native.format import LocalChunk
     from ms_llm.training.megatron_checkpoint import resume_source
     lane = _folder(tmp_path, ["output_layer.weight"])
     root = os.path.dirname(lane)

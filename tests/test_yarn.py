@@ -25,7 +25,7 @@ from mindspore import Tensor
 
 import hf_fixtures
 import hf_reference
-from ms_llm.checkpoint.dcp_export import hf_config_from_transformer_config
+from ms_llm.checkpoint.native.export import hf_config_from_transformer_config
 from ms_llm.inference import generate
 from ms_llm.models import config_from_hf
 from ms_llm.checkpoint import from_pretrained

@@ -3,8 +3,8 @@
 Why a module of its own: a checkpoint is trusted only after its ``metadata.json`` has the
 expected structure (a hand-edited or garbage file must give a reason, not a ``KeyError``) and
 every file it lists has its recorded size and crc32 (the crc is computed while the file is
-written, ``dcp_save._write_safetensors``, so verifying costs one sequential read). Discovery
-(``dcp_discovery``) uses this to fall back past broken checkpoints; ``guard_save_dir`` keeps a
+written, ``native.save._write_safetensors``, so verifying costs one sequential read). Discovery
+(``native.discovery``) uses this to fall back past broken checkpoints; ``guard_save_dir`` keeps a
 run from writing into a folder whose checkpoints it cannot vouch for; ``ms-llm checkpoint
 verify DIR`` (``main``) reports the verdict of every checkpoint in a folder.
 """
@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .dcp_format import FORMAT, METADATA, TRACKER, DCPError, file_crc32, list_iters, read_json
+from .native.format import FORMAT, METADATA, TRACKER, DCPError, file_crc32, list_iters, read_json
 
 __all__ = ["metadata_problem", "verify_checkpoint", "verify_file", "guard_save_dir",
            "SHAPE_KEYS", "main"]
@@ -206,7 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _is_torch_dist(path: str) -> bool:
-    from .torch_dist import is_torch_dist_dir
+    from .torch_dist.io import is_torch_dist_dir
     try:
         return is_torch_dist_dir(path)
     except (OSError, ValueError):
@@ -217,8 +217,8 @@ def _verify_any(path: str, crc: bool) -> Tuple[Optional[str], str]:
     """(reason or None, the ok line) for one checkpoint folder of either format."""
     if not _is_torch_dist(path):
         return verify_checkpoint(path, crc), "ok"
-    from .torch_dist import TorchDistReader
-    from .torch_dist_verify import torch_dist_problem
+    from .torch_dist.io import TorchDistReader
+    from .torch_dist.verify import torch_dist_problem
     try:   # Megatron-Core torch_dist: structure and byte ranges (it records no checksum)
         why = torch_dist_problem(TorchDistReader(path))
     except ValueError as e:

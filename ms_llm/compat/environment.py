@@ -74,7 +74,7 @@ VARIABLES = {
                               "relaunch k (ms_llm.training.restart)",
     "MS_LLM_CACHE": "cache root of the kernels, the embedded corpus and tokens "
                     "(default ~/.cache/ms_llm)",
-    "MS_LLM_PEAK_FILE": "the CPU GEMM peak probe's cache file (ms_llm.training.peak)",
+    "MS_LLM_PEAK_FILE": "the CPU GEMM peak probe's cache file (ms_llm.planning.peak)",
     "MS_LLM_CXX": "C++ compiler of the CPU kernels (then $CXX, g++)",
     "MS_LLM_AOT_THREADS": "OpenMP threads inside the compiled kernels (read by the .so)",
     "MS_LLM_CONFIG": "the config file ms-llm train uses when none is named",

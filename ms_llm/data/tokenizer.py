@@ -203,3 +203,8 @@ def load_tokenizer(path: str) -> Tokenizer:
     if path.endswith(".json"):
         return HFTokenizer(path)
     return SentencePieceTokenizer(path)
+
+
+def padded_vocab(vocab_size: int, divisible_by: int) -> int:
+    """Megatron's ``--make-vocab-size-divisible-by`` rounding (tp = 1)."""
+    return -(-vocab_size // divisible_by) * divisible_by

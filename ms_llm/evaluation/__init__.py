@@ -1,6 +1,6 @@
 """Open-benchmark evaluation of a checkpoint.
 
-* ``ms-llm evaluate`` (``ms_llm.evaluation.cli``): MindSpeed-LLM's ``evaluation.py`` flags and
+* ``ms-llm evaluate`` (``ms_llm.cli.evaluate``): MindSpeed-LLM's ``evaluation.py`` flags and
   tasks (MMLU, C-Eval, BoolQ, GSM8K, HumanEval) over the benchmarks' local files, split over the
   data-parallel ranks of an msrun job and gathered on every rank.
 * ``ms-llm lm-eval`` (``ms_llm.evaluation.lm_eval_backend``): EleutherAI's lm-evaluation-harness

@@ -9,7 +9,7 @@
 | ``human_eval`` | greedy completion cut at the HumanEval stop lines, run with the tests in a time-limited subprocess (pass@1) |
 
 ``run_task`` scores the samples ``mine(sample)`` selects (a data-parallel rank's share) and
-returns one record per sample; ``ms_llm.evaluation.cli`` gathers and tabulates them.
+returns one record per sample; ``ms_llm.cli.evaluate`` gathers and tabulates them.
 """
 from __future__ import annotations
 

@@ -147,7 +147,7 @@ def _single_blas_thread(enabled: bool) -> Iterator[None]:
     if not enabled or explicit("runtime.blas_threads"):
         yield
         return
-    from ms_llm.ops.cpu_kernels import blas
+    from ms_llm.ops.cpu_kernels.gemm import blas
     if not blas.blas_available():
         yield
         return

@@ -13,8 +13,8 @@ import os
 import tempfile
 from typing import List, Optional
 
-from ms_llm.checkpoint.dcp_discovery import find_latest_complete
-from ms_llm.checkpoint.dcp_format import METADATA
+from ms_llm.checkpoint.native.discovery import find_latest_complete
+from ms_llm.checkpoint.native.format import METADATA
 from ms_llm.data.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -39,7 +39,7 @@ def load_model(path: str, dtype: Optional[str] = None):
     ckpt = training_checkpoint(path)
     if ckpt is None:
         return from_pretrained(path, dtype=dtype)
-    from ms_llm.checkpoint.dcp_export import export_hf
+    from ms_llm.checkpoint.native.export import export_hf
     with tempfile.TemporaryDirectory(prefix="ms_llm_generate_") as tmp:
         out = export_hf(ckpt, os.path.join(tmp, "hf"))
         return from_pretrained(out, dtype=dtype)

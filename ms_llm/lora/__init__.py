@@ -4,8 +4,8 @@
 tensor parallel and FSDP; ``apply``), the adapter modules and ``adapters_disabled``
 (``modules``) and the base fingerprint checkpoints record (``base``). Merging adapters into base
 weights and ``ms-llm export`` of LoRA checkpoints (merged or in PEFT's layout) are checkpoint
-conversions: ``ms_llm.checkpoint.lora_merge`` / ``lora_export``. Names are imported lazily:
-``base`` runs without MindSpore.
+conversions: ``ms_llm.checkpoint.adapters.merge`` / ``ms_llm.checkpoint.adapters.export``. Names
+are imported lazily: ``base`` runs without MindSpore.
 """
 import importlib
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from ms_llm.config_rules import ConfigError
+from ms_llm.config.rules import ConfigError
 from ms_llm.models.registry import families
 from .flag_table import MEGATRON_DEFAULTS, TABLE, Map, Noop, Refuse
 
@@ -254,8 +254,8 @@ def _load(tr: Translation, folder: str, finetune: bool, no_optim: bool = False) 
     (``training.resume auto``) unless ``--finetune``; a torch_dist training checkpoint (the
     PyTorch lane's) resumes from it (``checkpoint.resume_from``)."""
     k = tr.keys
-    from ms_llm.checkpoint.torch_dist import is_torch_dist_dir
-    from ms_llm.checkpoint.legacy_train import latest_legacy
+    from ms_llm.checkpoint.torch_dist.io import is_torch_dist_dir
+    from ms_llm.checkpoint.megatron.train import latest_legacy
     if os.path.isdir(folder) and (any(is_torch_dist_dir(os.path.join(folder, d)) for d in
                                       os.listdir(folder) if d.startswith("iter_")) or
                                   (not finetune and not no_optim and latest_legacy(folder))):
@@ -277,7 +277,7 @@ def _load(tr: Translation, folder: str, finetune: bool, no_optim: bool = False) 
 
 
 def _has_ms_llm_checkpoint(folder: str) -> bool:
-    from ms_llm.checkpoint import dcp
+    from ms_llm.checkpoint.native import dcp
     try:
         return dcp.resolve_resume("auto", folder, report=lambda _m: None) is not None
     except (OSError, ValueError):

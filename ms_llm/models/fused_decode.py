@@ -1,4 +1,5 @@
-"""The fused one-token decode step of a ``TransformerLayer`` (``ms_llm.ops.cpu_kernels.decode``).
+"""The fused one-token decode step of a ``TransformerLayer``
+(``ms_llm.ops.cpu_kernels.decode.steps``).
 
 Why: a PyNative decode step dispatched ~30 ops per layer; the layer's arithmetic at one token is a
 few matrix-vector products, so dispatch set the token rate (0.24-0.38x transformers' ``generate``
@@ -50,7 +51,7 @@ def enabled() -> bool:
         _STATE["linear"] = hot.resolve_paths().get("linear") == "aot"
     if not _STATE["linear"]:
         return False
-    from ms_llm.ops.cpu_kernels import decode
+    from ms_llm.ops.cpu_kernels.decode import steps as decode
     return decode.available()
 
 
@@ -58,7 +59,7 @@ def set_enabled(on: bool) -> bool:
     """Turn the fused decode step (and the one-call cache attention) on or off: the module path
     is the reference tests and ``benchmarks/generate.py`` compare with. Returns the previous
     setting."""
-    from ms_llm.ops.cpu_kernels import decode
+    from ms_llm.ops.cpu_kernels.decode import steps as decode
     return decode.set_enabled(on)
 
 
@@ -94,7 +95,7 @@ def _plan(layer: "TransformerLayer"):
     a = layer.self_attention
     if not _attention_ok(layer, a):
         return False
-    from ms_llm.ops.cpu_kernels import decode
+    from ms_llm.ops.cpu_kernels.decode import steps as decode
     n = layer.input_layernorm
     attn = decode.AttentionBlock(
         n.weight, a.linear_qkv.weight, a.linear_qkv.bias,
@@ -192,7 +193,8 @@ def model_step(model, cache: "KVCache", threads: Optional[int] = None, parallel_
     dims["rot"] = int(model.rope_table(1)[0].shape[-1])
     if dims["rot"] > dims["d"] or dims["rot"] % 2 or dims["rot"] > 1024:
         return None
-    from ms_llm.ops.cpu_kernels import blas, decode
+    from ms_llm.ops.cpu_kernels.gemm import blas
+    from ms_llm.ops.cpu_kernels.decode import steps as decode
     return decode.ModelStep(weights, emb.weight, final.weight, head, model.rope_table, dims,
                             n0.eps, 1.0 / math.sqrt(a0.d),
                             blas.default_blas_threads() if threads is None else threads,

@@ -92,7 +92,7 @@ def cache_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor,
     cached positions of one KV head pair), while the BLAS batched matmul reads the contiguous
     buffer directly; masked slots get zero probability, so the result is attention over the
     filled part. On CPU with the BLAS kernels (fp32, bool mask) it is one C++ call
-    (``cpu_kernels.decode.cache_attention``) instead of the matmul / mask / softmax / matmul
+    (``cpu_kernels.decode.steps.cache_attention``) instead of the matmul / mask / softmax / matmul
     chain; a query that sees no slot then gets zeros rather than the chain's uniform average."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if path_for("attention") == "native":
@@ -103,7 +103,7 @@ def cache_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor,
     dtype = q.dtype
     if attention_mask.dtype == bool_ and _decode_kernel(q.dtype, k.dtype, v.dtype):
         # CPU: one C++ call that reads only the slots up to the last visible one
-        from .cpu_kernels import decode
+        from .cpu_kernels.decode import steps as decode
         out = decode.cache_attention(q.reshape(b, ng, r * s, d), k, v, attention_mask, scale)
         return out.reshape(b, nh, s, v.shape[-1])
     q = q.astype(float32).reshape(b, ng, r * s, d)
@@ -118,7 +118,7 @@ def _decode_kernel(*dtypes) -> bool:
     """The BLAS library's cache attention kernel takes fp32 on CPU with the BLAS kernels."""
     if path_for("linear") != "aot" or any(d != float32 for d in dtypes):
         return False
-    from .cpu_kernels import decode
+    from .cpu_kernels.decode import steps as decode
     return decode.available()
 
 

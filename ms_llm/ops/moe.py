@@ -19,7 +19,7 @@ Grouped matmul forms (``impl``), measured by ``benchmarks/moe_layer.py``:
 * ``"native"``: MindSpore's grouped-matmul kernel (``gmm``), Ascend only. **Untested here** (no
   Ascend device in this project's CI); selected only on Ascend.
 
-Fused CPU path (fp32 with the OpenBLAS kernel library, ``cpu_kernels/blas_moe.cpp``): the sort,
+Fused CPU path (fp32 with the OpenBLAS kernel library, ``cpu_kernels/model/blas_moe.cpp``): the sort,
 the row permutation, the whole SwiGLU expert FFN (both GEMMs of every expert) and the weighted
 combine are one op each, forward and backward, and the block sizes stay an int32 device tensor
 (``sort_by_expert_device``; no host copy in the step). With 64 experts of FFN 256 the composed
@@ -69,7 +69,7 @@ def fused_available(*tensors: Tensor) -> bool:
     given tensor fp32, and not inside ``composed_only()``."""
     if not _FUSED["enabled"] or not is_cpu() or any(t.dtype != float32 for t in tensors):
         return False
-    from .cpu_kernels.blas_moe import moe_kernels_available
+    from .cpu_kernels.model.blas_moe import moe_kernels_available
     return moe_kernels_available()
 
 
@@ -84,14 +84,14 @@ def sort_by_expert_device(top_indices: Tensor, num_experts: int
                           ) -> Tuple[Tensor, Tensor, Tensor]:
     """``sort_by_expert`` in one fused op, with ``tokens_per_expert`` an int32 ``[E]`` tensor
     (no host copy). Needs ``fused_available()``."""
-    from .cpu_kernels.blas_moe import sort_by_expert as fused_sort
+    from .cpu_kernels.model.blas_moe import sort_by_expert as fused_sort
     return fused_sort(top_indices, num_experts)
 
 
 def permute_rows(tokens: Tensor, sorted_slots: Tensor, restore: Tensor) -> Tensor:
     """``permute`` as one fused op (its backward sums each token's k rows without a scatter).
     Needs ``fused_available(tokens)``."""
-    from .cpu_kernels.blas_moe import permute as fused_permute
+    from .cpu_kernels.model.blas_moe import permute as fused_permute
     return fused_permute(tokens, sorted_slots, restore)
 
 
@@ -99,7 +99,7 @@ def expert_ffn(x: Tensor, w1: Weights, w2: Weights, tokens_per_expert: Sizes,
                transpose_b: bool) -> Tensor:
     """``grouped_matmul(swiglu(grouped_matmul(x, w1)), w2)`` as one fused op (and one for its
     backward). Weights as in ``grouped_matmul``. Needs ``fused_available(x, ...)``."""
-    from .cpu_kernels.blas_moe import expert_ffn as fused_ffn
+    from .cpu_kernels.model.blas_moe import expert_ffn as fused_ffn
     sizes = tokens_per_expert if isinstance(tokens_per_expert, Tensor) else \
         Tensor(np.asarray([int(v) for v in tokens_per_expert], np.int32))
     if sizes.dtype != int32:
@@ -148,7 +148,7 @@ def unpermute(expert_out: Tensor, restore: Tensor, probs: Tensor) -> Tensor:
     ``sum_j probs[t, j] * row(t*k + j)``, ``[T, H]``. ``probs`` is ``[T, k]``."""
     t, k = probs.shape
     if fused_available(expert_out, probs) and expert_out.shape[0] == t * k:
-        from .cpu_kernels.blas_moe import combine
+        from .cpu_kernels.model.blas_moe import combine
         return combine(expert_out, restore.astype(int32), probs)
     rows = F.embedding(restore, expert_out).reshape(t, k, expert_out.shape[-1])
     if rows.dtype == float32:
@@ -260,7 +260,7 @@ def _gmm_native(x: Tensor, weight: Weights, sizes: List[int], transpose_b: bool)
 def matmul(a: Tensor, b: Tensor, transpose_a: bool = False, transpose_b: bool = False) -> Tensor:
     """2-D ``op(a) @ op(b)`` on the fast path (OpenBLAS on CPU)."""
     if is_cpu():
-        from .cpu_kernels import blas
+        from .cpu_kernels.gemm import blas
         return blas.bmm(a.reshape(1, *a.shape), b.reshape(1, *b.shape),
                         transpose_a, transpose_b)[0]
     aa = a.swapaxes(0, 1) if transpose_a else a
@@ -273,7 +273,7 @@ def swiglu_backward(h: Tensor, d_act: Tensor) -> Tensor:
     kernel autograd uses on CPU, composed ops elsewhere."""
     from ._dispatch import path_for
     if path_for("swiglu") == "aot":
-        from .cpu_kernels.functional import swiglu_grad
+        from .cpu_kernels.model.functional import swiglu_grad
         g = swiglu_grad(h, d_act)
         if g is not None:
             return g.astype(h.dtype)

@@ -68,7 +68,7 @@ def split_heads(x: Tensor, pieces) -> tuple:
     On CPU one copy per head row (fp32 and bf16): the composed split + reshape + swapaxes
     leaves strided views that MindSpore makes contiguous at ~0.5 GB/s (8-9 ms per 4 MB,
     4 of them per layer and step of the ~55M model, forward and backward)."""
-    if _heads_kernel(x.dtype) and len(pieces) <= cpu_kernels.functional.MAX_HEAD_PIECES:
+    if _heads_kernel(x.dtype) and len(pieces) <= cpu_kernels.model.functional.MAX_HEAD_PIECES:
         return cpu_kernels.split_heads(x, pieces)
     b, s, g = x.shape[0], x.shape[1], x.shape[2]
     d = x.shape[-1] // sum(pieces)

@@ -1,6 +1,6 @@
 """``build_optimizer``: the optimizer a run's config asks for, and what the memory planner asks
 of it (``state_elements``) without building one. The layouts an optimizer does not support are
-refused with the config (``config_rules.optimizer_problem``)."""
+refused with the config (``config.rules.optimizer_problem``)."""
 from __future__ import annotations
 
 import functools

@@ -12,8 +12,9 @@ reference to fp32 rounding; ``medium`` (Megatron-Core's default, where the GEMMs
 rounds the GEMM operands to bf16 with fp32 accumulation (``MATMUL_PRECISIONS``).
 
 On CPU with the BLAS kernel library built, the whole iteration of a batch of matrices is one op
-(``ms_llm.ops.cpu_kernels.muon_ns``: no per-op dispatch, the symmetric products as SYRK); the
-composed ``mint`` form below runs elsewhere and for tensor-parallel ``distributed`` shards.
+(``ms_llm.ops.cpu_kernels.optimizer.muon_ns``: no per-op dispatch, the symmetric products as
+SYRK); the composed ``mint`` form below runs elsewhere and for tensor-parallel ``distributed``
+shards.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mindspore import Tensor, mint
 
-from ms_llm.ops.cpu_kernels.muon_ns import bf16_ns_available, newton_schulz_kernel, \
+from ms_llm.ops.cpu_kernels.optimizer.muon_ns import bf16_ns_available, newton_schulz_kernel, \
     ns_kernel_available
 
 Coeffs = Tuple[float, float, float]
@@ -90,7 +91,8 @@ def check_matmul_precision(prec: str) -> None:
 
 
 def use_kernel() -> bool:
-    """Whether ``newton_schulz`` runs as the one CPU op (``ms_llm.ops.cpu_kernels.muon_ns``)."""
+    """Whether ``newton_schulz`` runs as the one CPU op
+    (``ms_llm.ops.cpu_kernels.optimizer.muon_ns``)."""
     return ns_kernel_available()
 
 

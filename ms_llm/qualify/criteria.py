@@ -152,7 +152,7 @@ def round_trip(cell: Cell, recs: Dict[str, dict], names, work: str) -> Check:
                             mg, "--save-dir", back, "--hf-cfg-dir", names.hf_dir])
     if rc:
         return Check("fail", f"ms-llm convert exited {rc}: {buf.getvalue().strip()[-300:]}")
-    from ms_llm.checkpoint.hf_io import read_hf_weights
+    from ms_llm.checkpoint.hf.io import read_hf_weights
     w0, w1 = read_hf_weights(names.hf_dir), read_hf_weights(back)
     if set(w0) != set(w1):
         return Check("fail", f"HF -> Megatron -> HF changed the tensor names: "

@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Dict, List
 
-from ms_llm.launch import free_port
+from ms_llm.launch.msrun import free_port
 
 from .criteria import Check, compare, restart_built, trains
 from .matrix import ROOT, Cell

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Dict, List
 
-from ms_llm.launch import MsrunJob, free_port, launch_env, msrun_command
+from ms_llm.launch.msrun import MsrunJob, free_port, launch_env, msrun_command
 
 from .matrix import ROOT
 from .plan import Job
@@ -17,7 +17,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 
 
 def job_env() -> dict:
-    """The launch environment (:func:`ms_llm.launch.launch_env`)."""
+    """The launch environment (:func:`ms_llm.launch.msrun.launch_env`)."""
     return launch_env()
 
 

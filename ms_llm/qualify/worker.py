@@ -40,10 +40,10 @@ def probe_logits(model, vocab: int) -> np.ndarray:
 def export_hf(save_dir: str, out_dir: str, cfg=None) -> str:
     """The newest complete checkpoint of ``save_dir`` as an HF folder (LoRA: merged). A
     ``checkpoint.format torch_dist`` run's save is Megatron-Core's ``iter_*`` folder: it is read
-    back through the importer a resume uses (``torch_dist_train.import_torch_dist``), so (b)
-    checks that format's round trip too."""
-    from ms_llm.checkpoint import dcp, dcp_export
-    from ms_llm.checkpoint import lora_export
+    back through the importer a resume uses (``checkpoint.torch_dist.train.import_torch_dist``),
+    so (b) checks that format's round trip too."""
+    from ms_llm.checkpoint.native import dcp, export as dcp_export
+    from ms_llm.checkpoint.adapters import export as lora_export
     if cfg is not None and cfg.checkpoint.format == "torch_dist":
         return _export_torch_dist(save_dir, out_dir, cfg)
     path = dcp.find_latest_complete(save_dir)
@@ -59,8 +59,8 @@ def export_hf(save_dir: str, out_dir: str, cfg=None) -> str:
 def _export_torch_dist(save_dir: str, out_dir: str, cfg) -> str:
     import dataclasses
     import tempfile
-    from ms_llm.checkpoint import dcp_export
-    from ms_llm.checkpoint.torch_dist_train import import_torch_dist, latest_torch_dist
+    from ms_llm.checkpoint.native import export as dcp_export
+    from ms_llm.checkpoint.torch_dist.train import import_torch_dist, latest_torch_dist
     found = latest_torch_dist(save_dir)
     if found is None:
         raise FileNotFoundError(f"{save_dir}: no torch_dist checkpoint (no tracker)")

@@ -1,4 +1,4 @@
-"""Training checkpoints on the distributed checkpoint format (``ms_llm.checkpoint.dcp``).
+"""Training checkpoints on the distributed checkpoint format (``ms_llm.checkpoint.native.dcp``).
 
 Every rank writes the real rows it owns of each parameter and optimizer-state tensor (asked of
 the optimizer through the ``ms_llm.optim.Optimizer`` protocol), described as a region of the
@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 from mindspore import Tensor
 
-from ms_llm.checkpoint import dcp
+from ms_llm.checkpoint.native import dcp
 from .nonfinite import NonFiniteError
 from ms_llm.parallel.placement import (Mesh, checkpoint_regions, placement_of, stored_view,
                                        writes_checkpoint)

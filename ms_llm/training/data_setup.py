@@ -9,6 +9,7 @@ from typing import Optional
 from ms_llm.config import ConfigError, RunConfig
 from ms_llm.data import (BatchIterator, PretrainDataset, Tokenizer, ensure_default_corpus,
                          load_tokenizer, tokenize_corpus)
+from ms_llm.data.tokenizer import padded_vocab
 from ms_llm.models.config import TransformerConfig
 
 log = logging.getLogger("ms_llm.train")
@@ -21,11 +22,6 @@ class TrainData:
     num_tokens: int
     model_config: TransformerConfig
     valid: Optional[object] = None      # the data.split validation part (when evaluating)
-
-
-def padded_vocab(vocab_size: int, divisible_by: int) -> int:
-    """Megatron's ``--make-vocab-size-divisible-by`` rounding (tp = 1)."""
-    return -(-vocab_size // divisible_by) * divisible_by
 
 
 def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:

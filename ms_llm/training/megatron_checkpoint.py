@@ -3,7 +3,7 @@ legacy ``torch`` format (``checkpoint.format: torch_dist | torch``, ``--ckpt-for
 ``checkpoint.resume_from``, ``--load``).
 
 Resume: rank 0 rewrites the Megatron checkpoint as a one-piece ms-llm checkpoint in a staging
-folder (``ms_llm.checkpoint.torch_dist_train``) and every rank then loads it through the
+folder (``ms_llm.checkpoint.torch_dist.train``) and every rank then loads it through the
 trainer's ordinary, layout-free load, so a checkpoint saved at one tp / dp resumes at another.
 Save: every rank writes the ordinary ms-llm checkpoint into the staging folder, then rank 0
 rewrites it as ``save_dir/iter_<step>`` in the Megatron format and updates Megatron's tracker
@@ -15,9 +15,9 @@ import os
 import shutil
 from typing import Callable, Optional
 
-from ms_llm.checkpoint.legacy_train import export_legacy, import_legacy, latest_legacy
-from ms_llm.checkpoint.torch_dist import is_torch_dist_dir
-from ms_llm.checkpoint.torch_dist_train import export_torch_dist, import_torch_dist, \
+from ms_llm.checkpoint.megatron.train import export_legacy, import_legacy, latest_legacy
+from ms_llm.checkpoint.torch_dist.io import is_torch_dist_dir
+from ms_llm.checkpoint.torch_dist.train import export_torch_dist, import_torch_dist, \
     latest_torch_dist
 from ms_llm.config import ConfigError
 from ms_llm.models.mixers import mixers_used
@@ -72,7 +72,7 @@ def resume_source(cfg) -> Optional[str]:
 
 
 def _has_own_checkpoint(save_dir: str) -> bool:
-    from ms_llm.checkpoint import dcp
+    from ms_llm.checkpoint.native import dcp
     return dcp.find_latest_complete(save_dir, "size", report=lambda _m: None) is not None
 
 
@@ -123,7 +123,7 @@ def stage_resume(source: str, cfg, state: dict, rank: int, barrier,
         except ValueError as e:
             raise ConfigError(f"checkpoint.resume_from: {e}") from None
     _rank0(work, staging_dir(cfg), rank, barrier)
-    from ms_llm.checkpoint import dcp
+    from ms_llm.checkpoint.native import dcp
     path = dcp.find_latest_complete(where)
     say(f"resuming from the Megatron checkpoint {source} (its torch RNG state is not taken: "
         f"MindSpore's generators keep training.seed's)")

@@ -46,7 +46,7 @@ class MetricsLogger:
                  flops_per_token: Optional[int] = None, peak_tflops: Optional[float] = None,
                  num_devices: int = 1):
         self.enabled = enabled
-        # MFU as Megatron ("TFLOP/s/GPU") and torchtitan report it: per device (ms_llm.training.flops)
+        # MFU as Megatron ("TFLOP/s/GPU") and torchtitan report it: per device (ms_llm.planning.flops)
         self.flops_per_token, self.peak_tflops = flops_per_token, peak_tflops
         self.num_devices = max(1, num_devices)
         self.rss_before_model_gb = rss_before_model_gb
@@ -74,7 +74,7 @@ class MetricsLogger:
                   "step_time_s": step_time, "elapsed_s": time.time() - self.t0,
                   "consumed_samples": consumed_samples, "peak_rss_gb": peak_rss_gb()}
         if self.flops_per_token:
-            from .flops import achieved
+            from ms_llm.planning.flops import achieved
             perf = achieved(tokens, step_time * self.num_devices, self.flops_per_token,
                             self.peak_tflops or 0.0)
             record.update(tflops_per_device=perf["tflops"], mfu=perf["mfu"],

@@ -3,7 +3,7 @@
 
 ``scripts/pretrain.sh`` launches through this module (with ``MAX_RESTARTS``, or the config's
 ``training.max_restarts``, of 0 it is one plain launch); the msrun command of each attempt comes
-from :func:`ms_llm.launch.msrun_command`. The script's config check supplies N and
+from :func:`ms_llm.launch.msrun.msrun_command`. The script's config check supplies N and
 ``checkpoint.save_dir``, so this loop imports no MindSpore until a relaunch reports its step::
 
     python -m ms_llm.training.restart --max-restarts N --save-dir SAVE_DIR \\
@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Callable, List, Optional, Sequence
 
-from ms_llm.launch import msrun_command
+from ms_llm.launch.msrun import msrun_command
 
 from .faults import ATTEMPT_ENV
 
@@ -41,7 +41,7 @@ def say(msg: str) -> None:
 
 def resume_point(save_dir: Optional[str]) -> str:
     """Where a relaunch resumes: the newest complete checkpoint, or a fresh start."""
-    from ms_llm.checkpoint.dcp_discovery import find_latest_complete, read_state
+    from ms_llm.checkpoint.native.discovery import find_latest_complete, read_state
     path = find_latest_complete(save_dir, report=lambda m: say(m))
     if path is None:
         return f"step 0 (no complete checkpoint in {save_dir} yet: starting fresh)"

@@ -13,7 +13,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor
 
-from ms_llm.checkpoint import dcp
+from ms_llm.checkpoint.native import dcp
 from ms_llm.checkpoint.verify import guard_save_dir
 from ms_llm.compat import manual_seed, setup_device
 from ms_llm.compat.environment import configure
@@ -304,8 +304,8 @@ class Trainer:
         probe, rank 0 only: only it logs) for the TFLOP/s and MFU columns."""
         if not is_main:
             return {}
-        from .flops import flops_per_token
-        from .peak import resolve_peak_tflops
+        from ms_llm.planning.flops import flops_per_token
+        from ms_llm.planning.peak import resolve_peak_tflops
         return {"flops_per_token": flops_per_token(self.model.config, self.cfg.data.seq_length),
                 "peak_tflops": resolve_peak_tflops(self.cfg.training.peak_tflops,
                                                    ms.get_context("device_target"), self._say),

@@ -1,7 +1,7 @@
 """Worker for tests/test_eval_parallel.py, run under msrun: ``ms-llm evaluate`` itself (its
-``main``, as ``msrun ... ms_llm/evaluation/cli.py`` runs it) with the arguments after argv[0]."""
+``main``, as ``msrun ... ms_llm/cli/evaluate.py`` runs it) with the arguments after argv[0]."""
 import sys
 
-from ms_llm.evaluation.cli import main
+from ms_llm.cli.evaluate import main
 
 sys.exit(main(sys.argv[1:]))

@@ -14,7 +14,7 @@ setup_device("CPU")
 from ms_llm.config import load_config  # noqa: E402
 from ms_llm.parallel.plan_shapes import full_shapes, rank_params  # noqa: E402
 from ms_llm.parallel.runtime import init_distributed  # noqa: E402
-from ms_llm.training.memory_plan import plan_memory  # noqa: E402
+from ms_llm.planning.memory_plan import plan_memory  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
 info = init_distributed()

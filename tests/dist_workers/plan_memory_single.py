@@ -31,7 +31,7 @@ from ms_llm.compat import setup_device
 
 setup_device("CPU")
 from ms_llm.config import load_config  # noqa: E402
-from ms_llm.training.memory_plan import plan_memory  # noqa: E402
+from ms_llm.planning.memory_plan import plan_memory  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

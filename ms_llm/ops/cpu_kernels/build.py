@@ -1,6 +1,7 @@
 """Build the ahead-of-time C++ CPU kernels on first use, into a per-user cache.
 
-The C++ sources ship inside the package (``ms_llm/ops/cpu_kernels/*.cpp``); nothing is prebuilt.
+The C++ sources ship inside the package (``ms_llm/ops/cpu_kernels/<domain>/*.cpp``: ``model``,
+``optimizer``, ``decode``, ``gemm``; the headers they share here); nothing is prebuilt.
 The first call to :func:`library_path` or :func:`available` compiles them with
 
     g++ -O3 -march=native -fopenmp -shared -fPIC -std=c++17
@@ -18,7 +19,7 @@ A second, separate library holds the kernels that call BLAS (``blas_*.cpp`` ->
 ``libmsllm_blas_kernels.so``, see :func:`blas_library_path`): it links the OpenBLAS of the PyPI
 package ``scipy-openblas32`` (``-L<libdir> -lscipy_openblas -Wl,-rpath,<libdir>``), so when that
 package is missing only the BLAS kernels are unavailable (``blas_available()`` False, reason logged)
-and the library above is unaffected. Both go through the same :class:`_Library` machinery (key,
+and the library above is unaffected. Both go through the same :class:`Library` machinery (key,
 lock, atomic replace, load check); the BLAS key also hashes the OpenBLAS version and location.
 
 Environment:
@@ -60,16 +61,16 @@ def _is_blas_source(p: Path) -> bool:
 
 
 def sources() -> list[Path]:
-    """The C++ sources of the main library (every ``*.cpp``/``*.h`` next to this file but ``blas_*``
-    and ``dnnl_*``, which build their own libraries: :mod:`.dnnl_gemm`)."""
-    return sorted(p for p in list(_SRC_DIR.glob("*.cpp")) + list(_SRC_DIR.glob("*.h"))
+    """The C++ sources of the main library (every ``*.cpp``/``*.h`` under this folder but ``blas_*``
+    and ``dnnl_*``, which build their own libraries: :mod:`.gemm.dnnl`)."""
+    return sorted(p for p in list(_SRC_DIR.rglob("*.cpp")) + list(_SRC_DIR.rglob("*.h"))
                   if not _is_blas_source(p) and not p.name.startswith("dnnl_"))
 
 
 def blas_sources() -> list[Path]:
-    """The C++ sources of the BLAS library (``blas_*.cpp`` / ``blas_*.h``, and the shared
-    ``cpu_math.h``)."""
-    return sorted(p for p in list(_SRC_DIR.glob("blas_*.cpp")) + list(_SRC_DIR.glob("blas_*.h"))
+    """The C++ sources of the BLAS library (``blas_*.cpp`` / ``blas_*.h`` under this folder, and
+    the shared ``cpu_math.h``)."""
+    return sorted(p for p in list(_SRC_DIR.rglob("blas_*.cpp")) + list(_SRC_DIR.rglob("blas_*.h"))
                   + [_SRC_DIR / "cpu_math.h"])
 
 
@@ -151,8 +152,9 @@ def _check_library(path: Path, abi_symbol: str = "MsLlmKernelsAbiVersion", abi_v
     return None
 
 
-class _Library:
-    """One shared library built from some of the sources next to this file.
+class Library:
+    """One shared library built from C++ sources: the kernels' next to this file, and the
+    shared-memory collectives' beside ``parallel.comm.shm`` (which builds them the same way).
 
     ``flag_sets()`` returns the (compile flags, link flags) pairs to try in order, as ``(flags, libs,
     note)``; the first pair is the preferred build and is the one hashed into the cache key, the
@@ -182,7 +184,8 @@ class _Library:
         errors = []
         for n, (flags, libs, note) in enumerate(sets):
             tmp = out_dir / f".{self.lib_name}.{os.getpid()}.{threading.get_ident()}.tmp"
-            ok, log = _run([cxx, *flags, "-o", str(tmp), *srcs, *libs], out_dir)
+            # -I: the headers every domain folder shares (cpu_math.h, blas_gemm.h) sit here
+            ok, log = _run([cxx, *flags, f"-I{_SRC_DIR}", "-o", str(tmp), *srcs, *libs], out_dir)
             if ok:
                 err = self.check(tmp)
                 if err is None:
@@ -258,7 +261,7 @@ class _Library:
             self.state.update(done=False, path=None, reason=None)
 
 
-def _main_flag_sets():
+def main_flag_sets():
     # Read _BASE_FLAGS at call time (tests monkeypatch it). Without libgomp, -fopenmp-simd keeps the
     # vectorised loops and only the optional threading is lost.
     return [
@@ -301,15 +304,15 @@ def _blas_key_extra():
     return ("scipy-openblas32 " + ob["version"],)
 
 
-_MAIN = _Library(
+_MAIN = Library(
     "AOT kernels",
     LIB_NAME,
     "MsLlmKernelsAbiVersion",
     sources,
-    _main_flag_sets,
+    main_flag_sets,
     fallback_msg="using composed MindSpore ops",
 )
-_BLAS = _Library(
+_BLAS = Library(
     "BLAS kernels",
     BLAS_LIB_NAME,
     "MsLlmBlasKernelsAbiVersion",
@@ -324,7 +327,7 @@ _lock = _MAIN.lock
 
 
 def _compile(cxx: str, out_dir: Path) -> Path:
-    return _MAIN.compile(cxx, out_dir, _main_flag_sets())
+    return _MAIN.compile(cxx, out_dir, main_flag_sets())
 
 
 def _build() -> Path:

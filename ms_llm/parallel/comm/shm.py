@@ -11,7 +11,7 @@ slot, ``SLOT_BYTES`` each), made when the group's first eligible collective runs
 it (reserved with ``posix_fallocate``, so a full ``/dev/shm`` is an error here and not a SIGBUS
 later) under a name it shares through mccl, every member maps it, then rank 0 unlinks the name
 (nothing is left behind, even if the job is killed). The copies, reductions and barriers are C
-(``ms_llm/ops/cpu_kernels/shm_comm.cpp``, through ctypes, which releases the GIL, so the
+(``shm_comm.cpp`` beside this file, through ctypes, which releases the GIL, so the
 communication thread's transfers run beside this thread's Python). Reductions add the ranks in
 rank order, so every rank gets the same bits (deterministic mode holds by construction).
 
@@ -27,6 +27,7 @@ import mmap
 import os
 import socket
 import uuid
+from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 import numpy as np
@@ -47,10 +48,18 @@ _OPS = {"sum": 0, "max": 1, "min": 2, "prod": 3}
 _STATE: Dict[str, object] = {"lib": None, "channels": {}}
 
 
+def _library():
+    """The transport's own library (``shm_comm.cpp`` beside this file), built on first use by the
+    kernels' build machinery: same cache, key, lock and atomic replace, off with the AOT kernels."""
+    from ms_llm.ops.cpu_kernels.build import Library, main_flag_sets
+    return Library("shared-memory collectives", "libmsllm_shm_comm.so", "MsLlmShmAbiVersion",
+                   lambda: [Path(__file__).resolve().parent / "shm_comm.cpp"], main_flag_sets,
+                   fallback_msg="collectives use mccl")
+
+
 def _lib():
     if _STATE["lib"] is None:
-        from ms_llm.ops.cpu_kernels.build import library_path
-        path = library_path()
+        path = _library().path()
         _STATE["lib"] = False
         if path is not None:
             lib = ctypes.CDLL(str(path))

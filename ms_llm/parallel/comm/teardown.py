@@ -8,7 +8,7 @@ job under CI, once in about five suite runs; not reproduced in 30 local runs). S
 watchdog and communication threads, unmapping the shared-memory channels and collecting the
 tensors held only by garbage cycles while everything is still alive leaves that exit path
 nothing of ours to touch. ``init_distributed`` registers ``release`` with ``atexit`` (which runs
-before module teardown); ``ms_llm.launch`` sets ``PYTHONFAULTHANDLER`` for msrun workers, so a
+before module teardown); ``ms_llm.launch.msrun`` sets ``PYTHONFAULTHANDLER`` for msrun workers, so a
 crash that still happens prints its Python stack into the worker's log.
 """
 from __future__ import annotations

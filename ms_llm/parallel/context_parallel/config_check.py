@@ -1,4 +1,4 @@
-"""The config rules of context parallel, checked before any process starts (``config.py``
+"""The config rules of context parallel, checked before any process starts (``config/``
 calls ``check_context_parallel`` when ``parallel.context_parallel_size`` > 1)."""
 from __future__ import annotations
 
