@@ -2,7 +2,7 @@
 import os
 import sys
 
-# tests/ helpers (hf_reference, hf_fixtures) import as plain modules.
+# tests/ on the path: the test modules import their shared code as the `helpers` package.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)

@@ -1,4 +1,5 @@
-"""Worker for tests/test_eval_parallel.py, run under msrun: ``ms-llm evaluate`` itself (its
+"""Worker for tests/evaluation/test_eval_parallel.py, run under msrun: ``ms-llm evaluate`` itself
+(its
 ``main``, as ``msrun ... ms_llm/evaluation/cli.py`` runs it) with the arguments after argv[0]."""
 import sys
 
