@@ -244,7 +244,7 @@ def test_predicted_peak_within_20_percent_of_measured(tmp_path):
 
 
 # Qwen3-0.6B shape (vocab 151936, hidden 1024, tied) at seq 512, micro-batch 1, fp32: the peak
-# above the pre-model RSS that ``python benchmarks/memory.py --layers L --steps 3`` measured
+# above the pre-model RSS that ``python -m benchmarks.memory --layers L --steps 3`` measured
 # (max over steps: the allocator's second step holds more than the first), GiB; too large for
 # CI to re-measure (6-14 GiB), so the figures are recorded here as the small configs' are above.
 # With ``--model.cross_entropy_loss_fusion true`` (``--ms-llm-extra``), 2026-12-02 15:00: 5.27.

@@ -1,20 +1,20 @@
-"""Shared by the benchmark scripts: launching a worker (one plain process, or msrun through
-``ms_llm.launch``), the tiny model of a quick ``--small`` check, and the machine line every figure
-is printed with (figures on a shared machine are only comparable within one run)."""
+"""Shared by the benchmark modules (run from the checkout as ``python -m benchmarks.<name>``):
+launching a worker (one plain process, msrun through ``ms_llm.launch``, or this package's own
+module in a child interpreter), the tiny model of a quick ``--small`` check and the 55M model of
+the tables, and the machine line every figure is printed with (figures on a shared machine are
+only comparable within one run)."""
 from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from ms_llm.launch import (LaunchResult, MsrunJob, free_port, launch_env,  # noqa: F401
+                           run_msrun)                   # (free_port: re-exported)
 
-from ms_llm.launch import (LaunchResult, MsrunJob, free_port, launch_env,  # noqa: E402,F401
-                           msrun_command, run_msrun)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the checkout
 
-# The tiny model (and sequence) of the tests (tests/parallel_common.py TINY_MODEL).
+# The tiny model (and sequence) of the tests (tests/helpers/parallel_common.py TINY_MODEL).
 TINY_MODEL = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.ffn_hidden_size",
               "128", "--model.num_attention_heads", "4", "--model.num_query_groups", "2",
               "--model.kv_channels", "16", "--data.seq_length", "32"]
@@ -28,6 +28,22 @@ def model_55m(family: str = "llama") -> list:
              "--model.num_query_groups", "2", "--model.kv_channels", "64",
              "--model.padded_vocab_size", "32000", "--model.untie_embeddings_and_output_weights",
              "true"] + (["--model.qk_layernorm", "false"] if family == "llama" else []))
+
+
+def module_env(base: Optional[Mapping[str, str]] = None) -> dict:
+    """``base`` (default this environment) with the checkout first on ``PYTHONPATH``: a child
+    started by :func:`module_command`, or a worker script msrun runs, then imports ``benchmarks``
+    and ``ms_llm`` from this checkout whatever its working folder."""
+    env = dict(os.environ if base is None else base)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *paths])
+    return env
+
+
+def module_command(module: str, *args) -> list:
+    """``python -m module args`` with this interpreter (run it with :func:`module_env`'s
+    environment): how a benchmark starts itself, or another benchmark, in a fresh process."""
+    return [sys.executable, "-m", module, *[str(a) for a in args]]
 
 
 def train_metrics(cmd: Sequence[str], out: str, env: Optional[dict] = None) -> list:
@@ -65,9 +81,9 @@ def launch(script: str, nproc: int, log_dir: str, args: Sequence[str] = (), *,
     in ``log_dir``), msrun on ``nproc`` local workers otherwise."""
     os.makedirs(log_dir, exist_ok=True)
     if nproc == 1:
-        return MsrunJob([sys.executable, script, *args], log_dir, 1,
+        return MsrunJob([sys.executable, script, *args], log_dir, 1, env=launch_env(module_env()),
                         output=os.path.join(log_dir, "worker_0.log")).wait(timeout)
-    return run_msrun(script, nproc, log_dir, args, timeout=timeout,
+    return run_msrun(script, nproc, log_dir, args, timeout=timeout, env=launch_env(module_env()),
                      cluster_time_out=cluster_time_out)
 
 
