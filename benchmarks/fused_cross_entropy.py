@@ -21,12 +21,11 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import time
 
 import numpy as np
 
-from benchmarks.harness import module_command, module_env
+from benchmarks.harness import run_module
 
 H, VOCAB = 512, 32000
 
@@ -85,10 +84,8 @@ def main() -> None:
             env = dict(os.environ, GLOG_v="3")
             if args.clock == "cpu":
                 env["MS_LLM_BLAS_THREADS"] = "1"
-            r = subprocess.run(module_command("benchmarks.fused_cross_entropy", "--child", v,
-                                              "--tokens", args.tokens, "--reps", args.reps,
-                                              "--clock", args.clock),
-                               capture_output=True, text=True, env=module_env(env))
+            r = run_module("benchmarks.fused_cross_entropy", "--child", v, "--tokens",
+                           args.tokens, "--reps", args.reps, "--clock", args.clock, env=env)
             lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
             if r.returncode != 0 or not lines:
                 print(f"{v}: failed\n{r.stderr[-2000:]}")

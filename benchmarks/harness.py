@@ -32,7 +32,7 @@ def model_55m(family: str = "llama") -> list:
 
 def module_env(base: Optional[Mapping[str, str]] = None) -> dict:
     """``base`` (default this environment) with the checkout first on ``PYTHONPATH``: a child
-    started by :func:`module_command`, or a worker script msrun runs, then imports ``benchmarks``
+    started by :func:`run_module`, or a worker script msrun runs, then imports ``benchmarks``
     and ``ms_llm`` from this checkout whatever its working folder."""
     env = dict(os.environ if base is None else base)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT]
@@ -40,10 +40,14 @@ def module_env(base: Optional[Mapping[str, str]] = None) -> dict:
     return env
 
 
-def module_command(module: str, *args) -> list:
-    """``python -m module args`` with this interpreter (run it with :func:`module_env`'s
-    environment): how a benchmark starts itself, or another benchmark, in a fresh process."""
-    return [sys.executable, "-m", module, *[str(a) for a in args]]
+def run_module(module: str, *args, env: Optional[Mapping[str, str]] = None,
+               cwd: Optional[str] = None):
+    """Run ``python -m module args`` with this interpreter in ``env`` (default this environment)
+    plus the checkout on ``PYTHONPATH`` (:func:`module_env`), output captured: how a benchmark
+    runs itself, or another benchmark, in a fresh process. Returns the CompletedProcess."""
+    import subprocess
+    return subprocess.run([sys.executable, "-m", module, *[str(a) for a in args]],
+                          capture_output=True, text=True, cwd=cwd, env=module_env(env))
 
 
 def train_metrics(cmd: Sequence[str], out: str, env: Optional[dict] = None) -> list:

@@ -26,10 +26,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 
-from benchmarks.harness import ROOT, machine, module_command, module_env
+from benchmarks.harness import ROOT, machine, run_module
 
 GIB = 1024 ** 3
 CONFIG = os.path.join(ROOT, "configs", "qwen3_0p6b.yaml")
@@ -177,12 +176,11 @@ def _torch_loss(model, ids):
 
 
 def run_side(side: str, args) -> dict:
-    cmd = module_command("benchmarks.memory", "--worker", side, "--layers", args.layers,
-                         "--seq", args.seq, "--steps", args.steps)
+    worker = ["--worker", side, "--layers", args.layers, "--seq", args.seq, "--steps", args.steps]
     if args.ms_llm_extra:
-        cmd += ["--ms-llm-extra", " ".join(args.ms_llm_extra)]
+        worker += ["--ms-llm-extra", " ".join(args.ms_llm_extra)]
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=module_env())
+    r = run_module("benchmarks.memory", *worker, cwd=ROOT)
     if r.returncode:
         raise SystemExit(f"{side} worker failed:\n{r.stderr[-3000:]}")
     res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])

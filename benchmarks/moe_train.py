@@ -27,13 +27,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-from benchmarks.harness import ROOT, module_command, module_env
+from benchmarks.harness import ROOT, run_module
 
 LAYERS, H, HEADS, KV, D, EXPERTS, TOPK, MOE_FFN = 6, 512, 8, 2, 64, 64, 8, 256
 VOCAB, SEQ, BATCH = 32000, 512, 2
@@ -151,10 +150,8 @@ def main(argv=None) -> None:
             raise SystemExit(f"benchmarks/moe.py: --variants: unknown {v!r} (one of "
                              f"{', '.join(RUNNERS)})")
         t0 = time.time()
-        r = subprocess.run(module_command("benchmarks.moe_train", "--child", v, "--steps",
-                                          args.steps, "--warmup", args.warmup),
-                           capture_output=True, text=True,
-                           env=module_env(dict(os.environ, GLOG_v="3")))
+        r = run_module("benchmarks.moe_train", "--child", v, "--steps", args.steps, "--warmup",
+                       args.warmup, env=dict(os.environ, GLOG_v="3"))
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         if r.returncode != 0 or not line:
             print(f"# {v} failed:\n{r.stdout[-1500:]}\n{r.stderr[-2500:]}", flush=True)

@@ -41,14 +41,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 H, LAYERS, HEADS, KV, FFN, VOCAB, SEQ, BATCH = 512, 8, 8, 2, 1408, 32000, 512, 4
-from benchmarks.harness import ROOT, module_command, module_env  # noqa: E402
+from benchmarks.harness import ROOT, run_module  # noqa: E402
 
 MODEL_OVERRIDES = [
     "--model.num_layers", str(LAYERS), "--model.hidden_size", str(H),
@@ -352,10 +351,8 @@ def main() -> None:
         if v == "cli_bf16" and not bf16_key_exists():
             missing[v] = "n/a: this tree's config has no training.bf16"
             continue
-        r = subprocess.run(module_command("benchmarks.train_step", "--child", v, "--steps",
-                                          args.steps, "--warmup", args.warmup),
-                           capture_output=True, text=True,
-                           env=module_env(dict(os.environ, GLOG_v="3")))
+        r = run_module("benchmarks.train_step", "--child", v, "--steps", args.steps, "--warmup",
+                       args.warmup, env=dict(os.environ, GLOG_v="3"))
         lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
         if r.returncode != 0 or not lines:
             print(f"{v}: failed\n{r.stderr[-2000:]}")
