@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+
 from helpers.paths import ROOT, TESTS
 
 

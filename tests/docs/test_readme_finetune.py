@@ -25,7 +25,6 @@ from ms_llm.training.trainer import Trainer
 from helpers.paths import ROOT
 
 
-
 def readme_block(heading: str) -> str:
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
     section = text.split(f"\n{heading}\n", 1)[1]
