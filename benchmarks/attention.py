@@ -3,7 +3,7 @@ kernel path before the block-skipping kernel) against ``cpu_kernels.causal_atten
 blocks multiply only the keys they see), forward + backward, at the ~55M model's attention shape
 (batch 4, 8 query heads in 2 KV groups, head dim 64) for several sequence lengths.
 
-    python benchmarks/attention.py [--seq 512 1024 2048] [--repeat 5] [--threads N]
+    python -m benchmarks.attention [--seq 512 1024 2048] [--repeat 5] [--threads N]
 
 Timing: min and median wall time of fwd+bwd (GradOperation with a fixed output gradient) over
 --repeat calls after one warm-up, both forms alternating in the same process. The last column is
@@ -12,17 +12,15 @@ the largest difference between the two forms' gradients relative to the largest 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import mindspore as ms  # noqa: E402
-from mindspore import Tensor, ops  # noqa: E402
+import mindspore as ms
+from mindspore import Tensor, ops
 
 ms.set_device("CPU")
 

@@ -12,7 +12,7 @@ CPUs without AVX512-BF16/AMX it emulates). The training rows run the real comman
 ``configs/tiny.yaml`` with the issue's model (hidden 512, 8 layers, 8/2 heads, FFN 1408, vocab
 32000, seq 512, batch 4) and report the median tokens/s of steps 3..N.
 
-    python benchmarks/bf16.py [--threads 2] [--reps 5] [--train-steps 8] [--skip-train]
+    python -m benchmarks.bf16 [--threads 2] [--reps 5] [--train-steps 8] [--skip-train]
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import ROOT, machine
+
 CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")
 TOKENS = 4 * 512
 # (name, K, N) of y[T, N] = x[T, K] w[N, K]^T in the ~55M model
@@ -109,10 +110,9 @@ def raw_table(reps: int, threads: int) -> None:
     import torch
     from ms_llm.ops.cpu_kernels.gemm import dnnl as dnnl_gemm
     from ms_llm.ops.cpu_kernels.gemm.bf16 import cpu_bf16_units
-    bench_util = _bench_util()
     torch.set_num_threads(threads)
     dnnl_gemm.load_dnnl_gemm(threads)
-    print(f"{bench_util.machine()}; bf16 units: {', '.join(cpu_bf16_units()) or 'none'}; "
+    print(f"{machine()}; bf16 units: {', '.join(cpu_bf16_units()) or 'none'}; "
           f"oneDNN {dnnl_gemm.onednn_version()} (MindSpore's); torch {torch.__version__}; "
           f"{threads} threads\n")
     print("| bf16 GEMM, fp32 accumulation | torch GFLOP/s | ms-llm oneDNN GFLOP/s | torch again "
@@ -146,13 +146,7 @@ def raw_table(reps: int, threads: int) -> None:
         err = float((c.double() - want).abs().max() / want.abs().max())
         print(f"| {label} | {t1:.0f} | {o:.0f} | {t2:.0f} | {o / max(t1, t2):.2f}x | {err:.1e} |",
               flush=True)
-    print(f"\nbest of {reps}; ratio = ours / the better torch run; {bench_util.machine()}\n")
-
-
-def _bench_util():
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench_util
-    return bench_util
+    print(f"\nbest of {reps}; ratio = ours / the better torch run; {machine()}\n")
 
 
 def train_rate(extra, steps: int) -> tuple:

@@ -5,8 +5,8 @@ Runs the real command twice, at the same time (``ms-llm train configs/tiny.yaml`
 with ``--training.bf16 true``), reads each run's ``metrics.jsonl`` and prints a table of the
 logged losses, their relative deviation and the verdict.
 
-    python benchmarks/bf16_curve.py [--steps 200] [--out /tmp/ms_llm_bf16_curve] [--every 10]
-    python benchmarks/bf16_curve.py --table-only --out DIR     # re-read finished runs
+    python -m benchmarks.bf16_curve [--steps 200] [--out /tmp/ms_llm_bf16_curve] [--every 10]
+    python -m benchmarks.bf16_curve --table-only --out DIR     # re-read finished runs
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import ROOT
+
 CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")
 
 

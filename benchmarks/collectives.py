@@ -1,6 +1,6 @@
 """Bandwidth of ms_llm.parallel.comm's collectives against MindSpore's raw primitives (msrun).
 
-``python benchmarks/collectives.py [--nproc 2] [--sizes 4,64]`` launches itself under msrun. For
+``python -m benchmarks.collectives [--nproc 2] [--sizes 4,64]`` launches itself under msrun. For
 each size (MiB of the full, gathered tensor) rank 0 prints, per op, the median time, the algorithm
 bandwidth (bytes of the full tensor / time) and the ratio against the raw MindSpore call the CPU
 composition is built on (on CPU there is no native all_gather_into_tensor, reduce_scatter_tensor or
@@ -22,11 +22,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def worker(sizes, repeat: int) -> None:
-    sys.path.insert(0, ROOT)
     from ms_llm.compat import setup_device
     setup_device("CPU")
     import numpy as np
@@ -96,7 +92,7 @@ def main() -> None:
     if args.as_worker:
         worker(sizes, args.repeat)
         return
-    from bench_util import launch, machine
+    from benchmarks.harness import launch, machine
     r = launch(os.path.abspath(__file__), args.nproc, "/tmp/ms_llm_bench_collectives",
                ["--as-worker", "--sizes", args.sizes, "--repeat", str(args.repeat)],
                cluster_time_out=60)

@@ -9,7 +9,7 @@ growth of RSS during training (peak minus the RSS after the model was built: act
 gradients and optimizer state, the part context parallel divides). MindSpore's CPU memory pool
 never shrinks, so peak RSS is the honest high-water mark.
 
-``python benchmarks/context_parallel.py [--seqs 2048,4096,8192] [--cps 1,2,4]
+``python -m benchmarks.context_parallel [--seqs 2048,4096,8192] [--cps 1,2,4]
 [--algos ring,ulysses] [--steps 3]``
 """
 from __future__ import annotations
@@ -19,10 +19,10 @@ import glob
 import json
 import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import ROOT
+
 MODEL = ["--model.family", "llama", "--model.num_layers", "2", "--model.hidden_size", "256",
          "--model.ffn_hidden_size", "704", "--model.num_attention_heads", "8",
          "--model.num_query_groups", "2", "--model.kv_channels", "32",
@@ -39,7 +39,6 @@ def _rss_gb() -> float:
 
 
 def worker(out: str, steps: int, overrides) -> None:
-    sys.path.insert(0, ROOT)
     from ms_llm.compat import setup_device
     setup_device("CPU")
     from ms_llm.config import load_config
@@ -67,7 +66,7 @@ def launch(seq: int, cp: int, algo: str, steps: int) -> dict:
         os.remove(old)
     overrides = ["--data.seq_length", str(seq), "--parallel.context_parallel_size", str(cp),
                  "--parallel.context_parallel_algo", ALGOS[algo]]
-    from bench_util import check, launch as launch_worker
+    from benchmarks.harness import check, launch as launch_worker
     r = check(launch_worker(os.path.abspath(__file__), cp, f"/tmp/ms_llm_bench_cp_logs_{cp}",
                             ["--as-worker", out, "--steps", str(steps), "--", *overrides],
                             cluster_time_out=300), f"job seq={seq} cp={cp} {algo}")

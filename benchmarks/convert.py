@@ -1,7 +1,7 @@
 """Checkpoint conversion throughput and peak memory against a read+write floor.
 
-    python benchmarks/convert.py                       # ~530 MB fp32 Llama-shaped model
-    python benchmarks/convert.py --layers 2 --keep /tmp/bench_convert
+    python -m benchmarks.convert                       # ~530 MB fp32 Llama-shaped model
+    python -m benchmarks.convert --layers 2 --keep /tmp/bench_convert
 
 Generates a Hugging Face checkpoint (2 safetensors shards) once, then times, each in a fresh
 child process (so its peak RSS is its own, read with ``os.wait4``):
@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import ROOT
 
 
 _HWM = """
@@ -67,8 +67,7 @@ def main() -> None:
     try:
         if not os.path.isdir(hf):
             # in a child, so this process stays small
-            child(f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\n"
-                  f"from hf_fixtures import make_hf_checkpoint\n"
+            child("from tests.helpers.hf_fixtures import make_hf_checkpoint\n"
                   f"make_hf_checkpoint({hf!r}, 'llama', hidden={args.hidden}, "
                   f"layers={args.layers}, heads=16, kv_heads=4, ffn={args.ffn}, "
                   f"vocab={args.vocab}, tied=False, shards=2, seed=0)\n")

@@ -1,8 +1,8 @@
 """Distributed checkpoint (``ms_llm.checkpoint.native.dcp``) save / load throughput against a
 baseline.
 
-    python benchmarks/dcp.py                 # ~200 MB fp32 (vocab 32001 x 1024 + 6 ffn matrices)
-    python benchmarks/dcp.py --layers 2
+    python -m benchmarks.dcp                 # ~200 MB fp32 (vocab 32001 x 1024 + 6 ffn matrices)
+    python -m benchmarks.dcp --layers 2
 
 Baseline (measured here, same tensors, same disk): one ``safetensors.numpy.save_file`` of the
 whole state dict plus an fsync -- what the single-process checkpoint did -- and one
@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ms_llm.checkpoint.native import dcp  # noqa: E402
-from ms_llm.checkpoint.native.dcp import LocalChunk, WantedChunk  # noqa: E402
+from ms_llm.checkpoint.native import dcp
+from ms_llm.checkpoint.native.dcp import LocalChunk, WantedChunk
 
 
 def tensors(layers: int, hidden: int, ffn: int, vocab: int) -> dict:

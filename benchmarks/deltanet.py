@@ -3,7 +3,7 @@ chunked delta rule with the nilpotent-product UT inverse) against transformers'
 ``Qwen3NextGatedDeltaNet`` (torch eager, its torch chunked delta rule with a triangular solve),
 same weights, same input, same machine, one process.
 
-    python benchmarks/deltanet.py [--hidden 512] [--seq 2048] [--batch 1] [--repeat 3]
+    python -m benchmarks.deltanet [--hidden 512] [--seq 2048] [--batch 1] [--repeat 3]
 
 Widths: hidden 512 (the ~55M model), 4 key heads / 8 value heads of 64, conv kernel 4, chunk
 64. Timing: min and median wall time of fwd+bwd over --repeat runs after one warm-up, the two
@@ -16,22 +16,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import mindspore as ms  # noqa: E402
+import mindspore as ms
 
-from ms_llm.compat import setup_device  # noqa: E402
+from ms_llm.compat import setup_device
 
 # as training runs it: MindSpore's CPU kernel threads from runtime.cpu_threads (default 1; the
 # elementwise kernels stall ~4 ms per op at 2+ threads on this 2-core VM, mindspore-cpu.md)
 setup_device("CPU")
 
-from bench_util import machine  # noqa: E402
+from benchmarks.harness import machine  # noqa: E402
 from ms_llm.compat import nn  # noqa: E402
 from ms_llm.models.config import TransformerConfig  # noqa: E402
 from ms_llm.models.gated_delta_net import GatedDeltaNet  # noqa: E402

@@ -11,7 +11,7 @@ and alternates the collective mode step by step on the same trainer (ABAB...), t
 25 MB all-reduce (one ``parallel.ddp_bucket_mb`` bucket) both ways, interleaved. It prints the
 medians, their ratios, the CPU model and the load average.
 
-``python benchmarks/deterministic.py [--steps 12] [--reps 20]``
+``python -m benchmarks.deterministic [--steps 12] [--reps 20]``
 """
 from __future__ import annotations
 
@@ -19,18 +19,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import ROOT, launch
+
 RUN = ["--training.jit", "false", "--training.progress_bar", "false",
        "--training.micro_batch_size", "4", "--training.global_batch_size", "8",
        "--training.output_dir", "/tmp/ms_llm_bench_deterministic"]
 
 
 def worker(out: str, steps: int, reps: int) -> None:
-    sys.path.insert(0, ROOT)
     from ms_llm.compat import setup_device
     setup_device("CPU")
     import numpy as np
@@ -76,16 +75,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from msrun_util import msrun_command
     out = "/tmp/ms_llm_bench_deterministic.json"
     if os.path.exists(out):
         os.remove(out)
     load0 = os.getloadavg()[0]
-    cmd, env = msrun_command(os.path.abspath(__file__), 2, "/tmp/ms_llm_bench_det_logs",
-                             ["worker", out, str(a.steps), str(a.reps)], cluster_time_out=120)
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    if r.returncode != 0 or not os.path.exists(out):
+    r = launch(os.path.abspath(__file__), 2, "/tmp/ms_llm_bench_det_logs",
+               ["worker", out, str(a.steps), str(a.reps)], cluster_time_out=120, timeout=3600)
+    if not r.ok or not os.path.exists(out):
         raise SystemExit(f"msrun job failed ({r.returncode}); logs in /tmp/ms_llm_bench_det_logs")
     with open(out) as f:
         res = json.load(f)

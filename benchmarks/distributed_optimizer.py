@@ -8,7 +8,7 @@ from every rank: the optimizer's state bytes (AdamW moments + fp32 main-paramete
 median step time (first step dropped) and the peak RSS. The last line gives the step-time ratio.
 ``--repeat`` interleaves the jobs so load from other processes hits both layouts.
 
-``python benchmarks/distributed_optimizer.py [--steps 4] [--seq 256] [--mbs 1] [--repeat R]
+``python -m benchmarks.distributed_optimizer [--steps 4] [--seq 256] [--mbs 1] [--repeat R]
 [--small]``. Importable: ``run_layout(label, steps, seq, mbs)`` returns the per-rank figures
 (``benchmarks/memory.py`` may call it).
 """
@@ -18,12 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
-from bench_util import TINY_MODEL, model_55m
+from benchmarks.harness import ROOT, TINY_MODEL, model_55m
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = model_55m() + ["--training.jit", "false",
          "--training.progress_bar", "false", "--training.output_dir", "/tmp/ms_llm_bench_distopt"]
 # --small: a 2-layer model for a quick check of the script itself
@@ -34,7 +32,6 @@ LAYOUTS = {"dp=2": [], "dp=2:distopt": ["--parallel.use_distributed_optimizer", 
 
 
 def worker(out: str, steps: int, overrides) -> None:
-    sys.path.insert(0, ROOT)
     from ms_llm.compat import setup_device
     setup_device("CPU")
     import numpy as np
@@ -66,7 +63,7 @@ def worker(out: str, steps: int, overrides) -> None:
 def run_layout(label: str, steps: int = 4, seq: int = 256, mbs: int = 1,
                small: bool = False) -> dict:
     """One msrun job of ``label`` (a key of ``LAYOUTS``) on 2 workers; rank 0's figures."""
-    from bench_util import check, launch
+    from benchmarks.harness import check, launch
     overrides = (SMALL if small else MODEL) + [
         "--data.seq_length", str(seq), "--training.micro_batch_size", str(mbs),
         "--training.global_batch_size", str(2 * mbs)] + LAYOUTS[label]

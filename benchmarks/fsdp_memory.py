@@ -8,7 +8,7 @@ seconds per step FSDP spent blocked in its collectives; the last lines give each
 variant's step time over dp=2's (target <= 1.15). dp=2 is the baseline, measured in the same
 run; ``--repeat`` interleaves the jobs so that load from other processes hits every layout.
 
-``python benchmarks/fsdp_memory.py [--steps 4] [--seq 256] [--mbs 1] [--repeat R]
+``python -m benchmarks.fsdp_memory [--steps 4] [--seq 256] [--mbs 1] [--repeat R]
 [--layouts fsdp=2,dp=2]``. Each job trains the model for a few steps on the embedded corpus
 (PyNative; FSDP needs it).
 """
@@ -18,18 +18,15 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
-from bench_util import model_55m  # noqa: E402  (benchmarks/, the script's folder)
+from benchmarks.harness import ROOT, model_55m
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = model_55m() + ["--training.jit", "false",
          "--training.progress_bar", "false", "--training.output_dir", "/tmp/ms_llm_bench_fsdp"]
 
 
 def worker(out: str, steps: int, overrides) -> None:
-    sys.path.insert(0, ROOT)
     from ms_llm.compat import setup_device
     setup_device("CPU")
     import numpy as np
@@ -67,7 +64,7 @@ def worker(out: str, steps: int, overrides) -> None:
 
 def launch(nproc: int, overrides, steps: int) -> dict:
     out = f"/tmp/ms_llm_bench_fsdp_{nproc}_{abs(hash(tuple(overrides)))}.json"
-    from bench_util import check, launch as launch_worker
+    from benchmarks.harness import check, launch as launch_worker
     check(launch_worker(os.path.abspath(__file__), nproc, f"/tmp/ms_llm_bench_fsdp_logs_{nproc}",
                         ["--as-worker", out, "--steps", str(steps), "--", *overrides]),
           f"job nproc={nproc} {overrides}")

@@ -11,7 +11,7 @@ variants (plain, chunked..., plain, chunked...) so a load change on a shared mac
 load barely changes it; the children then run with ``MS_LLM_BLAS_THREADS=1`` so no idle BLAS
 thread spins, and the seconds are one core's).
 
-Usage: ``python benchmarks/fused_cross_entropy.py [--tokens 2048] [--reps 5] [--rounds 2]
+Usage: ``python -m benchmarks.fused_cross_entropy [--tokens 2048] [--reps 5] [--rounds 2]
 [--chunks 256,512,1024] [--clock wall|cpu]``
 """
 from __future__ import annotations
@@ -21,11 +21,11 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
+
+from benchmarks.harness import run_module
 
 H, VOCAB = 512, 32000
 
@@ -84,9 +84,8 @@ def main() -> None:
             env = dict(os.environ, GLOG_v="3")
             if args.clock == "cpu":
                 env["MS_LLM_BLAS_THREADS"] = "1"
-            r = subprocess.run([sys.executable, __file__, "--child", v, "--tokens",
-                                str(args.tokens), "--reps", str(args.reps), "--clock",
-                                args.clock], capture_output=True, text=True, env=env)
+            r = run_module("benchmarks.fused_cross_entropy", "--child", v, "--tokens",
+                           args.tokens, "--reps", args.reps, "--clock", args.clock, env=env)
             lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
             if r.returncode != 0 or not lines:
                 print(f"{v}: failed\n{r.stderr[-2000:]}")

@@ -25,7 +25,7 @@ the per-layer fused calls (``fused_decode.set_model_step(False)``) and the whole
 default): ms/step and MindSpore op dispatches per step. cProfile's own overhead inflates the
 Python-side shares; the ms/step column outside the profiler is the one to compare.
 
-Usage: ``python benchmarks/generate.py [--batch 1,8] [--prompts 128,512,2048] [--new 64]
+Usage: ``python -m benchmarks.generate [--batch 1,8] [--prompts 128,512,2048] [--new 64]
 [--rounds 2] [--no-breakdown] [--torch-threads N] [--hf FOLDER]``
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from bench_util import machine
+from benchmarks.harness import machine
 
 VOCAB = 32000
 QWEN3 = dict(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,

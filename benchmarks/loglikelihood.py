@@ -8,7 +8,7 @@ right-padded; the ratio batch 16 / batch 1 is the figure to compare across machi
 same load), and so is batch 1 against the bare model forwards it runs (the scorer's overhead).
 Each figure is the best of ``--rounds`` interleaved rounds.
 
-Usage: ``python benchmarks/loglikelihood.py [--samples 64] [--rounds 2]``
+Usage: ``python -m benchmarks.loglikelihood [--samples 64] [--rounds 2]``
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from bench_util import llama_model, machine
+from benchmarks.harness import llama_model, machine
 
 H, LAYERS, HEADS, KV, FFN, VOCAB = 512, 4, 8, 2, 1408, 32000
 

@@ -15,7 +15,7 @@ tensors are not pooled there), so RSS is the only measure on this backend.
 The shared 2-core machine makes tokens/s noisy: the CPU model and load average are printed
 with every figure; compare the two sides of one run only.
 
-    python benchmarks/memory.py [--layers 28] [--seq 512] [--steps 4] [--sides ms_llm,torch]
+    python -m benchmarks.memory [--layers 28] [--seq 512] [--steps 4] [--sides ms_llm,torch]
 
 ``--layers 4`` is the proxy used while developing (the 151936 x 1024 embedding and output layer,
 which dominate, at full size; ~4-8 GB per process instead of 13-17 GB).
@@ -26,14 +26,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-from bench_util import machine  # noqa: E402
+from benchmarks.harness import ROOT, machine, run_module
 
 GIB = 1024 ** 3
 CONFIG = os.path.join(ROOT, "configs", "qwen3_0p6b.yaml")
@@ -181,13 +176,11 @@ def _torch_loss(model, ids):
 
 
 def run_side(side: str, args) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--layers",
-           str(args.layers), "--seq", str(args.seq), "--steps", str(args.steps)]
+    worker = ["--worker", side, "--layers", args.layers, "--seq", args.seq, "--steps", args.steps]
     if args.ms_llm_extra:
-        cmd += ["--ms-llm-extra", " ".join(args.ms_llm_extra)]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        worker += ["--ms-llm-extra", " ".join(args.ms_llm_extra)]
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    r = run_module("benchmarks.memory", *worker, cwd=ROOT)
     if r.returncode:
         raise SystemExit(f"{side} worker failed:\n{r.stderr[-3000:]}")
     res = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])

@@ -13,7 +13,7 @@ RSS high-water mark minus its RSS just before the model is built (``rss_before_m
 AdamW state and fixed overheads, with negligible activations). Step time: median of steps
 2..N (step 1 includes kernel set-up). The machine is shared: step times are noisy.
 
-    python benchmarks/memory_recompute.py [--steps 4] [--seq 2048] [--micro 1]
+    python -m benchmarks.memory_recompute [--steps 4] [--seq 2048] [--micro 1]
 """
 from __future__ import annotations
 
@@ -25,10 +25,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from ms_llm.launch.msrun import free_port, launch_env, msrun_command  # noqa: E402
-from bench_util import model_55m  # noqa: E402  (benchmarks/, the script's folder)
+from benchmarks.harness import ROOT, model_55m
+from ms_llm.launch.msrun import free_port, launch_env, msrun_command
 
 MODEL = model_55m("qwen3")
 VARIANTS = {

@@ -2,14 +2,14 @@
 vs transformers' Qwen3-MoE with torch eager AdamW, same shapes, ratio column
 (``benchmarks/moe_train.py``, which documents the rows; its flags pass through).
 
-    python benchmarks/moe.py                      # training step vs transformers (~5-8 min)
-    python benchmarks/moe.py --steps 6 --variants cli,torch
+    python -m benchmarks.moe                      # training step vs transformers (~5-8 min)
+    python -m benchmarks.moe --steps 6 --variants cli,torch
 
 ``--mode ep``: the expert-parallel MoE layer under msrun, the ``alltoall`` dispatcher vs
 ``megamoe``:
 
-    python benchmarks/moe.py --mode ep                      # 2 workers, ep=2, default shapes
-    python benchmarks/moe.py --mode ep --nproc 2 --tokens 4096 --experts 8 --repeat 7
+    python -m benchmarks.moe --mode ep                      # 2 workers, ep=2, default shapes
+    python -m benchmarks.moe --mode ep --nproc 2 --tokens 4096 --experts 8 --repeat 7
 
 Each worker builds the same MoE layer (same seed), shards its experts over the ep group (= all
 workers) and times forward + backward of ``sum(layer(x) * dy)`` on its own ``--tokens`` tokens,
@@ -37,11 +37,10 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import ROOT
 
 
 def worker(args) -> None:
-    sys.path.insert(0, ROOT)
     from ms_llm.compat import setup_device
     setup_device("CPU")
     import numpy as np
@@ -164,8 +163,7 @@ def main() -> None:
     mode.add_argument("--mode", choices=("train", "ep"), default="train")
     known, rest = mode.parse_known_args()
     if known.mode == "train" and "--as-worker" not in rest:
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-        import moe_train
+        from benchmarks import moe_train
         return moe_train.main(rest)
     sys.argv = [sys.argv[0], *rest]
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -187,7 +185,7 @@ def main() -> None:
     if args.as_worker:
         return worker(args)
     import tempfile
-    from bench_util import check, launch, machine
+    from benchmarks.harness import check, launch, machine
     tmp = tempfile.mkdtemp(prefix="ms_llm_moe_bench_")
     out = os.path.join(tmp, "result.json")
     r = launch(os.path.abspath(__file__), args.nproc, os.path.join(tmp, "logs"),
@@ -217,8 +215,7 @@ def main() -> None:
     if not args.skip_local:
         print(f"\n# local expert FFN at this run's per-rank shapes (benchmarks/moe_layer.py: "
               f"{args.experts // w} local experts, ~{args.tokens * args.topk} rows)")
-        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-        import moe_layer
+        from benchmarks import moe_layer
         moe_layer.main(["--tokens", str(args.tokens), "--hidden", str(args.hidden), "--ffn",
                         str(args.ffn), "--experts", str(args.experts // w), "--topk",
                         str(args.topk), "--repeat", str(args.repeat)])

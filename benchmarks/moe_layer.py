@@ -2,9 +2,9 @@
 a loop of per-expert modules (Megatron ``SequentialMLP``'s structure: each expert's
 ``linear_fc1 -> swiglu -> linear_fc2`` on its block), forward + backward, PyNative.
 
-    python benchmarks/moe_layer.py                       # default shapes
-    python benchmarks/moe_layer.py --tokens 4096 --experts 16 --topk 2 --repeat 7
-    python benchmarks/moe_layer.py --breakdown           # one MoE layer, stage by stage
+    python -m benchmarks.moe_layer                       # default shapes
+    python -m benchmarks.moe_layer --tokens 4096 --experts 16 --topk 2 --repeat 7
+    python -m benchmarks.moe_layer --breakdown           # one MoE layer, stage by stage
 
 ``--breakdown`` (defaults there: 1024 tokens, hidden 512, 64 experts of FFN 256, top-8: the MoE
 goal of issue #31): forward + backward of each stage of a whole ``MoELayer`` -- router (linear,
@@ -30,18 +30,14 @@ Tokens/s counts the T input tokens (each routed to k experts).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import mindspore as ms  # noqa: E402
-from mindspore import Tensor  # noqa: E402
+import mindspore as ms
+from mindspore import Tensor
 
 
 def block_sizes(n_rows: int, experts: int, kind: str) -> list:
@@ -164,7 +160,7 @@ def breakdown(args, argv) -> None:
     tokens = args.tokens if given("--tokens") else 1024
     experts = args.experts[0] if given("--experts") else 64
     topk = args.topk if given("--topk") else 8
-    from bench_util import machine
+    from benchmarks.harness import machine
     from ms_llm.compat import manual_seed, setup_device
     setup_device("CPU", threads=args.ms_threads)
     from ms_llm.models import TransformerConfig

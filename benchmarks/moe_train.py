@@ -1,5 +1,5 @@
 """Mixture-of-experts training step, one process, fp32: ``ms-llm train`` vs transformers'
-Qwen3-MoE with torch eager AdamW, same shapes, in one run (``python benchmarks/moe.py``).
+Qwen3-MoE with torch eager AdamW, same shapes, in one run (``python -m benchmarks.moe``).
 
 Model (issue #31's MoE goal): 6 layers, hidden 512, 8 heads / 2 KV heads (head dim 64), every
 layer a MoE MLP with 64 experts of FFN 256, top-8 (softmax, ``norm_topk_prob``), aux loss 0.001,
@@ -27,13 +27,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import ROOT, run_module
+
 LAYERS, H, HEADS, KV, D, EXPERTS, TOPK, MOE_FFN = 6, 512, 8, 2, 64, 64, 8, 256
 VOCAB, SEQ, BATCH = 32000, 512, 2
 MODEL_OVERRIDES = [
@@ -63,7 +63,7 @@ def run_cli(steps: int, warmup: int) -> dict:
            os.path.join(ROOT, "configs", "tiny_moe.yaml"), *MODEL_OVERRIDES,
            "--training.max_steps", str(warmup + steps), "--training.log_interval", "1",
            "--training.output_dir", out]
-    from bench_util import train_metrics
+    from benchmarks.harness import train_metrics
     rows = train_metrics(cmd, out)
     times = [row["step_time_s"] for row in rows]
     return {"times": times, "peak_rss_gb": rows[-1]["peak_rss_gb"]}
@@ -143,17 +143,15 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.child:
         return child(args.child, args.steps, args.warmup)
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from bench_util import machine
+    from benchmarks.harness import machine
     results = {}
     for v in args.variants.split(","):
         if v not in RUNNERS:
             raise SystemExit(f"benchmarks/moe.py: --variants: unknown {v!r} (one of "
                              f"{', '.join(RUNNERS)})")
         t0 = time.time()
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", v,
-                            "--steps", str(args.steps), "--warmup", str(args.warmup)],
-                           capture_output=True, text=True, env=dict(os.environ, GLOG_v="3"))
+        r = run_module("benchmarks.moe_train", "--child", v, "--steps", args.steps, "--warmup",
+                       args.warmup, env=dict(os.environ, GLOG_v="3"))
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
         if r.returncode != 0 or not line:
             print(f"# {v} failed:\n{r.stdout[-1500:]}\n{r.stderr[-2500:]}", flush=True)

@@ -12,7 +12,7 @@ Newton-Schulz as one CPU op over OpenBLAS, ``ms_llm.ops.cpu_kernels.optimizer.mu
 
 The FSDP comparison against torch FSDP2 + ``torch.optim.Muon`` is ``benchmarks/muon_fsdp.py``.
 
-``python benchmarks/muon.py [--reps 5]``
+``python -m benchmarks.muon [--reps 5]``
 """
 from __future__ import annotations
 
@@ -23,9 +23,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from bench_util import machine, model_55m  # noqa: E402  (benchmarks/, the script's folder)
+from benchmarks.harness import ROOT, machine, model_55m
 
 MODEL = model_55m("qwen3")
 

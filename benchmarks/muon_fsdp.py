@@ -10,7 +10,7 @@ in bf16 (``torch.optim.Muon``'s choice), ms-llm's in fp32; ms-llm splits QKV int
 matrices. The median step time after one warm-up step is reported per side; the jobs alternate
 (``--repeat``) so load from other sessions hits both.
 
-``python benchmarks/muon_fsdp.py [--steps 4] [--seq 256] [--mbs 1] [--repeat 1] [--small]``
+``python -m benchmarks.muon_fsdp [--steps 4] [--seq 256] [--mbs 1] [--repeat 1] [--small]``
 """
 from __future__ import annotations
 
@@ -18,14 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from muon import MODEL, machine  # noqa: E402
+from benchmarks.harness import ROOT, free_port, launch, machine
 
 SHAPE = dict(layers=8, hidden=512, ffn=1408, heads=8, groups=2, d=64, vocab=32000)
 LABEL = {"highest": "fp32 (default)", "medium": "bf16 operands (muon_fp32_matmul_prec medium)"}
@@ -162,13 +158,10 @@ def torch_worker(rank: int, port: int, out: str, steps: int, shape: dict, seq: i
 
 
 def run_ms(steps: int, args: list) -> float:
-    from msrun_util import msrun_command
     out = "/tmp/ms_llm_bench_muon_fsdp_ms.json"
-    cmd, env = msrun_command("../../benchmarks/muon_fsdp.py", 2, "/tmp/ms_llm_bench_muon_logs",
-                             ["--as-worker", out, "--steps", str(steps), "--", *args],
-                             cluster_time_out=600)
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if r.returncode != 0 or not os.path.isfile(out):
+    r = launch(os.path.abspath(__file__), 2, "/tmp/ms_llm_bench_muon_logs",
+               ["--as-worker", out, "--steps", str(steps), "--", *args], cluster_time_out=600)
+    if not r.ok or not os.path.isfile(out):
         raise SystemExit(f"ms-llm job failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     with open(out) as f:
         return json.load(f)
@@ -176,7 +169,6 @@ def run_ms(steps: int, args: list) -> float:
 
 def run_torch(steps: int, shape: dict, seq: int, mbs: int) -> float:
     import torch.multiprocessing as mp
-    from msrun_util import free_port
     out = "/tmp/ms_llm_bench_muon_fsdp_torch.json"
     mp.spawn(torch_worker, args=(free_port(), out, steps, shape, seq, mbs), nprocs=2)
     with open(out) as f:

@@ -1,8 +1,8 @@
 """MXFP8 emulation: quantization throughput, mx_linear cost, and the training acceptance run.
 
-    python benchmarks/mx.py                      # quantization + linear tables
-    python benchmarks/mx.py --train              # also: tiny default model, unquantized vs mxfp8
-    python benchmarks/mx.py --train --steps 50   # shorter acceptance run
+    python -m benchmarks.mx                      # quantization + linear tables
+    python -m benchmarks.mx --train              # also: tiny default model, unquantized vs mxfp8
+    python -m benchmarks.mx --train --steps 50   # shorter acceptance run
 
 Tables:
 1. Quantization of a 4096x4096 fp32 tensor along the last axis, GB/s of fp32 input read:
@@ -30,8 +30,7 @@ import time
 
 import numpy as np
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+from benchmarks.harness import ROOT
 
 
 def _median_time(fn, repeat: int) -> float:

@@ -1,8 +1,8 @@
 """Composed MindSpore ops vs the AOT C++ CPU kernels (ms_llm.ops.cpu_kernels), forward and fwd+bwd,
 in PyNative and under mindspore.jit, at the 50M-model shapes.
 
-    python benchmarks/ops.py                  # all ops, MindSpore threads_num(1), kernels' default threads
-    python benchmarks/ops.py --ops rms_norm cross_entropy --repeat 20 --ms-threads 2
+    python -m benchmarks.ops                  # all ops, MindSpore threads_num(1), kernels' default threads
+    python -m benchmarks.ops --ops rms_norm cross_entropy --repeat 20 --ms-threads 2
 
 Timing: median (or --stat min) wall time over --repeat calls after --warmup calls. fwd+bwd runs
 GradOperation(get_all=True, sens_param=True) with a fixed random output gradient, so it times the op's
@@ -15,23 +15,21 @@ A second table (ops ``linear`` and ``bmm``) compares MindSpore's matmuls (``mint
 scipy-openblas32 package), with GFLOP/s columns (fwd: 2MNK flops, fwd+bwd: 6MNK). The BLAS kernels use
 OpenBLAS's own threads (``cpu_kernels.blas_threads()``), not --ms-threads.
 
-    python benchmarks/ops.py --ops linear bmm --ms-threads 2 --stat min
+    python -m benchmarks.ops --ops linear bmm --ms-threads 2 --stat min
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import mindspore as ms  # noqa: E402
-from mindspore import Tensor, ops  # noqa: E402
+import mindspore as ms
+from mindspore import Tensor, ops
 
 
 def _cases(rng):

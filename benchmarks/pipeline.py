@@ -1,7 +1,7 @@
 """Pipeline parallel through the real Trainer: pp=1 against pp=2 1F1B and pp=2 x vpp=2 interleaved.
 
-    python benchmarks/pipeline.py                 # default model and sizes, ~6 min on 2 cores
-    python benchmarks/pipeline.py --steps 8 --hidden 384 --layers 8 --micro-batch 2
+    python -m benchmarks.pipeline                 # default model and sizes, ~6 min on 2 cores
+    python -m benchmarks.pipeline --steps 8 --hidden 384 --layers 8 --micro-batch 2
 
 Every variant is ``Trainer(cfg, dist).train_step()`` on ``configs/tiny.yaml`` with the same model,
 sequence length, micro-batch size and global batch (``m`` micro-batches per step), PyNative
@@ -41,7 +41,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import ROOT
+
 CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")
 PP = 2
 # pp=1 as one process would run it (MindSpore's matmuls may use both cores), and pinned to one
@@ -134,7 +135,6 @@ def worker(args) -> None:
     """Runs every ``--runs`` variant in this process (under msrun: one pp rank), steps taking
     turns, and writes this rank's records to ``<out>.<rank>.json``."""
     pin_cpu(args)
-    sys.path.insert(0, ROOT)
     from ms_llm.compat import setup_device
     setup_device("CPU")
     from ms_llm.config import load_config
@@ -171,7 +171,7 @@ def launch(args, specs: list[str], nproc: int, tmp: str, tag: str,
     """This script as worker: a plain process for nproc=1, ``msrun`` otherwise. Returns every
     rank's JSON."""
     out = os.path.join(tmp, tag)
-    from bench_util import check, launch as launch_worker
+    from benchmarks.harness import check, launch as launch_worker
     worker_argv = [*forwarded(args), *extra, "--as-worker", "--out", out, "--runs", *specs]
     r = launch_worker(os.path.abspath(__file__), nproc, os.path.join(tmp, f"logs_{tag}"),
                       worker_argv, cluster_time_out=300)
@@ -438,7 +438,6 @@ def main() -> None:
     if not setting("runtime.sync_ops"):
         print("note: runtime.sync_ops false: the executor's timed mode synchronises only the tensors it "
               "sends, so p2p waits land in the next F/B span and the bubbles below read low")
-    sys.path.insert(0, ROOT)
     ms_all = sorted(set(args.m) | set(args.m_interleaved))
     base_specs = [run_spec(1, 1, m) for m in ms_all]
     pipe_specs = [run_spec(PP, 1, m) for m in args.m] + \

@@ -1,7 +1,7 @@
 """``ms-llm preprocess`` throughput and peak memory against the tokenizer's raw encode speed.
 
-    python benchmarks/preprocess.py              # 200 MB jsonl (generated in a temp dir)
-    python benchmarks/preprocess.py --mb 20      # quick run
+    python -m benchmarks.preprocess              # 200 MB jsonl (generated in a temp dir)
+    python -m benchmarks.preprocess --mb 20      # quick run
 
 Setup (not timed): a jsonl of ``--mb`` MB is generated from the embedded stdlib-docs corpus
 (documents shuffled and cut at random points so the text is not one repeated block), and a
@@ -33,8 +33,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks.harness import module_env
 
 _HWM = """
 def _hwm(pid='self'):
@@ -65,7 +64,6 @@ print(json.dumps({'seconds': secs, 'tokens': n_tok, 'rss': _hwm(), 'worker_rss':
 
 PRE = _HWM + """
 import json, os, sys, threading, time
-sys.path.insert(0, sys.argv[1])
 from ms_llm.data.preprocess import build_parser, run_preprocess
 peak = {}
 def watch():  # sample pool workers' VmHWM while they live
@@ -80,7 +78,7 @@ def watch():  # sample pool workers' VmHWM while they live
                     pass
         time.sleep(0.5)
 threading.Thread(target=watch, daemon=True).start()
-args = build_parser().parse_args(sys.argv[2:])
+args = build_parser().parse_args(sys.argv[1:])
 stats = run_preprocess(args)
 print(json.dumps({'seconds': stats['seconds'], 'tokens': stats['tokens'], 'rss': _hwm(),
                   'worker_rss': max(peak.values(), default=0)}))
@@ -89,7 +87,7 @@ print(json.dumps({'seconds': stats['seconds'], 'tokens': stats['tokens'], 'rss':
 
 def child(code: str, args, env=None) -> dict:
     out = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                         env=dict(os.environ, **(env or {})))
+                         env=module_env(dict(os.environ, **(env or {}))))
     if out.returncode != 0:
         raise SystemExit(f"child failed: {out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -148,12 +146,12 @@ def main() -> None:
         rows.append(("raw encode_batch", child(RAW, [tok_json, paths["full"]])))
         rows.append(("raw encode_batch 1 thread", child(RAW, [tok_json, paths["full"]], {"TOKENIZERS_PARALLELISM": "false"})))
         for w in (1, 2):
-            rows.append((f"preprocess w={w}", child(PRE, [ROOT, "--input", paths["full"], "--tokenizer-name-or-path", tok_dir,
-                                                          "--output-prefix", os.path.join(work, f"out{w}"), "--append-eod",
-                                                          "--workers", w, "--log-interval", 10**9])))
-        rows.append(("preprocess w=1 (1/4 input)", child(PRE, [ROOT, "--input", paths["quarter"], "--tokenizer-name-or-path",
-                                                                tok_dir, "--output-prefix", os.path.join(work, "outq"),
-                                                                "--append-eod", "--log-interval", 10**9])))
+            rows.append((f"preprocess w={w}", child(PRE, ["--input", paths["full"], "--tokenizer-name-or-path", tok_dir,
+                                                    "--output-prefix", os.path.join(work, f"out{w}"), "--append-eod",
+                                                    "--workers", w, "--log-interval", 10**9])))
+        rows.append(("preprocess w=1 (1/4 input)", child(PRE, ["--input", paths["quarter"], "--tokenizer-name-or-path",
+                                                          tok_dir, "--output-prefix", os.path.join(work, "outq"),
+                                                          "--append-eod", "--log-interval", 10**9])))
         ceiling = max(r["tokens"] / r["seconds"] for _, r in rows[:2])  # the faster raw row
         print(f"\n| row | seconds | tokens | tokens/s | ratio to ceiling | peak RSS MB | worker peak RSS MB |")
         print("|---|---|---|---|---|---|---|")

@@ -4,7 +4,7 @@ Each variant is a fresh ``ms-llm train`` process (peak RSS cannot be reset insid
 same model and batch; the table gives the median step time of steps 3..N, tokens/s and the peak
 RSS the trainer logs (``metrics.jsonl``), against the run without recompute in the same script.
 
-    python benchmarks/recompute.py [--steps 6] [--layers 8] [--seq 512] [--micro 4]
+    python -m benchmarks.recompute [--steps 6] [--layers 8] [--seq 512] [--micro 4]
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import ROOT
+
 VARIANTS = {
     "none": [],
     "norm": ["--training.recompute_norm", "true"],

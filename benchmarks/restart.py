@@ -1,4 +1,4 @@
-"""What a worker failure costs: ``python benchmarks/restart.py [--nproc 2] [--steps 6]``.
+"""What a worker failure costs: ``python -m benchmarks.restart [--nproc 2] [--steps 6]``.
 
 Runs ``scripts/pretrain.sh`` (small model, PyNative, checkpoint every 2 steps) once uninterrupted
 and once with ``MS_LLM_FAULT_INJECT=4:1 MAX_RESTARTS=1`` for each ``MS_NODE_TIMEOUT`` asked for
@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from bench_util import ROOT, TINY_MODEL, free_port, machine
+from benchmarks.harness import ROOT, TINY_MODEL, free_port, machine
 
 SMALL = TINY_MODEL + ["--training.micro_batch_size", "4", "--training.global_batch_size", "8",
                       "--training.log_interval", "1", "--training.jit", "false",

@@ -1,9 +1,9 @@
 """Two workers against one process, layout by layout, through ``scripts/pretrain.sh``.
 
-    python benchmarks/scaling.py                      # every row (long: ~40 min on 2 cores)
-    python benchmarks/scaling.py --rows pp,pp_gpipe,pp_zbh1 --steps 6
-    python benchmarks/scaling.py --rows dp --small    # the tests' tiny model, a quick check
-    python benchmarks/scaling.py --rows fsdp,fsdp_mccl  # shared memory against mccl
+    python -m benchmarks.scaling                      # every row (long: ~40 min on 2 cores)
+    python -m benchmarks.scaling --rows pp,pp_gpipe,pp_zbh1 --steps 6
+    python -m benchmarks.scaling --rows dp --small    # the tests' tiny model, a quick check
+    python -m benchmarks.scaling --rows fsdp,fsdp_mccl  # shared memory against mccl
 
 Every row trains the ~55M Llama-style model (hidden 512, 8 layers, GQA 8/2, FFN 1408, vocab
 32000, untied), fp32, PyNative (pipeline, FSDP and context parallel run PyNative; the baselines
@@ -33,8 +33,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import ROOT, TINY_MODEL, free_port, machine, model_55m  # noqa: E402
+from benchmarks.harness import ROOT, TINY_MODEL, free_port, machine, model_55m, module_env
 
 MODEL = model_55m()
 COMMON = ["--training.jit", "false", "--training.progress_bar", "false",
@@ -95,7 +94,7 @@ ROWS.update({f"{name}_mccl": (f"{label}, mccl collectives", extra + MCCL, shape,
 def analytic_bubble(pp: int, m: int, method, vpp: int) -> float:
     """Idle share of a balanced pipeline, from the schedule simulator at unit cost per action
     (per chunk): exactly the analytic (p-1)/(m+p-1) of 1F1B and GPipe and (p-1)/(3m+p-1) of
-    ZB-H1 at F = B = W (``tests/test_pipeline_schedules.py``)."""
+    ZB-H1 at F = B = W (``tests/parallel/test_pipeline_schedules.py``)."""
     from ms_llm.parallel.pipeline.schedules import bubble_fraction, get_schedule, plan_rounds
     spec = get_schedule(method, vpp)
     return bubble_fraction(plan_rounds(spec.build(pp, m, vpp), pp, vpp,
@@ -223,7 +222,7 @@ def run_torch(tmp: str, layout: str, shape: dict, a) -> float:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", "2", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=module_env())
     if r.returncode:
         sys.exit(f"torch {layout} failed:\n{r.stderr[-3000:]}")
     rates = json.load(open(out))

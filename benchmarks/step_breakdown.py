@@ -14,21 +14,19 @@ CPU time instead of the wall clock, which the other processes' load barely chang
 to see where the bf16 step goes (GEMMs on the registered bf16 GEMM, the fp32 element-wise kernels
 with their widen/round casts).
 
-``python benchmarks/step_breakdown.py [--reps 5] [--steps 4] [--clock wall|cpu] [--bf16]``
+``python -m benchmarks.step_breakdown [--reps 5] [--steps 4] [--clock wall|cpu] [--bf16]``
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from benchmarks.harness import ROOT
+
 H, LAYERS, HEADS, KV, FFN, VOCAB, SEQ, BATCH = 512, 8, 8, 2, 1408, 32000, 512, 4
 D = H // HEADS
 TOK = BATCH * SEQ
@@ -121,7 +119,7 @@ def main() -> None:
     # optimizer and grad norm on the model's parameter set
     from ms_llm.config import load_config
     from ms_llm.training.trainer import Trainer
-    import train_step as ts
+    from benchmarks import train_step as ts
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ts.MODEL_OVERRIDES + [
         "--training.jit", "false", "--training.output_dir", "/tmp/ms_llm_bench_breakdown",
         "--training.bf16", str(args.bf16).lower()])

@@ -32,7 +32,7 @@ ms-llm's linears use (``ms_llm.planning.peak``'s probe, measured in this run), m
 ``ms_llm_bf16`` is the bf16 inner loop (``Trainer.train_step`` with ``--training.bf16 true``).
 ``--clock cpu``: process CPU time per step on one thread (see ``_now``), for a loaded machine.
 
-Usage: ``python benchmarks/train_step.py [--steps 6] [--warmup 2] [--variants a,b] [--clock cpu]``
+Usage: ``python -m benchmarks.train_step [--steps 6] [--warmup 2] [--variants a,b] [--clock cpu]``
 """
 from __future__ import annotations
 
@@ -41,14 +41,14 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 H, LAYERS, HEADS, KV, FFN, VOCAB, SEQ, BATCH = 512, 8, 8, 2, 1408, 32000, 512, 4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import ROOT, run_module  # noqa: E402
+
 MODEL_OVERRIDES = [
     "--model.num_layers", str(LAYERS), "--model.hidden_size", str(H),
     "--model.ffn_hidden_size", str(FFN), "--model.num_attention_heads", str(HEADS),
@@ -261,7 +261,7 @@ def run_cli(steps: int, warmup: int, jit: bool, bf16: bool = False, fused: bool 
            "--training.lr_warmup_steps", "2", "--training.jit", str(jit).lower(),
            "--training.output_dir", out] + (["--training.bf16", "true"] if bf16 else []) + \
         (FUSED if fused else [])
-    from bench_util import train_metrics
+    from benchmarks.harness import train_metrics
     rows = train_metrics(cmd, out)
     times = [row["step_time_s"] for row in rows]
     med = statistics.median(times[warmup:])
@@ -351,9 +351,8 @@ def main() -> None:
         if v == "cli_bf16" and not bf16_key_exists():
             missing[v] = "n/a: this tree's config has no training.bf16"
             continue
-        r = subprocess.run([sys.executable, __file__, "--child", v, "--steps", str(args.steps),
-                            "--warmup", str(args.warmup)], capture_output=True, text=True,
-                           env=dict(os.environ, GLOG_v="3"))
+        r = run_module("benchmarks.train_step", "--child", v, "--steps", args.steps, "--warmup",
+                       args.warmup, env=dict(os.environ, GLOG_v="3"))
         lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
         if r.returncode != 0 or not lines:
             print(f"{v}: failed\n{r.stderr[-2000:]}")

@@ -5,7 +5,7 @@ flags, environment variables) from the code they document:
     python scripts/gen_reference.py --check   # exit 1 naming each stale page, write nothing
     python scripts/gen_reference.py --out DIR # write (or --check) DIR instead
 
-The renderers are in ``scripts/reference_pages``; tests/test_reference_docs.py runs the check."""
+The renderers are in ``scripts/reference_pages``; tests/docs/test_reference_docs.py runs the check."""
 import argparse
 import os
 import sys

@@ -1,8 +1,14 @@
-"""Shared pytest setup for ms-llm tests."""
+"""Shared pytest setup for ms-llm tests.
+
+Layout: ``tests/<package>/test_*.py`` tests ``ms_llm.<package>`` (``docs/`` the README's commands,
+``architecture/`` the import rules); the code tests share is the ``helpers`` package, never another
+test module; ``dist_workers/`` holds the scripts msrun runs, ``fixtures/`` checked-in data. The
+folders have no ``__init__.py`` (pytest imports each test file as a top-level module), so test file
+names are unique across folders."""
 import os
 import sys
 
-# tests/ helpers (hf_reference, hf_fixtures) import as plain modules.
+# tests/ on the path: the test modules import their shared code as the `helpers` package.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)

@@ -4,7 +4,7 @@ Model code imports ``from ms_llm.compat import nn, F`` (and dtypes) instead of `
 so it reads like PyTorch and never special-cases the device. Each function routes to
 ``mindspore.mint`` where MindSpore 2.10 registers the kernel for the active device and dtype, and
 to ``mindspore.ops`` or a composed form where it does not (each route was probed on MindSpore
-2.10, and each fallback is tested against NumPy in ``tests/test_compat.py``).
+2.10, and each fallback is tested against NumPy in ``tests/compat/test_compat.py``).
 
 =====================  ==================================  =====================================
 torch name             CPU (MindSpore 2.10)                why (CPU failure of the mint route)
@@ -36,7 +36,7 @@ random init            NumPy, then ``Tensor``              normal_/uniform_ kern
 On Ascend every row takes the ``mint`` route. Fused hot kernels (RMSNorm, SwiGLU, RoPE, attention,
 cross entropy) live in ``ms_llm.ops``, which builds on this module. Every private MindSpore API
 used anywhere in ms_llm is reached through ``private_api`` (one function each, tested in
-``tests/test_private_api.py``).
+``tests/compat/test_private_api.py``).
 """
 from mindspore import Parameter, Tensor
 

@@ -37,8 +37,8 @@ class DeferredVJP:
 
     MindSpore 2.10 PyNative keeps the backward graphs of pending ``mindspore.vjp`` calls as a
     stack: only the most recent one may run first ("Can not find top cell for backward" for any
-    other; ``tests/test_deferred_vjp.py`` shows it). Until that changes, ``backward`` runs the
-    forward again under ``vjp`` and its backward at once, so only the input is kept in between
+    other; ``tests/compat/test_deferred_vjp.py`` shows it). Until that changes, ``backward`` runs
+    the forward again under ``vjp`` and its backward at once, so only the input is kept in between
     (the forward costs twice; dropout must draw the same mask, which a zero rate does). Where
     the backwards do come last-in first-out, ``PendingVJP`` keeps the closure instead.
     """

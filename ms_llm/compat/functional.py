@@ -132,8 +132,8 @@ def split(x: Tensor, split_size_or_sections, dim: int = 0):
     """torch.split. Workaround for a MindSpore 2.10 PyNative autograd bug: the gradient of a
     ``mint.split`` output that is then transposed (swapaxes/permute/transpose) comes back
     *reshaped* instead of transposed, silently corrupting K/V gradients in attention
-    (``tests/test_compat.py::test_mindspore_split_transpose_grad_bug`` shows it and fails once
-    MindSpore fixes it). ``mint.narrow`` pieces differentiate correctly."""
+    (``tests/compat/test_compat.py::test_mindspore_split_transpose_grad_bug`` shows it and fails
+    once MindSpore fixes it). ``mint.narrow`` pieces differentiate correctly."""
     if not _SPLIT_GRAD_BUG:
         return mint.split(x, split_size_or_sections, dim)
     size = x.shape[dim]
@@ -158,10 +158,10 @@ def copy_(dst: Tensor, src: Tensor) -> Tensor:
     """torch's ``dst.copy_(src)``. Workaround for a MindSpore 2.10 bug: ``copy_`` from a view that
     starts at offset 0 of a larger tensor (e.g. ``mint.narrow(buf, 0, 0, n)``) fails with "For
     'InplaceCopy, an unexpected kernel has been launched ... mem_size" (shown by
-    ``tests/test_compat.py::test_mindspore_view_copy_bug``); cloning the source first avoids it.
-    Only a source that is part of a larger storage is cloned: a whole tensor (e.g. the fresh cast
-    of an fp32 main parameter) is copied directly, which on CPU moves bf16 at ~20 GB/s where a
-    bf16 clone costs a MindSpore bf16 kernel (~13 ns per element)."""
+    ``tests/compat/test_compat.py::test_mindspore_view_copy_bug``); cloning the source first avoids
+    it. Only a source that is part of a larger storage is cloned: a whole tensor (e.g. the fresh
+    cast of an fp32 main parameter) is copied directly, which on CPU moves bf16 at ~20 GB/s where
+    a bf16 clone costs a MindSpore bf16 kernel (~13 ns per element)."""
     dst.copy_(clone(src) if _VIEW_COPY_BUG and _part_of_larger_storage(src) else src)
     return dst
 

@@ -3,8 +3,8 @@
 MindSpore can rename or drop any of these in a minor release without notice. Keeping them here
 means each use is named once, says what it relies on, and fails with one line naming the API and
 the installed MindSpore version when it is gone, instead of an ``AttributeError`` deep inside a
-training step. ``tests/test_private_api.py`` exercises every function, so an upgrade that breaks
-one fails there first.
+training step. ``tests/compat/test_private_api.py`` exercises every function, so an upgrade that
+breaks one fails there first.
 
 All of them were verified on MindSpore ``VERIFIED_ON``; importing this module under another
 version logs one warning (the uses may still work: the tests say).
@@ -50,7 +50,8 @@ def version_verified(version: str = ms.__version__) -> bool:
 
 if not version_verified():
     log.warning("MindSpore %s: ms_llm's private-API uses (ms_llm/compat/private_api.py) were verified "
-                "on %s only; run tests/test_private_api.py", ms.__version__, ", ".join(VERIFIED_ON))
+                "on %s only; run tests/compat/test_private_api.py", ms.__version__,
+                ", ".join(VERIFIED_ON))
 
 
 # ----------------------------------------------------------------------------- autograd

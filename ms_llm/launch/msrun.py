@@ -4,7 +4,7 @@ files, and a bounded wait that reports the workers' logs on failure.
 Every multi-process launch goes through here: ``scripts/pretrain.sh`` (through
 ``python -m ms_llm.training.restart``, which builds each attempt's command with
 :func:`msrun_command`), ``ms-llm qualify``, the benchmarks and the tests' msrun jobs
-(``tests/msrun_util.py``). Before this module the command line was written in six places and the
+(``tests/helpers/msrun.py``). Before this module the command line was written in six places and the
 free-port helper in five, and they drifted (time-outs, ``--join`` spellings, ``PYTHONPATH``
 replaced or prepended).
 

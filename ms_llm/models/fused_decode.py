@@ -7,13 +7,13 @@ on a 23M Qwen3). ``layer_step`` runs the layer's attention half as one kernel ca
 dense SwiGLU MLP, its MLP half as another; anything else the layer holds (MoE, MLA, Gated
 DeltaNet, tensor-parallel or LoRA-wrapped linears, bf16 weights, training mode) keeps the
 ordinary module path, which stays the reference the fused path is tested against
-(``tests/test_decode_fast.py``).
+(``tests/models/test_decode_fast.py``).
 
 ``model_step`` goes further for a model whose every layer is covered (dense SwiGLU MLPs, a plain
 embedding and LM head): the whole step, from the token ids to the next greedy tokens, is one C
 call through ctypes (``decode.ModelStep``), which ``ms_llm.inference.generate`` takes first;
 ``layer_step`` serves the models it does not cover layer by layer
-(``tests/test_decode_model_step.py``).
+(``tests/models/test_decode_model_step.py``).
 
 PyNative only: the kernels write the new K/V into the cache buffers in place.
 """

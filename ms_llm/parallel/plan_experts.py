@@ -10,7 +10,7 @@ E'/ep)`` = real ``[r E/ep, (r+1) E/ep)``), so each folded expert parameter a ran
 ``f`` real ones with the same sizes and flags, and the router's ``[E', H]`` / ``[E']`` rows are
 scaled by ``f``. Folding applies to per-expert modules (not ``moe_grouped_gemm``, already two
 tensors per layer) and routers without expert groups; otherwise the model is built as is.
-tests/test_qwen3_next_plan.py checks that a folded plan equals the unfolded one exactly.
+tests/planning/test_qwen3_next_plan.py checks that a folded plan equals the unfolded one exactly.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ them twice.
 Under context parallel the re-run includes the cp attention's collectives (ring exchanges,
 Ulysses all-to-alls, inside hand-written backward functions): every cp rank recomputes the same
 layers in the same backward order, so the re-run exchanges match up, and ``Cell.recompute`` in
-PyNative re-runs them like any other op (tests/test_context_parallel_training.py counts the
+PyNative re-runs them like any other op (tests/parallel/test_context_parallel_training.py counts the
 attention forwards).
 
 ``uniform`` with ``recompute_num_layers`` N > 1 recomputes every layer on its own (each layer's

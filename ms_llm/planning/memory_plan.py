@@ -28,7 +28,7 @@ What is counted, per rank (every pipeline stage is planned; the worst one decide
 "Peak" is what a training process adds above its resident memory just before the model is built
 (``rss_before_model_gb`` in ``metrics.jsonl``): the OS high-water mark (MindSpore's CPU memory
 pool never returns memory, so RSS is its high-water mark). The per-copy coefficients were
-measured on MindSpore 2.10's CPU backend (``tests/test_memory_plan.py`` checks six configs and
+measured on MindSpore 2.10's CPU backend (``tests/planning/test_memory_plan.py`` checks six configs and
 layouts against measured peaks); on Ascend the same accounting applies with the device
 allocator's copies, which have not been measured here.
 """

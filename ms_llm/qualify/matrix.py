@@ -7,16 +7,16 @@ the test suite justifies for the same layouts:
 * fp32 layouts (dp, tp+sp, fsdp, ep, MegaMoE, pipeline, context parallel, LoRA, DPO): rtol 1e-5
   on loss and grad norm. The ranks sum the same fp32 terms in another order (all-reduce, sharded
   matmuls, reduce-scatter), ~1e-7 relative per step, which Adam's normalised update amplifies a
-  little over a few steps (tests/test_parallel_training.py, test_fsdp.py, test_lora_parallel.py,
+  little over a few steps (tests/parallel/test_parallel_training.py, test_fsdp.py, test_lora_parallel.py,
   test_dpo_parallel.py, test_pipeline_training.py, test_deepseek_parallel.py).
-* context parallel on MoE models: grad norm rtol 3e-5 (tests/test_context_parallel_training.py:
+* context parallel on MoE models: grad norm rtol 3e-5 (tests/parallel/test_context_parallel_training.py:
   the router's per-rank token sums reorder more terms).
 * Muon (dp 2) and lane resume (torch_dist saves, dp 2): rtol 1e-5, as fp32 layouts
-  (tests/test_muon_parallel.py, test_torch_dist_resume.py).
+  (tests/optim/test_muon_parallel.py, test_torch_dist_resume.py).
 * MXFP8 (tp=2): step 1 (before any update) at rtol 1e-5, all steps at 2e-3: a summation-order difference
   can flip one element's FP8 rounding (one E4M3 step is 6 % of that element), which moves loss and
   grad norm once Adam has moved the weights (measured: 1.7e-5 / 3.3e-4 at step 5;
-  tests/test_parallel_training.py).
+  tests/parallel/test_parallel_training.py).
 """
 from __future__ import annotations
 
@@ -117,12 +117,12 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in [
     Feature("ep", 2, (EP, "2"), moe_only=True),
     Feature("MegaMoE", 2, (EP, "2"), ("--moe.dispatcher", "megamoe"), moe_only=True),
     # step 1 precedes any update: only the summation order differs (1e-5); after it one
-    # flipped FP8 rounding moves the later steps (tests/test_parallel_training.py, test_fsdp.py)
+    # flipped FP8 rounding moves the later steps (tests/parallel/test_parallel_training.py, test_fsdp.py)
     # MoE families run MXFP8 and LoRA under expert parallel: tensor parallel with MoE is refused
     Feature("MXFP8", 2, (TP, "2"), ("--quant.recipe", "mxfp8"), moe_layout=(EP, "2"),
             tolerance=Tolerance(rtol=2e-3, strict_steps=1, strict=1e-5,
                                 why="one FP8 rounding flip moves later steps (6 % of an "
-                                    "element); see tests/test_parallel_training.py")),
+                                    "element); see tests/parallel/test_parallel_training.py")),
     Feature("LoRA", 2, (TP, "2"), ("--lora.r", "4", "--lora.alpha", "8"), needs=("base",),
             moe_layout=(EP, "2"),
             tolerance=Tolerance(logits_rtol=1e-4, why="fp32; the merged export rounds "
@@ -137,15 +137,15 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in [
                                     "reorder more terms (tests/test_context_parallel_training)")),
     # Muon at dp 2 (each matrix orthogonalised on its owner rank, the updates all-gathered):
     # Newton-Schulz is a smooth polynomial of the normalised momentum and carries the
-    # gradients' summation-order rounding on unamplified (tests/test_muon_parallel.py: dp, tp,
-    # FSDP, ep at rtol 1e-5); the momentum goes through the checkpoint (tests/test_muon.py)
+    # gradients' summation-order rounding on unamplified (tests/optim/test_muon_parallel.py: dp, tp,
+    # FSDP, ep at rtol 1e-5); the momentum goes through the checkpoint (tests/optim/test_muon.py)
     Feature("Muon", 2, (), ("--training.optimizer", "muon"),
             tolerance=Tolerance(why="fp32 Muon: Newton-Schulz carries the reordered sums' "
-                                "rounding on unamplified (tests/test_muon_parallel.py)")),
+                                "rounding on unamplified (tests/optim/test_muon_parallel.py)")),
     # the PyTorch lane's training checkpoint: every save is Megatron-Core's torch_dist
     # (iter_*/ + tracker), and (c)/(d) resume from it (at dp 2 and in one process); its fp32
     # tensors are the trainer's own, so the resumed curve holds (a)'s tolerance
-    # (tests/test_torch_dist_resume.py: rtol 1e-6)
+    # (tests/checkpoint/test_torch_dist_resume.py: rtol 1e-6)
     Feature("lane resume", 2, (), ("--checkpoint.format", "torch_dist")),
 ]}
 

@@ -1,7 +1,7 @@
 """The pages of docs/reference/, each rendered from the code it documents (the run schema, the
 ``ms-llm`` argument parsers, the MindSpeed flag table, the environment tables), so a page
 cannot drift from what the code accepts. ``scripts/gen_reference.py`` writes them and
-``--check``s them; ``tests/test_reference_docs.py`` fails when one is stale.
+``--check``s them; ``tests/docs/test_reference_docs.py`` fails when one is stale.
 
 Only public names of ``ms_llm`` are used (the CLI is run in-process, ``--help`` captured), so
 the pages survive modules moving inside the package."""

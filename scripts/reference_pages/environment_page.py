@@ -2,7 +2,7 @@
 ``MS_LLM_*`` ones come from their one table in the package (``ms_llm.compat.environment``: the
 deprecated aliases of run-config keys, and the variables that stay variables); the variables
 other programs define (msrun, the system, the launch scripts) are listed below, and
-``tests/test_reference_docs.py`` checks that every one the sources read is."""
+``tests/docs/test_reference_docs.py`` checks that every one the sources read is."""
 from typing import Dict, Tuple
 
 from .config_page import sections, value_text

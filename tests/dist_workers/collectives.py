@@ -1,4 +1,4 @@
-"""Worker for tests/test_collectives.py, run under msrun with 2 or 3 processes.
+"""Worker for tests/parallel/test_collectives.py, run under msrun with 2 or 3 processes.
 
 Every rank builds every rank's inputs from a seed, so it can compute the expected result of each
 collective in NumPy (float64) on its own. Prints one "CHECK <name> OK" line per check; any

@@ -1,4 +1,5 @@
-"""Worker for tests/test_failure.py: rank 1 raises, SIGKILLs itself, or stalls while alive, while
+"""Worker for tests/launch/test_failure.py: rank 1 raises, SIGKILLs itself, or stalls while alive,
+while
 rank 0 waits in an all-reduce; the job must end non-zero within the time-outs instead of hanging.
 argv: MODE [STATUS_DIR] (the watchdog's rank-status folder)."""
 import os

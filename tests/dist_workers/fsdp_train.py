@@ -1,4 +1,4 @@
-"""Worker for tests/test_fsdp.py: a GPT with awkward sizes (vocab 257, hidden 96, ffn 200,
+"""Worker for tests/parallel/test_fsdp.py: a GPT with awkward sizes (vocab 257, hidden 96, ffn 200,
 3 layers) on synthetic tokens, trained with the given overrides; rank 0 writes losses and grad
 norms as JSON. argv: OUT_JSON RUN_SPEC [RUN_SPEC ...] (see train_parallel.py).
 
@@ -24,8 +24,9 @@ from ms_llm.parallel.runtime import init_distributed  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from msrun_util import parse_run_spec  # noqa: E402
-from parallel_common import AWKWARD, CONFIG, SyntheticLoader, small_data_overrides  # noqa: E402
+from helpers.msrun import parse_run_spec  # noqa: E402
+from helpers.parallel_common import (AWKWARD, CONFIG, SyntheticLoader,  # noqa: E402
+                                     small_data_overrides)
 
 
 def unit_inputs(rank: int):

@@ -1,4 +1,5 @@
-"""Worker for tests/test_inference_tp.py, run under msrun: ``generate`` on a model sharded by
+"""Worker for tests/inference/test_inference_tp.py, run under msrun: ``generate`` on a model sharded
+by
 tensor parallel over every process (argv: OUT_JSON HF_FOLDER PROMPTS_JSON).
 
 Every rank loads the full HF folder, ``apply_tensor_parallel`` keeps its shard (the attention

@@ -1,4 +1,4 @@
-"""Worker for tests/test_observability.py: several short trainings in one msrun job; rank 0
+"""Worker for tests/training/test_observability.py: several short trainings in one msrun job; rank 0
 writes each run's per-step loss, grad norm, step time and timers as JSON.
 
 argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], RUN_SPEC = "name:--key=value,--key=value" on top of
@@ -16,7 +16,7 @@ from ms_llm.training.callbacks import TrainerCallback  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from parallel_common import BASE, CONFIG  # noqa: E402
+from helpers.parallel_common import BASE, CONFIG  # noqa: E402
 
 info = init_distributed()
 

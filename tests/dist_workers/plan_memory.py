@@ -1,4 +1,4 @@
-"""Worker for tests/test_memory_plan.py: trains one layout for a few steps, then every rank
+"""Worker for tests/planning/test_memory_plan.py: trains one layout for a few steps, then every rank
 writes ``OUT_PREFIX.<rank>.json`` with its measured peak (RSS high-water mark minus the RSS
 before the model was built), its real per-rank parameter count, and what ``ms-llm plan``
 predicts for it (the plan is computed after training, so it cannot add to the peak).

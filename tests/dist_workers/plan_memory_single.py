@@ -1,4 +1,4 @@
-"""Worker for tests/test_memory_plan.py: measures the peak memory of several single-process
+"""Worker for tests/planning/test_memory_plan.py: measures the peak memory of several single-process
 trainings with one interpreter start, and writes what ``ms-llm plan`` predicts beside each.
 
 argv: OUT_JSON SPEC_JSON, where SPEC_JSON maps a name to ``[config, [--section.key, VALUE,

@@ -1,4 +1,5 @@
-"""Worker for tests/test_parallel_training.py: runs several short trainings in one msrun job
+"""Worker for tests/parallel/test_parallel_training.py: runs several short trainings in one msrun
+job
 (one job start costs ~15 s here) and has rank 0 write each run's losses and grad norms as JSON.
 
 argv: OUT_JSON RUN_SPEC [RUN_SPEC ...], where RUN_SPEC is "name:--key=value,--key=value"
@@ -22,10 +23,11 @@ from ms_llm.parallel.runtime import init_distributed  # noqa: E402
 from ms_llm.training.trainer import Trainer  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
-from deepseek_parallel_common import DS_BASE, DS_CONFIG  # noqa: E402
-from msrun_util import parse_run_spec  # noqa: E402
-from parallel_common import BASE, CONFIG, PackedLoader, kill_experts, run_record  # noqa: E402
-from qwen3_next_parallel_common import Q3N_BASE, Q3N_CONFIG  # noqa: E402
+from helpers.deepseek_parallel_common import DS_BASE, DS_CONFIG  # noqa: E402
+from helpers.msrun import parse_run_spec  # noqa: E402
+from helpers.parallel_common import (BASE, CONFIG, PackedLoader, kill_experts,  # noqa: E402
+                                     run_record)
+from helpers.qwen3_next_parallel_common import Q3N_BASE, Q3N_CONFIG  # noqa: E402
 
 info = init_distributed()
 ATTENTION_FORWARDS = [0]

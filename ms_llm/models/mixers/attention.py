@@ -7,7 +7,7 @@ from .registry import ActivationBytes, MixerKind, register_mixer
 FP32 = 4
 # Copies of each attention activation MindSpore 2.10's CPU PyNative executor keeps per
 # micro-batch and layer (fp32), in units of one tensor of that shape; fitted by
-# tests/test_memory_plan.py on measured peaks.
+# tests/planning/test_memory_plan.py on measured peaks.
 COPIES = {
     "qkv": 1.0,          # [T, (nh + 2 ng) d / tp]: q/k/v as split_heads makes them, q/k after
                          # RoPE (the fused QKV output is freed)

@@ -18,7 +18,7 @@ one fp32 tensor of that shape (``COPIES``):
   exist only in decoding, not here.
 
 The copy counts are the kernel's tensor counts, scaled by one factor (``FIT``) fitted on a
-measured tiny hybrid run (tests/test_qwen3_next_plan.py).
+measured tiny hybrid run (tests/planning/test_qwen3_next_plan.py).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ COPIES = {
     "state": 3.0,       # [T / C, hv, dk, dv]
 }
 FIT = 1.2               # one factor over the counts above: measured 0.566 GB vs 0.496 planned
-                        # at FIT 1 (tests/test_qwen3_next_plan.py, its first config)
+                        # at FIT 1 (tests/planning/test_qwen3_next_plan.py, its first config)
 
 
 def _validate(c) -> None:

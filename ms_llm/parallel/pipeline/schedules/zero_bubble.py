@@ -8,7 +8,7 @@ activations, here counted from F until W releases them): rank ``r`` runs ``pp - 
 forwards, then holds its first ``r`` weight gradients back, alternating B and F, then runs
 B, W, F until the forwards are done, then B, W and the held-back W's. At unit costs the last rank
 never idles after its first forward, and the bubble is ``(p - 1)(F + B - W)`` against 1F1B's
-``(p - 1)(F + B + W)``, a third of it (``tests/test_pipeline_schedules.py`` checks both).
+``(p - 1)(F + B + W)``, a third of it (``tests/parallel/test_pipeline_schedules.py`` checks both).
 """
 from __future__ import annotations
 
