@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from helpers import moe_reference
-from cli_util import run_ms_llm
+from helpers.cli import run_ms_llm
 from ms_llm.checkpoint.native import dcp
 from ms_llm.checkpoint.native.dcp import DCPError
 from ms_llm.checkpoint.native.export import hf_config_from_transformer_config

@@ -18,7 +18,7 @@ from mindspore import Tensor
 
 from helpers.finetune_fixtures import write_tokenizer
 from helpers.hf_fixtures import make_hf_checkpoint
-from cli_util import run_ms_llm
+from helpers.cli import run_ms_llm
 from ms_llm.checkpoint.hf.pretrained import pretrained_architecture
 from ms_llm.config.pretrained import DEFAULT_CONFIG
 from ms_llm.config import ConfigError, load_config
