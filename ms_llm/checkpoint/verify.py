@@ -6,20 +6,19 @@ every file it lists has its recorded size and crc32 (the crc is computed while t
 written, ``native.save._write_safetensors``, so verifying costs one sequential read). Discovery
 (``native.discovery``) uses this to fall back past broken checkpoints; ``guard_save_dir`` keeps a
 run from writing into a folder whose checkpoints it cannot vouch for; ``ms-llm checkpoint
-verify DIR`` (``main``) reports the verdict of every checkpoint in a folder.
+verify DIR`` (``ms_llm.cli.checkpoint``) reports the verdict of every checkpoint in a folder
+(``checkpoints_in``, ``verify_any``).
 """
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .native.format import FORMAT, METADATA, TRACKER, DCPError, file_crc32, list_iters, read_json
 
 __all__ = ["metadata_problem", "verify_checkpoint", "verify_file", "guard_save_dir",
-           "SHAPE_KEYS", "main"]
+           "SHAPE_KEYS", "checkpoints_in", "verify_any"]
 
 # TransformerConfig fields that fix a tensor's shape: a checkpoint recording other values
 # belongs to another model (the state's ``model_config``).
@@ -172,37 +171,13 @@ def guard_save_dir(save_dir: Optional[str], resume_path: Optional[str],
         f"{', '.join(moved)} (never loaded); the run continues from step {resume_step}")
 
 
-# ----------------------------------------------------------------------------- CLI
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``ms-llm checkpoint verify DIR``: one line per checkpoint (``ok`` or why not); exit 0
-    when every checkpoint verifies, 1 when one does not, 2 when DIR holds none."""
-    p = argparse.ArgumentParser(prog="ms-llm checkpoint",
-                                description="inspect training checkpoints")
-    sub = p.add_subparsers(dest="action", required=True)
-    v = sub.add_parser("verify", help="check every file's size and crc32 against the metadata",
-                       description="DIR: an iter_* checkpoint or a checkpoint.save_dir")
-    v.add_argument("dir")
-    v.add_argument("--size-only", action="store_true",
-                   help="check sizes and structure only (no crc32 read)")
-    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    path = a.dir
-    if not os.path.isdir(path):
-        print(f"ms-llm checkpoint verify: {path}: no such directory", file=sys.stderr)
-        return 2
+def checkpoints_in(path: str) -> List[str]:
+    """The checkpoint folders ``path`` names: itself when it is one (an ``iter_*`` folder, ms-llm's
+    or Megatron's ``torch_dist``), else every ``iter_*`` folder of a save_dir."""
     if os.path.isfile(os.path.join(path, METADATA)) or _is_torch_dist(path) or \
             os.path.basename(os.path.normpath(path)).startswith("iter_"):
-        found = [path]
-    else:   # a save_dir: every iter_* folder, ms-llm's or Megatron's torch_dist alike
-        found = [cp for _, cp in list_iters(path)]
-    if not found:
-        print(f"ms-llm checkpoint verify: {path}: no iter_* checkpoint here", file=sys.stderr)
-        return 2
-    bad = 0
-    for cp in found:
-        why, ok = _verify_any(cp, not a.size_only)
-        bad += why is not None
-        print(f"{cp}: {ok if why is None else 'FAILED: ' + why}")
-    return 1 if bad else 0
+        return [path]
+    return [cp for _, cp in list_iters(path)]
 
 
 def _is_torch_dist(path: str) -> bool:
@@ -213,7 +188,7 @@ def _is_torch_dist(path: str) -> bool:
         return False
 
 
-def _verify_any(path: str, crc: bool) -> Tuple[Optional[str], str]:
+def verify_any(path: str, crc: bool) -> Tuple[Optional[str], str]:
     """(reason or None, the ok line) for one checkpoint folder of either format."""
     if not _is_torch_dist(path):
         return verify_checkpoint(path, crc), "ok"

@@ -40,8 +40,7 @@ def _top_parser() -> argparse.ArgumentParser:
 
 # The commands whose command line lives with its library (``qualify`` runs them in-process, and
 # it sits below ``cli``); every other command is the module ``ms_llm.cli.<command>``.
-_ELSEWHERE = {"convert": "ms_llm.checkpoint.convert", "preprocess": "ms_llm.data.preprocess",
-              "checkpoint": "ms_llm.checkpoint.verify"}
+_ELSEWHERE = {"convert": "ms_llm.checkpoint.convert", "preprocess": "ms_llm.data.preprocess"}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -46,7 +46,7 @@ def resume_source(cfg) -> Optional[str]:
         raise ConfigError(f"checkpoint.format {ck.format} / checkpoint.resume_from: Megatron "
                           f"training checkpoints of LoRA or MoE runs are not built (dense "
                           f"full-parameter training only)")
-    unbuilt = [k.name for k in mixers_used(cfg.model) if not k.megatron_training_checkpoints]
+    unbuilt = [k.title for k in mixers_used(cfg.model) if not k.megatron_training_checkpoints]
     if (is_torch_dist(cfg) or ck.resume_from) and unbuilt:
         raise ConfigError(f"checkpoint.format {ck.format} / checkpoint.resume_from: Megatron "
                           f"training checkpoints of {', '.join(unbuilt)} layers "

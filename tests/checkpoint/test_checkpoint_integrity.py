@@ -12,7 +12,8 @@ from helpers.parallel_common import TINY_MODEL
 
 from ms_llm.checkpoint.native import dcp
 from ms_llm.checkpoint.native.dcp import DCPError, LocalChunk, WantedChunk
-from ms_llm.checkpoint.verify import guard_save_dir, main as verify_main, metadata_problem
+from ms_llm.checkpoint.verify import guard_save_dir, metadata_problem
+from ms_llm.cli.checkpoint import main as verify_main
 from ms_llm.config import load_config
 from helpers.paths import ROOT
 

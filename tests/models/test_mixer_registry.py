@@ -65,7 +65,7 @@ def doubled_attention():
     twice in the FLOP count (so a test can see the kind's own terms are used)."""
     base = get_mixer("attention")
     kind = register_mixer(MixerKind(
-        name="test_mixer", build=base.build,
+        name="test_mixer", title="doubled attention", build=base.build,
         activation_bytes=lambda c, b, s, tp: ActivationBytes(0, 123, 0, 0),
         weights_per_token=lambda c: 2 * base.weights_per_token(c),
         mixing_flops_per_token=base.mixing_flops_per_token,
@@ -108,7 +108,7 @@ def test_memory_plan_adds_the_kinds_own_term(doubled_attention):
     t = SimpleNamespace(recompute_norm=False, recompute_granularity=None)
     args = (c, 2, 16, 1, False, t, False)
     kept_test, _ = _layer_activation_bytes(*args, get_mixer("test_mixer"))
-    zero = MixerKind(name="zero", build=None, weights_per_token=None,
+    zero = MixerKind(name="zero", title="zero", build=None, weights_per_token=None,
                      mixing_flops_per_token=None,
                      activation_bytes=lambda c, b, s, tp: ActivationBytes(0, 0, 0, 0))
     kept_zero, _ = _layer_activation_bytes(*args, zero)

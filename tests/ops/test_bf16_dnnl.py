@@ -1,4 +1,4 @@
-"""oneDNN's bf16 matmul primitive (``runtime.bf16_gemm: dnnl``, ms_llm/ops/cpu_kernels/dnnl_gemm.*)
+"""oneDNN's bf16 matmul primitive (``runtime.bf16_gemm: dnnl``, ms_llm/ops/cpu_kernels/gemm/dnnl*)
 against NumPy (float64 product of the same bf16 inputs) and torch's bf16 matmul, and the choice
 ``auto`` / ``dnnl`` makes. The kernels' linear / bmm through it are covered by test_bf16.py's
 ``gemm_path`` fixture (param "dnnl")."""

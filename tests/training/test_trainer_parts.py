@@ -114,8 +114,8 @@ def test_loaded_config_is_frozen_and_derived_copies_are_new():
     (["--parallel.pipeline_model_parallel_size", "2", "--model.num_layers", "4",
       "--parallel.virtual_pipeline_model_parallel_size", "2", "--training.micro_batch_size", "1",
       "--training.global_batch_size", "1"], 2,
-     "interleaved pipeline schedule needs at least parallel.pipeline_model_parallel_size (2) "
-     "microbatches, got 1"),
+     "the interleaved 1F1B schedule needs at least parallel.pipeline_model_parallel_size (2) "
+     "micro-batches, got 1"),
 ])
 def test_launch_rules_run_before_any_worker(extra, world, needle):
     """The rules that need the worker count run in load_config (scripts/pretrain.sh passes it)

@@ -55,7 +55,7 @@ def _build(config):
 
 
 ATTENTION = register_mixer(MixerKind(
-    name="attention", build=_build, activation_bytes=softmax_attention_bytes,
-    weights_per_token=_weights,
+    name="attention", title="softmax attention", build=_build,
+    activation_bytes=softmax_attention_bytes, weights_per_token=_weights,
     mixing_flops_per_token=lambda c, s: softmax_attention_flops(c, s, c.kv_channels,
                                                                 c.kv_channels)))

@@ -34,7 +34,7 @@ def _build(config):
 
 
 MLA = register_mixer(MixerKind(
-    name="mla", build=_build, validate=_validate,
+    name="mla", title="multi-head latent attention", build=_build, validate=_validate,
     selected_by=lambda c: c.multi_latent_attention,
     # the activation copies were measured on fused-QKV attention; MLA's q/k/v per head have
     # the same widths (kv_channels = qk + rope)

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MixerKind", "ActivationBytes", "FULL_ATTENTION", "register_mixer",
            "unregister_mixer", "get_mixer",
-           "mixer_names", "mixer_of", "layer_mixer", "full_attention", "mixers_used", "validate_mixers"]
+           "mixer_names", "mixer_of", "layer_mixer", "full_attention", "mixers_used",
+           "validate_mixers"]
 
 # The ``model.layer_types`` word for "this model's full attention" (see the module docstring).
 FULL_ATTENTION = "attention"
@@ -54,6 +55,7 @@ def _accepts(config: "TransformerConfig") -> None:
 class MixerKind:
     """One token mixer.
 
+    * ``title``: its name in messages;
     * ``build(config)``: the module (parallelism-free, Megatron-Core's names);
     * ``validate(config)``: one-line ``ValueError`` (naming the ``model.*`` key) for a config
       this kind cannot run; called for every kind the config uses;
@@ -71,6 +73,7 @@ class MixerKind:
       MFU count, ``ms_llm.planning.flops``)."""
 
     name: str
+    title: str          # what messages call it ("Gated DeltaNet")
     build: Callable[["TransformerConfig"], Any]
     activation_bytes: Callable[["TransformerConfig", int, int, int], ActivationBytes]
     weights_per_token: Callable[["TransformerConfig"], int]
