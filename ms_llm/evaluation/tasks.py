@@ -13,6 +13,7 @@ returns one record per sample; ``ms_llm.cli.evaluate`` gathers and tabulates the
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -145,6 +146,9 @@ def _generated(task, samples, scorer, opts, execute) -> List[dict]:
                 out.append(_record(s, None, completion))
                 continue
             result = run_program(human_eval_program(s.fields, completion), opts.exec_timeout)
+            if not any("status" in r for r in out):     # once per task: what was enforced
+                print(f"ms-llm evaluate: human_eval sandbox: {result.boundary}",
+                      file=sys.stderr, flush=True)
             rec = _record(s, result.passed, completion)
             rec["status"], rec["detail"] = result.status, result.detail
             out.append(rec)
