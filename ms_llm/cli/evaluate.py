@@ -62,9 +62,10 @@ def main(argv: Optional[List[str]] = None, out=None) -> int:
         print(f"ms-llm evaluate: ignoring {' '.join(flags)} (the model's shape and parallel "
               f"settings other than --tensor-model-parallel-size come from --load)",
               file=sys.stderr)
+    from ms_llm.evaluation.sandbox import SandboxError
     try:
         evaluate(args, out)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, SandboxError) as e:
         print(f"ms-llm evaluate: {e}", file=sys.stderr)
         return 2
     return 0

@@ -18,6 +18,7 @@ Landlock, reads of the parent's ``/proc`` and writes to the user's files are pos
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -32,7 +33,7 @@ from typing import Iterator, Optional, Sequence
 
 DEFAULT_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
-# unused ids are picked here (far above any distribution's users, below 2**31)
+# sandbox ids are picked here (far above any distribution's users, below 2**31)
 _UID_RANGE = (1_900_000_000, 2_000_000_000)
 _SIGNALS = {signal.SIGXCPU: "CPU time limit", signal.SIGXFSZ: "file size limit",
             signal.SIGKILL: "killed"}
@@ -62,23 +63,25 @@ def human_eval_program(problem: dict, completion: str) -> str:
             + f"check({problem['entry_point']})\n")
 
 
-def _processes() -> Iterator[tuple]:
-    """(pid, real/effective/saved uids, session id) of every live process in /proc."""
+def _processes(with_session: bool) -> Iterator[tuple]:
+    """(pid, real/effective/saved uids, session id or None) of every live process in /proc."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/status") as f:
                 status = f.read()
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read().rsplit(")", 1)[1].split()
-        except OSError:                       # gone meanwhile
+            sid = None
+            if with_session:
+                with open(f"/proc/{name}/stat") as f:
+                    sid = int(f.read().rsplit(")", 1)[1].split()[3])
+        except (OSError, IndexError, ValueError):       # gone meanwhile
             continue
-        if stat[0] in "ZX":                   # dead, only waiting to be reaped
+        state = status[status.find("\nState:") + 8:].lstrip()[:1]
+        if state in ("Z", "X", ""):           # dead, only waiting to be reaped
             continue
-        uids = next(line.split()[1:4] for line in status.splitlines()
-                    if line.startswith("Uid:"))
-        yield int(name), {int(u) for u in uids}, int(stat[3])
+        uids = status[status.find("\nUid:") + 5:].split(None, 3)[:3]
+        yield int(name), {int(u) for u in uids}, sid
 
 
 def _kill_leftovers(pgid: int, uid: Optional[int]) -> None:
@@ -92,7 +95,7 @@ def _kill_leftovers(pgid: int, uid: Optional[int]) -> None:
     me = os.getpid()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        left = [pid for pid, uids, sid in _processes() if pid != me and (
+        left = [pid for pid, uids, sid in _processes(uid is None) if pid != me and (
             uid in uids if uid is not None else sid == pgid)]
         if not left:
             return
@@ -106,18 +109,16 @@ def _kill_leftovers(pgid: int, uid: Optional[int]) -> None:
 
 
 def _unused_uid() -> int:
-    in_use = set().union(*(uids for _, uids, _ in _processes()))
-    while True:
-        uid = _UID_RANGE[0] + secrets.randbelow(_UID_RANGE[1] - _UID_RANGE[0])
-        if uid not in in_use:
-            return uid
+    """A random id of the range: two sandboxes alive at once share one with odds of 1 in 10^8
+    (a scan of /proc for a free one would cost more than the candidate's own run)."""
+    return _UID_RANGE[0] + secrets.randbelow(_UID_RANGE[1] - _UID_RANGE[0])
 
 
 def _user_threads(uid: int) -> int:
     """Threads of ``uid`` now: RLIMIT_NPROC counts them all, so a non-root sandbox's limit is
     set this many above them."""
     count = 0
-    for pid, uids, _ in _processes():
+    for pid, uids, _ in _processes(False):
         if uid in uids:
             try:
                 with open(f"/proc/{pid}/status") as f:
@@ -128,6 +129,7 @@ def _user_threads(uid: int) -> int:
     return count
 
 
+@functools.lru_cache(maxsize=None)
 def _python_readable_by_others() -> bool:
     """Whether a process of another uid can import the standard library and the packages of
     this interpreter (every folder on the way searchable, the folders themselves readable)."""
@@ -148,17 +150,58 @@ def _python_readable_by_others() -> bool:
 
 
 def _describe(report: dict, root: bool) -> str:
+    """One line: what the runner reported it enforced, then what is not enforced here."""
+    landlock = str(report.get("landlock", "not reached"))
+    abi = int(landlock[4:]) if landlock.startswith("abi ") else 0
+    netns = report.get("netns", "not tried (not root)")
     parts = [(f"own uid {report['uid']}" + (" (reads every file: Python is installed where "
                                               "others cannot read)" if report["read_all"] else ""))
              if "uid" in report else "same uid as ms-llm",
              "limits " + ", ".join(report.get("limits", [])),
-             "network namespace" + ("" if report.get("netns") is True else
-                                    f": {report.get('netns', 'not tried (not root)')}"),
-             "landlock " + str(report.get("landlock", "?"))]
-    if not root and not str(report.get("landlock", "")).startswith("abi"):
-        parts.append("NOT enforced: writes outside the folder, reading the parent's /proc, "
-                     "network, processes that leave the session")
+             "network namespace" + ("" if netns is True else f": {netns}"),
+             "landlock " + landlock]
+    missing = []
+    if not abi:
+        missing.append("writes to " + ("world-writable folders (/tmp ...)" if root
+                                       else "your files") + " outside the private folder")
+        if not root:
+            missing.append("reading the parent's /proc/<pid>/environ")
+    if netns is not True and abi < 4:
+        missing.append("network")
+    elif netns is not True:
+        missing.append("UDP network")
+    if not root:
+        missing.append("processes that call setsid survive")
+    if missing:
+        parts.append("NOT enforced: " + ", ".join(missing))
     return "; ".join(parts)
+
+
+class SandboxError(RuntimeError):
+    """The runner could not confine itself (the program did not run)."""
+
+
+def _private_folder(tmp: str, program: str, uid: Optional[int]) -> str:
+    """Write the program into ``tmp``; as root both belong to the sandbox ``uid``."""
+    path = os.path.join(tmp, "program.py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(program)
+    if uid is not None:
+        for p in (tmp, path):
+            os.chown(p, uid, uid)
+    os.chmod(tmp, 0o700)
+    return path
+
+
+def _failure_detail(err, returncode: int) -> str:
+    """The last line the program wrote to stderr, or the signal / exit status."""
+    err.seek(max(0, os.fstat(err.fileno()).st_size - 65536))
+    tail = err.read().decode("utf-8", "replace").strip().splitlines()
+    if tail:
+        return tail[-1]
+    if -returncode in _SIGNALS:
+        return f"{_SIGNALS[-returncode]} ({signal.Signals(-returncode).name})"
+    return f"exit {returncode}"
 
 
 def run_program(program: str, timeout: float = 10.0,
@@ -169,20 +212,13 @@ def run_program(program: str, timeout: float = 10.0,
     uid = _unused_uid() if root else None
     with tempfile.TemporaryDirectory(prefix="ms_llm_humaneval_") as tmp, \
             tempfile.TemporaryFile() as err:
-        path = os.path.join(tmp, "program.py")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(program)
-        if root:                                  # the folder and program belong to the sandbox
-            for p in (tmp, path):
-                os.chown(p, uid, uid)
-        os.chmod(tmp, 0o700)
-        processes = limits.processes + (0 if root else _user_threads(os.getuid()))
+        path = _private_folder(tmp, program, uid)
         read_fd, write_fd = os.pipe()
         cfg = {"uid": uid, "gid": uid, "read_all": root and not _python_readable_by_others(),
                "folder": tmp, "program": path, "report_fd": write_fd,
                "cpu_seconds": limits.cpu_seconds or int(timeout) + 1,
                "memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
-               "processes": processes}
+               "processes": limits.processes + (0 if root else _user_threads(os.getuid()))}
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8",
                "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
         try:
@@ -193,6 +229,9 @@ def run_program(program: str, timeout: float = 10.0,
                                     cwd=tmp, env=env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=err,
                                     start_new_session=True, pass_fds=(write_fd,))
+        except BaseException:
+            os.close(read_fd)
+            raise
         finally:
             os.close(write_fd)
         try:
@@ -205,20 +244,15 @@ def run_program(program: str, timeout: float = 10.0,
             proc.wait()
         with os.fdopen(read_fd, "rb") as f:
             report = json.loads(f.read() or b"{}")
+        if not report and not timed_out:
+            raise SandboxError("human_eval sandbox: the runner stopped before the program ran: "
+                               + _failure_detail(err, proc.returncode))
         boundary = _describe(report, root)
         if timed_out:
             return ExecResult(False, "timeout", f"no exit within {timeout:g} s", boundary)
         if proc.returncode == 0:
             return ExecResult(True, "passed", "", boundary)
-        err.seek(max(0, os.fstat(err.fileno()).st_size - 65536))
-        tail = err.read().decode("utf-8", "replace").strip().splitlines()
-        if tail:
-            detail = tail[-1]
-        elif -proc.returncode in _SIGNALS:
-            detail = f"{_SIGNALS[-proc.returncode]} ({signal.Signals(-proc.returncode).name})"
-        else:
-            detail = f"exit {proc.returncode}"
-        return ExecResult(False, "failed", detail, boundary)
+        return ExecResult(False, "failed", _failure_detail(err, proc.returncode), boundary)
 
 
 def truncate_completion(text: str, stop: Sequence[str] = DEFAULT_STOP) -> str:

@@ -126,6 +126,41 @@ def test_parent_environment_is_not_visible(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "passed", (out.stdout, out.stderr)
 
 
+def test_sandbox_limits():
+    assert run_program("print('ok')").status == "passed"
+    r = run_program("raise SystemExit(3)")
+    assert r.status == "failed"
+    r = run_program("import time\nwhile True: time.sleep(0.1)", timeout=1)
+    assert r.status == "timeout"
+    r = run_program("import os\nassert os.getcwd().startswith(os.environ['TMPDIR'])")
+    assert r.passed
+    r = run_program("x = bytearray(3 << 30)")       # over the 2 GiB address-space limit
+    assert r.status == "failed" and "MemoryError" in r.detail, r
+    r = run_program("open('big', 'wb').write(bytes(2 << 20))")   # over the 1 MiB file limit
+    assert r.status == "failed", r
+    # a child it forked dies with it on timeout (its own session)
+    r = run_program("import os, time\nif os.fork() == 0: time.sleep(60)\ntime.sleep(60)",
+                    timeout=1)
+    assert r.status == "timeout"
+
+
+def test_sandbox_starts_without_forking_the_parent(monkeypatch):
+    """No ``preexec_fn`` (nor ``user`` / ``group``): with one, Python fork()s the (possibly many-GB) parent, which failed in
+    CI with 'Cannot allocate memory'; without one it uses vfork / posix_spawn."""
+    import subprocess
+    from ms_llm.evaluation import sandbox
+    seen = []
+    real = subprocess.Popen
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sandbox.subprocess, "Popen", recording)
+    assert sandbox.run_program("print('ok')").passed
+    assert seen and seen[0].get("preexec_fn") is None and seen[0].get("start_new_session")
+    assert not any(seen[0].get(k) is not None for k in ("user", "group", "extra_groups"))
+
+
 def test_cpu_and_memory_limits_trip():
     r = run_program("while True: pass", timeout=8, limits=Limits(cpu_seconds=1))
     assert r.status == "failed" and "CPU time limit" in r.detail, r
@@ -145,3 +180,14 @@ def test_network_is_unreachable():
         r = run_program(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 2)")
     assert r.status == "failed" and ("Permission" in r.detail or "refused" in r.detail
                                      or "unreachable" in r.detail), r
+
+
+def test_a_runner_that_cannot_confine_itself_is_an_error(tmp_path, monkeypatch):
+    """Not a failed candidate: every HumanEval problem would silently score 0."""
+    from ms_llm.evaluation import sandbox
+    bad = tmp_path / "runner.py"
+    bad.write_text("raise SystemExit('sandbox: landlock_restrict_self: Invalid argument')\n")
+    monkeypatch.setattr(sandbox, "RUNNER", str(bad))
+    with pytest.raises(sandbox.SandboxError, match="stopped before the program ran: sandbox: "
+                                                   "landlock_restrict_self"):
+        run_program("pass")
