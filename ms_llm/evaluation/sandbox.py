@@ -53,7 +53,8 @@ class ExecResult:
     passed: bool
     status: str            # "passed", "failed", "timeout"
     detail: str = ""
-    boundary: str = field(default="", compare=False)   # what the sandbox enforced
+    boundary: str = field(default="", compare=False)   # what the sandbox enforced, one line
+    report: dict = field(default_factory=dict, compare=False)   # the runner's own record of it
 
 
 def human_eval_program(problem: dict, completion: str) -> str:
@@ -249,10 +250,11 @@ def run_program(program: str, timeout: float = 10.0,
                                + _failure_detail(err, proc.returncode))
         boundary = _describe(report, root)
         if timed_out:
-            return ExecResult(False, "timeout", f"no exit within {timeout:g} s", boundary)
+            return ExecResult(False, "timeout", f"no exit within {timeout:g} s", boundary, report)
         if proc.returncode == 0:
-            return ExecResult(True, "passed", "", boundary)
-        return ExecResult(False, "failed", _failure_detail(err, proc.returncode), boundary)
+            return ExecResult(True, "passed", "", boundary, report)
+        return ExecResult(False, "failed", _failure_detail(err, proc.returncode), boundary,
+                          report)
 
 
 def truncate_completion(text: str, stop: Sequence[str] = DEFAULT_STOP) -> str:
