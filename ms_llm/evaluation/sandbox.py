@@ -33,7 +33,7 @@ from typing import Iterator, Optional, Sequence
 
 DEFAULT_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runner.py")
-# sandbox ids are picked here (far above any distribution's users, below 2**31)
+# sandbox ids are drawn here when mapped (far above any distribution's users, < 2**31)
 _UID_RANGE = (1_900_000_000, 2_000_000_000)
 _SIGNALS = {signal.SIGXCPU: "CPU time limit", signal.SIGXFSZ: "file size limit",
             signal.SIGKILL: "killed"}
@@ -109,10 +109,37 @@ def _kill_leftovers(pgid: int, uid: Optional[int]) -> None:
     raise RuntimeError(f"sandbox: processes of uid {uid} / session {pgid} survive SIGKILL")
 
 
-def _unused_uid() -> int:
-    """A random id of the range: two sandboxes alive at once share one with odds of 1 in 10^8
-    (a scan of /proc for a free one would cost more than the candidate's own run)."""
-    return _UID_RANGE[0] + secrets.randbelow(_UID_RANGE[1] - _UID_RANGE[0])
+def _mapped(kind: str) -> list:
+    """(first, end) id ranges this process's user namespace maps (``uid_map`` / ``gid_map``)."""
+    try:
+        with open(f"/proc/self/{kind}_map") as f:
+            rows = [[int(v) for v in line.split()] for line in f if line.strip()]
+    except (OSError, ValueError):
+        return [(0, 1 << 32)]
+    return [(first, first + count) for first, _, count in rows]
+
+
+def _sandbox_range() -> Optional[tuple]:
+    """Where the sandbox's id is drawn: ``_UID_RANGE`` when mapped (any ordinary host), else
+    the upper half of the widest range both maps share above 1000 (a rootless container maps
+    only e.g. 0-65535), nobody's 65534-65535 left out; None when there is none."""
+    spans = [(max(u0, g0), min(u1, g1)) for u0, u1 in _mapped("uid") for g0, g1 in _mapped("gid")]
+    if any(lo <= _UID_RANGE[0] and _UID_RANGE[1] <= hi for lo, hi in spans):
+        return _UID_RANGE
+    spans = [(max(lo, 1000), min(hi, 65534) if hi <= 65536 else hi) for lo, hi in spans]
+    spans = [(lo, hi) for lo, hi in spans if hi - lo >= 256]
+    if not spans:
+        return None
+    lo, hi = max(spans, key=lambda s: s[1] - s[0])
+    return ((lo + hi) // 2, hi)
+
+
+def _unused_uid() -> Optional[int]:
+    """A random id of the sandbox range: two sandboxes alive at once share one with odds of 1
+    in 10^8 on an ordinary host (a scan of /proc for a free one would cost more than the
+    candidate's own run); None when this (root) process can switch to no other id."""
+    span = _sandbox_range()
+    return None if span is None else span[0] + secrets.randbelow(span[1] - span[0])
 
 
 def _user_threads(uid: int) -> int:
@@ -161,18 +188,21 @@ def _describe(report: dict, root: bool) -> str:
              "limits " + ", ".join(report.get("limits", [])),
              "network namespace" + ("" if netns is True else f": {netns}"),
              "landlock " + landlock]
+    own = "uid" in report
     missing = []
     if not abi:
-        missing.append("writes to " + ("world-writable folders (/tmp ...)" if root
-                                       else "your files") + " outside the private folder")
-        if not root:
+        missing.append("writes to " + ("world-writable folders (/tmp ...)" if own else
+                                       "every file ms-llm may write") + " outside the folder")
+        if not own:
             missing.append("reading the parent's /proc/<pid>/environ")
     if netns is not True and abi < 4:
         missing.append("network")
     elif netns is not True:
         missing.append("UDP network")
-    if not root:
+    if not own:
         missing.append("processes that call setsid survive")
+    if root and not own:
+        missing.append("the process limit (runs as root: no other id is mapped)")
     if missing:
         parts.append("NOT enforced: " + ", ".join(missing))
     return "; ".join(parts)
@@ -215,11 +245,11 @@ def run_program(program: str, timeout: float = 10.0,
             tempfile.TemporaryFile() as err:
         path = _private_folder(tmp, program, uid)
         read_fd, write_fd = os.pipe()
-        cfg = {"uid": uid, "gid": uid, "read_all": root and not _python_readable_by_others(),
+        cfg = {"uid": uid, "gid": uid, "read_all": uid is not None and not _python_readable_by_others(),
                "folder": tmp, "program": path, "report_fd": write_fd,
                "cpu_seconds": limits.cpu_seconds or int(timeout) + 1,
                "memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
-               "processes": limits.processes + (0 if root else _user_threads(os.getuid()))}
+               "processes": limits.processes + (0 if uid is not None else _user_threads(os.getuid()))}
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8",
                "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
         try:

@@ -103,8 +103,9 @@ def landlock(folder: str) -> str:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     report = {"limits": set_limits(cfg)}
-    if cfg["uid"] is not None:
+    if os.geteuid() == 0:
         report["netns"] = (libc.unshare(CLONE_NEWNET) == 0) or f"unavailable ({_errno_text()})"
+    if cfg["uid"] is not None:
         drop_to(cfg["uid"], cfg["gid"], cfg["read_all"])
         report["uid"] = cfg["uid"]
         report["read_all"] = cfg["read_all"]

@@ -14,17 +14,18 @@ import pytest
 
 from ms_llm.evaluation.sandbox import Limits, run_program
 
-ROOT = os.geteuid() == 0
 if sys.platform != "linux":
     pytest.skip("the sandbox's boundary is built from Linux features", allow_module_level=True)
 REPORT = run_program("pass").report      # what the runner could enforce on this machine
 LANDLOCK_ABI = int(REPORT["landlock"][4:]) if REPORT["landlock"].startswith("abi ") else 0
 LANDLOCK = LANDLOCK_ABI > 0
-needs_root = pytest.mark.skipif(not ROOT, reason="not root: no uid of its own for the sandbox "
-                                "(RLIMIT_NPROC counts all the user's processes; a process that "
-                                "calls setsid leaves the session the cleanup covers)")
-needs_root_or_landlock = pytest.mark.skipif(
-    not (ROOT or LANDLOCK), reason="neither root (own uid) nor Landlock: not enforced")
+OWN_UID = "uid" in REPORT
+needs_own_uid = pytest.mark.skipif(not OWN_UID, reason="no uid of its own for the sandbox (not "
+                                   "root, or no other id mapped): RLIMIT_NPROC counts all the "
+                                   "user's processes; a process that calls setsid leaves the "
+                                   "session the cleanup covers")
+needs_own_uid_or_landlock = pytest.mark.skipif(
+    not (OWN_UID or LANDLOCK), reason="neither an own uid (root) nor Landlock: not enforced")
 
 
 def _marked(marker: str) -> list:
@@ -47,7 +48,7 @@ def _sleep_argv(marker: str) -> str:
     return f"['sleep', '3600.{marker}']"
 
 
-@needs_root
+@needs_own_uid
 def test_fork_bomb_hits_the_process_limit_and_nothing_is_left():
     marker = str(secrets.randbelow(10**9))
     program = f"""
@@ -69,7 +70,7 @@ assert 0 < n < 16, n
     assert _marked(marker) == []
 
 
-@needs_root
+@needs_own_uid
 def test_daemonized_process_is_gone_when_the_program_returns():
     marker = str(secrets.randbelow(10**9))
     program = f"""
@@ -95,7 +96,7 @@ assert b'{marker}' in open(f'/proc/{{pid}}/cmdline', 'rb').read()
     assert _marked(marker) == []
 
 
-@needs_root_or_landlock
+@needs_own_uid_or_landlock
 def test_writes_outside_the_private_folder_fail(tmp_path):
     targets = [str(tmp_path / "outside")]
     if LANDLOCK:                 # world-writable folders: only Landlock stops those
@@ -108,7 +109,7 @@ def test_writes_outside_the_private_folder_fail(tmp_path):
                        "import tempfile\ntempfile.TemporaryFile().write(b'x')").passed
 
 
-@needs_root_or_landlock
+@needs_own_uid_or_landlock
 def test_parent_environment_is_not_visible(tmp_path):
     """The secret is in the parent's environment from its start, so /proc/<ppid>/environ
     would show it (a variable set later with putenv would not be there)."""
@@ -191,3 +192,15 @@ def test_a_runner_that_cannot_confine_itself_is_an_error(tmp_path, monkeypatch):
     with pytest.raises(sandbox.SandboxError, match="stopped before the program ran: sandbox: "
                                                    "landlock_restrict_self"):
         run_program("pass")
+
+
+@pytest.mark.parametrize("mapped, expected", [
+    ([(0, 1 << 32)], (1_900_000_000, 2_000_000_000)),      # an ordinary host
+    ([(0, 65536)], (33267, 65534)),                         # a rootless container
+    ([(0, 1)], None),                                       # only root mapped
+])
+def test_the_sandbox_id_is_drawn_from_mapped_ids(monkeypatch, mapped, expected):
+    """Root inside a user namespace cannot switch to an unmapped id (EINVAL)."""
+    from ms_llm.evaluation import sandbox
+    monkeypatch.setattr(sandbox, "_mapped", lambda kind: mapped)
+    assert sandbox._sandbox_range() == expected
