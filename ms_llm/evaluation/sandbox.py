@@ -2,10 +2,11 @@
 
 The candidate runs in a fresh interpreter in isolated mode (``-I``: no user site, no
 ``PYTHONPATH``, no current directory on the path), in its own session, in a private temporary
-folder (its cwd, ``HOME`` and ``TMPDIR``), with an explicit four-variable environment (nothing of
-the parent's) and no stdin. ``sandbox_runner.py`` confines it before its first line runs:
+folder (its cwd, ``HOME`` and ``TMPDIR``), with an explicit environment (``PATH``, ``LANG``,
+``HOME``, ``TMPDIR``, ``PYTHONHASHSEED``, ``OMP_NUM_THREADS``; nothing of the parent's) and no
+stdin. ``sandbox_runner.py`` confines it before its first line runs:
 resource limits (CPU seconds, address space, file size, process count, no core files); as root,
-an own network namespace and an unused uid / gid of its own (so file permissions stop writes
+an own network namespace and a uid / gid of its own (so file permissions stop writes
 outside the folder and reads of other processes' ``/proc/<pid>/environ``, and the process-count
 limit counts the sandbox alone); and, where the kernel has Landlock, writes only beneath the
 folder, no TCP, no signals or ``/proc`` access to processes outside. When the candidate returns
@@ -37,6 +38,10 @@ RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_runne
 _UID_RANGE = (1_900_000_000, 2_000_000_000)
 _SIGNALS = {signal.SIGXCPU: "CPU time limit", signal.SIGXFSZ: "file size limit",
             signal.SIGKILL: "killed"}
+
+
+class SandboxError(RuntimeError):
+    """The runner could not confine itself (the program did not run)."""
 
 
 @dataclass
@@ -106,7 +111,8 @@ def _kill_leftovers(pgid: int, uid: Optional[int]) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
         time.sleep(0.002)
-    raise RuntimeError(f"sandbox: processes of uid {uid} / session {pgid} survive SIGKILL")
+    raise SandboxError(f"human_eval sandbox: processes of uid {uid} / session {pgid} survive "
+                       f"SIGKILL for 10 s")
 
 
 def _mapped(kind: str) -> list:
@@ -206,10 +212,6 @@ def _describe(report: dict, root: bool) -> str:
     if missing:
         parts.append("NOT enforced: " + ", ".join(missing))
     return "; ".join(parts)
-
-
-class SandboxError(RuntimeError):
-    """The runner could not confine itself (the program did not run)."""
 
 
 def _private_folder(tmp: str, program: str, uid: Optional[int]) -> str:
