@@ -247,11 +247,12 @@ def run_program(program: str, timeout: float = 10.0,
             tempfile.TemporaryFile() as err:
         path = _private_folder(tmp, program, uid)
         read_fd, write_fd = os.pipe()
-        cfg = {"uid": uid, "gid": uid, "read_all": uid is not None and not _python_readable_by_others(),
+        own = uid is not None
+        cfg = {"uid": uid, "gid": uid, "read_all": own and not _python_readable_by_others(),
                "folder": tmp, "program": path, "report_fd": write_fd,
                "cpu_seconds": limits.cpu_seconds or int(timeout) + 1,
                "memory_bytes": limits.memory_bytes, "file_bytes": limits.file_bytes,
-               "processes": limits.processes + (0 if uid is not None else _user_threads(os.getuid()))}
+               "processes": limits.processes + (0 if own else _user_threads(os.getuid()))}
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8",
                "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
         try:

@@ -148,9 +148,9 @@ def test_sandbox_limits():
 
 
 def test_sandbox_starts_without_forking_the_parent(monkeypatch):
-    """No ``preexec_fn`` (nor ``user`` / ``group``): with one, Python fork()s the (possibly many-GB) parent, which failed in
-    CI with 'Cannot allocate memory'; without one it uses vfork / posix_spawn."""
-    import subprocess
+    """No ``preexec_fn`` (nor ``user`` / ``group``): with one, Python fork()s the (possibly
+    many-GB) parent, which failed in CI with 'Cannot allocate memory'; without one it uses vfork
+    / posix_spawn."""
     from ms_llm.evaluation import sandbox
     seen = []
     real = subprocess.Popen
