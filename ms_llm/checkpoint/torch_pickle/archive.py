@@ -130,6 +130,15 @@ class Archive:
             whole = byte_offset == 0 and nbytes == size
             self._check_crc(key, zlib.crc32(view) if whole else self._stream_crc(start, size))
 
+    def verify_storages(self) -> None:
+        """Check the CRC-32 of every storage entry (``ms-llm checkpoint verify``, resume's
+        fallback): one streaming read, no tensor materialised."""
+        for info in self.zf.infolist():
+            if info.filename.startswith(self.prefix + "data/"):
+                key = info.filename[len(self.prefix + "data/"):]
+                if key not in self._crc_ok:
+                    self._check_crc(key, self._stream_crc(*self.storage_range(key)))
+
     def _stream_crc(self, start: int, size: int) -> int:
         """CRC-32 of ``size`` bytes at ``start``, read in blocks (a partial view's storage)."""
         crc, done, step = 0, 0, 1 << 24
