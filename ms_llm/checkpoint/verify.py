@@ -19,7 +19,7 @@ from .formats import checkpoint_format, megatron_problem
 from .native.format import FORMAT, METADATA, TRACKER, DCPError, file_crc32, list_iters, read_json
 
 __all__ = ["metadata_problem", "verify_checkpoint", "verify_file", "guard_save_dir",
-           "SHAPE_KEYS", "checkpoints_in", "verify_any"]
+           "quarantine", "SHAPE_KEYS", "checkpoints_in", "verify_any"]
 
 # TransformerConfig fields that fix a tensor's shape: a checkpoint recording other values
 # belongs to another model (the state's ``model_config``).
@@ -178,6 +178,14 @@ def guard_save_dir(save_dir: Optional[str], resume_path: Optional[str],
         return
     newer = [(s, p) for s, p in found if s > resume_step]
     newer = [(s, p) for s, p in newer if verify_checkpoint(p, crc=True) is not None]
+    quarantine(save_dir, newer, resume_step, say)
+
+
+def quarantine(save_dir: str, newer: List[Tuple[int, str]], resume_step: int,
+               say: Callable[[str], None]) -> None:
+    """Rename the checkpoints ``newer`` (``(step, path)``, found not to verify) to
+    ``.unverified_iter_*`` (kept for inspection, never loaded, never written over), point the
+    tracker at ``resume_step`` and say so once. Rank 0 only; any format."""
     if not newer:
         return
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
@@ -201,7 +209,9 @@ def checkpoints_in(path: str) -> List[str]:
     if os.path.isfile(os.path.join(path, METADATA)) or checkpoint_format(path) != "native" or \
             os.path.basename(os.path.normpath(path)).startswith("iter_"):
         return [path]
-    return [cp for _, cp in list_iters(path)]
+    release = os.path.join(path, "release")   # a converted Megatron folder's tracker names it
+    return [cp for _, cp in list_iters(path)] + \
+        ([release] if os.path.isdir(release) and checkpoint_format(release) != "native" else [])
 
 
 def verify_any(path: str, crc: bool) -> Tuple[Optional[str], str]:

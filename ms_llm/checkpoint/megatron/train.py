@@ -72,6 +72,12 @@ def latest_legacy(folder: str) -> Optional[Tuple[str, int]]:
     path = os.path.join(folder, f"iter_{int(text):07d}") if text.isdigit() else None
     if path is None or not os.path.isdir(path):
         return None
+    return None if latest_legacy_training(path) is None else (path, int(text))
+
+
+def latest_legacy_training(path: str) -> Optional[str]:
+    """``path`` when its first rank file holds an ``optimizer`` entry (a training state), else
+    None (converted weights). A file the reader refuses raises ``TorchFormatError``."""
     files = [os.path.join(path, d, FILE) for d in sorted(os.listdir(path))
              if d.startswith("mp_rank_") and os.path.isfile(os.path.join(path, d, FILE))]
     if not files:
@@ -81,7 +87,7 @@ def latest_legacy(folder: str) -> Optional[Tuple[str, int]]:
         has_optim = isinstance(ckpt.obj, dict) and ckpt.obj.get("optimizer") is not None
     finally:
         ckpt.close()
-    return (path, int(text)) if has_optim else None
+    return path if has_optim else None
 
 
 def _arr(v) -> np.ndarray:
