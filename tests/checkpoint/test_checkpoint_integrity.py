@@ -98,6 +98,13 @@ def test_metadata_structure_checks():
     bad = json.loads(json.dumps(ok))
     bad["tensors"]["w"]["chunks"][0]["file"] = "other"
     assert "names no listed file" in metadata_problem(bad, "m")
+    for state, key in (({"data": {"consumed_samples": -16}}, "state.data.consumed_samples"),
+                       ({"step": 1.5}, "state.step"), ({"optimizer_step": "2"},
+                                                        "state.optimizer_step"),
+                       ({"skipped_steps": True}, "state.skipped_steps")):
+        assert f"m: {key} must be a non-negative integer" in \
+            metadata_problem(dict(ok, state=state), "m")
+    assert "state.data must be an object" in metadata_problem(dict(ok, state={"data": 3}), "m")
 
 
 def test_guard_refuses_a_folder_of_broken_checkpoints_and_foreign_ones(tmp_path):
@@ -245,3 +252,15 @@ def test_megatron_format_newest_checkpoint_broken_falls_back_to_the_previous(tmp
     os.truncate(_newest_file(save, fmt).replace("iter_0000002", "iter_0000001"), 100)
     with pytest.raises(DCPError, match="do not verify and none to resume from"):
         _megatron_run(tmp_path, fmt, "c", 3, "--training.resume", "auto")
+
+
+def test_a_tampered_megatron_sample_count_is_refused_naming_the_key(tmp_path):
+    """A Megatron checkpoint's ``args.consumed_train_samples`` (or iteration) below zero would
+    resume the data order from a negative position: refused naming the file and key."""
+    from ms_llm.checkpoint.torch_dist.train import write_training_dcp
+    with pytest.raises(ValueError, match=r"src.pt: args.consumed_train_samples must be a "
+                                         r"non-negative integer, got -16"):
+        write_training_dcp(str(tmp_path), {}, {}, 2, None, -16, {}, False, 4, "src.pt")
+    with pytest.raises(ValueError, match=r"src.pt: iteration must be"):
+        write_training_dcp(str(tmp_path), {}, {}, -1, None, None, {}, False, 4, "src.pt")
+    assert not os.listdir(tmp_path)

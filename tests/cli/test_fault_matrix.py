@@ -142,6 +142,15 @@ def ckpt_shard(save_dir):
     return os.path.join(it, "rank_00000.safetensors")
 
 
+def tamper_state(save_dir, key, value):
+    """Edit iteration 1's saved ``state`` in its ``metadata.json`` (its files stay intact)."""
+    path = os.path.join(save_dir, "iter_0000001", "metadata.json")
+    meta = json.load(open(path))
+    meta["state"][key] = value
+    json.dump(meta, open(path, "w"))
+    return save_dir
+
+
 def lora_ckpt_without_fingerprint(d, hf):
     a = np.ones((2, 32), np.float32)
     b = np.ones((32, 2), np.float32)
@@ -274,6 +283,12 @@ CASES = {
          "--checkpoint.save_dir", (lambda d: (flip_byte(ckpt_shard(d)), d)[1])(
              copy(fx / "ckpt", t / "ckpt"))],
         "do not verify and none to resume from"),
+    "train-resume-tampered-consumed-samples": lambda fx, t, o: (
+        ["train", CONFIG, *TRAIN, "--training.output_dir", o, "--training.resume", "auto",
+         "--checkpoint.save_dir", tamper_state(copy(fx / "ckpt", t / "ckpt"), "data",
+                                               {"consumed_samples": -16})],
+        r"iter_0000001/metadata.json: state.data.consumed_samples must be a non-negative "
+        r"integer, got -16"),
     "train-resume-other-shape": lambda fx, t, o: (
         ["train", CONFIG, *TRAIN, "--model.ffn_hidden_size", "96", "--training.output_dir", o,
          "--training.resume", "auto", "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],

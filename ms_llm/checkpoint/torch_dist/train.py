@@ -92,6 +92,11 @@ def write_training_dcp(save_dir: str, model: Dict[str, np.ndarray],
                        gated: bool, global_batch_size: int, source: str) -> Tuple[str, dict]:
     """A Megatron training state (global tensors under the per-layer Megatron names, moments as
     ``exp_avg.<name>``, ``step``) as a one-rank ms-llm checkpoint at ``iteration``."""
+    for key, value in (("iteration", iteration), ("args.consumed_train_samples", consumed)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+            raise ValueError(f"{source}: {key} must be a non-negative integer, got "
+                             f"{value!r:.40} (tampered or corrupt)")
     local: Dict[str, LocalChunk] = {}
 
     def add(name: str, value: np.ndarray) -> None:
