@@ -264,3 +264,24 @@ def test_a_tampered_megatron_sample_count_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"src.pt: iteration must be"):
         write_training_dcp(str(tmp_path), {}, {}, -1, None, None, {}, False, 4, "src.pt")
     assert not os.listdir(tmp_path)
+
+
+def test_a_failed_megatron_format_save_leaves_no_iteration_folder(tmp_path, monkeypatch):
+    """``checkpoint.format torch``: the save is written under ``.tmp_iter_*`` and renamed when
+    whole, so a save that fails midway leaves neither an ``iter_*`` folder nor the temporary."""
+    from ms_llm.checkpoint.megatron import train as legacy
+    src = _save(str(tmp_path / "native"), 3, state={"step": 3})
+
+    def disk_full(*_a, **_k):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(legacy, "read_training_dcp", lambda _p: (
+        {"decoder.final_layernorm.weight": W[0]},
+        {"exp_avg.decoder.final_layernorm.weight": W[0],
+         "exp_avg_sq.decoder.final_layernorm.weight": W[0], "step": np.int64(3)}, {}, 3))
+    monkeypatch.setattr(legacy.torch_pickle, "save", disk_full)
+    out = tmp_path / "torch"
+    out.mkdir()
+    with pytest.raises(OSError, match="No space left"):
+        legacy.export_legacy(src, str(out), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=0.0, global_batch_size=4)
+    assert os.listdir(out) == []

@@ -30,7 +30,8 @@ from .. import torch_pickle
 from ..native.format import TRACKER
 from .distopt import DISTRIB, read_distrib_optim
 from ..torch_dist.model import MOMENTS
-from ..torch_dist.train import read_training_dcp, write_tracker, write_training_dcp
+from ..torch_dist.train import read_training_dcp, staged_iter, write_tracker, \
+    write_training_dcp
 from ..torch_pickle.reader import load as load_torch_file
 
 FILE = "model_optim_rng.pt"
@@ -225,12 +226,12 @@ def export_legacy(dcp_path: str, save_dir: str, *, lr: float, betas, eps: float,
     args = argparse.Namespace(**{**(megatron_args or {}), "iteration": step,
                                  "consumed_train_samples": consumed,
                                  "consumed_valid_samples": 0, "ckpt_format": "torch"})
-    out = os.path.join(save_dir, f"iter_{step:07d}")
-    os.makedirs(os.path.join(out, "mp_rank_00"), exist_ok=True)
     sd = {"args": args, "checkpoint_version": 3.0, "iteration": step, "model": model,
           "optimizer": {"state": opt_state, "param_groups": param_groups_sd}}
     if state.get("opt_param_scheduler") is not None:
         sd["opt_param_scheduler"] = state["opt_param_scheduler"]
-    torch_pickle.save(sd, os.path.join(out, "mp_rank_00", FILE))
+    with staged_iter(save_dir, step) as tmp:
+        os.makedirs(os.path.join(tmp, "mp_rank_00"))
+        torch_pickle.save(sd, os.path.join(tmp, "mp_rank_00", FILE))
     write_tracker(save_dir, step)
-    return out
+    return os.path.join(save_dir, f"iter_{step:07d}")

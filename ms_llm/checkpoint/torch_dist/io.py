@@ -111,11 +111,17 @@ class TensorEntry:
 
 
 def is_torch_dist_dir(path: str) -> bool:
+    """Whether ``path`` holds a torch_dist checkpoint (an unreadable ``metadata.json`` says
+    no; ``checkpoint.formats`` names what is wrong with such a folder)."""
     f = os.path.join(path, BACKEND)
     if not (os.path.isfile(f) and os.path.isfile(os.path.join(path, METADATA))):
         return False
-    with open(f, encoding="utf-8") as fh:
-        return json.load(fh).get("sharded_backend") == "torch_dist"
+    try:
+        with open(f, encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist"
 
 
 class TorchDistReader:
