@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from ms_llm.checkpoint.formats import checkpoint_format, megatron_problem, tracker_problem
 from ms_llm.checkpoint.megatron.train import export_legacy, import_legacy, \
     latest_legacy_training
-from ms_llm.checkpoint.native.format import DCPError, list_iters
+from ms_llm.checkpoint.native.format import TRACKER, DCPError, list_iters
 from ms_llm.checkpoint.torch_dist.io import is_torch_dist_dir
 from ms_llm.checkpoint.torch_dist.train import export_torch_dist, import_torch_dist
 from ms_llm.checkpoint.verify import quarantine
@@ -44,9 +44,12 @@ def _latest(folder: str, say: Callable[[str], None]) -> Optional[str]:
     why = tracker_problem(folder)
     if why:
         say(f"resume: {why}; using the newest iter_* that verifies")
+        tracked = None
+    else:   # Megatron's tracker is written after a save: newer folders are not finished
+        tracked = _tracked_step(folder)
     skipped = []
-    for _, path in reversed(list_iters(folder)):
-        if checkpoint_format(path) == "native":
+    for step, path in reversed(list_iters(folder)):
+        if checkpoint_format(path) == "native" or (tracked is not None and step > tracked):
             continue
         why = megatron_problem(path)
         if why is None:
@@ -61,6 +64,15 @@ def _latest(folder: str, say: Callable[[str], None]) -> Optional[str]:
         raise DCPError(f"{folder}: holds checkpoint(s) that do not verify and none to resume "
                        f"from ({skipped[0]}); move them away, or pick another save_dir")
     return None
+
+
+def _tracked_step(folder: str) -> Optional[int]:
+    """The iteration ``folder``'s tracker names (checked by ``tracker_problem``), or None."""
+    path = os.path.join(folder, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path, encoding="utf-8").read().strip()
+    return int(text) if text.isdigit() else None
 
 
 def quarantine_newer(cfg, source: str, rank: int, say: Callable[[str], None]) -> None:
