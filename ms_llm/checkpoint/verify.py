@@ -15,10 +15,11 @@ import os
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+from .formats import checkpoint_format, megatron_problem
 from .native.format import FORMAT, METADATA, TRACKER, DCPError, file_crc32, list_iters, read_json
 
 __all__ = ["metadata_problem", "verify_checkpoint", "verify_file", "guard_save_dir",
-           "SHAPE_KEYS", "checkpoints_in", "verify_any"]
+           "quarantine", "SHAPE_KEYS", "checkpoints_in", "verify_any"]
 
 # TransformerConfig fields that fix a tensor's shape: a checkpoint recording other values
 # belongs to another model (the state's ``model_config``).
@@ -46,6 +47,9 @@ def metadata_problem(meta: dict, mpath: str) -> Optional[str]:
         return f"{mpath}: 'files', 'tensors' and 'state' must be JSON objects"
     if not _is_int(meta.get("step")) or meta["step"] < 0:
         return f"{mpath}: 'step' must be a non-negative integer, got {meta.get('step')!r}"
+    why = _state_problem(state)
+    if why:
+        return f"{mpath}: {why}"
     for name, f in files.items():
         if os.path.basename(name) != name or name in ("", ".", ".."):
             return f"{mpath}: file name {name!r} is not a plain file name"
@@ -71,6 +75,26 @@ def metadata_problem(meta: dict, mpath: str) -> Optional[str]:
                                        and o + s <= n for o, s, n in zip(off, sz, g))):
                 return (f"{mpath}: tensor {name!r}: chunk offsets {off!r} sizes {sz!r} lie "
                         f"outside its global shape {g}")
+    return None
+
+
+# state keys the trainer resumes from: counts, so non-negative integers when present
+_STATE_COUNTS = (("step",), ("optimizer_step",), ("skipped_steps",),
+                 ("data", "consumed_samples"))
+
+
+def _state_problem(state: dict) -> Optional[str]:
+    """Why the saved ``state`` would resume wrongly (a hand-edited count), or None."""
+    for path in _STATE_COUNTS:
+        value, where = state, state
+        for k in path:
+            where = value
+            value = value.get(k) if isinstance(value, dict) else None
+        if isinstance(where, dict) and path[-1] in where and \
+                not (_is_int(value) and value >= 0):
+            return f"state.{'.'.join(path)} must be a non-negative integer, got {value!r}"
+    if "data" in state and not isinstance(state["data"], dict):
+        return f"state.data must be an object, got {state['data']!r:.40}"
     return None
 
 
@@ -154,6 +178,14 @@ def guard_save_dir(save_dir: Optional[str], resume_path: Optional[str],
         return
     newer = [(s, p) for s, p in found if s > resume_step]
     newer = [(s, p) for s, p in newer if verify_checkpoint(p, crc=True) is not None]
+    quarantine(save_dir, newer, resume_step, say)
+
+
+def quarantine(save_dir: str, newer: List[Tuple[int, str]], resume_step: int,
+               say: Callable[[str], None]) -> None:
+    """Rename the checkpoints ``newer`` (``(step, path)``, found not to verify) to
+    ``.unverified_iter_*`` (kept for inspection, never loaded, never written over), point the
+    tracker at ``resume_step`` and say so once. Rank 0 only; any format."""
     if not newer:
         return
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
@@ -172,30 +204,23 @@ def guard_save_dir(save_dir: Optional[str], resume_path: Optional[str],
 
 
 def checkpoints_in(path: str) -> List[str]:
-    """The checkpoint folders ``path`` names: itself when it is one (an ``iter_*`` folder, ms-llm's
-    or Megatron's ``torch_dist``), else every ``iter_*`` folder of a save_dir."""
-    if os.path.isfile(os.path.join(path, METADATA)) or _is_torch_dist(path) or \
+    """The checkpoint folders ``path`` names: itself when it is one (an ``iter_*`` folder of any
+    format), else every ``iter_*`` folder of a save_dir."""
+    if os.path.isfile(os.path.join(path, METADATA)) or checkpoint_format(path) != "native" or \
             os.path.basename(os.path.normpath(path)).startswith("iter_"):
         return [path]
-    return [cp for _, cp in list_iters(path)]
-
-
-def _is_torch_dist(path: str) -> bool:
-    from .torch_dist.io import is_torch_dist_dir
-    try:
-        return is_torch_dist_dir(path)
-    except (OSError, ValueError):
-        return False
+    release = os.path.join(path, "release")   # a converted Megatron folder's tracker names it
+    return [cp for _, cp in list_iters(path)] + \
+        ([release] if os.path.isdir(release) and checkpoint_format(release) != "native" else [])
 
 
 def verify_any(path: str, crc: bool) -> Tuple[Optional[str], str]:
-    """(reason or None, the ok line) for one checkpoint folder of either format."""
-    if not _is_torch_dist(path):
+    """(reason or None, the ok line) for one checkpoint folder of any format."""
+    fmt = checkpoint_format(path)
+    if fmt == "native":
         return verify_checkpoint(path, crc), "ok"
-    from .torch_dist.io import TorchDistReader
-    from .torch_dist.verify import torch_dist_problem
-    try:   # Megatron-Core torch_dist: structure and byte ranges (it records no checksum)
-        why = torch_dist_problem(TorchDistReader(path))
-    except ValueError as e:
-        why = str(e)
-    return why, "ok (torch_dist records no checksum: structure and byte ranges checked)"
+    what = "zip CRC-32 of every entry" if crc else "structure and sizes"
+    if fmt == "torch_dist":
+        what = "structure, byte ranges and every chunk's CRC-32, size and dtype" if crc \
+            else "structure and byte ranges"
+    return megatron_problem(path, crc), f"ok ({fmt} format: {what} checked)"

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from ms_llm.checkpoint.formats import tracker_problem
 from ms_llm.checkpoint.verify import checkpoints_in, verify_any
 
 
@@ -31,6 +32,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"ms-llm checkpoint verify: {path}: no iter_* checkpoint here", file=sys.stderr)
         return 2
     bad = 0
+    why = tracker_problem(path) if found != [path] else None
+    if why:   # the tracker is what Megatron and ms-llm's resume read first
+        bad += 1
+        print(f"{path}: FAILED: {why}")
     for cp in found:
         why, ok = verify_any(cp, not a.size_only)
         bad += why is not None

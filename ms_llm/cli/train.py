@@ -45,6 +45,7 @@ def split_args(argv: List[str]):
 
 def main(argv: Optional[List[str]] = None) -> int:
     from ms_llm.checkpoint.native.format import DCPError
+    from ms_llm.checkpoint.torch_pickle.format import TorchFormatError
     from ms_llm.config import ConfigError, load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -66,7 +67,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return 2
-    except DCPError as e:   # a checkpoint that cannot be resumed from or written beside
+    except (DCPError, TorchFormatError) as e:   # a checkpoint that cannot be used as asked
         print(f"checkpoint error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return 2
     except FloatingPointError as e:   # training.nan_policy (ms_llm.training.nonfinite)

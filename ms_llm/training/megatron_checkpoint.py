@@ -15,10 +15,13 @@ import os
 import shutil
 from typing import Callable, Optional
 
-from ms_llm.checkpoint.megatron.train import export_legacy, import_legacy, latest_legacy
+from ms_llm.checkpoint.formats import checkpoint_format, megatron_problem, tracker_problem
+from ms_llm.checkpoint.megatron.train import export_legacy, import_legacy, \
+    latest_legacy_training
+from ms_llm.checkpoint.native.format import TRACKER, DCPError, list_iters
 from ms_llm.checkpoint.torch_dist.io import is_torch_dist_dir
-from ms_llm.checkpoint.torch_dist.train import export_torch_dist, import_torch_dist, \
-    latest_torch_dist
+from ms_llm.checkpoint.torch_dist.train import export_torch_dist, import_torch_dist
+from ms_llm.checkpoint.verify import quarantine
 from ms_llm.config import ConfigError
 from ms_llm.models.mixers import mixers_used
 
@@ -31,12 +34,64 @@ def is_torch_dist(cfg) -> bool:
     return cfg.checkpoint.format in ("torch_dist", "torch")
 
 
-def _latest(folder: str) -> Optional[str]:
-    found = latest_torch_dist(folder) or latest_legacy(folder)
-    return None if found is None else found[0]
+def _latest(folder: str, say: Callable[[str], None]) -> Optional[str]:
+    """The newest Megatron training checkpoint of ``folder`` that verifies (zip CRC-32 /
+    ``.metadata`` checks, ``checkpoint.formats``), the way the native format falls back: newer
+    ones that do not verify are skipped and said (``quarantine_newer`` then moves them aside);
+    a tracker naming no iteration is said and the newest intact ``iter_*`` used. None when the
+    folder holds no Megatron checkpoint; ``DCPError`` when it holds only broken ones (a fresh
+    start would write over them)."""
+    why = tracker_problem(folder)
+    if why:
+        say(f"resume: {why}; using the newest iter_* that verifies")
+        tracked = None
+    else:   # Megatron's tracker is written after a save: newer folders are not finished
+        tracked = _tracked_step(folder)
+    skipped = []
+    for step, path in reversed(list_iters(folder)):
+        if checkpoint_format(path) == "native" or (tracked is not None and step > tracked):
+            continue
+        why = megatron_problem(path)
+        if why is None:
+            if skipped:
+                say(f"resume: skipping checkpoint(s) that do not verify: {'; '.join(skipped)}; "
+                    f"falling back to {path}")
+            if checkpoint_format(path) == "torch" and latest_legacy_training(path) is None:
+                return None   # converted weights, not a training state: not resumed from
+            return path
+        skipped.append(why)
+    if skipped:
+        raise DCPError(f"{folder}: holds checkpoint(s) that do not verify and none to resume "
+                       f"from ({skipped[0]}); move them away, or pick another save_dir")
+    return None
 
 
-def resume_source(cfg) -> Optional[str]:
+def _tracked_step(folder: str) -> Optional[int]:
+    """The iteration ``folder``'s tracker names (checked by ``tracker_problem``), or None."""
+    path = os.path.join(folder, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path, encoding="utf-8").read().strip()
+    return int(text) if text.isdigit() else None
+
+
+def quarantine_newer(cfg, source: str, rank: int, say: Callable[[str], None]) -> None:
+    """After resuming from ``source`` in ``save_dir`` (every rank past ``stage_resume``'s
+    barrier): rank 0 renames the newer Megatron ``iter_*`` folders, which ``_latest`` skipped
+    because they do not verify, to ``.unverified_iter_*`` (kept, never loaded, never written
+    over) and points the tracker at ``source``, as ``verify.guard_save_dir`` does for ms-llm's
+    own format."""
+    save_dir = cfg.checkpoint.save_dir
+    if rank != 0 or not save_dir or os.path.dirname(os.path.abspath(source)) != \
+            os.path.abspath(save_dir):
+        return
+    step = int(os.path.basename(os.path.normpath(source)).split("_")[-1])
+    newer = [(s, p) for s, p in list_iters(save_dir)
+             if s > step and checkpoint_format(p) != "native"]
+    quarantine(save_dir, newer, step, say)
+
+
+def resume_source(cfg, say: Callable[[str], None] = lambda _m: None) -> Optional[str]:
     """The Megatron ``iter_*`` folder this run resumes from, or None (ms-llm's own resume):
     under ``training.resume auto`` the run's own newest save in ``save_dir`` first (a relaunch
     continues its own saves, in either format), else ``checkpoint.resume_from`` (a folder with
@@ -54,7 +109,7 @@ def resume_source(cfg) -> Optional[str]:
                           f"save)")
     if cfg.training.resume == "auto" and ck.save_dir:
         if is_torch_dist(cfg):
-            found = _latest(ck.save_dir)
+            found = _latest(ck.save_dir, say)
             if found is not None:
                 return found
         elif _has_own_checkpoint(ck.save_dir):   # a relaunch continues its own ms-llm saves
@@ -63,7 +118,7 @@ def resume_source(cfg) -> Optional[str]:
         return None
     if is_torch_dist_dir(ck.resume_from) or _is_legacy_iter(ck.resume_from):
         return ck.resume_from
-    found = _latest(ck.resume_from)
+    found = _latest(ck.resume_from, say)
     if found is None:
         raise ConfigError(f"checkpoint.resume_from {ck.resume_from}: not a Megatron training "
                           f"checkpoint (no latest_checkpointed_iteration.txt naming an iter_* "

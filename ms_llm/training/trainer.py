@@ -195,12 +195,13 @@ class Trainer:
     def _maybe_resume(self) -> None:
         ck = self.cfg.checkpoint
         auto = self.cfg.training.resume == "auto"
-        megatron = megatron_checkpoint.resume_source(self.cfg)   # a torch_dist checkpoint
+        megatron = megatron_checkpoint.resume_source(self.cfg, self._say)   # Megatron format
         if megatron is not None:
             latest = megatron_checkpoint.stage_resume(
                 megatron, self.cfg, {"rng": rng_state.capture(),
                                      "model_config": dataclasses.asdict(self.cfg.model)},
                 self.dist.rank, comm.barrier, self._say)
+            megatron_checkpoint.quarantine_newer(self.cfg, megatron, self.dist.rank, self._say)
         else:
             latest = dcp.resolve_resume("auto", ck.save_dir, report=self._say) if auto else None
         if not megatron_checkpoint.is_torch_dist(self.cfg):

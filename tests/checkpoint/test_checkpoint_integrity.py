@@ -5,6 +5,7 @@ resume and the run continues from the previous checkpoint on the curve of a run 
 the corruption."""
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -97,6 +98,13 @@ def test_metadata_structure_checks():
     bad = json.loads(json.dumps(ok))
     bad["tensors"]["w"]["chunks"][0]["file"] = "other"
     assert "names no listed file" in metadata_problem(bad, "m")
+    for state, key in (({"data": {"consumed_samples": -16}}, "state.data.consumed_samples"),
+                       ({"step": 1.5}, "state.step"), ({"optimizer_step": "2"},
+                                                        "state.optimizer_step"),
+                       ({"skipped_steps": True}, "state.skipped_steps")):
+        assert f"m: {key} must be a non-negative integer" in \
+            metadata_problem(dict(ok, state=state), "m")
+    assert "state.data must be an object" in metadata_problem(dict(ok, state={"data": 3}), "m")
 
 
 def test_guard_refuses_a_folder_of_broken_checkpoints_and_foreign_ones(tmp_path):
@@ -179,7 +187,7 @@ def test_torch_dist_folders_are_checked_for_byte_ranges(tmp_path, capsys):
     good = _torch_dist(tmp_path / "good")
     np.testing.assert_array_equal(TorchDistReader(good).tensor("w"), W)
     assert verify_main(["verify", good]) == 0
-    assert "ok (torch_dist records no checksum" in capsys.readouterr().out
+    assert "ok (torch_dist format" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"bytes \[\d+, \d+\) overlap"):
         TorchDistReader(_torch_dist(tmp_path / "alias", alias=True))
     # a Megatron save folder: every iter_* folder verified as torch_dist
@@ -187,7 +195,7 @@ def test_torch_dist_folders_are_checked_for_byte_ranges(tmp_path, capsys):
     first, second = _torch_dist(save / "iter_0000001"), _torch_dist(save / "iter_0000002")
     (save / "latest_checkpointed_iteration.txt").write_text("2")
     assert verify_main(["verify", str(save)]) == 0
-    assert capsys.readouterr().out.count("ok (torch_dist records no checksum") == 2
+    assert capsys.readouterr().out.count("ok (torch_dist format") == 2
     distcp = os.path.join(second, "__0_0.distcp")
     os.truncate(distcp, os.path.getsize(distcp) - 10)
     assert verify_main(["verify", str(save)]) == 1
@@ -195,3 +203,85 @@ def test_torch_dist_folders_are_checked_for_byte_ranges(tmp_path, capsys):
     assert f"{first}: ok" in out and f"{second}: FAILED: " in out
     assert verify_main(["verify", second]) == 1
     assert "FAILED: " in capsys.readouterr().out
+
+
+def _megatron_run(tmp_path, fmt, name, steps, *extra):
+    from ms_llm.training.trainer import Trainer
+    return Trainer(_cfg(tmp_path, name, "--training.max_steps", str(steps),
+                        "--checkpoint.save_dir", str(tmp_path / fmt), "--checkpoint.format", fmt,
+                        "--checkpoint.save_interval", "1", *extra))
+
+
+def _newest_file(save, fmt):
+    it = os.path.join(save, "iter_0000002")
+    return os.path.join(it, "mp_rank_00", "model_optim_rng.pt") if fmt == "torch" else \
+        os.path.join(it, "__0_0.distcp")
+
+
+@pytest.mark.parametrize("fmt,damage", [("torch", "truncate"), ("torch_dist", "flip")])
+def test_megatron_format_newest_checkpoint_broken_falls_back_to_the_previous(tmp_path, capsys,
+                                                                          fmt, damage):
+    """``checkpoint.format torch`` / ``torch_dist``: a truncated or byte-flipped newest save is
+    found at resume (zip CRC-32, ``.metadata`` ranges), said in one line, kept aside as
+    ``.unverified_iter_*``, and the run continues from the previous iteration, as the native
+    format does; a folder holding only broken saves is refused, not written over."""
+    _megatron_run(tmp_path, fmt, "a", 2).fit()
+    save = str(tmp_path / fmt)
+    target = _newest_file(save, fmt)
+    if damage == "truncate":
+        os.truncate(target, os.path.getsize(target) // 2)
+    else:
+        with open(target, "r+b") as f:   # a byte in the middle of a tensor's bytes
+            f.seek(os.path.getsize(target) // 3)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x01]))
+    assert verify_main(["verify", save]) == 1
+    capsys.readouterr()
+    resumed = _megatron_run(tmp_path, fmt, "b", 3, "--training.resume", "auto")
+    out = capsys.readouterr().out
+    assert "iter_0000002" in out and "falling back to" in out and \
+        ("CRC-32" in out or "truncated" in out), out
+    assert resumed.step == 1
+    assert len([n for n in os.listdir(save) if n.startswith(".unverified_iter_0000002")]) == 1
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "1"
+    resumed.fit()
+    assert verify_main(["verify", save]) == 0
+    for it in ("iter_0000002", "iter_0000003"):   # only a broken save left: refused
+        shutil.rmtree(os.path.join(save, it))
+    os.truncate(_newest_file(save, fmt).replace("iter_0000002", "iter_0000001"), 100)
+    with pytest.raises(DCPError, match="do not verify and none to resume from"):
+        _megatron_run(tmp_path, fmt, "c", 3, "--training.resume", "auto")
+
+
+def test_a_tampered_megatron_sample_count_is_refused_naming_the_key(tmp_path):
+    """A Megatron checkpoint's ``args.consumed_train_samples`` (or iteration) below zero would
+    resume the data order from a negative position: refused naming the file and key."""
+    from ms_llm.checkpoint.torch_dist.train import write_training_dcp
+    with pytest.raises(ValueError, match=r"src.pt: args.consumed_train_samples must be a "
+                                         r"non-negative integer, got -16"):
+        write_training_dcp(str(tmp_path), {}, {}, 2, None, -16, {}, False, 4, "src.pt")
+    with pytest.raises(ValueError, match=r"src.pt: iteration must be"):
+        write_training_dcp(str(tmp_path), {}, {}, -1, None, None, {}, False, 4, "src.pt")
+    assert not os.listdir(tmp_path)
+
+
+def test_a_failed_megatron_format_save_leaves_no_iteration_folder(tmp_path, monkeypatch):
+    """``checkpoint.format torch``: the save is written under ``.tmp_iter_*`` and renamed when
+    whole, so a save that fails midway leaves neither an ``iter_*`` folder nor the temporary."""
+    from ms_llm.checkpoint.megatron import train as legacy
+    src = _save(str(tmp_path / "native"), 3, state={"step": 3})
+
+    def disk_full(*_a, **_k):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(legacy, "read_training_dcp", lambda _p: (
+        {"decoder.final_layernorm.weight": W[0]},
+        {"exp_avg.decoder.final_layernorm.weight": W[0],
+         "exp_avg_sq.decoder.final_layernorm.weight": W[0], "step": np.int64(3)}, {}, 3))
+    monkeypatch.setattr(legacy.torch_pickle, "save", disk_full)
+    out = tmp_path / "torch"
+    out.mkdir()
+    with pytest.raises(OSError, match="No space left"):
+        legacy.export_legacy(src, str(out), lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=0.0, global_batch_size=4)
+    assert os.listdir(out) == []

@@ -7,6 +7,12 @@ is absent and no temporary folder is left behind). The CLI runs in-process
 (``ms_llm.cli.main``); only the kill-during-convert case needs a subprocess. The documented
 fallback (a corrupt newest checkpoint -> resume from the previous one) is
 ``test_checkpoint_integrity``.
+
+Every checkpoint format (ms-llm's own, ``checkpoint.format torch``, a converted legacy Megatron
+folder, torch_dist) meets every damage of ``helpers.checkpoint_damage`` twice: in
+``ms-llm checkpoint verify`` (one FAILED line naming the file) and in the command that uses it
+(``export``, ``train --training.resume auto``, ``convert`` mg -> hf: one error line, or for a
+tracker naming no iteration the documented fallback to the newest ``iter_*``, said in one line).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from helpers.checkpoint_damage import DAMAGE
 from helpers.hf_fixtures import make_hf_checkpoint
 from helpers.parallel_common import TINY_MODEL
 from ms_llm.checkpoint.native import dcp
@@ -60,6 +67,12 @@ def fx(tmp_path_factory):
     from ms_llm.training.trainer import Trainer
     Trainer(load_config(CONFIG, TRAIN + ["--training.output_dir", str(root / "run"),
                                          "--checkpoint.save_dir", str(root / "ckpt")])).fit()
+    from ms_llm.checkpoint.megatron.train import export_legacy
+    from ms_llm.checkpoint.torch_dist.train import export_torch_dist
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, global_batch_size=2)
+    native = dcp.find_latest_complete(str(root / "ckpt"))
+    export_legacy(native, str(root / "torch"), **kw)   # what checkpoint.format torch saves
+    export_torch_dist(native, str(root / "torch_dist"), **kw)
     return root
 
 
@@ -127,6 +140,15 @@ def flip_byte(path):
 def ckpt_shard(save_dir):
     it = dcp.find_latest_complete(str(save_dir))
     return os.path.join(it, "rank_00000.safetensors")
+
+
+def tamper_state(save_dir, key, value):
+    """Edit iteration 1's saved ``state`` in its ``metadata.json`` (its files stay intact)."""
+    path = os.path.join(save_dir, "iter_0000001", "metadata.json")
+    meta = json.load(open(path))
+    meta["state"][key] = value
+    json.dump(meta, open(path, "w"))
+    return save_dir
 
 
 def lora_ckpt_without_fingerprint(d, hf):
@@ -261,6 +283,12 @@ CASES = {
          "--checkpoint.save_dir", (lambda d: (flip_byte(ckpt_shard(d)), d)[1])(
              copy(fx / "ckpt", t / "ckpt"))],
         "do not verify and none to resume from"),
+    "train-resume-tampered-consumed-samples": lambda fx, t, o: (
+        ["train", CONFIG, *TRAIN, "--training.output_dir", o, "--training.resume", "auto",
+         "--checkpoint.save_dir", tamper_state(copy(fx / "ckpt", t / "ckpt"), "data",
+                                               {"consumed_samples": -16})],
+        r"iter_0000001/metadata.json: state.data.consumed_samples must be a non-negative "
+        r"integer, got -16"),
     "train-resume-other-shape": lambda fx, t, o: (
         ["train", CONFIG, *TRAIN, "--model.ffn_hidden_size", "96", "--training.output_dir", o,
          "--training.resume", "auto", "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],
@@ -293,6 +321,90 @@ CASES = {
         ["checkpoint", "verify", t / "nope"], "no such directory"),
     "plot-missing": lambda fx, t, o: (["plot", t / "nope"], "ms-llm plot: "),
 }
+
+
+# ----------------------------------------------------------------------------- formats x damage
+FOLDER = {"native": "ckpt", "torch": "torch", "legacy": "mg", "torch_dist": "torch_dist"}
+# what the one line names, per format and damage
+NAMED = {
+    "native": {"flipped-tensor-byte": r"rank_00000.safetensors: crc32 differs",
+               "truncated": r"rank_00000.safetensors has \d+ bytes, .*truncated",
+               "missing-file": r"rank_00000.safetensors is missing",
+               "garbage-metadata": r"metadata.json: (unreadable|invalid JSON)"},
+    "torch_dist": {"flipped-tensor-byte": r"__0_0.distcp bytes \d+\.\.\d+: entry .*CRC-32",
+                   "truncated": r"__0_0.distcp: truncated",
+                   "missing-file": r"__0_0.distcp: listed in .metadata but missing",
+                   "garbage-metadata": r"/\.metadata: not a torch_dist metadata file"},
+}
+NAMED["torch"] = NAMED["legacy"] = {
+    "flipped-tensor-byte": r"model_optim_rng.pt: entry model_optim_rng/data/\d+: CRC-32",
+    "truncated": r"model_optim_rng.pt: not a torch zip checkpoint or truncated",
+    "missing-file": r"mp_rank_00/model_optim_rng.pt:? (is )?missing",
+    "garbage-metadata": r"model_optim_rng.pt: .*data.pkl.*(CRC|corrupt)"}
+for _fmt in NAMED:
+    NAMED[_fmt]["tracker-no-iteration"] = \
+        r"latest_checkpointed_iteration.txt: .*(names no iteration|expected an iteration)"
+GRID = [(f, d) for f in FOLDER for d in DAMAGE]
+
+
+def damaged(fx, t, fmt, damage):
+    d = copy(fx / FOLDER[fmt], t / FOLDER[fmt])
+    DAMAGE[damage](str(d), "torch" if fmt == "legacy" else fmt)
+    return d
+
+
+def _use(fmt, damage):
+    """The command that uses a damaged checkpoint of ``fmt``, and whether it must fail (else:
+    the documented fallback, exit 0 with the damage said on stdout)."""
+    def build(fx, t, o):
+        d = damaged(fx, t, fmt, damage)
+        if fmt == "legacy":
+            return TO_HF + ["--load-dir", d, "--save-dir", o]
+        if fmt == "native" and damage != "tracker-no-iteration":
+            return ["export", d / "iter_0000001", o]
+        return ["train", CONFIG, *TRAIN, "--training.output_dir", o, "--training.resume", "auto",
+                "--checkpoint.format", "torch_dist" if fmt == "torch_dist" else
+                ("torch" if fmt == "torch" else "ms_llm"), "--checkpoint.save_dir", d]
+    return build, fmt == "legacy" or damage != "tracker-no-iteration"
+
+
+for _fmt, _damage in GRID:
+    _build, _fails = _use(_fmt, _damage)
+    if _fails:
+        _why = NAMED[_fmt][_damage]
+        if _fmt in ("torch", "torch_dist"):
+            _why = r"do not verify and none to resume from \(.*" + _why
+        CASES[f"{_fmt}-{_damage}"] = (lambda b, w: lambda fx, t, o: (b(fx, t, o), w))(
+            _build, _why)
+
+
+@pytest.mark.parametrize("fmt,damage", GRID)
+def test_checkpoint_verify_names_the_damage(fmt, damage, fx, tmp_path, capsys):
+    """``ms-llm checkpoint verify``: exit 1 and one FAILED line naming the damaged file."""
+    d = damaged(fx, tmp_path, fmt, damage)
+    capsys.readouterr()
+    rc = cli(["checkpoint", "verify", str(d)])
+    out, err = capsys.readouterr()
+    failed = [ln for ln in out.splitlines() if ": FAILED: " in ln]
+    assert rc == 1 and "Traceback" not in err, out + err
+    assert len(failed) == 1, out
+    assert re.search(NAMED[fmt][damage], failed[0]), failed[0]
+
+
+@pytest.mark.parametrize("fmt", [f for f, d in GRID if not _use(f, d)[1]])
+def test_tracker_naming_no_iteration_falls_back_to_the_newest_iteration(fmt, fx, tmp_path,
+                                                                       capsys):
+    """The documented fallback: resume says the tracker names no iteration and continues from
+    the newest ``iter_*`` that verifies (here iteration 1 = max_steps: nothing left to train)."""
+    argv = [str(a) for a in _use(fmt, "tracker-no-iteration")[0](fx, tmp_path,
+                                                                 str(tmp_path / "out"))]
+    capsys.readouterr()
+    rc = cli(argv)
+    out, err = capsys.readouterr()
+    assert rc in (0, None) and "Traceback" not in err, out + err
+    said = [ln for ln in out.splitlines() if "latest_checkpointed_iteration.txt" in ln]
+    assert len(said) == 1 and re.search("not-an-iteration", said[0]), out
+    assert re.search(r"resumed from .*iter_0000001 at step 1", out), out
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

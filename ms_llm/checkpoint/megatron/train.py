@@ -30,7 +30,8 @@ from .. import torch_pickle
 from ..native.format import TRACKER
 from .distopt import DISTRIB, read_distrib_optim
 from ..torch_dist.model import MOMENTS
-from ..torch_dist.train import read_training_dcp, write_tracker, write_training_dcp
+from ..torch_dist.train import read_training_dcp, staged_iter, write_tracker, \
+    write_training_dcp
 from ..torch_pickle.reader import load as load_torch_file
 
 FILE = "model_optim_rng.pt"
@@ -72,6 +73,12 @@ def latest_legacy(folder: str) -> Optional[Tuple[str, int]]:
     path = os.path.join(folder, f"iter_{int(text):07d}") if text.isdigit() else None
     if path is None or not os.path.isdir(path):
         return None
+    return None if latest_legacy_training(path) is None else (path, int(text))
+
+
+def latest_legacy_training(path: str) -> Optional[str]:
+    """``path`` when its first rank file holds an ``optimizer`` entry (a training state), else
+    None (converted weights). A file the reader refuses raises ``TorchFormatError``."""
     files = [os.path.join(path, d, FILE) for d in sorted(os.listdir(path))
              if d.startswith("mp_rank_") and os.path.isfile(os.path.join(path, d, FILE))]
     if not files:
@@ -81,7 +88,7 @@ def latest_legacy(folder: str) -> Optional[Tuple[str, int]]:
         has_optim = isinstance(ckpt.obj, dict) and ckpt.obj.get("optimizer") is not None
     finally:
         ckpt.close()
-    return (path, int(text)) if has_optim else None
+    return path if has_optim else None
 
 
 def _arr(v) -> np.ndarray:
@@ -219,12 +226,12 @@ def export_legacy(dcp_path: str, save_dir: str, *, lr: float, betas, eps: float,
     args = argparse.Namespace(**{**(megatron_args or {}), "iteration": step,
                                  "consumed_train_samples": consumed,
                                  "consumed_valid_samples": 0, "ckpt_format": "torch"})
-    out = os.path.join(save_dir, f"iter_{step:07d}")
-    os.makedirs(os.path.join(out, "mp_rank_00"), exist_ok=True)
     sd = {"args": args, "checkpoint_version": 3.0, "iteration": step, "model": model,
           "optimizer": {"state": opt_state, "param_groups": param_groups_sd}}
     if state.get("opt_param_scheduler") is not None:
         sd["opt_param_scheduler"] = state["opt_param_scheduler"]
-    torch_pickle.save(sd, os.path.join(out, "mp_rank_00", FILE))
+    with staged_iter(save_dir, step) as tmp:
+        os.makedirs(os.path.join(tmp, "mp_rank_00"))
+        torch_pickle.save(sd, os.path.join(tmp, "mp_rank_00", FILE))
     write_tracker(save_dir, step)
-    return out
+    return os.path.join(save_dir, f"iter_{step:07d}")

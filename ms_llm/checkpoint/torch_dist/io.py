@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import torch_pickle
-from ..torch_pickle.format import GlobalRef, torch_dtype
+from ..torch_pickle.format import GlobalRef, TorchFormatError, torch_dtype
 from ..torch_pickle.reader import load as load_torch_file
 
 METADATA, COMMON, BACKEND = ".metadata", "common.pt", "metadata.json"
@@ -111,11 +111,17 @@ class TensorEntry:
 
 
 def is_torch_dist_dir(path: str) -> bool:
+    """Whether ``path`` holds a torch_dist checkpoint (an unreadable ``metadata.json`` says
+    no; ``checkpoint.formats`` names what is wrong with such a folder)."""
     f = os.path.join(path, BACKEND)
     if not (os.path.isfile(f) and os.path.isfile(os.path.join(path, METADATA))):
         return False
-    with open(f, encoding="utf-8") as fh:
-        return json.load(fh).get("sharded_backend") == "torch_dist"
+    try:
+        with open(f, encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("sharded_backend") == "torch_dist"
 
 
 class TorchDistReader:
@@ -123,14 +129,26 @@ class TorchDistReader:
 
     def __init__(self, path: str):
         self.path = path
-        try:
-            with open(os.path.join(path, METADATA), "rb") as f:
-                meta = _MetadataUnpickler(f).load()
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as e:
-            raise ValueError(f"{os.path.join(path, METADATA)}: not a torch_dist metadata file "
-                             f"({e})") from None
+        mpath = os.path.join(path, METADATA)
+        if not os.path.isfile(mpath):
+            raise ValueError(f"{mpath} is missing (the save did not finish)")
         self.tensors: Dict[str, TensorEntry] = {}
         self.objects: Dict[str, Chunk] = {}
+        try:   # a damaged file may provoke any error while it is parsed and walked
+            with open(mpath, "rb") as f:
+                self._index(_MetadataUnpickler(f).load())
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{mpath}: not a torch_dist metadata file ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:160]})") from None
+        from .verify import torch_dist_problem   # chunks inside files, no aliasing
+        why = torch_dist_problem(self)
+        if why:
+            raise ValueError(why)
+        common = os.path.join(path, COMMON)
+        self.common = load_torch_file(common) if os.path.isfile(common) else {}
+
+    def _index(self, meta) -> None:
+        """Tensors (shape, dtype, chunks) and byte items from the parsed ``.metadata``."""
         for key, m in meta.state_dict_metadata.items():
             if type(m).__name__ == "TensorStorageMetadata":
                 props = m.properties   # TensorProperties pickles its fields as a tuple
@@ -141,16 +159,13 @@ class TorchDistReader:
             where = (info.relative_path, int(info.offset), int(info.length))
             if idx.fqn in self.tensors:
                 off = tuple(idx.offset)
-                chunk = next(c for c in self.tensors[idx.fqn].chunks if c.offsets == off)
+                chunk = next((c for c in self.tensors[idx.fqn].chunks if c.offsets == off), None)
+                if chunk is None:
+                    raise ValueError(f"{idx.fqn}: bytes stored for a chunk at {list(off)} "
+                                     f"that it does not list")
                 chunk.file, chunk.byte_offset, chunk.length = where
             else:
                 self.objects[idx.fqn] = Chunk((), (), *where)
-        from .verify import torch_dist_problem   # chunks inside files, no aliasing
-        why = torch_dist_problem(self)
-        if why:
-            raise ValueError(why)
-        common = os.path.join(path, COMMON)
-        self.common = load_torch_file(common) if os.path.isfile(common) else {}
 
     def _blob(self, c: Chunk) -> bytes:
         with open(os.path.join(self.path, c.file), "rb") as f:
@@ -171,7 +186,12 @@ class TorchDistReader:
             with tempfile.NamedTemporaryFile(suffix=".pt") as tmp:
                 tmp.write(self._blob(c))
                 tmp.flush()
-                part = np.asarray(load_torch_file(tmp.name))
+                part = np.asarray(_chunk_file(tmp.name, c, self.path))
+            want = int(np.prod(c.sizes, dtype=np.int64))
+            if part.size != want or (e.dtype in _TORCH_NAMES and str(part.dtype) != e.dtype):
+                raise ValueError(f"{os.path.join(self.path, c.file)}: tensor {key!r} chunk at "
+                                 f"{list(c.offsets)} holds {part.size} {part.dtype} values, "
+                                 f".metadata records {list(c.sizes)} {e.dtype}")
             if out is None:
                 out = np.zeros(e.shape, part.dtype)
             out[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))] = \
@@ -180,6 +200,16 @@ class TorchDistReader:
 
     def object_bytes(self, key: str) -> bytes:
         return self._blob(self.objects[key])
+
+
+def _chunk_file(tmp: str, c: Chunk, folder: str):
+    """A chunk's ``torch.save`` blob (zip CRC-32 checked), its errors naming the ``.distcp``
+    file and byte range instead of the temporary copy."""
+    try:
+        return load_torch_file(tmp)
+    except TorchFormatError as e:
+        where = f"{os.path.join(folder, c.file)} bytes {c.byte_offset}..{c.byte_offset + c.length}"
+        raise TorchFormatError(str(e).replace(tmp, where)) from None
 
 
 class TorchDistWriter:

@@ -22,8 +22,10 @@ by ``distopt``; the export writes the non-distributed layout (see there).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from typing import Dict, Optional, Tuple
+import shutil
+from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -92,6 +94,11 @@ def write_training_dcp(save_dir: str, model: Dict[str, np.ndarray],
                        gated: bool, global_batch_size: int, source: str) -> Tuple[str, dict]:
     """A Megatron training state (global tensors under the per-layer Megatron names, moments as
     ``exp_avg.<name>``, ``step``) as a one-rank ms-llm checkpoint at ``iteration``."""
+    for key, value in (("iteration", iteration), ("args.consumed_train_samples", consumed)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 0):
+            raise ValueError(f"{source}: {key} must be a non-negative integer, got "
+                             f"{value!r:.40} (tampered or corrupt)")
     local: Dict[str, LocalChunk] = {}
 
     def add(name: str, value: np.ndarray) -> None:
@@ -148,6 +155,24 @@ def read_training_dcp(dcp_path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, n
     return model, optim, state, step
 
 
+@contextlib.contextmanager
+def staged_iter(save_dir: str, step: int) -> Iterator[str]:
+    """A temporary ``.tmp_iter_<step>`` folder to write a Megatron-format save into, renamed to
+    ``iter_<step>`` only once it is whole (removed if the write fails), so an interrupted save
+    never leaves a folder that looks like a checkpoint."""
+    out = os.path.join(save_dir, f"iter_{step:07d}")
+    tmp = os.path.join(save_dir, f".tmp_iter_{step:07d}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.isdir(out):   # the same step saved again (a resumed run): the new one wins
+        shutil.rmtree(out)
+    os.rename(tmp, out)
+
+
 def write_tracker(save_dir: str, step: int) -> None:
     tmp = os.path.join(save_dir, TRACKER + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -168,11 +193,11 @@ def export_torch_dist(dcp_path: str, save_dir: str, *, lr: float, betas, eps: fl
     args = argparse.Namespace(**{**(megatron_args or {}), "iteration": step,
                                  "consumed_train_samples": consumed,
                                  "consumed_valid_samples": 0, "ckpt_format": "torch_dist"})
-    out = os.path.join(save_dir, f"iter_{step:07d}")
-    write_training_state(TorchDistWriter(out), model, optim, iteration=step,
-                         scheduler=state.get("opt_param_scheduler"), lr=lr, betas=betas,
-                         eps=eps, weight_decay=weight_decay,
-                         extra_common={"args": args, "checkpoint_version": 3.0},
-                         distributed=distributed)
+    with staged_iter(save_dir, step) as tmp:
+        write_training_state(TorchDistWriter(tmp), model, optim, iteration=step,
+                             scheduler=state.get("opt_param_scheduler"), lr=lr, betas=betas,
+                             eps=eps, weight_decay=weight_decay,
+                             extra_common={"args": args, "checkpoint_version": 3.0},
+                             distributed=distributed)
     write_tracker(save_dir, step)
-    return out
+    return os.path.join(save_dir, f"iter_{step:07d}")
