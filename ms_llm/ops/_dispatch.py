@@ -16,6 +16,7 @@ log = logging.getLogger("ms_llm.ops")
 OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear", "residual_add",
        "embedding", "split_last", "cast")
 _PATHS: dict = {}
+_NOTICED: set = set()
 # Ops with a C++ CPU kernel (attention: its fused scale + causal mask + softmax): every one.
 AOT_OPS = OPS
 
@@ -54,3 +55,11 @@ def path_for(op: str) -> str:
     if not _PATHS:
         resolve_paths()
     return _PATHS[op]
+
+
+def fallback_notice(op: str, reason: str) -> None:
+    """Log once per process and reason that ``op`` takes its composed form instead of the native
+    kernel (the kernel's documented limits exclude this call)."""
+    if (op, reason) not in _NOTICED:
+        _NOTICED.add((op, reason))
+        log.warning("ms_llm.ops.%s: composed path instead of the Ascend kernel (%s)", op, reason)
