@@ -71,7 +71,7 @@ SCRIPTS: Dict[str, Tuple[str, str, str]] = {
 
 def _reads(setting) -> str:
     """How the variable's text becomes the key's value: for a switch, what 1 and 0 give."""
-    if not isinstance(setting.default, bool):
+    if not isinstance(setting.from_env("1"), bool):   # a switch may default to null
         return "the key's value"
     return ", ".join(f"{code(v)}: {code(value_text(setting.from_env(v)))}" for v in ("1", "0"))
 
