@@ -133,10 +133,28 @@ def _gmm(calls):
     return fake
 
 
+def _recording(name, fake, calls):
+    """``fake`` that also keeps each call's exact arguments in ``calls.raw[name]`` (the
+    contract tests bind them to the real kernel's signature)."""
+    def call(*args, **kwargs):
+        calls.raw[name].append((args, kwargs))
+        return fake(*args, **kwargs)
+    return call
+
+
+class Calls(defaultdict):
+    """The fakes' records: ``calls[kernel]`` what each fake noted, ``calls.raw[kernel]`` the
+    ``(args, kwargs)`` ms-llm passed."""
+
+    def __init__(self):
+        super().__init__(list)
+        self.raw = defaultdict(list)
+
+
 def fake_ascend(monkeypatch):
     """Switch this test to the fake Ascend device; returns ``(calls, paths)``: the fakes'
     recorded calls by kernel name, and the dispatch table (``paths.read``: entries reached)."""
-    calls = defaultdict(list)
+    calls = Calls()
     paths = RecordingPaths()
     # the module: ms_llm.compat re-exports its device() under the same name
     monkeypatch.setitem(sys.modules["ms_llm.compat.device"]._STATE, "device", "Ascend")
@@ -146,11 +164,12 @@ def fake_ascend(monkeypatch):
     # every ms_llm.ops dispatch see Ascend.
     monkeypatch.setattr(importlib.import_module("ms_llm.compat.functional"), "is_cpu",
                         lambda: True)
-    monkeypatch.setattr(ops, "flash_attention_score", _flash(calls))
-    monkeypatch.setattr(ops, "rms_norm", _rms_norm(calls))
-    monkeypatch.setattr(ops, "swiglu", _swiglu(calls))
-    monkeypatch.setattr(ops, "rotary_position_embedding", _rope(calls))
-    monkeypatch.setattr(moe, "grouped_matmul_kernel", lambda: _gmm(calls))
-    monkeypatch.setattr(mint.nn.functional, "cross_entropy", _cross_entropy(calls))
-    monkeypatch.setattr(mint, "bincount", _bincount(calls))
+    for owner, name, make in ((ops, "flash_attention_score", _flash), (ops, "rms_norm", _rms_norm),
+                              (ops, "swiglu", _swiglu),
+                              (ops, "rotary_position_embedding", _rope),
+                              (mint.nn.functional, "cross_entropy", _cross_entropy),
+                              (mint, "bincount", _bincount)):
+        monkeypatch.setattr(owner, name, _recording(name, make(calls), calls))
+    gmm = _recording("gmm", _gmm(calls), calls)
+    monkeypatch.setattr(moe, "grouped_matmul_kernel", lambda: gmm)
     return calls, paths
