@@ -63,3 +63,13 @@ def fallback_notice(op: str, reason: str) -> None:
     if (op, reason) not in _NOTICED:
         _NOTICED.add((op, reason))
         log.warning("ms_llm.ops.%s: composed path instead of the Ascend kernel (%s)", op, reason)
+
+
+def native_unless(op: str, reason: str) -> str:
+    """``path_for(op)``, but ``composed`` (with one notice) when ``reason`` says why the native
+    kernel must not take this call ('' when it may)."""
+    path = path_for(op)
+    if path == "native" and reason:
+        fallback_notice(op, reason)
+        return "composed"
+    return path

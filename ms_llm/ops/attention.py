@@ -12,7 +12,7 @@ from mindspore import bool_
 
 from ms_llm.compat import F, bfloat16, float16, float32
 from . import cpu_kernels
-from ._dispatch import blas_enabled, fallback_notice, path_for
+from ._dispatch import blas_enabled, native_unless, path_for
 from .linear import bmm
 from .stream import cast
 
@@ -55,13 +55,7 @@ def _native_or_composed(q: Tensor) -> str:
 
 @constexpr   # a graph constant under mindspore.jit: the notice is logged at compile time
 def _attention_path(head_dim: int, dtype) -> str:
-    path = path_for("attention")
-    if path == "native":
-        reason = flash_attention_refusal(head_dim, dtype)
-        if reason:
-            fallback_notice("attention", reason)
-            return "composed"
-    return path
+    return native_unless("attention", flash_attention_refusal(head_dim, dtype))
 
 
 def pair_kernel_enabled() -> bool:

@@ -10,7 +10,7 @@ from mindspore.ops import constexpr
 
 from ms_llm.compat import F, float32
 from . import cpu_kernels
-from ._dispatch import fallback_notice, path_for
+from ._dispatch import native_unless
 
 
 def rope_cos_sin(seq_len: int, dim: int, base: float, position_offset: int = 0,
@@ -55,13 +55,7 @@ def _apply_rope_full(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 @constexpr   # a graph constant under mindspore.jit: the notice is logged at compile time
 def _rope_path(shape: tuple, dtype) -> str:
-    path = path_for("rope")
-    if path == "native":
-        reason = native_rope_refusal(shape, dtype)
-        if reason:
-            fallback_notice("rope", reason)
-            return "composed"
-    return path
+    return native_unless("rope", native_rope_refusal(shape, dtype))
 
 
 def native_rope_refusal(shape: tuple, dtype) -> str:
