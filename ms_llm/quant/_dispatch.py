@@ -123,9 +123,10 @@ def _native_quant(t: Tensor, elem_dtype: str, scale_mode: str):
 
 def _native_mm_nt(a: Tensor, b: Tensor, elem_dtype: str, scale_mode: str) -> Tensor:
     """a [M, K] @ b [N, K]^T on MX operands via quant_matmul (group sizes [1, 1, 32]). UNTESTED."""
-    aq, a_scale = _native_quant(a, elem_dtype, scale_mode)
-    bq, b_scale = _native_quant(b, elem_dtype, scale_mode)
+    aq, a_scale = _native_quant(a, elem_dtype, scale_mode)      # [M, K], [M, K/32]
+    bq, b_scale = _native_quant(b, elem_dtype, scale_mode)      # [N, K], [N, K/32]
+    # x2 is [K, N]: its block scales transpose with it ([K/32, N])
     return ops.auto_generate.quant_matmul(
-        aq, bq.T, b_scale, pertoken_scale=a_scale, output_dtype=ms.float32,
+        aq, bq.T, b_scale.T, pertoken_scale=a_scale, output_dtype=ms.float32,
         scale_dtype=ms.float8_e8m0fnu, pertoken_scale_dtype=ms.float8_e8m0fnu,
         group_sizes=(1, 1, 32))

@@ -108,3 +108,37 @@ def test_mx_native_only_on_an_ascend_950(fake_ascend_mx, monkeypatch, soc, usabl
     assert (reason == "") == usable, reason
     if not usable:
         assert "Ascend 950 only" in reason
+
+
+def test_native_mx_call_binds_to_quant_matmul_with_scales_that_follow_the_operands(
+        fake_ascend_mx, monkeypatch):
+    """The native GEMM as it would run once MindSpore has the MX ops (stand-ins for the missing
+    ``dynamic_mx_quant`` and E8M0 dtype): the call binds to 2.10's ``quant_matmul`` and every
+    operand's block scales have the operand's layout (x2 = b^T [K, N], its scales [K/32, N])."""
+    import inspect
+    import numpy as np
+    from mindspore import Tensor
+    real = inspect.signature(ops.auto_generate.quant_matmul)
+    seen = {}
+
+    def quant(t, axis, round_mode, dst_type, blocksize, scale_alg):
+        assert axis == -1 and blocksize == 32
+        return t, Tensor(np.ones((t.shape[0], t.shape[1] // 32), np.float32))
+
+    def matmul(*args, **kwargs):
+        bound = real.bind(*args, **kwargs).arguments
+        x1, x2, scale = bound["x1"], bound["x2"], bound["scale"]
+        assert x1.shape[1] == x2.shape[0]
+        assert scale.shape == (x2.shape[0] // 32, x2.shape[1])
+        assert bound["pertoken_scale"].shape == (x1.shape[0], x1.shape[1] // 32)
+        seen["ok"] = True
+        return Tensor(np.zeros((x1.shape[0], x2.shape[1]), np.float32))
+
+    monkeypatch.setattr(ops.auto_generate, "dynamic_mx_quant", quant, raising=False)
+    monkeypatch.setattr(ops.auto_generate, "quant_matmul", matmul)
+    monkeypatch.setattr(ms, "float8_e8m0fnu", ms.uint8, raising=False)
+    monkeypatch.setattr(ms, "float8_e4m3fn", getattr(ms, "float8_e4m3fn", ms.uint8), raising=False)
+    a = Tensor(np.ones((4, 64), np.float32))
+    b = Tensor(np.ones((8, 64), np.float32))
+    assert mx_dispatch._native_mm_nt(a, b, "float8_e4m3fn", "floor").shape == (4, 8)
+    assert seen["ok"]
