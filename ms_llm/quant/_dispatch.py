@@ -3,7 +3,10 @@
 * ``native``: Ascend 950 ("David" series) with a MindSpore that exposes a dynamic MX quantize op
   (``ops.auto_generate.dynamic_mx_quant``, CANN's ``aclnnDynamicMxQuant``), the E8M0 dtype and
   ``ops.auto_generate.quant_matmul`` (documented as "Only support on David training series").
-  **UNTESTED**: no Ascend 950 was available; the branch follows the documented signatures.
+  **UNTESTED**: no Ascend 950 was available. MindSpore 2.10 lacks ``dynamic_mx_quant`` and
+  ``float8_e8m0fnu`` (``missing_mx_ops``; a probe test flips when they appear), so on Ascend
+  ``auto`` emulates with one notice naming them and ``native`` is refused in one line; the SoC
+  must be an Ascend 950 (``MX_SOCS``).
   ``MS_LLM_MX_PATH=emulated`` forces emulation on any device.
 * ``emulated``: every operand is quantized and dequantized bit-exactly to OCP MX v1.0
   (``ms_llm.quant.mx.fake_quantize``) and multiplied in fp32. MindSpore 2.10 on CPU has no fp8
