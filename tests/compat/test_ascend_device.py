@@ -142,3 +142,8 @@ def test_native_mx_call_binds_to_quant_matmul_with_scales_that_follow_the_operan
     b = Tensor(np.ones((8, 64), np.float32))
     assert mx_dispatch._native_mm_nt(a, b, "float8_e4m3fn", "floor").shape == (4, 8)
     assert seen["ok"]
+
+
+def test_the_soc_query_answers_empty_without_an_ascend_runtime():
+    from ms_llm.compat.private_api import ascend_soc_version
+    assert ascend_soc_version() == ""
