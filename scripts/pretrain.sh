@@ -6,7 +6,8 @@
 #   NNODES           nodes in the job (MindSpeed's name), default 1
 #   NODE_RANK        this node's index, 0 .. NNODES-1 (node 0 hosts the scheduler), default 0
 #   NPUS_PER_NODE    workers per node (MindSpeed's name), default NPROC
-#   MASTER_ADDR      address of node 0 (127.0.0.1), MASTER_PORT (8118)
+#   MASTER_ADDR      address of node 0 (127.0.0.1 on one node; required when NNODES > 1),
+#                    MASTER_PORT (8118)
 #   LOG_DIR          msrun's worker logs (outputs/msrun_logs)
 #   CLUSTER_TIME_OUT seconds msrun waits for a lost worker or a missing node (120)
 #   MAX_RESTARTS     relaunch a failed job this often with --training.resume auto (default: the
@@ -34,6 +35,11 @@ is_count "$NPUS_PER_NODE" && (( NPUS_PER_NODE >= 1 )) \
 is_count "$NODE_RANK" && (( NODE_RANK < NNODES )) \
   || die "NODE_RANK must be an integer in [0, NNODES-1=$((NNODES - 1))], got '$NODE_RANK'"
 WORLD_SIZE=$((NNODES * NPUS_PER_NODE))
+# One node may default to loopback; on several nodes 127.0.0.1 would make every node its own
+# master and leave the job waiting until the cluster time-out, so node 0's address is required.
+if (( NNODES > 1 )) && [[ -z "${MASTER_ADDR:-}" ]]; then
+  die "NNODES=$NNODES needs MASTER_ADDR set to node 0's address (the same on every node)"
+fi
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-8118}"
 LOG_DIR="${LOG_DIR:-outputs/msrun_logs}"

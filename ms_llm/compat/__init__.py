@@ -42,7 +42,7 @@ from mindspore import Parameter, Tensor
 
 from . import functional as F
 from . import nn
-from .device import device, is_ascend, is_cpu, setup_device
+from .device import DeviceUnavailableError, device, is_ascend, is_cpu, setup_device
 from .dtypes import bfloat16, bool_, float16, float32, int32, int64, to_ms_dtype
 from .functional import (arange, cat, empty, from_numpy, full, full_like, no_grad, ones,
                          ones_like, stack, tensor, zeros, zeros_like)
@@ -50,6 +50,7 @@ from .nn import load_state_dict, manual_seed, state_dict
 
 __all__ = [
     "F", "nn", "Tensor", "Parameter", "device", "is_cpu", "is_ascend", "setup_device",
+    "DeviceUnavailableError",
     "float32", "float16", "bfloat16", "int32", "int64", "bool_", "to_ms_dtype",
     "tensor", "from_numpy", "zeros", "ones", "empty", "full", "zeros_like", "ones_like",
     "full_like", "arange", "cat", "stack", "no_grad", "manual_seed", "state_dict",

@@ -5,15 +5,23 @@ module, so model code never checks the device itself.
 """
 from __future__ import annotations
 
+import logging
+import os
 from typing import Optional
 
 import mindspore as ms
 from mindspore.ops import constexpr
 
-from .environment import setting
-from .private_api import device_chosen_by_caller
+from .environment import explicit, setting
+from .private_api import ascend_plugin_error, device_chosen_by_caller
 
 _STATE = {"device": None, "threads": None}
+log = logging.getLogger("ms_llm.compat")
+
+
+class DeviceUnavailableError(RuntimeError):
+    """The device (or a kernel path) the run asked for cannot be used here; the message is one
+    line naming the setting and the reason."""
 
 
 def setup_device(device: Optional[str] = None, *, threads: Optional[int] = None,
@@ -30,22 +38,24 @@ def setup_device(device: Optional[str] = None, *, threads: Optional[int] = None,
     elementwise kernel stalls ~4 ms on small VMs while matmul stays multi-threaded regardless.
     MindSpore allows setting it only once per process.
     ``synchronize`` makes PyNative errors surface at the failing op instead of leaking into later
-    ops. It defaults to on (``runtime.sync_ops: false`` turns it off): on small CPU VMs handing every op to
-    MindSpore's async launch thread costs more than it saves (measured: the 50M-model PyNative
-    forward+backward took 6.4-7.0 s synchronous against 9.3-9.9 s asynchronous).
-    """
+    ops; ``runtime.sync_ops`` sets it, by default on for CPU and off on Ascend
+    (``sync_ops_default``)."""
     if _STATE["device"] is None:
         running = _running_device()
         configured = setting("training.device")
         configured = None if configured == "auto" else configured
         wanted = _normalise(device or configured or running or _detect())
         if running is None:
+            if wanted == "Ascend" and not ascend_available():
+                raise DeviceUnavailableError(f"device Ascend asked for (training.device), but "
+                                             f"MindSpore {ms.__version__} cannot use it: "
+                                             f"{ascend_unavailable_reason()}")
             ms.set_device(wanted)
         elif running != wanted:
             raise RuntimeError(f"device: MindSpore already runs on {running} in this process, "
                                f"cannot switch to {wanted}")
         if synchronize is None:
-            synchronize = bool(setting("runtime.sync_ops"))
+            synchronize = sync_ops_default(wanted)
         ms.set_context(mode=ms.PYNATIVE_MODE)
         if synchronize:   # the non-deprecated form of set_context(pynative_synchronize=True)
             ms.runtime.launch_blocking()
@@ -56,6 +66,17 @@ def setup_device(device: Optional[str] = None, *, threads: Optional[int] = None,
     if _STATE["device"] == "CPU" and _STATE["threads"] is None:
         _set_cpu_threads(threads)
     return _STATE["device"]
+
+
+def sync_ops_default(device: str) -> bool:
+    """``runtime.sync_ops`` when set, else on for CPU only. On small CPU VMs handing every op to
+    MindSpore's async launch thread costs more than it saves (measured: the 50M-model PyNative
+    forward+backward took 6.4-7.0 s synchronous against 9.3-9.9 s asynchronous); on an NPU the
+    asynchronous launch is what keeps the device busy, and nothing was measured there."""
+    value = setting("runtime.sync_ops")
+    if value is None or not explicit("runtime.sync_ops"):
+        return device == "CPU"
+    return bool(value)
 
 
 def _normalise(device: str) -> str:
@@ -89,10 +110,33 @@ def _set_cpu_threads(threads: Optional[int]) -> None:
     _STATE["threads"] = n
 
 
+def ascend_available() -> bool:
+    """Whether this MindSpore loaded its Ascend plugin (its own check, without its log lines)."""
+    return not ascend_unavailable_reason()
+
+
+def ascend_unavailable_reason() -> str:
+    """'' when MindSpore can use Ascend, else why not, on one line: the plugin's load error
+    (``mindspore.device_context.ascend.is_available`` logs the same) or "CPU build"."""
+    error = ascend_plugin_error()
+    if error is None:
+        return ""
+    return " ".join(error.split()) or "this MindSpore package has no Ascend plugin (CPU build)"
+
+
 def _detect() -> str:
     # MindSpore's own default target, as installed: "Ascend" for the Ascend wheel, "CPU" otherwise.
     target = ms.get_context("device_target")
-    return "Ascend" if target == "Ascend" else "CPU"
+    if target == "Ascend":
+        return "Ascend"
+    if _looks_like_an_ascend_host():   # NPUs here, but MindSpore cannot use them: say why
+        log.warning("device auto: running on CPU although this host has Ascend NPUs: %s",
+                    ascend_unavailable_reason() or "MindSpore's default target is CPU")
+    return "CPU"
+
+
+def _looks_like_an_ascend_host() -> bool:
+    return os.path.exists("/dev/davinci0") or bool(os.environ.get("ASCEND_HOME_PATH"))
 
 
 def device() -> str:

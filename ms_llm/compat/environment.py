@@ -13,7 +13,7 @@ key                     deprecated alias             meaning
 ======================  ===========================  =======================================
 training.device         MS_LLM_DEVICE                auto | CPU | Ascend
 runtime.log_level       MS_LLM_LOG_LEVEL             Python log level of ``ms-llm train``
-runtime.sync_ops        MS_LLM_SYNC (0 = false)      PyNative ops run synchronously
+runtime.sync_ops        MS_LLM_SYNC (0 = false)      PyNative ops run synchronously (null: CPU)
 runtime.cpu_threads     MS_LLM_CPU_THREADS           MindSpore's CPU kernel thread pool
 runtime.comm_thread     MS_LLM_COMM_THREAD (0 = f.)  collectives on a communication thread
 runtime.shm_collectives MS_LLM_SHM_COLLECTIVES (0=f) one host's collectives via shared memory
@@ -52,7 +52,7 @@ class Setting:
 SETTINGS: Dict[str, Setting] = {s.key: s for s in (
     Setting("training.device", "MS_LLM_DEVICE", "auto", str),
     Setting("runtime.log_level", "MS_LLM_LOG_LEVEL", "WARNING", str),
-    Setting("runtime.sync_ops", "MS_LLM_SYNC", True, lambda v: v.strip() == "1"),
+    Setting("runtime.sync_ops", "MS_LLM_SYNC", None, lambda v: v.strip() == "1"),
     Setting("runtime.cpu_threads", "MS_LLM_CPU_THREADS", 1, int),
     Setting("runtime.comm_thread", "MS_LLM_COMM_THREAD", True, lambda v: v.strip() != "0"),
     Setting("runtime.shm_collectives", "MS_LLM_SHM_COLLECTIVES", True,

@@ -81,6 +81,36 @@ def device_chosen_by_caller() -> bool:
     return bool(_require(conf, "is_device_enable", "DeviceManagerConf.is_device_enable")())
 
 
+def ascend_plugin_error():
+    """None when this MindSpore loaded its Ascend plugin, else the plugin's load error ('' when
+    it recorded none). ``mindspore.device_context.ascend.is_available()`` answers the same
+    question but only logs the error; it reads ``MSContext.load_plugin_error``."""
+    try:
+        from mindspore._c_expression import MSContext
+    except ImportError:
+        raise _missing("mindspore._c_expression.MSContext") from None
+    context = _require(MSContext, "get_instance", "MSContext.get_instance")()
+    if _require(context, "is_pkg_support_device", "MSContext.is_pkg_support_device")("Ascend"):
+        return None
+    return str(_require(context, "load_plugin_error", "MSContext.load_plugin_error")())
+
+
+def ascend_soc_version() -> str:
+    """The Ascend SoC CANN reports ("ascend910b", "ascend910_93", "ascend950", ...), lower
+    case, '' off Ascend: ``MSContext.get_ascend_soc_version``, which MindSpore itself uses to
+    pick custom-op configurations and has no public form."""
+    try:
+        from mindspore._c_expression import MSContext
+    except ImportError:
+        raise _missing("mindspore._c_expression.MSContext") from None
+    context = _require(MSContext, "get_instance", "MSContext.get_instance")()
+    getter = _require(context, "get_ascend_soc_version", "MSContext.get_ascend_soc_version")
+    try:
+        return str(getter() or "").lower()
+    except RuntimeError:   # no Ascend runtime in this process
+        return ""
+
+
 # ----------------------------------------------------------------------------- kernels
 def grouped_matmul_kernel() -> Callable:
     """MindSpore's grouped matmul ``gmm`` (Ascend kernel), which ``mindspore.ops`` does not export;

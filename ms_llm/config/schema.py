@@ -207,7 +207,7 @@ class RuntimeConfig(_Section):
     """How this process runs, not what it computes (these were ``MS_LLM_*`` variables, still
     read as deprecated aliases: ``ms_llm.compat.environment``)."""
     log_level: str = "WARNING"        # Python log level of ms-llm train (MS_LLM_LOG_LEVEL)
-    sync_ops: bool = True             # PyNative ops run synchronously (MS_LLM_SYNC)
+    sync_ops: Optional[bool] = None   # PyNative ops run synchronously; null: on CPU, not Ascend
     cpu_threads: int = 1              # MindSpore's CPU kernel threads (MS_LLM_CPU_THREADS)
     comm_thread: bool = True          # collectives on a communication thread (MS_LLM_COMM_THREAD)
     shm_collectives: bool = True      # one host's ranks communicate through shared memory on CPU

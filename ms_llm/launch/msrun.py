@@ -44,9 +44,13 @@ def msrun_command(script: str, args: Sequence[str] = (), *, worker_num: int,
 
     ``--join True`` makes msrun wait for its workers and exit non-zero when one fails; the
     cluster time-out bounds how long it waits for a lost worker or a missing node. The node
-    options are only written for a multi-node launch (``node_rank``/``master_addr`` given).
+    options are only written for a multi-node launch (``node_rank``/``master_addr`` given), which
+    needs ``master_addr``.
     ``master_port`` and ``log_dir`` may be placeholders a supervisor fills in per attempt."""
     local = worker_num if local_worker_num is None else local_worker_num
+    if local < worker_num and not master_addr:   # loopback would hang until the time-out
+        raise ValueError(f"msrun: {worker_num} workers over several nodes ({local} on this one) "
+                         "need master_addr, node 0's address")
     cmd = ["msrun", "--worker_num", str(worker_num), "--local_worker_num", str(local)]
     if node_rank is not None:
         cmd += ["--node_rank", str(node_rank)]

@@ -16,6 +16,7 @@ log = logging.getLogger("ms_llm.ops")
 OPS = ("rms_norm", "swiglu", "rope", "attention", "cross_entropy", "linear", "residual_add",
        "embedding", "split_last", "cast")
 _PATHS: dict = {}
+_NOTICED: set = set()
 # Ops with a C++ CPU kernel (attention: its fused scale + causal mask + softmax): every one.
 AOT_OPS = OPS
 
@@ -54,3 +55,21 @@ def path_for(op: str) -> str:
     if not _PATHS:
         resolve_paths()
     return _PATHS[op]
+
+
+def fallback_notice(op: str, reason: str) -> None:
+    """Log once per process and reason that ``op`` takes its composed form instead of the native
+    kernel (the kernel's documented limits exclude this call)."""
+    if (op, reason) not in _NOTICED:
+        _NOTICED.add((op, reason))
+        log.warning("ms_llm.ops.%s: composed path instead of the Ascend kernel (%s)", op, reason)
+
+
+def native_unless(op: str, reason: str) -> str:
+    """``path_for(op)``, but ``composed`` (with one notice) when ``reason`` says why the native
+    kernel must not take this call ('' when it may)."""
+    path = path_for(op)
+    if path == "native" and reason:
+        fallback_notice(op, reason)
+        return "composed"
+    return path

@@ -7,11 +7,12 @@ from typing import Optional
 
 import numpy as np
 from mindspore import Tensor, ops
+from mindspore.ops import constexpr
 from mindspore import bool_
 
 from ms_llm.compat import F, bfloat16, float16, float32
 from . import cpu_kernels
-from ._dispatch import blas_enabled, path_for
+from ._dispatch import blas_enabled, native_unless, path_for
 from .linear import bmm
 from .stream import cast
 
@@ -28,12 +29,33 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = N
     form with the causal mask aligned to the last query (query i sees keys ``<= sk - s + i``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     square = q.shape[2] == k.shape[2]
-    path = path_for("attention")
+    path = _native_or_composed(q)
     if path == "native" and (square or attention_mask is not None):
         return _flash_attention_ascend(q, k, v, scale, attention_mask)
     if path == "aot" and attention_mask is None and square:
         return _causal_attention_aot(q, k, v, scale)
     return causal_attention_composed(q, k, v, scale, attention_mask)
+
+
+def flash_attention_refusal(head_dim: int, dtype) -> str:
+    """Why ``ops.flash_attention_score`` must not take this call, or ''. MindSpore 2.10 documents
+    head_dim (D) a multiple of 16 and at most 512, and only fp16/bf16 q/k/v: an fp32 model would
+    silently run its attention in bf16, so it takes the composed (fp32) form instead."""
+    if head_dim % 16 or head_dim > 512:
+        return f"head_dim {head_dim} is not a multiple of 16 up to 512"
+    if dtype not in _FLASH_DTYPES:
+        return f"{dtype} q/k/v (the kernel computes in fp16/bf16 only)"
+    return ""
+
+
+def _native_or_composed(q: Tensor) -> str:
+    """The dispatch table's attention path, with the flash kernel's limits checked."""
+    return _attention_path(q.shape[-1], q.dtype)
+
+
+@constexpr   # a graph constant under mindspore.jit: the notice is logged at compile time
+def _attention_path(head_dim: int, dtype) -> str:
+    return native_unless("attention", flash_attention_refusal(head_dim, dtype))
 
 
 def pair_kernel_enabled() -> bool:
@@ -95,7 +117,7 @@ def cache_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor,
     (``cpu_kernels.decode.steps.cache_attention``) instead of the matmul / mask / softmax / matmul
     chain; a query that sees no slot then gets zeros rather than the chain's uniform average."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if path_for("attention") == "native":
+    if _native_or_composed(q) == "native":
         return _flash_attention_ascend(q, k, v, scale, attention_mask)
     b, nh, s, d = q.shape
     ng, sk = k.shape[1], k.shape[2]

@@ -238,6 +238,9 @@ def _gmm_padded(x: Tensor, weight: Weights, sizes: List[int], transpose_b: bool)
     return F.embedding(Tensor(unpad), y.reshape(len(sizes) * cap, y.shape[-1]))
 
 
+GMM_MAX_GROUPS = 1024   # gmm's documented limit for a Tensor group_list
+
+
 def _gmm_native(x: Tensor, weight: Weights, sizes: List[int], transpose_b: bool) -> Tensor:
     """UNTESTED (needs an Ascend device): MindSpore's grouped matmul ``gmm`` with ``group_type=0``
     (rows grouped), ``group_list`` the cumulative block ends, weights ``[E, K, M]``."""
@@ -248,7 +251,12 @@ def _gmm_native(x: Tensor, weight: Weights, sizes: List[int], transpose_b: bool)
     w = _stacked(weight)
     if transpose_b:
         w = w.swapaxes(1, 2)
-    ends = np.cumsum(sizes).astype(np.int64).tolist()
+    # A Tensor group list: MindSpore documents a Python list as at most 128 groups, a Tensor as
+    # at most 1024 (160-, 256- and 512-expert configs at little expert parallelism need it).
+    if len(sizes) > GMM_MAX_GROUPS:
+        raise ValueError(f"grouped_matmul impl 'native': {len(sizes)} local experts, MindSpore's "
+                         f"gmm takes at most {GMM_MAX_GROUPS}; raise expert parallelism")
+    ends = Tensor(np.cumsum(sizes).astype(np.int64))
     return gmm([x], [w], group_list=ends, group_type=0)[0]
 
 

@@ -11,7 +11,10 @@ from ._dispatch import path_for
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     path = path_for("rms_norm")
     if path == "native":  # Ascend fused kernel (ops.rms_norm has no CPU kernel)
-        return ops.rms_norm(x, weight, eps)[0]
+        # the API documents gamma of x's dtype (an fp32 parameter, or zero-centred 1 + w, with
+        # bf16 activations would not match)
+        gamma = weight if weight.dtype == x.dtype else weight.astype(x.dtype)
+        return ops.rms_norm(x, gamma, eps)[0]
     if path == "aot":  # fp32 arithmetic; bf16 x and weight are read and written as bf16
         return cpu_kernels.rms_norm(x, weight, eps)
     return rms_norm_composed(x, weight, eps)

@@ -4,11 +4,13 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
+import mindspore as ms
 from mindspore import Tensor, mint, ops
+from mindspore.ops import constexpr
 
 from ms_llm.compat import F, float32
 from . import cpu_kernels
-from ._dispatch import path_for
+from ._dispatch import native_unless
 
 
 def rope_cos_sin(seq_len: int, dim: int, base: float, position_offset: int = 0,
@@ -41,14 +43,36 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _apply_rope_full(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    path = path_for("rope") if cos.ndim == 2 else "composed"
-    if path == "native" and x.ndim == 4:
+    path = _rope_path(tuple(x.shape), x.dtype) if cos.ndim == 2 else "composed"
+    if path == "native":
         # Ascend fused kernel; mode 0 is rotate-half. No CPU kernel (RotaryPositionEmbedding).
         return ops.rotary_position_embedding(x, cos.reshape(1, 1, *cos.shape).astype(x.dtype),
                                              sin.reshape(1, 1, *sin.shape).astype(x.dtype), 0)
     if path == "aot":
         return cpu_kernels.rope(x, cos, sin, -2)
     return apply_rope_composed(x, cos, sin)
+
+
+@constexpr   # a graph constant under mindspore.jit: the notice is logged at compile time
+def _rope_path(shape: tuple, dtype) -> str:
+    return native_unless("rope", native_rope_refusal(shape, dtype))
+
+
+def native_rope_refusal(shape: tuple, dtype) -> str:
+    """Why ``ops.rotary_position_embedding`` (rotate-half, x BNSD, cos/sin 11SD) must not take
+    ``x`` of this shape, or ''. MindSpore 2.10 documents it as deprecated ("removed after
+    2.9.0"), for D even and < 896, B and N < 1000, and as not callable for BNSD when
+    B * N > 8 * S with D 32-byte aligned -- every decode step (S = 1) of a batch of 8 heads."""
+    if not hasattr(ops, "rotary_position_embedding"):
+        return f"mindspore {ms.__version__} has no ops.rotary_position_embedding"
+    if len(shape) != 4:
+        return f"x is {len(shape)}-D, the kernel takes BNSD"
+    b, n, s, d = shape
+    if d % 2 or d >= 896 or b >= 1000 or n >= 1000:
+        return f"x {list(shape)} outside D even < 896, B and N < 1000"
+    if b * n > 8 * s and (d * (4 if dtype == float32 else 2)) % 32 == 0:
+        return "BNSD with B*N > 8*S, as in a decode step"
+    return ""
 
 
 def apply_rope_composed(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -3,7 +3,10 @@
 * ``native``: Ascend 950 ("David" series) with a MindSpore that exposes a dynamic MX quantize op
   (``ops.auto_generate.dynamic_mx_quant``, CANN's ``aclnnDynamicMxQuant``), the E8M0 dtype and
   ``ops.auto_generate.quant_matmul`` (documented as "Only support on David training series").
-  **UNTESTED**: no Ascend 950 was available; the branch follows the documented signatures.
+  **UNTESTED**: no Ascend 950 was available. MindSpore 2.10 lacks ``dynamic_mx_quant`` and
+  ``float8_e8m0fnu`` (``missing_mx_ops``; a probe test flips when they appear), so on Ascend
+  ``auto`` emulates with one notice naming them and ``native`` is refused in one line; the SoC
+  must be an Ascend 950 (``MX_SOCS``).
   ``MS_LLM_MX_PATH=emulated`` forces emulation on any device.
 * ``emulated``: every operand is quantized and dequantized bit-exactly to OCP MX v1.0
   (``ms_llm.quant.mx.fake_quantize``) and multiplied in fp32. MindSpore 2.10 on CPU has no fp8
@@ -20,7 +23,8 @@ import mindspore as ms
 from mindspore import Tensor, mint, ops
 from mindspore.ops import constexpr
 
-from ms_llm.compat import is_ascend
+from ms_llm.compat import DeviceUnavailableError, is_ascend
+from ms_llm.compat.private_api import ascend_soc_version
 from ms_llm.compat.environment import setting
 from .mx import fake_quantize
 
@@ -28,16 +32,30 @@ log = logging.getLogger("ms_llm.quant")
 _STATE: dict = {}
 
 
+def missing_mx_ops() -> list:
+    """The MindSpore pieces the native MX path needs that the installed MindSpore lacks (2.10:
+    ``dynamic_mx_quant`` and ``float8_e8m0fnu``; ``quant_matmul`` exists but takes per-tensor
+    or per-channel scales, not per-32-element block scales)."""
+    missing = [n for n in ("dynamic_mx_quant", "quant_matmul")
+               if not hasattr(ops.auto_generate, n)]
+    if not hasattr(ms, "float8_e8m0fnu"):
+        missing.append("float8_e8m0fnu")
+    return missing
+
+
+MX_SOCS = ("ascend950",)   # CANN SoC names with MX (E8M0-scaled fp8) matmul units
+
+
 def _native_support() -> str:
     """'' when the native kernels are usable, else the reason they are not."""
     if not is_ascend():
         return "device is not Ascend"
-    ag = ops.auto_generate
-    missing = [n for n in ("dynamic_mx_quant", "quant_matmul") if not hasattr(ag, n)]
-    if not hasattr(ms, "float8_e8m0fnu"):
-        missing.append("mindspore.float8_e8m0fnu")
+    missing = missing_mx_ops()
     if missing:
-        return f"mindspore {ms.__version__} lacks {', '.join(missing)}"
+        return f"MindSpore {ms.__version__} lacks {', '.join(missing)}"
+    soc = ascend_soc_version()
+    if not soc.startswith(MX_SOCS):
+        return f"Ascend SoC {soc or 'unknown'} has no MX matmul (Ascend 950 only)"
     return ""
 
 
@@ -49,12 +67,15 @@ def resolve_mx_path() -> str:
             raise ValueError(f"quant.mx_path: expected auto, native or emulated, got {forced!r}")
         reason = _native_support()
         if forced == "native" and reason:
-            raise RuntimeError(f"quant.mx_path native but the native MX kernels are unusable: "
-                               f"{reason}")
+            raise DeviceUnavailableError(f"quant.mx_path native: the native MX kernels are "
+                                         f"unusable ({reason}); use auto or emulated")
         path = "emulated" if forced == "emulated" or reason else "native"
         _STATE["path"] = path
         if path == "native":
             log.info("MXFP8 matmuls use the native Ascend kernels (untested in ms-llm's CI)")
+        elif forced == "auto" and is_ascend():   # an Ascend user expects native: say why not
+            log.warning("quant.mx_path auto: MXFP8 matmuls are emulated in fp32 on Ascend "
+                        "(%s)", reason)
         else:
             log.info("MXFP8 matmuls are emulated bit-exactly in fp32 (%s)",
                      "quant.mx_path emulated" if forced == "emulated" else reason)
@@ -105,9 +126,10 @@ def _native_quant(t: Tensor, elem_dtype: str, scale_mode: str):
 
 def _native_mm_nt(a: Tensor, b: Tensor, elem_dtype: str, scale_mode: str) -> Tensor:
     """a [M, K] @ b [N, K]^T on MX operands via quant_matmul (group sizes [1, 1, 32]). UNTESTED."""
-    aq, a_scale = _native_quant(a, elem_dtype, scale_mode)
-    bq, b_scale = _native_quant(b, elem_dtype, scale_mode)
+    aq, a_scale = _native_quant(a, elem_dtype, scale_mode)      # [M, K], [M, K/32]
+    bq, b_scale = _native_quant(b, elem_dtype, scale_mode)      # [N, K], [N, K/32]
+    # x2 is [K, N]: its block scales transpose with it ([K/32, N])
     return ops.auto_generate.quant_matmul(
-        aq, bq.T, b_scale, pertoken_scale=a_scale, output_dtype=ms.float32,
+        aq, bq.T, b_scale.T, pertoken_scale=a_scale, output_dtype=ms.float32,
         scale_dtype=ms.float8_e8m0fnu, pertoken_scale_dtype=ms.float8_e8m0fnu,
         group_sizes=(1, 1, 32))

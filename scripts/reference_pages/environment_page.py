@@ -48,7 +48,8 @@ SCRIPTS: Dict[str, Tuple[str, str, str]] = {
     "NODE_RANK": ("scripts/pretrain.sh", "0", "this node's index, 0 .. NNODES-1 (node 0 hosts "
                                               "the scheduler)"),
     "NPUS_PER_NODE": ("scripts/pretrain.sh", "NPROC", "workers per node (MindSpeed's name)"),
-    "MASTER_ADDR": ("scripts/pretrain.sh", "127.0.0.1", "address of node 0"),
+    "MASTER_ADDR": ("scripts/pretrain.sh", "127.0.0.1", "address of node 0; required when "
+                                                         "NNODES > 1"),
     "MASTER_PORT": ("scripts/pretrain.sh", "8118", "the scheduler's port; relaunch k uses "
                                                    "MASTER_PORT + k"),
     "LOG_DIR": ("scripts/pretrain.sh", "outputs/msrun_logs", "msrun's worker logs; relaunch k "
@@ -70,7 +71,7 @@ SCRIPTS: Dict[str, Tuple[str, str, str]] = {
 
 def _reads(setting) -> str:
     """How the variable's text becomes the key's value: for a switch, what 1 and 0 give."""
-    if not isinstance(setting.default, bool):
+    if not isinstance(setting.from_env("1"), bool):   # a switch may default to null
         return "the key's value"
     return ", ".join(f"{code(v)}: {code(value_text(setting.from_env(v)))}" for v in ("1", "0"))
 

@@ -58,6 +58,7 @@ def test_launcher_rejects_bad_node_settings(tmp_path):
     script = os.path.join(ROOT, "scripts", "pretrain.sh")
     for extra, needle in [({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK"),
                           ({"NNODES": "0"}, "NNODES"),
+                          ({"NNODES": "2", "NODE_RANK": "1"}, "MASTER_ADDR"),
                           ({"NPROC": "2", "NPUS_PER_NODE": "3"}, "disagree")]:
         r = subprocess.run(["bash", script], capture_output=True, text=True, timeout=60,
                            env=pretrain_env(tmp_path, **extra), cwd=tmp_path)
@@ -164,6 +165,9 @@ def test_msrun_command_single_and_multi_node():
                         cluster_time_out=30)
     assert two[:10] == ["msrun", "--worker_num", "4", "--local_worker_num", "2", "--node_rank",
                         "1", "--master_addr", "10.0.0.1", "--master_port"]
+    with pytest.raises(ValueError, match="master_addr"):
+        msrun_command("w.py", worker_num=4, local_worker_num=2, node_rank=1, master_port=1,
+                      log_dir="L")
     env = ms_launch.launch_env({"PYTHONPATH": f"/x{os.pathsep}{ms_launch.ROOT}", "PATH": "/bin"})
     assert env["PYTHONPATH"].split(os.pathsep) == [ms_launch.ROOT, "/x"]
     assert env["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
