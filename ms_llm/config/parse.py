@@ -84,8 +84,10 @@ def _read_yaml(path: str) -> dict:
 
 
 def parse_overrides(args: Sequence[str]) -> List[tuple]:
-    """``--training.max_steps 20`` or ``--training.max_steps=20`` -> [("training.max_steps", "20")]."""
-    out, i = [], 0
+    """``--training.max_steps 20`` or ``--training.max_steps=20`` -> [("training.max_steps", "20")].
+    A key given twice is refused (as in a YAML file): taking the last silently would hide a typo
+    in a long launch line."""
+    out, i, seen = [], 0, {}
     args = list(args)
     while i < len(args):
         a = args[i]
@@ -99,6 +101,10 @@ def parse_overrides(args: Sequence[str]) -> List[tuple]:
                 raise ConfigError(f"{COMMAND_LINE}: {a} needs a value")
             k, v = a[2:], args[i + 1]
             i += 2
+        if k in seen:
+            raise ConfigError(f"{COMMAND_LINE}: key '{k}' given twice (--{k} {seen[k]} and "
+                              f"--{k} {v}); give it once")
+        seen[k] = v
         out.append((k, v))
     return out
 

@@ -53,6 +53,10 @@ def translate(argv: Sequence[str], world_size: Optional[int] = None) -> Translat
     """The run-config keys of a Megatron argument list (one-line ConfigError for a refused or
     unknown flag, naming it). ``world_size`` (default: msrun's ``MS_WORKER_NUM``, else 1) gives
     Megatron's default global batch, micro batch x data-parallel size."""
+    # A flag given twice: the last wins, as in Megatron's argparse (MindSpeed scripts build
+    # their line from shell variables and rely on it). ``ms-llm train``'s own ``--section.key``
+    # line refuses a key given twice (``config.parse.parse_overrides``); this one keeps
+    # Megatron's semantics (tests/mindspeed/test_mindspeed_flags.py, --seed given twice).
     tr = Translation(keys=dict(MEGATRON_DEFAULTS))
     post: Dict[str, List[str]] = {}
     for flag, values in split_flags(argv):

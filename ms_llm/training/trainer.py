@@ -14,6 +14,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 from ms_llm.checkpoint.native import dcp
+from ms_llm.checkpoint import run_identity
 from ms_llm.checkpoint.verify import guard_save_dir
 from ms_llm.compat import manual_seed, setup_device
 from ms_llm.compat.environment import configure
@@ -206,12 +207,15 @@ class Trainer:
         if not megatron_checkpoint.is_torch_dist(self.cfg):
             guard_save_dir(ck.save_dir, latest, dataclasses.asdict(self.cfg.model), self._say,
                            self.dist.rank)   # never write over checkpoints that do not verify
-        if not auto and megatron is None:
-            return
-        if latest is None:
-            self._say(f"resume=auto: no complete checkpoint in {ck.save_dir}, starting fresh")
+        if megatron is None and (not auto or latest is None):
+            # resumes nothing: a save_dir holding another run's checkpoints is refused
+            self.run_id = run_identity.run_id_for(ck.save_dir, None, {})
+            if auto:
+                self._say(f"resume=auto: no complete checkpoint in {ck.save_dir}, "
+                          f"starting fresh")
             return
         state = ckpt.load(latest, self._checkpointed(), self.optimizer, self.pstate)
+        self.run_id = run_identity.run_id_for(ck.save_dir, megatron or latest, state)
         if self.cfg.lora.r:   # the adapters only fit the base they were trained on
             try:
                 lora_base.check_base(state.get(lora_base.STATE_KEY), self.cfg.checkpoint.load,
@@ -240,6 +244,9 @@ class Trainer:
                  "opt_param_scheduler": self.scheduler.state_dict(),
                  "skipped_steps": self.guard.skipped,
                  "model_config": dataclasses.asdict(self.cfg.model)}
+        state[run_identity.STATE_KEY] = self.run_id
+        if self.dist.rank == 0 and self.cfg.checkpoint.save_dir:   # the folder is this run's
+            run_identity.claim(self.cfg.checkpoint.save_dir, self.run_id)
         if self.cfg.lora.r:   # adapters only: record the base they belong to (rank 0 writes)
             if self._lora_state is None and self.dist.rank == 0:
                 self._lora_state = lora_base.lora_state(

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from helpers.cli import with_key
 from helpers.hf_fixtures import make_hf_checkpoint
 from helpers.parallel_common import TINY_MODEL
 from ms_llm.checkpoint.native import dcp
@@ -262,13 +263,23 @@ CASES = {
              copy(fx / "ckpt", t / "ckpt"))],
         "do not verify and none to resume from"),
     "train-resume-other-shape": lambda fx, t, o: (
-        ["train", CONFIG, *TRAIN, "--model.ffn_hidden_size", "96", "--training.output_dir", o,
-         "--training.resume", "auto", "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],
+        ["train", CONFIG, *with_key(TRAIN, "model.ffn_hidden_size", "96"),
+         "--training.output_dir", o, "--training.resume", "auto", "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],
         r"checkpoint error: .*has global shape \[\d+, \d+\], the model wants"),
     "train-fresh-into-other-model": lambda fx, t, o: (
-        ["train", CONFIG, *TRAIN, "--model.ffn_hidden_size", "96", "--training.output_dir", o,
-         "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],
+        ["train", CONFIG, *with_key(TRAIN, "model.ffn_hidden_size", "96"),
+         "--training.output_dir", o, "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],
         r"belongs to another model \(model.ffn_hidden_size 128 there, 96 in this run\)"),
+    "train-fresh-into-other-run": lambda fx, t, o: (
+        ["train", CONFIG, *TRAIN, "--training.seed", "7", "--training.output_dir", o,
+         "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],
+        r"checkpoint error: checkpoint.save_dir .*ckpt: holds the checkpoints of run [0-9a-f]{32} "
+        r"\(newest iter_0000001\) and this run resumes nothing; continue it with "
+        r"--training.resume auto, or give this run a new --checkpoint.save_dir"),
+    "train-key-given-twice": lambda fx, t, o: (
+        ["train", CONFIG, *TRAIN, "--training.max_steps", "3", "--training.output_dir", o],
+        r"config error: command line: key 'training.max_steps' given twice "
+        r"\(--training.max_steps 1 and --training.max_steps 3\)"),
     # generate / chat flags (checked before any model is loaded)
     **{f"{cmd}{flag}{value}": (lambda cmd, flag, value: lambda fx, t, o: (
         [cmd, "--load", fx / "hf", *(["--prompt", "hi"] if cmd == "generate" else []),

@@ -21,3 +21,14 @@ def run_ms_llm(*args, cwd=None, stdin: Optional[str] = None, timeout: float = 30
     full.setdefault("GLOG_v", "3")
     return subprocess.run([ms_llm_exe(), *[str(a) for a in args]], input=stdin,
                           capture_output=True, text=True, cwd=cwd, timeout=timeout, env=full)
+
+
+def with_key(argv, key: str, value: str) -> list:
+    """``argv`` (``--section.key VALUE`` pairs) with ``--key`` set to ``value``: replaced where
+    it is given, else appended (a key given twice on the command line is refused)."""
+    out = list(argv)
+    flag = f"--{key}"
+    if flag in out:
+        out[out.index(flag) + 1] = value
+        return out
+    return out + [flag, value]
