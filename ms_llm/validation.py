@@ -219,3 +219,20 @@ def check_generation_flags(max_new_tokens: Optional[int] = None,
         if value is not None:
             check(value)
 
+
+
+def writable_folder_problem(path: str) -> Optional[str]:
+    """Why a run cannot write into the folder ``path`` (created if missing), or None. Checked
+    by writing and removing a probe file, not with ``os.access`` (which says yes to root on a
+    read-only mount), so a folder that cannot be written is found before the first step
+    rather than at the first save after training."""
+    import os
+    import tempfile
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".ms_llm_write_probe_", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return f"{path}: cannot write there ({e.strerror or type(e).__name__})"
+    return None

@@ -75,6 +75,7 @@ class Trainer:
         configure(cfg.explicit_settings())   # runtime.* keys for the packages below the config
         self.dist = dist or DistInfo()
         check_launch(cfg, self.dist.world_size)   # the mesh, global batch, pipeline schedule
+        check_output_folders(cfg)   # before any model is built, not at the first save
         t = cfg.training
         p = cfg.parallel
         self.callbacks = CallbackList()
@@ -378,6 +379,17 @@ class Trainer:
             from .plot import plot_loss
             print(f"ms-llm: loss curve {plot_loss(t.output_dir)}", flush=True)
         return records
+
+
+def check_output_folders(cfg: RunConfig) -> None:
+    """``training.output_dir`` and ``checkpoint.save_dir`` can be written (one line naming the
+    key otherwise)."""
+    from ms_llm.validation import writable_folder_problem
+    for key, path in (("training.output_dir", cfg.training.output_dir),
+                      ("checkpoint.save_dir", cfg.checkpoint.save_dir)):
+        why = path and writable_folder_problem(path)
+        if why:
+            raise ConfigError(f"{key} {why}")
 
 
 def run(cfg: RunConfig) -> list:

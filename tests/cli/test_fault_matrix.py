@@ -150,6 +150,12 @@ def peft(fx, t, cfg=None, tensors=None):
     return d
 
 
+def blocked(t):
+    """A regular file where a folder is wanted (root writes anywhere, so no chmod)."""
+    (t / "blocker").write_text("a file, not a folder")
+    return t / "blocker"
+
+
 def yaml_file(t, text):
     p = t / "run.yaml"
     p.write_text(text)
@@ -276,6 +282,13 @@ CASES = {
         r"checkpoint error: checkpoint.save_dir .*ckpt: holds the checkpoints of run [0-9a-f]{32} "
         r"\(newest iter_0000001\) and this run resumes nothing; continue it with "
         r"--training.resume auto, or give this run a new --checkpoint.save_dir"),
+    "train-output-dir-unwritable": lambda fx, t, o: (
+        ["train", CONFIG, *TRAIN, "--training.output_dir", blocked(t) / "out"],
+        r"config error: training.output_dir .*blocker/out: cannot write there \(Not a directory\)"),
+    "train-save-dir-unwritable": lambda fx, t, o: (
+        ["train", CONFIG, *TRAIN, "--training.output_dir", o,
+         "--checkpoint.save_dir", blocked(t) / "ckpt"],
+        r"config error: checkpoint.save_dir .*blocker/ckpt: cannot write there"),
     "train-key-given-twice": lambda fx, t, o: (
         ["train", CONFIG, *TRAIN, "--training.max_steps", "3", "--training.output_dir", o],
         r"config error: command line: key 'training.max_steps' given twice "
