@@ -18,7 +18,8 @@ import yaml
 
 __all__ = ["InputError", "yaml_load_unique", "read_json_object", "validate_hf_config",
            "validate_adapter_config", "check_generation_flags", "check_int", "check_float",
-           "HF_INT_BOUNDS", "RUN_SIZE_BOUNDS", "size_bound_problem"]
+           "HF_INT_BOUNDS", "RUN_SIZE_BOUNDS", "size_bound_problem",
+           "writable_folder_problem"]
 
 
 class InputError(ValueError):

@@ -40,6 +40,7 @@ TRAIN = TINY_MODEL + ["--training.micro_batch_size", "2", "--training.global_bat
                       "--training.progress_bar", "false", "--training.jit", "false",
                       "--training.max_steps", "1"]
 PEFT_Q = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+PEFT_CFG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,7 @@ def fx(tmp_path_factory):
     assert cli(TO_MG + ["--load-dir", str(root / "hf"), "--save-dir", str(root / "mg")]) == 0
     peft = root / "peft"
     peft.mkdir()
-    (peft / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    (peft / "adapter_config.json").write_text(json.dumps(PEFT_CFG))
     rng = np.random.default_rng(0)
     save_file({PEFT_Q.format("A"): rng.standard_normal((2, 32)).astype(np.float32),
                PEFT_Q.format("B"): rng.standard_normal((32, 2)).astype(np.float32)},
@@ -240,6 +240,38 @@ CASES = {
         TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
             fx, t, tensors=lambda p: poison(p, PEFT_Q.format("B"), np.inf))],
         "lora_B holds a non-finite value"),
+    "adapter-layers-to-transform": lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, dict(PEFT_CFG, layers_to_transform=[1]))],
+        r"the adapters hold layer 0 self_attn.q_proj, but layers_to_transform is \[1\]"),
+    "adapter-layers-pattern": lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, dict(PEFT_CFG, layers_to_transform=[0], layers_pattern="h"))],
+        "layers_pattern = 'h' is not supported"),
+    "adapter-target-modules": lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, dict(PEFT_CFG, target_modules=["v_proj"]))],
+        r"hold model.layers.0.self_attn.q_proj, which target_modules \['v_proj'\] does not"),
+    **{f"adapter-{key}": (lambda key, value: lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, dict(PEFT_CFG, **{key: value}))],
+        rf"adapter_config.json: {key} = .* is not supported \("))(key, value)
+       for key, value in [("modules_to_save", ["lm_head"]), ("use_dora", True),
+                          ("rank_pattern", {"q_proj": 4}), ("alpha_pattern", {"q_proj": 8}),
+                          ("fan_in_fan_out", True), ("bias", "all"),
+                          ("layer_replication", [[0, 1]])]},
+    "adapter-unknown-field": lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, dict(PEFT_CFG, use_new_thing=True))],
+        "use_new_thing = True is not a field ms-llm knows"),
+    "adapter-huge-finite-tensor": lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, tensors=lambda p: poison(p, PEFT_Q.format("B"), 3e38))],
+        r"lora_B holds 3e\+38, above the bound 10000 for a LoRA factor"),
+    "adapter-alpha-overflows-merge": lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, dict(PEFT_CFG, lora_alpha=1e300))],
+        r"layer 0 self_attention.linear_qkv.weight: the merged weight overflows float32"),
     "adapter-checkpoint-without-base-fingerprint": lambda fx, t, o: (
         TO_MG + ["--load-dir", fx / "hf", "--lora-load",
                  lora_ckpt_without_fingerprint(t / "lora_ckpt", fx / "hf") / "iter_0000001"],
