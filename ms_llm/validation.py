@@ -19,7 +19,7 @@ import yaml
 __all__ = ["InputError", "yaml_load_unique", "read_json_object", "validate_hf_config",
            "validate_adapter_config", "check_generation_flags", "check_int", "check_float",
            "HF_INT_BOUNDS", "RUN_SIZE_BOUNDS", "size_bound_problem",
-           "writable_folder_problem"]
+           "writable_folder_problem", "check_utf8"]
 
 
 class InputError(ValueError):
@@ -237,3 +237,15 @@ def writable_folder_problem(path: str) -> Optional[str]:
     except OSError as e:
         return f"{path}: cannot write there ({e.strerror or type(e).__name__})"
     return None
+
+
+def check_utf8(where: str, text: str) -> str:
+    """``text`` if it is valid UTF-8. Python keeps undecodable bytes of the command line as lone
+    surrogates (``surrogateescape``), which fail only later, deep in the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
+        raise InputError(f"{where} is not valid UTF-8 ({byte} at character {e.start})") from None
+    return text
