@@ -59,7 +59,11 @@ def build_model(cfg: RunConfig) -> GPTModel:
     then the folder's own architecture (``build_data`` adopted it, user keys checked) plus the
     training-only keys (dtype, dropout, expert layout), so it is passed to the loader."""
     if cfg.checkpoint.load:
-        return from_pretrained(cfg.checkpoint.load, config=cfg.model)
+        try:   # a truncated, unsupported (pytorch_model.bin) or foreign folder: one line
+            return from_pretrained(cfg.checkpoint.load, config=cfg.model)
+        except (ValueError, KeyError, OSError) as e:
+            why = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            raise ConfigError(f"checkpoint.load {why}") from None
     return GPTModel(cfg.model)
 
 

@@ -26,6 +26,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from helpers.cli import with_key
+from helpers.finetune_fixtures import make_hf_folder
 from helpers.hf_fixtures import make_hf_checkpoint
 from helpers.parallel_common import TINY_MODEL
 from ms_llm.checkpoint.native import dcp
@@ -39,6 +40,7 @@ TO_HF = ["convert", "--load-model-type", "mg", "--save-model-type", "hf"]
 TRAIN = TINY_MODEL + ["--training.micro_batch_size", "2", "--training.global_batch_size", "2",
                       "--training.progress_bar", "false", "--training.jit", "false",
                       "--training.max_steps", "1"]
+LOADED = TRAIN[len(TINY_MODEL) - 2:]   # the --checkpoint.load folder defines the model
 PEFT_Q = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
 PEFT_CFG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
 
@@ -50,6 +52,7 @@ def fx(tmp_path_factory):
     make_hf_checkpoint(root / "hf", "qwen3", hidden=32, layers=2, heads=4, kv_heads=2, ffn=48,
                        vocab=101, seed=3)
     assert cli(TO_MG + ["--load-dir", str(root / "hf"), "--save-dir", str(root / "mg")]) == 0
+    make_hf_folder(root / "hf_tok")   # with a tokenizer: train --checkpoint.load cases
     peft = root / "peft"
     peft.mkdir()
     (peft / "adapter_config.json").write_text(json.dumps(PEFT_CFG))
@@ -117,6 +120,12 @@ def poison(path, name, value=np.nan):
     save_file(t, path)
 
 
+def add_tensor(path, name):
+    t = load_file(path)
+    t[name] = np.ones((2, 2), np.float32)
+    save_file(t, path)
+
+
 def flip_byte(path):
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) - 4)
@@ -164,8 +173,8 @@ def yaml_file(t, text):
 
 # ----------------------------------------------------------------------------- the matrix
 # id -> builder(fx, case_dir, out) -> (argv, pattern the one error line must match)
-def _hf(fx, t, fn=None):
-    d = copy(fx / "hf", t / "hf")
+def _hf(fx, t, fn=None, src="hf"):
+    d = copy(fx / src, t / "hf")
     if fn:
         fn(d)
     return d
@@ -321,6 +330,25 @@ CASES = {
         ["train", CONFIG, *TRAIN, "--training.output_dir", o,
          "--checkpoint.save_dir", blocked(t) / "ckpt"],
         r"config error: checkpoint.save_dir .*blocker/ckpt: cannot write there"),
+    "train-load-truncated-hf": lambda fx, t, o: (
+        ["train", CONFIG, *LOADED, "--training.output_dir", o, "--data.tokenizer",
+         fx / "hf_tok" / "tokenizer.json", "--checkpoint.load",
+         _hf(fx, t, lambda d: os.truncate(d / "model.safetensors",
+                                          os.path.getsize(d / "model.safetensors") - 64),
+             "hf_tok")],
+        r"config error: checkpoint.load .*model.safetensors: cannot read safetensors .*truncated"),
+    "train-load-only-pytorch-bin": lambda fx, t, o: (
+        ["train", CONFIG, *LOADED, "--training.output_dir", o, "--data.tokenizer",
+         fx / "hf_tok" / "tokenizer.json", "--checkpoint.load",
+         _hf(fx, t, lambda d: (os.remove(d / "model.safetensors"),
+                               (d / "pytorch_model.bin").write_bytes(b"PK")), "hf_tok")],
+        r"config error: checkpoint.load .*only pytorch_model.bin weights"),
+    "train-load-extra-tensors": lambda fx, t, o: (
+        ["train", CONFIG, *LOADED, "--training.output_dir", o, "--data.tokenizer",
+         fx / "hf_tok" / "tokenizer.json", "--checkpoint.load",
+         _hf(fx, t, lambda d: add_tensor(str(d / "model.safetensors"),
+                                         "model.layers.9.mlp.extra.weight"), "hf_tok")],
+        r"config error: checkpoint.load .*model.layers.9.mlp.extra.weight"),
     "train-key-given-twice": lambda fx, t, o: (
         ["train", CONFIG, *TRAIN, "--training.max_steps", "3", "--training.output_dir", o],
         r"config error: command line: key 'training.max_steps' given twice "
