@@ -21,6 +21,7 @@ to are printed with --print-config (then nothing runs).
 
 
 def main(argv: Optional[List[str]] = None, entry: str = "pretrain_gpt.py") -> int:
+    from ms_llm.checkpoint.native.format import DCPError
     from ms_llm.config import ConfigError, load_config
     from .flags import explain, to_overrides, to_yaml, translate
 
@@ -46,6 +47,10 @@ def main(argv: Optional[List[str]] = None, entry: str = "pretrain_gpt.py") -> in
         run(cfg)
     except ConfigError as e:
         print(f"{entry}: {explain(str(e))}", file=sys.stderr, flush=True)
+        return 2
+    except DCPError as e:   # a checkpoint that cannot be resumed from or written beside
+        print(f"{entry}: checkpoint error: {' '.join(str(e).split())}", file=sys.stderr,
+              flush=True)
         return 2
     except FloatingPointError as e:   # training.nan_policy
         print(f"training stopped: {e}", file=sys.stderr, flush=True)

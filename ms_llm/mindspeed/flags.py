@@ -260,9 +260,14 @@ def _load(tr: Translation, folder: str, finetune: bool, no_optim: bool = False) 
     k = tr.keys
     from ms_llm.checkpoint.torch_dist.io import is_torch_dist_dir
     from ms_llm.checkpoint.megatron.train import latest_legacy
-    if os.path.isdir(folder) and (any(is_torch_dist_dir(os.path.join(folder, d)) for d in
-                                      os.listdir(folder) if d.startswith("iter_")) or
-                                  (not finetune and not no_optim and latest_legacy(folder))):
+    try:   # a truncated or garbage .pt / tracker is one line, not a traceback
+        megatron = os.path.isdir(folder) and (
+            any(is_torch_dist_dir(os.path.join(folder, d)) for d in os.listdir(folder)
+                if d.startswith("iter_"))
+            or (not finetune and not no_optim and latest_legacy(folder)))
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"--load {folder}: {e}") from None
+    if megatron:
         if finetune or no_optim:
             raise ConfigError(f"--load {folder}: a torch_dist training checkpoint with "
                               f"{'--finetune' if finetune else '--no-load-optim'}: loading its "
