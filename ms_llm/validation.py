@@ -18,7 +18,8 @@ import yaml
 
 __all__ = ["InputError", "yaml_load_unique", "read_json_object", "validate_hf_config",
            "validate_adapter_config", "check_generation_flags", "check_int", "check_float",
-           "HF_INT_BOUNDS", "RUN_SIZE_BOUNDS", "size_bound_problem"]
+           "HF_INT_BOUNDS", "RUN_SIZE_BOUNDS", "size_bound_problem",
+           "writable_folder_problem", "check_utf8"]
 
 
 class InputError(ValueError):
@@ -219,3 +220,32 @@ def check_generation_flags(max_new_tokens: Optional[int] = None,
         if value is not None:
             check(value)
 
+
+
+def writable_folder_problem(path: str) -> Optional[str]:
+    """Why a run cannot write into the folder ``path`` (created if missing), or None. Checked
+    by writing and removing a probe file, not with ``os.access`` (which says yes to root on a
+    read-only mount), so a folder that cannot be written is found before the first step
+    rather than at the first save after training."""
+    import os
+    import tempfile
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".ms_llm_write_probe_", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return f"{path}: cannot write there ({e.strerror or type(e).__name__})"
+    return None
+
+
+def check_utf8(where: str, text: str) -> str:
+    """``text`` if it is valid UTF-8. Python keeps undecodable bytes of the command line as lone
+    surrogates (``surrogateescape``), which fail only later, deep in the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
+        raise InputError(f"{where} is not valid UTF-8 ({byte} at character {e.start})") from None
+    return text

@@ -17,10 +17,14 @@ def main(argv: List[str], stdin: Optional[TextIO] = None, out: Optional[TextIO] 
     p.add_argument("--system", default=None, help="system prompt")
     args = p.parse_args(argv)
     stdin, out = stdin or sys.stdin, out or sys.stdout
+    from ms_llm.data.chat_template import TemplateError
     from ms_llm.inference.chat import ChatSession, ContextTooLong
     from ms_llm.inference.streamer import TextStreamer
+    from ms_llm.validation import check_utf8
     try:
         sampling = sampling_args(args)
+        if args.system is not None:
+            check_utf8("--system", args.system)
         model, tokenizer, eos, context = load_from_args(args)
         if not tokenizer.chat_template:
             raise ValueError(f"tokenizer {tokenizer.path} has no chat_template "
@@ -38,7 +42,15 @@ def main(argv: List[str], stdin: Optional[TextIO] = None, out: Optional[TextIO] 
         if interactive:
             out.write("> ")
             out.flush()
-        line = stdin.readline()
+        try:
+            line = check_utf8("stdin", stdin.readline())
+        except UnicodeDecodeError as e:   # a strict UTF-8 stdin
+            print(f"ms-llm chat: stdin is not valid UTF-8 (byte 0x{e.object[e.start]:02x})",
+                  file=sys.stderr)
+            return 2
+        except ValueError as e:   # a surrogate-escaped stdin (check_utf8)
+            print(f"ms-llm chat: {e}", file=sys.stderr)
+            return 2
         if not line or line.strip() == "exit":
             return 0
         text = line.rstrip("\n")
@@ -48,4 +60,7 @@ def main(argv: List[str], stdin: Optional[TextIO] = None, out: Optional[TextIO] 
             session.send(text, streamer=TextStreamer(tokenizer, skip_token_ids=eos, out=out))
         except ContextTooLong as e:
             print(f"ms-llm chat: {e}; start a new chat", file=sys.stderr)
+            return 2
+        except (TemplateError, ValueError) as e:   # a template over its bounds, raising, ...
+            print(f"ms-llm chat: {e}", file=sys.stderr)
             return 2

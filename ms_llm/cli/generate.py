@@ -27,7 +27,8 @@ def add_common_args(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the sampler")
     p.add_argument("--max-context", type=int, default=None, dest="max_context",
                    help="context length (default: the model's max_position_embeddings)")
-    p.add_argument("--dtype", default=None, help="parameter dtype (default float32)")
+    p.add_argument("--dtype", default=None,
+                   help="parameter dtype: float32 (default), bfloat16 or float16")
 
 
 def sampling_args(args: argparse.Namespace) -> dict:
@@ -36,6 +37,12 @@ def sampling_args(args: argparse.Namespace) -> dict:
     from ms_llm.validation import check_generation_flags
     check_generation_flags(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                            args.max_context, args.seed)
+    if args.dtype is not None:   # before any model is loaded
+        from ms_llm.compat.dtypes import param_dtype
+        try:
+            param_dtype(args.dtype)
+        except ValueError as e:
+            raise ValueError(f"--dtype {args.dtype}: {e}") from None
     sample = ((args.temperature is not None and args.temperature > 0)
               or (args.top_k or 0) > 0 or (args.top_p is not None and args.top_p < 1.0))
     if args.temperature == 0:
@@ -65,8 +72,10 @@ def main(argv: List[str], out: Optional[TextIO] = None) -> int:
     from ms_llm.inference.generate import generate
     from ms_llm.inference.loading import encode_prompt
     from ms_llm.inference.streamer import TextStreamer
+    from ms_llm.validation import check_utf8
     try:
         sampling = sampling_args(args)
+        check_utf8("--prompt", args.prompt)
         model, tokenizer, eos, context = load_from_args(args)
         ids = encode_prompt(tokenizer, args.prompt)
         if len(ids) > context:

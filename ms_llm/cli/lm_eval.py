@@ -34,6 +34,20 @@ def main(argv: List[str]) -> int:
         cli_evaluate()
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception as e:   # a missing task, unreadable data, a bad --model_args: one line
+        print(f"ms-llm lm-eval: {one_line(e)}", file=sys.stderr, flush=True)
+        return 2
     finally:
         sys.argv = saved
     return 0
+
+
+def one_line(e: BaseException) -> str:
+    """``e`` and the error it was raised from (the harness and ``datasets`` wrap the real
+    cause: "An error occurred while generating the dataset" from a JSON decode error)."""
+    parts = []
+    while e is not None and len(parts) < 3:
+        text = " ".join(str(e).split()) or type(e).__name__
+        parts.append(f"{type(e).__name__}: {text}")
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return parts[0] + "".join(f" (from {p})" for p in parts[1:])

@@ -30,7 +30,7 @@ def main(argv: Sequence[str]) -> int:
         print("ms-llm plan: --nproc must be >= 1", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, command_line=True)
         plan = plan_with_fix(cfg, args.nproc, args.mem, True if args.distopt else None)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"ms-llm plan: {e}", file=sys.stderr)

@@ -30,7 +30,7 @@ def main(argv: List[str]) -> int:
     args, overrides = opts.parse_known_args(rest)
     args.config = config
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, command_line=True)
         par, t = cfg.parallel, cfg.training
         inner = par.tensor_model_parallel_size * par.context_parallel_size * \
             par.pipeline_model_parallel_size

@@ -60,7 +60,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if path is None:
         path = variable("MS_LLM_CONFIG") or DEFAULT_CONFIG
     try:
-        cfg = load_config(path, overrides)
+        cfg = load_config(path, overrides, command_line=True)
         if "runtime.log_level" in cfg.sources:
             logging.getLogger().setLevel(cfg.runtime.log_level.upper())
         from ms_llm.training.trainer import run

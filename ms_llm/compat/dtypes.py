@@ -46,3 +46,16 @@ def _from_numpy(dt: np.dtype):
 
 def is_floating(dtype) -> bool:
     return dtype in (float32, float16, bfloat16, ms.float64)
+
+
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def param_dtype(name: str):
+    """A model's parameter dtype from its name: a floating type only (an integer or boolean
+    model runs, but every weight is truncated and the output is garbage)."""
+    dt = to_ms_dtype(name)
+    if not is_floating(dt):
+        raise ValueError(f"dtype {name!r} is not a floating type (parameters: "
+                         f"{', '.join(PARAM_DTYPES)})")
+    return dt

@@ -83,9 +83,12 @@ def _read_yaml(path: str) -> dict:
     return data
 
 
-def parse_overrides(args: Sequence[str]) -> List[tuple]:
-    """``--training.max_steps 20`` or ``--training.max_steps=20`` -> [("training.max_steps", "20")]."""
-    out, i = [], 0
+def parse_overrides(args: Sequence[str], refuse_repeats: bool = True) -> List[tuple]:
+    """``--training.max_steps 20`` or ``--training.max_steps=20`` -> [("training.max_steps", "20")].
+    A key given twice is refused (as in a YAML file: taking the last silently would hide a typo
+    in a long launch line), unless ``refuse_repeats`` is False: a list composed in code (a base
+    list and its changes, ``load_config``'s default) lets the last occurrence win."""
+    out, i, seen = [], 0, {}
     args = list(args)
     while i < len(args):
         a = args[i]
@@ -99,12 +102,16 @@ def parse_overrides(args: Sequence[str]) -> List[tuple]:
                 raise ConfigError(f"{COMMAND_LINE}: {a} needs a value")
             k, v = a[2:], args[i + 1]
             i += 2
+        if k in seen and refuse_repeats:
+            raise ConfigError(f"{COMMAND_LINE}: key '{k}' given twice (--{k} {seen[k]} and "
+                              f"--{k} {v}); give it once")
+        seen[k] = v
         out.append((k, v))
     return out
 
 
-def layer(path: Optional[str], overrides: Sequence[str],
-          sections: Sequence[str]) -> Dict[str, Dict[str, tuple]]:
+def layer(path: Optional[str], overrides: Sequence[str], sections: Sequence[str],
+          refuse_repeats: bool = True) -> Dict[str, Dict[str, tuple]]:
     """section -> key -> (raw value, source); command-line overrides replace YAML values."""
     source = path or "defaults"
     raw = _read_yaml(path) if path else {}
@@ -117,7 +124,7 @@ def layer(path: Optional[str], overrides: Sequence[str],
             raise ConfigError(f"{source}: section '{section}' must be a mapping")
         for k, v in values.items():
             layered[section][k] = (v, source)
-    for dotted, v in parse_overrides(overrides):
+    for dotted, v in parse_overrides(overrides, refuse_repeats):
         section, _, k = dotted.partition(".")
         src = f"{COMMAND_LINE} --{dotted}"
         if section not in layered or not k:

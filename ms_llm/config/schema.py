@@ -292,11 +292,13 @@ _SECTIONS = {"data": DataConfig, "training": TrainingConfig, "parallel": Paralle
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
-                world_size: Optional[int] = None) -> RunConfig:
+                world_size: Optional[int] = None, command_line: bool = False) -> RunConfig:
     """Load ``path`` (YAML) and apply dotted overrides; check every rule (with ``world_size``,
-    the launch rules too); return the config frozen."""
+    the launch rules too); return the config frozen. ``command_line``: the overrides are a
+    user's command line (``ms-llm train / plan / schedule``), where a key given twice is
+    refused as in YAML; a list composed in code (a base and its changes) lets the last win."""
     base = path or "defaults"
-    layered = layer(path, overrides, tuple(_SECTIONS))
+    layered = layer(path, overrides, tuple(_SECTIONS), refuse_repeats=command_line)
     built = {section: build_section(section, cls, layered[section])
              for section, cls in _SECTIONS.items()}
     model, family, explicit = build_model(layered["model"], base)

@@ -53,6 +53,10 @@ def translate(argv: Sequence[str], world_size: Optional[int] = None) -> Translat
     """The run-config keys of a Megatron argument list (one-line ConfigError for a refused or
     unknown flag, naming it). ``world_size`` (default: msrun's ``MS_WORKER_NUM``, else 1) gives
     Megatron's default global batch, micro batch x data-parallel size."""
+    # A flag given twice: the last wins, as in Megatron's argparse (MindSpeed scripts build
+    # their line from shell variables and rely on it). ``ms-llm train``'s own ``--section.key``
+    # line refuses a key given twice (``config.parse.parse_overrides``); this one keeps
+    # Megatron's semantics (tests/mindspeed/test_mindspeed_flags.py, --seed given twice).
     tr = Translation(keys=dict(MEGATRON_DEFAULTS))
     post: Dict[str, List[str]] = {}
     for flag, values in split_flags(argv):
@@ -256,9 +260,14 @@ def _load(tr: Translation, folder: str, finetune: bool, no_optim: bool = False) 
     k = tr.keys
     from ms_llm.checkpoint.torch_dist.io import is_torch_dist_dir
     from ms_llm.checkpoint.megatron.train import latest_legacy
-    if os.path.isdir(folder) and (any(is_torch_dist_dir(os.path.join(folder, d)) for d in
-                                      os.listdir(folder) if d.startswith("iter_")) or
-                                  (not finetune and not no_optim and latest_legacy(folder))):
+    try:   # a truncated or garbage .pt / tracker is one line, not a traceback
+        megatron = os.path.isdir(folder) and (
+            any(is_torch_dist_dir(os.path.join(folder, d)) for d in os.listdir(folder)
+                if d.startswith("iter_"))
+            or (not finetune and not no_optim and latest_legacy(folder)))
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"--load {folder}: {e}") from None
+    if megatron:
         if finetune or no_optim:
             raise ConfigError(f"--load {folder}: a torch_dist training checkpoint with "
                               f"{'--finetune' if finetune else '--no-load-optim'}: loading its "

@@ -54,10 +54,21 @@ def attempt_log_dir(log_dir: str, attempt: int) -> str:
 
 def launch_command(template: Sequence[str], attempt: int, port: int, log_dir: str) -> List[str]:
     """The command of launch ``attempt`` (0 = first): placeholders filled, and relaunches resume
-    (a later ``--training.resume`` override wins over an earlier one)."""
+    (a ``--training.resume`` of the template is replaced: a key given twice on the command line
+    is refused)."""
     d = attempt_log_dir(log_dir, attempt)
     cmd = [a.replace(PORT, str(port + attempt)).replace(LOG_DIR, d) for a in template]
-    return cmd + (["--training.resume", "auto"] if attempt else [])
+    if not attempt:
+        return cmd
+    out, i = [], 0
+    while i < len(cmd):
+        if cmd[i] == "--training.resume":
+            i += 2
+            continue
+        if not cmd[i].startswith("--training.resume="):
+            out.append(cmd[i])
+        i += 1
+    return out + ["--training.resume", "auto"]
 
 
 def run_with_restarts(template: Sequence[str], max_restarts: int, save_dir: Optional[str],

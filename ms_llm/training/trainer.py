@@ -14,6 +14,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 from ms_llm.checkpoint.native import dcp
+from ms_llm.checkpoint import run_identity
 from ms_llm.checkpoint.verify import guard_save_dir
 from ms_llm.compat import manual_seed, setup_device
 from ms_llm.compat.environment import configure
@@ -58,7 +59,11 @@ def build_model(cfg: RunConfig) -> GPTModel:
     then the folder's own architecture (``build_data`` adopted it, user keys checked) plus the
     training-only keys (dtype, dropout, expert layout), so it is passed to the loader."""
     if cfg.checkpoint.load:
-        return from_pretrained(cfg.checkpoint.load, config=cfg.model)
+        try:   # a truncated, unsupported (pytorch_model.bin) or foreign folder: one line
+            return from_pretrained(cfg.checkpoint.load, config=cfg.model)
+        except (ValueError, KeyError, OSError) as e:
+            why = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+            raise ConfigError(f"checkpoint.load {why}") from None
     return GPTModel(cfg.model)
 
 
@@ -74,6 +79,7 @@ class Trainer:
         configure(cfg.explicit_settings())   # runtime.* keys for the packages below the config
         self.dist = dist or DistInfo()
         check_launch(cfg, self.dist.world_size)   # the mesh, global batch, pipeline schedule
+        check_output_folders(cfg)   # before any model is built, not at the first save
         t = cfg.training
         p = cfg.parallel
         self.callbacks = CallbackList()
@@ -207,12 +213,15 @@ class Trainer:
         if not megatron_checkpoint.is_torch_dist(self.cfg):
             guard_save_dir(ck.save_dir, latest, dataclasses.asdict(self.cfg.model), self._say,
                            self.dist.rank)   # never write over checkpoints that do not verify
-        if not auto and megatron is None:
-            return
-        if latest is None:
-            self._say(f"resume=auto: no complete checkpoint in {ck.save_dir}, starting fresh")
+        if megatron is None and (not auto or latest is None):
+            # resumes nothing: a save_dir holding another run's checkpoints is refused
+            self.run_id = run_identity.run_id_for(ck.save_dir, None, {})
+            if auto:
+                self._say(f"resume=auto: no complete checkpoint in {ck.save_dir}, "
+                          f"starting fresh")
             return
         state = ckpt.load(latest, self._checkpointed(), self.optimizer, self.pstate)
+        self.run_id = run_identity.run_id_for(ck.save_dir, megatron or latest, state)
         if self.cfg.lora.r:   # the adapters only fit the base they were trained on
             try:
                 lora_base.check_base(state.get(lora_base.STATE_KEY), self.cfg.checkpoint.load,
@@ -241,6 +250,9 @@ class Trainer:
                  "opt_param_scheduler": self.scheduler.state_dict(),
                  "skipped_steps": self.guard.skipped,
                  "model_config": dataclasses.asdict(self.cfg.model)}
+        state[run_identity.STATE_KEY] = self.run_id
+        if self.dist.rank == 0 and self.cfg.checkpoint.save_dir:   # the folder is this run's
+            run_identity.claim(self.cfg.checkpoint.save_dir, self.run_id)
         if self.cfg.lora.r:   # adapters only: record the base they belong to (rank 0 writes)
             if self._lora_state is None and self.dist.rank == 0:
                 self._lora_state = lora_base.lora_state(
@@ -372,6 +384,17 @@ class Trainer:
             from .plot import plot_loss
             print(f"ms-llm: loss curve {plot_loss(t.output_dir)}", flush=True)
         return records
+
+
+def check_output_folders(cfg: RunConfig) -> None:
+    """``training.output_dir`` and ``checkpoint.save_dir`` can be written (one line naming the
+    key otherwise)."""
+    from ms_llm.validation import writable_folder_problem
+    for key, path in (("training.output_dir", cfg.training.output_dir),
+                      ("checkpoint.save_dir", cfg.checkpoint.save_dir)):
+        why = path and writable_folder_problem(path)
+        if why:
+            raise ConfigError(f"{key} {why}")
 
 
 def run(cfg: RunConfig) -> list:

@@ -32,6 +32,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from helpers.checkpoint_damage import DAMAGE
+from helpers.cli import with_key
+from helpers.finetune_fixtures import make_hf_folder
 from helpers.hf_fixtures import make_hf_checkpoint
 from helpers.parallel_common import TINY_MODEL
 from ms_llm.checkpoint.native import dcp
@@ -45,7 +47,9 @@ TO_HF = ["convert", "--load-model-type", "mg", "--save-model-type", "hf"]
 TRAIN = TINY_MODEL + ["--training.micro_batch_size", "2", "--training.global_batch_size", "2",
                       "--training.progress_bar", "false", "--training.jit", "false",
                       "--training.max_steps", "1"]
+LOADED = TRAIN[len(TINY_MODEL) - 2:]   # the --checkpoint.load folder defines the model
 PEFT_Q = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+PEFT_CFG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +59,10 @@ def fx(tmp_path_factory):
     make_hf_checkpoint(root / "hf", "qwen3", hidden=32, layers=2, heads=4, kv_heads=2, ffn=48,
                        vocab=101, seed=3)
     assert cli(TO_MG + ["--load-dir", str(root / "hf"), "--save-dir", str(root / "mg")]) == 0
+    make_hf_folder(root / "hf_tok")   # with a tokenizer: train --checkpoint.load cases
     peft = root / "peft"
     peft.mkdir()
-    (peft / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    (peft / "adapter_config.json").write_text(json.dumps(PEFT_CFG))
     rng = np.random.default_rng(0)
     save_file({PEFT_Q.format("A"): rng.standard_normal((2, 32)).astype(np.float32),
                PEFT_Q.format("B"): rng.standard_normal((32, 2)).astype(np.float32)},
@@ -129,6 +133,12 @@ def poison(path, name, value=np.nan):
     save_file(t, path)
 
 
+def add_tensor(path, name):
+    t = load_file(path)
+    t[name] = np.ones((2, 2), np.float32)
+    save_file(t, path)
+
+
 def flip_byte(path):
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) - 4)
@@ -171,6 +181,12 @@ def peft(fx, t, cfg=None, tensors=None):
     return d
 
 
+def blocked(t):
+    """A regular file where a folder is wanted (root writes anywhere, so no chmod)."""
+    (t / "blocker").write_text("a file, not a folder")
+    return t / "blocker"
+
+
 def yaml_file(t, text):
     p = t / "run.yaml"
     p.write_text(text)
@@ -179,8 +195,8 @@ def yaml_file(t, text):
 
 # ----------------------------------------------------------------------------- the matrix
 # id -> builder(fx, case_dir, out) -> (argv, pattern the one error line must match)
-def _hf(fx, t, fn=None):
-    d = copy(fx / "hf", t / "hf")
+def _hf(fx, t, fn=None, src="hf"):
+    d = copy(fx / src, t / "hf")
     if fn:
         fn(d)
     return d
@@ -255,6 +271,38 @@ CASES = {
         TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
             fx, t, tensors=lambda p: poison(p, PEFT_Q.format("B"), np.inf))],
         "lora_B holds a non-finite value"),
+    "adapter-layers-to-transform": lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, dict(PEFT_CFG, layers_to_transform=[1]))],
+        r"the adapters hold layer 0 self_attn.q_proj, but layers_to_transform is \[1\]"),
+    "adapter-layers-pattern": lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, dict(PEFT_CFG, layers_to_transform=[0], layers_pattern="h"))],
+        "layers_pattern = 'h' is not supported"),
+    "adapter-target-modules": lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, dict(PEFT_CFG, target_modules=["v_proj"]))],
+        r"hold model.layers.0.self_attn.q_proj, which target_modules \['v_proj'\] does not"),
+    **{f"adapter-{key}": (lambda key, value: lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, dict(PEFT_CFG, **{key: value}))],
+        rf"adapter_config.json: {key} = .* is not supported \("))(key, value)
+       for key, value in [("modules_to_save", ["lm_head"]), ("use_dora", True),
+                          ("rank_pattern", {"q_proj": 4}), ("alpha_pattern", {"q_proj": 8}),
+                          ("fan_in_fan_out", True), ("bias", "all"),
+                          ("layer_replication", [[0, 1]])]},
+    "adapter-unknown-field": lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, dict(PEFT_CFG, use_new_thing=True))],
+        "use_new_thing = True is not a field ms-llm knows"),
+    "adapter-huge-finite-tensor": lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, tensors=lambda p: poison(p, PEFT_Q.format("B"), 3e38))],
+        r"lora_B holds 3e\+38, above the bound 10000 for a LoRA factor"),
+    "adapter-alpha-overflows-merge": lambda fx, t, o: (
+        TO_MG + ["--load-dir", fx / "hf", "--lora-load", peft(
+            fx, t, dict(PEFT_CFG, lora_alpha=1e300))],
+        r"layer 0 self_attention.linear_qkv.weight: the merged weight overflows float32"),
     "adapter-checkpoint-without-base-fingerprint": lambda fx, t, o: (
         TO_MG + ["--load-dir", fx / "hf", "--lora-load",
                  lora_ckpt_without_fingerprint(t / "lora_ckpt", fx / "hf") / "iter_0000001"],
@@ -290,13 +338,49 @@ CASES = {
         r"iter_0000001/metadata.json: state.data.consumed_samples must be a non-negative "
         r"integer, got -16"),
     "train-resume-other-shape": lambda fx, t, o: (
-        ["train", CONFIG, *TRAIN, "--model.ffn_hidden_size", "96", "--training.output_dir", o,
-         "--training.resume", "auto", "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],
+        ["train", CONFIG, *with_key(TRAIN, "model.ffn_hidden_size", "96"),
+         "--training.output_dir", o, "--training.resume", "auto", "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],
         r"checkpoint error: .*has global shape \[\d+, \d+\], the model wants"),
     "train-fresh-into-other-model": lambda fx, t, o: (
-        ["train", CONFIG, *TRAIN, "--model.ffn_hidden_size", "96", "--training.output_dir", o,
-         "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],
+        ["train", CONFIG, *with_key(TRAIN, "model.ffn_hidden_size", "96"),
+         "--training.output_dir", o, "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],
         r"belongs to another model \(model.ffn_hidden_size 128 there, 96 in this run\)"),
+    "train-fresh-into-other-run": lambda fx, t, o: (
+        ["train", CONFIG, *TRAIN, "--training.seed", "7", "--training.output_dir", o,
+         "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],
+        r"checkpoint error: checkpoint.save_dir .*ckpt: holds the checkpoints of run [0-9a-f]{32} "
+        r"\(newest iter_0000001\) and this run resumes nothing; continue it with "
+        r"--training.resume auto, or give this run a new --checkpoint.save_dir"),
+    "train-output-dir-unwritable": lambda fx, t, o: (
+        ["train", CONFIG, *TRAIN, "--training.output_dir", blocked(t) / "out"],
+        r"config error: training.output_dir .*blocker/out: cannot write there \(Not a directory\)"),
+    "train-save-dir-unwritable": lambda fx, t, o: (
+        ["train", CONFIG, *TRAIN, "--training.output_dir", o,
+         "--checkpoint.save_dir", blocked(t) / "ckpt"],
+        r"config error: checkpoint.save_dir .*blocker/ckpt: cannot write there"),
+    "train-load-truncated-hf": lambda fx, t, o: (
+        ["train", CONFIG, *LOADED, "--training.output_dir", o, "--data.tokenizer",
+         fx / "hf_tok" / "tokenizer.json", "--checkpoint.load",
+         _hf(fx, t, lambda d: os.truncate(d / "model.safetensors",
+                                          os.path.getsize(d / "model.safetensors") - 64),
+             "hf_tok")],
+        r"config error: checkpoint.load .*model.safetensors: cannot read safetensors .*truncated"),
+    "train-load-only-pytorch-bin": lambda fx, t, o: (
+        ["train", CONFIG, *LOADED, "--training.output_dir", o, "--data.tokenizer",
+         fx / "hf_tok" / "tokenizer.json", "--checkpoint.load",
+         _hf(fx, t, lambda d: (os.remove(d / "model.safetensors"),
+                               (d / "pytorch_model.bin").write_bytes(b"PK")), "hf_tok")],
+        r"config error: checkpoint.load .*only pytorch_model.bin weights"),
+    "train-load-extra-tensors": lambda fx, t, o: (
+        ["train", CONFIG, *LOADED, "--training.output_dir", o, "--data.tokenizer",
+         fx / "hf_tok" / "tokenizer.json", "--checkpoint.load",
+         _hf(fx, t, lambda d: add_tensor(str(d / "model.safetensors"),
+                                         "model.layers.9.mlp.extra.weight"), "hf_tok")],
+        r"config error: checkpoint.load .*model.layers.9.mlp.extra.weight"),
+    "train-key-given-twice": lambda fx, t, o: (
+        ["train", CONFIG, *TRAIN, "--training.max_steps", "3", "--training.output_dir", o],
+        r"config error: command line: key 'training.max_steps' given twice "
+        r"\(--training.max_steps 1 and --training.max_steps 3\)"),
     # generate / chat flags (checked before any model is loaded)
     **{f"{cmd}{flag}{value}": (lambda cmd, flag, value: lambda fx, t, o: (
         [cmd, "--load", fx / "hf", *(["--prompt", "hi"] if cmd == "generate" else []),

@@ -21,3 +21,32 @@ def run_ms_llm(*args, cwd=None, stdin: Optional[str] = None, timeout: float = 30
     full.setdefault("GLOG_v", "3")
     return subprocess.run([ms_llm_exe(), *[str(a) for a in args]], input=stdin,
                           capture_output=True, text=True, cwd=cwd, timeout=timeout, env=full)
+
+
+def with_key(argv, key: str, value: str) -> list:
+    """``argv`` (``--section.key VALUE`` pairs) with ``--key`` set to ``value``: replaced where
+    it is given, else appended (a key given twice on the command line is refused)."""
+    out = list(argv)
+    flag = f"--{key}"
+    if flag in out:
+        out[out.index(flag) + 1] = value
+        return out
+    return out + [flag, value]
+
+
+def last_wins(argv) -> list:
+    """A command line composed in a test (a base list and its changes) with each
+    ``--section.key`` given once, its last value kept: ``ms-llm train`` refuses a key given
+    twice. Arguments that are not ``--section.key`` pairs (the command, a YAML path) stay first."""
+    head, pairs, i, argv = [], {}, 0, [str(a) for a in argv]
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "." in a.split("=")[0]:
+            k, v = (a.split("=", 1) if "=" in a else (a, argv[i + 1]))
+            i += 1 if "=" in a else 2
+            pairs.pop(k, None)
+            pairs[k] = v
+        else:
+            head.append(a)
+            i += 1
+    return head + [x for k, v in pairs.items() for x in (k, v)]

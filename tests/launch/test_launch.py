@@ -192,6 +192,13 @@ def test_pretrain_sh_supervisor_builds_the_msrun_command(monkeypatch):
     assert (seen["n"], seen["p"], seen["d"]) == (0, 8118, "D")
     assert restart.launch_command(seen["t"], 1, 8118, "D")[9:12] == ["--master_port", "8119",
                                                                      "--log_dir"]
+    # a relaunch resumes: the template's own --training.resume is replaced, never given twice
+    # (the command line refuses a key given twice)
+    tpl = ["train.py", "c.yaml", "--training.resume", "none", "--x.y", "1",
+           "--training.resume=none"]
+    assert restart.launch_command(tpl, 0, 8118, "D") == tpl
+    assert restart.launch_command(tpl, 2, 8118, "D") == ["train.py", "c.yaml", "--x.y", "1",
+                                                         "--training.resume", "auto"]
 
 
 def test_a_timed_out_launch_is_killed_with_its_children(tmp_path):

@@ -6,6 +6,7 @@ unknown, each script resolves to a run config or is refused with one line naming
 expected refusals are listed below, each for a feature not built), and the YAML written from the
 same flags resolves to the same config.
 """
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +219,32 @@ def test_load_of_a_legacy_training_checkpoint_resumes_unless_weights_only(tmp_pa
     assert translate(resume).keys["checkpoint.resume_from"] == str(tmp_path / "ck")
     keys = translate(argv).keys
     assert keys["checkpoint.load"] == str(tmp_path / "ck") and "checkpoint.resume_from" not in keys
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_load_of_a_damaged_pt_is_one_line(tmp_path, capsys, damage, weights_only):
+    """``pretrain_gpt.py --load`` of a legacy folder whose ``model_optim_rng.pt`` is garbage or
+    truncated: one line naming the file, exit code 2, no traceback (resume and weights-only)."""
+    import numpy as np
+    from ms_llm.checkpoint import torch_pickle
+    from ms_llm.mindspeed.entry import main
+    d = tmp_path / "ck" / "iter_0000003" / "mp_rank_00"
+    d.mkdir(parents=True)
+    pt = d / "model_optim_rng.pt"
+    torch_pickle.save({"iteration": 3, "model": {"w": np.ones((64, 64), np.float32)},
+                       "optimizer": {"state": {}}}, str(pt))
+    if damage == "garbage":
+        pt.write_bytes(b"not a torch checkpoint" * 8)
+    else:
+        os.truncate(pt, os.path.getsize(pt) // 2)
+    (tmp_path / "ck" / "latest_checkpointed_iteration.txt").write_text("3")
+    argv = SCRIPTS["qwen3/pretrain_qwen3_0point6b_4K_ptd.sh"]["argv"] + \
+        ["--load", str(tmp_path / "ck")]
+    if not weights_only:
+        argv = [a for a in argv if a not in ("--no-load-optim", "--no-load-rng")]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("pretrain_gpt.py: --load"), err
+    assert f"{pt}: not a torch zip checkpoint or truncated" in err[0]

@@ -20,6 +20,7 @@ import sys
 import numpy as np
 import pytest
 
+from helpers.cli import last_wins
 from helpers.msrun import ROOT, msrun_command, worker_logs
 
 from ms_llm.config import load_config
@@ -39,7 +40,7 @@ TOLERANCE = 0.20      # the issue's acceptance band
 def _plan_text(*argv) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert plan_main(list(argv)) == 0
+        assert plan_main(last_wins(argv)) == 0   # a composed line: each key once
     return out.getvalue()
 
 

@@ -109,7 +109,7 @@ def test_nan_stop_names_the_parameter_and_keeps_the_last_good_checkpoint(tmp_pat
     assert "step 3: " in err and f"first non-finite gradient: {PARAM}" in err, err
     latest = dcp.find_latest_complete(str(save))
     assert latest.endswith("iter_0000002") and sorted(os.listdir(save)) == [
-        "iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
+        "iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt", "run.json"]
     rows = [json.loads(line) for line in open(tmp_path / "stop" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
 

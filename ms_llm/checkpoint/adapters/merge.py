@@ -4,7 +4,7 @@ source, so ``ms-llm export`` and ``ms-llm convert --lora-load`` stream base + de
 a time through the converter's own sinks (the QKV / gate-up / vocabulary rules stay in
 ``models.layouts``).
 
-The merged weight is ``W + (alpha / r) B A``, computed in float64 and stored in W's dtype. A
+The merged weight is ``W + (alpha / r) B A`` (rsLoRA: ``alpha / sqrt(r)``), computed in float64 and stored in W's dtype. A
 module whose B is all zero (an untrained adapter) is left bit-identical: adding zero would only
 turn ``-0.0`` into ``+0.0``.
 """
@@ -19,6 +19,7 @@ import numpy as np
 
 from ms_llm.models import layouts as L
 from ms_llm.lora.base import STATE_KEY, check_base
+from .peft_fields import PeftFields
 
 # Megatron module (relative to decoder.layers.{i}.) -> HF module(s) it fuses
 MODULES = OrderedDict([
@@ -35,6 +36,14 @@ HF_TO_MODULE = {hf.rsplit(".", 1)[-1]: mod for mod, hfs in MODULES.items() for h
 _KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight(:gate|:up)?$")
 PEFT_PREFIX = "base_model.model.model.layers."
 _PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+
+
+# The largest |entry| of a LoRA factor merged. Trained factors start at ~1/sqrt(in) (A) and 0
+# (B) and move at small learning rates, so their entries are O(1); 1e4 is far above any, and
+# bounds each delta entry by |alpha / r| * r * 1e4 * 1e4 = |alpha| * 1e8, far below where a
+# float32 / bf16 weight overflows (3.4e38), so a finite but absurd value (3e38) is refused
+# rather than merged. The merged weight is also checked finite in its own dtype (a huge alpha).
+FACTOR_BOUND = 1e4
 
 
 class AdapterError(ValueError):
@@ -111,8 +120,14 @@ def check_pair(ad: "Adapters", what: str, a: np.ndarray, b: np.ndarray) -> Tuple
                            f"{list(b.shape)} do not have rank r = {ad.r} (adapter_config.json "
                            f"or the checkpoint's lora.r disagrees with the tensors)")
     for name, x in (("lora_A", a), ("lora_B", b)):
-        if not np.isfinite(np.asarray(x, np.float32)).all():
+        x32 = np.asarray(x, np.float32)
+        if not np.isfinite(x32).all():
             raise AdapterError(f"{ad.where}: {what} {name} holds a non-finite value (NaN/inf)")
+        big = float(np.abs(x32).max()) if x32.size else 0.0
+        if big > FACTOR_BOUND:
+            raise AdapterError(f"{ad.where}: {what} {name} holds {big:.3g}, above the bound "
+                               f"{FACTOR_BOUND:g} for a LoRA factor (trained factors are O(1); "
+                               f"a damaged file?)")
     return a, b
 
 
@@ -170,8 +185,9 @@ def read_checkpoint_adapters(path: str) -> Adapters:
 
 
 def read_peft_adapters(folder: str) -> Adapters:
-    """PEFT's ``adapter_config.json`` + ``adapter_model.safetensors`` (LoRA, no rsLoRA, no
-    per-module rank or alpha patterns, no DoRA)."""
+    """PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``: plain LoRA or rsLoRA,
+    on the layers ``layers_to_transform`` names; every other field that would change the merge
+    is refused (``peft_fields``)."""
     from ms_llm.checkpoint.hf.io import SafetensorsFile
     from ms_llm.validation import InputError, read_json_object, validate_adapter_config
     cfg_path = os.path.join(folder, "adapter_config.json")
@@ -181,11 +197,13 @@ def read_peft_adapters(folder: str) -> Adapters:
         raise AdapterError(str(e)) from None
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{cfg_path}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    for key in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern"):
-        if cfg.get(key):
-            raise AdapterError(f"{cfg_path}: {key} is not supported")
+    try:   # every field honoured (layers_to_transform, target_modules, rsLoRA) or refused
+        fields = PeftFields(cfg, cfg_path)
+    except ValueError as e:
+        raise AdapterError(str(e)) from None
     ad = Adapters(cfg["r"], cfg["lora_alpha"], folder, {"base": cfg.get(
         "base_model_name_or_path")})
+    ad.scale = fields.scale(ad.r, ad.alpha)
     st = SafetensorsFile(os.path.join(folder, "adapter_model.safetensors"))
     pairs: Dict[Tuple[int, str], Dict[str, np.ndarray]] = {}
     for n in st.tensors:
@@ -193,6 +211,10 @@ def read_peft_adapters(folder: str) -> Adapters:
         if not m or m[2].rsplit(".", 1)[-1] not in HF_TO_MODULE:
             raise AdapterError(f"{folder}: adapter tensor {n!r} is not a LoRA weight of "
                                f"q/k/v/o_proj or gate/up/down_proj")
+        try:
+            fields.check_module(int(m[1]), m[2])
+        except ValueError as e:
+            raise AdapterError(str(e)) from None
         pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = st.get(n)
     for key, p in pairs.items():
         if set(p) != {"A", "B"}:
@@ -246,7 +268,13 @@ class MergedSource:
                 raise AdapterError(f"{self.adapters.where}: layer {i} {key}: adapter delta "
                                    f"{list(delta.shape)} does not fit the base weight "
                                    f"{None if w is None else list(w.shape)}")
-            full[key] = (np.asarray(w, np.float64) + delta).astype(w.dtype)
+            with np.errstate(over="ignore"):   # an overflow is refused just below
+                merged = (np.asarray(w, np.float64) + delta).astype(w.dtype)
+            if not np.isfinite(np.asarray(merged, np.float32)).all():
+                raise AdapterError(f"{self.adapters.where}: layer {i} {key}: the merged weight "
+                                   f"overflows {w.dtype} (lora_alpha "
+                                   f"{self.adapters.alpha:g} too large?)")
+            full[key] = merged
         return full
 
 

@@ -83,7 +83,8 @@ def read_hf_weights(path: str) -> Dict[str, np.ndarray]:
         try:
             tensors = load_file(file)
         except Exception as e:  # safetensors raises its own error types
-            raise ValueError(f"{file}: cannot read safetensors ({e})") from None
+            raise ValueError(f"{file}: cannot read safetensors ({e}; truncated or not a "
+                             f"safetensors file?)") from None
         for k, v in tensors.items():
             if k in out:
                 raise ValueError(f"{file}: tensor {k!r} also appears in another shard")

@@ -9,7 +9,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from ms_llm.compat import load_state_dict, to_ms_dtype
+from ms_llm.compat import load_state_dict
+from ms_llm.compat.dtypes import param_dtype
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models import layouts as L
 from ms_llm.models.registry import family_for_hf, parse_hf_config
@@ -55,7 +56,7 @@ def from_pretrained(path: str, dtype: Optional[str] = None,
     hf_cfg = read_hf_config(path)
     cfg = config or parse_hf_config(hf_cfg, os.path.join(path, "config.json"))[1]
     if dtype is not None:
-        to_ms_dtype(dtype)  # validates the name
+        param_dtype(dtype)  # a floating type's name
         cfg = cfg.replace(params_dtype=dtype)
     hf = read_hf_weights(path)
     # Fuse in fp32: every supported storage dtype converts to fp32 exactly.
@@ -77,7 +78,7 @@ def _from_megatron(path: str, dtype: Optional[str],
         cfg = config or parse_hf_config(src.config, os.path.join(path, "config.json"))[1]
         cfg = cfg.replace(padded_vocab_size=src.lay.padded_vocab)
         if dtype is not None:
-            to_ms_dtype(dtype)
+            param_dtype(dtype)
             cfg = cfg.replace(params_dtype=dtype)
         model = GPTModel(cfg)
         f32 = lambda x: np.asarray(x, dtype=np.float32)  # noqa: E731  (exact for fp16/bf16)
