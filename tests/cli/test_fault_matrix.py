@@ -339,7 +339,8 @@ CASES = {
         r"integer, got -16"),
     "train-resume-other-shape": lambda fx, t, o: (
         ["train", CONFIG, *with_key(TRAIN, "model.ffn_hidden_size", "96"),
-         "--training.output_dir", o, "--training.resume", "auto", "--checkpoint.save_dir", copy(fx / "ckpt", t / "ckpt")],
+         "--training.output_dir", o, "--training.resume", "auto", "--checkpoint.save_dir",
+         copy(fx / "ckpt", t / "ckpt")],
         r"checkpoint error: .*has global shape \[\d+, \d+\], the model wants"),
     "train-fresh-into-other-model": lambda fx, t, o: (
         ["train", CONFIG, *with_key(TRAIN, "model.ffn_hidden_size", "96"),
