@@ -92,6 +92,9 @@ def test_pretrain_qwen3_0point6b_script_under_msrun(folder):
     # the same keys in one process (1 worker: the default global batch needs the script's)
     keys = translate(argv, world_size=1).keys
     keys["training.output_dir"] = str(folder / "one")
+    # its own save folder: the script's holds the msrun run's checkpoints (a save folder belongs
+    # to one run)
+    keys["checkpoint.save_dir"] = str(folder / "one" / "save")
     ref = Trainer(load_config(None, to_overrides(keys))).fit()
     np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in ref], rtol=1e-3)
     assert [r["lr"] for r in rows] == [r["lr"] for r in ref]
