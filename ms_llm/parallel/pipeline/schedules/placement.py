@@ -7,19 +7,21 @@ executor) or plans memory asks it, never the schedule's name.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 
-class StagePlacement:
+
+class StagePlacement(ABC):
     """The map between virtual stages and (rank, chunk); ``virtual_stage`` and ``stage_of`` are
     inverses."""
     name = ""
 
+    @abstractmethod
     def virtual_stage(self, rank: int, chunk: int, pp: int) -> int:
         """Position of (rank, chunk) in the model's layer order."""
-        raise NotImplementedError
 
+    @abstractmethod
     def stage_of(self, virtual_stage: int, pp: int) -> tuple[int, int]:
         """(rank, chunk) holding ``virtual_stage``."""
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"<{self.name} placement>"
