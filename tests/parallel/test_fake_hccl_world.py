@@ -1,5 +1,5 @@
-"""ms-llm's Ascend communication branch in a fake 2-rank HCCL world (tests/helpers/fake_hccl_world.py):
-the world's own checks (mismatched collectives, send/recv pairs, deadlocks) on hand-made call
+"""ms-llm's Ascend communication branch in a fake 2-rank HCCL world
+(tests/helpers/fake_hccl_world.py): the world's own checks (mismatched collectives, send/recv pairs, deadlocks) on hand-made call
 sequences, then data-, tensor- and pipeline-parallel training steps of a tiny model run through
 it on two spawned ranks with the device faked as Ascend, equal to the single-process run.
 
@@ -87,15 +87,31 @@ def test_the_world_fails_where_hccl_would_hang(rank0, rank1, message):
 
 @pytest.fixture(scope="module")
 def world_run(tmp_path_factory):
+    """The 2-rank world's records, and each layout's single-process reference computed here
+    while the ranks run (the test process only waits on them otherwise)."""
     root = tmp_path_factory.mktemp("fake_world")
-    return run_world("helpers.fake_world_training:train_layouts", 2,
-                     (str(root), list(LAYOUTS)))
+    box = {}
+
+    def ranks():
+        try:
+            box["world"] = run_world("helpers.fake_world_training:train_layouts", 2,
+                                     (str(root), list(LAYOUTS)))
+        except BaseException as e:   # noqa: BLE001 - re-raised in the test's thread
+            box["error"] = e
+    thread = threading.Thread(target=ranks)
+    thread.start()
+    refs = {name: record(layout_args(name, str(root / f"one_process_{name}"), parallel=False))
+            for name in LAYOUTS}
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return (*box["world"], refs)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_training_in_the_fake_world_equals_one_process(world_run, tmp_path, name):
-    results, world = world_run
-    ref = record(layout_args(name, str(tmp_path), parallel=False))
+def test_training_in_the_fake_world_equals_one_process(world_run, name):
+    results, world, refs = world_run
+    ref = refs[name]
     for rank in range(2):
         run = results[rank][name]
         np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"], rtol=RTOL,
@@ -109,7 +125,7 @@ def test_both_ranks_issue_one_consistent_sequence(world_run):
     refused any other), each send matched by the peer's receive in order, and each layout's
     traffic of the kind it needs: gradient all-reduces, sequence-parallel gathers and
     reduce-scatters, pipeline sends and receives."""
-    _, world = world_run
+    _, world, _ = world_run
     collectives = [[(op, g, m) for op, g, m in world.log[r] if op not in ("send", "recv")]
                    for r in range(2)]
     assert collectives[0] == collectives[1]
