@@ -380,6 +380,8 @@ class FakeDistributed:
             outs, values = a[name], result[name]
             if not isinstance(outs, (list, tuple)):
                 outs, values = [outs], [values]
+            if len(outs) != len(values):
+                raise WorldError(f"{name}: {len(outs)} output tensors for {len(values)} ranks")
             for out, value in zip(outs, values):
                 if tuple(value.shape) != tuple(out.shape):
                     raise WorldError(f"{name}: the result has shape {value.shape}, the output "
