@@ -11,7 +11,8 @@ import threading
 import numpy as np
 import pytest
 
-from helpers.fake_hccl_world import WORLD_GROUP, Call, World, WorldError, run_world
+from helpers.fake_hccl_world import (WORLD_GROUP, Call, FakeDistributed, World, WorldError,
+                                     run_world)
 from helpers.fake_world_training import LAYOUTS, layout_args, record
 
 RTOL = 1e-5
@@ -83,6 +84,49 @@ def test_matching_calls_complete_with_the_composed_result():
 def test_the_world_fails_where_hccl_would_hang(rank0, rank1, message):
     errors = _run_ranks(World(2), rank0, rank1)
     assert errors and all(message in e for e in errors.values()), errors
+
+
+def _rank_side_calls():
+    """Rank 0's fake ``mint.distributed``, answering every call with the input (a 1-rank echo),
+    and what it sent."""
+    sent = []
+
+    def answer(c):
+        sent.append(c)
+        return {"tensor": c.data.get("tensor")}
+    return FakeDistributed(0, answer).module, sent
+
+
+def test_the_rank_side_takes_the_arguments_as_mindspore_binds_them():
+    from mindspore import Tensor
+    dist, sent = _rank_side_calls()
+    t = Tensor(np.arange(4, dtype=np.float32))
+    assert dist.all_reduce(t, "max", None, False) is None      # positional, as bound
+    assert dist.all_reduce(t, async_op=True).wait()            # a handle when asynchronous
+    assert [c.meta["op"] for c in sent] == ["max", "sum"] and sent[0].group == WORLD_GROUP
+    with pytest.raises(TypeError):
+        dist.all_reduce(t, op="sum", grop="x")                  # not in the real signature
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda d, T: d.all_reduce(T(np.zeros((4, 2), np.float32)).transpose(1, 0)), ValueError,
+     "not contiguous"),
+    (lambda d, T: d.all_reduce(T(np.zeros(4, np.bool_))), TypeError, "HCCL does not move"),
+    (lambda d, T: d.all_reduce(T(np.zeros(4, np.float32)), group=3), TypeError,
+     "group must be a str"),
+    (lambda d, T: d.all_reduce(T(np.zeros(4, np.float32)), op="mean"), ValueError, "reduce op"),
+    (lambda d, T: d.send(T(np.zeros(4, np.float32)), dst=0), ValueError, "another rank"),
+    (lambda d, T: d.send(T(np.zeros(4, np.float32)), dst=True), ValueError, "another rank"),
+    (lambda d, T: d.all_gather_into_tensor(T(np.zeros((4, 3), np.float32)),
+                                           T(np.zeros((2, 2), np.float32))), ValueError,
+     "differ beyond dim 0"),
+])
+def test_the_rank_side_refuses_what_hccl_would_not_take(call, error, message):
+    from mindspore import Tensor
+    dist, sent = _rank_side_calls()
+    with pytest.raises(error, match=message):
+        call(dist, Tensor)
+    assert sent == []
 
 
 @pytest.fixture(scope="module")
