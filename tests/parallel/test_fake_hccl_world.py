@@ -61,7 +61,24 @@ def test_matching_calls_complete_with_the_composed_result():
     assert [op for op, _, _ in world.log[1]] == ["all_reduce", "recv"]
 
 
+def _all_to_all(rank, in_splits, out_splits):
+    rows = np.arange(sum(in_splits) * 2, dtype=np.float32).reshape(-1, 2) + 100 * rank
+    return Call(rank, "all_to_all_single", WORLD_GROUP, {"row": (2,), "dtype": "Float32"},
+                {"input": rows}, {"splits": (tuple(in_splits), tuple(out_splits))})
+
+
+def test_all_to_all_moves_each_ranks_split_to_its_peer():
+    a, b = _all_to_all(0, [1, 2], [1, 3]), _all_to_all(1, [3, 1], [2, 1])
+    assert _run_ranks(World(2), [a], [b]) == {}
+    ins = [a.data["input"], b.data["input"]]
+    np.testing.assert_array_equal(a.result["output"], np.concatenate([ins[0][:1], ins[1][:3]]))
+    np.testing.assert_array_equal(b.result["output"], np.concatenate([ins[0][1:], ins[1][3:]]))
+
+
 @pytest.mark.parametrize("rank0,rank1,message", [
+    # rank 1 expects 1 row from rank 0, which sends it 2
+    ([_all_to_all(0, [1, 2], [1, 3])], [_all_to_all(1, [3, 1], [1, 2])],
+     "all_to_all_single mismatch"),
     # the same collective with other shapes on the two ranks
     ([_all_reduce(0, (4,))], [_all_reduce(1, (8,))], "collective mismatch"),
     # collectives in another order
