@@ -14,14 +14,15 @@ import importlib
 
 from .kinds import state_elements
 
-_LAZY = {"AdamW": "adamw", "Muon": "muon", "Optimizer": "base", "StateTensor": "base",
-         "Wrapper": "base", "build_optimizer": "build", "DistributedOptimizer": "distributed",
-         "MainParams": "main_params"}
+# name -> the module (relative) that defines it
+_LAZY = {"AdamW": ".adamw", "Muon": ".muon", "Optimizer": ".base", "StateTensor": ".base",
+         "Wrapper": ".base", "build_optimizer": ".build", "DistributedOptimizer": ".distributed",
+         "MainParams": ".main_params"}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -84,7 +84,8 @@ _loaded = False
 
 def register_optimizer(kind: OptimizerKind) -> OptimizerKind:
     """Add an optimizer (re-registering the same record is a no-op). Its config keys must not
-    be another kind's, nor its ``--optimizer`` words."""
+    be another kind's, nor its ``--optimizer`` words. The built-in kinds come first."""
+    _ensure_builtin()
     if _KINDS.get(kind.name) is kind:
         return kind
     if kind.name in _KINDS:
