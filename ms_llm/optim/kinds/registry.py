@@ -6,16 +6,15 @@ its keys' value rules (``ms_llm.config.values``) and its cross-key check (``ms_l
 rules``), ``ms-llm plan`` for its fp32 state per parameter element (``state_elements``), the
 MindSpeed translation for the ``--optimizer`` words that select it. A new optimizer is its update
 rule (a class implementing ``ms_llm.optim.base.Optimizer``) and one ``register_optimizer`` call
-in a module of this package (imported on first use, like the token mixers), or from anywhere
-before the config is loaded (a plugin, a test).
+in a module of this package (the package imports every module in it when it is imported, so
+the built-ins are registered before anything asks), or from anywhere before the config is
+loaded (a plugin, a test).
 
 This module imports no MindSpore: the config schema validates through it in every command's
 ``--help`` path; each record's ``build`` imports its class when a run builds it.
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -79,13 +78,11 @@ class OptimizerKind:
 
 
 _KINDS: Dict[str, OptimizerKind] = {}
-_loaded = False
 
 
 def register_optimizer(kind: OptimizerKind) -> OptimizerKind:
     """Add an optimizer (re-registering the same record is a no-op). Its config keys must not
-    be another kind's, nor its ``--optimizer`` words. The built-in kinds come first."""
-    _ensure_builtin()
+    be another kind's, nor its ``--optimizer`` words."""
     if _KINDS.get(kind.name) is kind:
         return kind
     if kind.name in _KINDS:
@@ -107,19 +104,9 @@ def unregister_optimizer(name: str) -> OptimizerKind:
     return _KINDS.pop(get_optimizer(name).name)
 
 
-def _ensure_builtin() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        pkg = importlib.import_module(__package__)
-        for mod in sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)):
-            if mod != "registry":
-                importlib.import_module(f"{__package__}.{mod}")
-
-
 def _kinds() -> List[OptimizerKind]:
-    """Every kind in registration order (built-ins by module name first)."""
-    _ensure_builtin()
+    """Every kind in registration order (the built-ins first: the package registers them when
+    it is imported)."""
     return list(_KINDS.values())
 
 
@@ -129,7 +116,6 @@ def optimizer_names() -> List[str]:
 
 
 def get_optimizer(name: str, what: str = "training.optimizer") -> OptimizerKind:
-    _ensure_builtin()
     if name not in _KINDS:
         raise ValueError(f"{what}: unknown optimizer {name!r}; known: {', '.join(_KINDS)}")
     return _KINDS[name]
