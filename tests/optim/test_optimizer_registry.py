@@ -4,19 +4,18 @@ normal config and ``build_optimizer`` path, is planned by ``ms-llm plan`` with i
 count, validated with the config and selected by MindSpeed's ``--optimizer sgd``."""
 from __future__ import annotations
 
-import ast
 import functools
 import os
 from typing import Dict, List, Optional
 
 import numpy as np
 import pytest
+from helpers.name_scan import names_written
 from helpers.paths import ROOT
 
 from ms_llm.optim.kinds import (OptimizerKind, get_optimizer, optimizer_names,
                                 register_optimizer, unregister_optimizer)
 
-PKG = os.path.join(ROOT, "ms_llm")
 CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")
 # Where an optimizer's name may be written: its registration, its own update rule's modules,
 # and the support matrix's Muon column (a row of what ``ms-llm qualify`` runs, like a test).
@@ -28,18 +27,8 @@ MEGATRON = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "
 
 
 def test_generic_code_never_names_an_optimizer():
-    names = set(optimizer_names())
-    assert {"adamw", "muon"} <= names
-    found = []
-    for root, _, files in os.walk(PKG):
-        for f in files:
-            path = os.path.join(root, f)
-            rel = os.path.relpath(path, PKG).replace(os.sep, "/")
-            if not f.endswith(".py") or rel.startswith(OWNERS):
-                continue
-            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-                if isinstance(node, ast.Constant) and node.value in names:
-                    found.append(f"{rel}:{node.lineno} {node.value!r}")
+    assert {"adamw", "muon"} <= set(optimizer_names())
+    found = names_written(optimizer_names(), OWNERS)
     assert not found, found
 
 
