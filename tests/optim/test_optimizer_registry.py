@@ -108,7 +108,7 @@ def sgd():
     unregister_optimizer("sgd")
 
 
-@pytest.mark.slow      # ~15 s idle (one tiny trainer, 2 steps); 49 s at load 17
+@pytest.mark.slow      # one tiny trainer, 2 steps: 37-49 s measured at load 15-17 on 2 cores
 def test_a_new_optimizer_is_one_registration(sgd, tmp_path):
     from helpers.parallel_common import TINY_MODEL
     from ms_llm.config import load_config
