@@ -174,3 +174,15 @@ def test_unregistered_names_are_refused_in_one_line():
     with pytest.raises(ValueError, match="--optimizer word adam is already adamw's"):
         register_optimizer(OptimizerKind(name="adam2", title="x", build=None,
                                          state_elements=None, megatron_names={"adam": {}}))
+
+
+def test_the_registry_imports_no_mindspore():
+    """The config schema validates through the registrations in every ``--help`` path, which
+    must not pay for importing MindSpore (the classes are imported when a run builds one)."""
+    import subprocess
+    import sys
+    code = ("import sys, ms_llm.config, ms_llm.optim.kinds, ms_llm.mindspeed.flag_table; "
+            "from ms_llm.config.help import schema_help; schema_help(); "
+            "print('mindspore' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
