@@ -7,6 +7,11 @@ a time through the converter's own sinks (the QKV / gate-up / vocabulary rules s
 The merged weight is ``W + (alpha / r) B A`` (rsLoRA: ``alpha / sqrt(r)``), computed in float64 and stored in W's dtype. A
 module whose B is all zero (an untrained adapter) is left bit-identical: adding zero would only
 turn ``-0.0`` into ``+0.0``.
+
+A LoRA training checkpoint also holds the buffers training kept moving under the frozen base:
+the routers' ``mlp.router.expert_bias`` (aux-loss-free balancing updates it every step, LoRA or
+not). The trained model routes with those values, so the merge writes them over the base's
+(``e_score_correction_bias``): the base's would route tokens to other experts.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ MODULES = OrderedDict([
 ])
 HF_TO_MODULE = {hf.rsplit(".", 1)[-1]: mod for mod, hfs in MODULES.items() for hf in hfs}
 _KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight(:gate|:up)?$")
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 PEFT_PREFIX = "base_model.model.model.layers."
 _PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 
@@ -73,10 +79,14 @@ class Adapters:
         self.state = state or {}
         self.fused: Dict[Tuple[int, str], Tuple[np.ndarray, np.ndarray]] = {}
         self.per_hf: Dict[Tuple[int, str], Tuple[np.ndarray, np.ndarray]] = {}
+        # (layer, full-layer key) -> the trained buffer (router expert_bias), checkpoints only
+        self.buffers: Dict[Tuple[int, str], np.ndarray] = {}
+        self.unplaced: List[str] = []        # buffers outside decoder.layers (none place them)
         self.applied = set()
 
     def layers(self) -> List[int]:
-        return sorted({i for i, _ in self.fused} | {i for i, _ in self.per_hf})
+        return sorted({i for i, _ in self.fused} | {i for i, _ in self.per_hf}
+                      | {i for i, _ in self.buffers})
 
     def deltas(self, spec: L.ModelSpec, i: int) -> Dict[str, np.ndarray]:
         """Full-layer keys (``self_attention.linear_qkv.weight``...) -> float64 delta."""
@@ -104,7 +114,11 @@ class Adapters:
         return out
 
     def check_all_applied(self) -> None:
-        left = sorted(set(self.fused) - self.applied) + sorted(set(self.per_hf) - self.applied)
+        if self.unplaced:
+            raise AdapterError(f"{self.where}: trained buffer {self.unplaced[0]!r} has no place "
+                               f"in the merged model (only decoder layers' buffers merge)")
+        left = sorted(set(self.fused) - self.applied) + sorted(set(self.per_hf) - self.applied) \
+            + sorted(set(self.buffers) - self.applied)
         if left:
             i, mod = left[0]
             raise AdapterError(f"{self.where}: adapter of decoder layer {i} {mod} has no layer "
@@ -168,6 +182,12 @@ def read_checkpoint_adapters(path: str) -> Adapters:
             if m:
                 i, mod, ab, part = int(m[1]), m[2], m[3], m[4] or ""
                 raw.setdefault((i, mod, ab), {})[part] = reader.read(n)
+            elif not n.startswith("optimizer."):     # a buffer trained under the frozen base
+                m = _LAYER_KEY.match(n)
+                if m:
+                    ad.buffers[(int(m[1]), m[2])] = reader.read(n)
+                else:
+                    ad.unplaced.append(n)
         pairs: Dict[Tuple[int, str], Dict[str, np.ndarray]] = {}
         for (i, mod, ab), parts in raw.items():
             x = parts[""] if "" in parts else np.concatenate([parts[":gate"], parts[":up"]], 0)
@@ -275,6 +295,16 @@ class MergedSource:
                                    f"overflows {w.dtype} (lora_alpha "
                                    f"{self.adapters.alpha:g} too large?)")
             full[key] = merged
+        for (li, key), value in self.adapters.buffers.items():
+            if li != i:
+                continue
+            w = full.get(key)
+            if w is None or tuple(w.shape) != tuple(value.shape):
+                raise AdapterError(f"{self.adapters.where}: layer {i} {key}: trained buffer "
+                                   f"{list(value.shape)} does not fit the base's "
+                                   f"{None if w is None else list(w.shape)}")
+            full[key] = np.asarray(value).astype(w.dtype)
+            self.adapters.applied.add((li, key))
         return full
 
 
