@@ -1,0 +1,83 @@
+"""LoRA on the DeepSeek-router families (GLM-4.5; routers with an expert bias, shared experts, a
+first dense layer): a tiny transformers-built model trained two LoRA steps with the aux-loss-free
+expert-bias update on, merged, exported to Hugging Face and loaded by transformers' own model
+(the independent reference) gives the trained model's logits.
+
+The expert bias is a router buffer that training keeps updating under the frozen base, so the
+trained model routes with the updated bias; the merged export must carry it (it once kept the
+base's, and GLM-4.5's qualify LoRA cell failed (b) by 8e-3).
+
+Tolerance: max |dL| <= 1e-4 x max |L| (qualify's LoRA bound: fp32, the merged export rounds
+W + (alpha/r) B A once where the adapter forward rounds twice; measured ~2e-7 relative). A wrong
+merge or the base's expert bias moves the logits by ~1e-2 relative.
+"""
+import os
+
+import numpy as np
+import pytest
+
+from helpers.deepseek_fixtures import GLM_BASE, build_hf
+from helpers.finetune_fixtures import write_tokenizer
+from helpers.paths import ROOT
+
+from ms_llm.config import load_config
+from ms_llm.training.trainer import Trainer
+
+CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")   # the loaded folder defines the model
+RUN = ["--data.seq_length", "16", "--training.micro_batch_size", "2",
+       "--training.global_batch_size", "2", "--training.progress_bar", "false",
+       "--training.lr_warmup_steps", "1", "--training.log_interval", "1",
+       "--training.jit", "false", "--training.lr", "0.01", "--training.min_lr", "0.0",
+       "--training.max_steps", "2", "--model.moe_router_bias_update_rate", "0.05",
+       "--lora.r", "4", "--lora.alpha", "8"]
+CASES = {"glm45": ("glm4_moe", dict(GLM_BASE, vocab_size=64))}
+
+
+def _corpus(path) -> None:
+    path.write_text("\n\n".join(" ".join(f"w{(i * j + j) % 30}" for j in range(60))
+                                for i in range(40)))
+
+
+@pytest.fixture(params=sorted(CASES))
+def trained(request, tmp_path):
+    kind, kwargs = CASES[request.param]
+    build_hf(kind, kwargs, seed=3).save_pretrained(str(tmp_path / "hf"))
+    write_tokenizer(tmp_path / "hf")
+    _corpus(tmp_path / "corpus.txt")
+    cfg = load_config(CONFIG, ["--checkpoint.load", str(tmp_path / "hf"), "--data.tokenizer",
+                               str(tmp_path / "hf"), "--data.corpus", str(tmp_path / "corpus.txt"),
+                               *RUN, "--training.output_dir", str(tmp_path / "run"),
+                               "--checkpoint.save_dir", str(tmp_path / "save")])
+    trainer = Trainer(cfg)
+    trainer.fit()
+    trainer.model.set_train(False)
+    return request.param, trainer, tmp_path
+
+
+def _transformers_logits(folder, ids):
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder),
+                                                              torch_dtype=torch.float32)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        return model.eval()(torch.tensor(ids.astype(np.int64))).logits.numpy()
+
+
+def test_merged_export_reloads_equal_in_transformers(trained):
+    from mindspore import Tensor
+    from safetensors.numpy import load_file
+    from ms_llm.cli import main
+    name, trainer, tmp = trained
+    ids = np.random.default_rng(20260).integers(0, 32, (2, 16)).astype(np.int32)
+    want = trainer.model(Tensor(ids)).asnumpy()
+    assert main(["export", str(tmp / "save"), str(tmp / "merged")]) == 0
+    got = _transformers_logits(tmp / "merged", ids)
+    err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
+    assert err <= 1e-4 * scale, (name, err, scale)
+    # the run moved the expert bias (else this test would not see the bug it guards)
+    base, merged = load_file(str(tmp / "hf" / "model.safetensors")), \
+        load_file(str(tmp / "merged" / "model.safetensors"))
+    moved = [k for k in base if k.endswith("e_score_correction_bias")
+             and not np.array_equal(base[k], merged[k])]
+    assert moved, name
