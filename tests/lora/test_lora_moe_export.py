@@ -38,8 +38,9 @@ def _corpus(path) -> None:
                                 for i in range(40)))
 
 
-@pytest.fixture(params=sorted(CASES))
-def trained(request, tmp_path):
+@pytest.fixture(scope="module", params=sorted(CASES))
+def trained(request, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp(request.param)
     kind, kwargs = CASES[request.param]
     build_hf(kind, kwargs, seed=3).save_pretrained(str(tmp_path / "hf"))
     write_tokenizer(tmp_path / "hf")
@@ -81,3 +82,12 @@ def test_merged_export_reloads_equal_in_transformers(trained):
     moved = [k for k in base if k.endswith("e_score_correction_bias")
              and not np.array_equal(base[k], merged[k])]
     assert moved, name
+
+
+def test_peft_export_refuses_a_moved_expert_bias(trained, capsys):
+    from ms_llm.cli import main
+    _, _, tmp = trained
+    assert main(["export", str(tmp / "save"), str(tmp / "peft"), "--lora-only"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "e_score" not in err and "mlp.router.expert_bias was updated in training" in err, err
+    assert not os.path.exists(tmp / "peft")
