@@ -26,7 +26,7 @@ import numpy as np
 from ms_llm.models import layouts as L
 from ms_llm.checkpoint.hf.io import HFWriter
 from ms_llm.lora.base import STATE_KEY
-from .merge import MODULES, PEFT_PREFIX, AdapterError, read_checkpoint_adapters
+from .merge import MODULES, PEFT_PREFIX, modules_for, AdapterError, read_checkpoint_adapters
 
 
 def export_merged(ckpt: str, out_dir: str, *, fmt: str = "hf", dtype: Optional[str] = None,
@@ -65,13 +65,15 @@ def _spec_of(state: dict) -> L.ModelSpec:
 
 def peft_tensors(ad, spec: L.ModelSpec) -> Dict[str, np.ndarray]:
     """HF-named PEFT tensors of the fused adapters (see the module docstring)."""
-    if any(k != "attention" for k in spec.layer_kinds):
+    # fused q/k/v attention and latent attention split into HF modules; Gated DeltaNet's
+    # projections and gated attention's q (gate rows) have no per-module split here
+    if spec.linear or (spec.config is not None and spec.config.attention_output_gate):
         raise AdapterError(f"export --lora-only: PEFT adapters of a {spec.family} model (gated "
                            f"attention / Gated DeltaNet layers) are not built; export merged "
                            f"weights instead")
     out: Dict[str, np.ndarray] = {}
     for (i, mod), (a, b) in sorted(ad.fused.items()):
-        hfs = MODULES[mod]
+        hfs = modules_for(spec)[mod]
         if len(hfs) == 3:
             bs = L.split_qkv(b, spec.heads, spec.groups, spec.head_dim)
         elif len(hfs) == 2:

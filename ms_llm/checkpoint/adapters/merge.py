@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ms_llm.models import layouts as L
-from ms_llm.lora.base import STATE_KEY, check_base
+from ms_llm.models.layouts.mla import MLA_LORA_MODULES
+from ms_llm.lora.base import ALIASES, STATE_KEY, check_base
 from .peft_fields import PeftFields
 
 # Megatron module (relative to decoder.layers.{i}.) -> HF module(s) it fuses
@@ -37,7 +38,23 @@ MODULES = OrderedDict([
     ("self_attention.in_proj_ba", ("linear_attn.in_proj_ba",)),
     ("self_attention.out_proj", ("linear_attn.out_proj",)),
 ])
-HF_TO_MODULE = {hf.rsplit(".", 1)[-1]: mod for mod, hfs in MODULES.items() for hf in hfs}
+# latent attention's linears (the layout's map). HF_TO_MODULE is read for names only (PEFT
+# tensor checks, --lora-target-modules): HF q_proj keeps the fused q/k/v attention's module.
+MODULES.update((k, v) for k, v in MLA_LORA_MODULES.items() if k not in MODULES)
+HF_TO_MODULE: Dict[str, str] = {}
+for _mod, _hfs in MODULES.items():
+    for _hf in _hfs:
+        HF_TO_MODULE.setdefault(_hf.rsplit(".", 1)[-1], _mod)
+
+
+def modules_for(spec: L.ModelSpec) -> "OrderedDict":
+    """The Megatron -> HF module map of ``spec``'s layers: latent attention's linears or
+    the fused q/k/v attention's (HF ``q_proj`` is one or the other)."""
+    drop = {"self_attention.linear_qkv"} if spec.mla else \
+        set(MLA_LORA_MODULES) - {"self_attention.linear_proj"}
+    return OrderedDict((k, v) for k, v in MODULES.items() if k not in drop)
+
+
 _KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight(:gate|:up)?$")
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 PEFT_PREFIX = "base_model.model.model.layers."
@@ -97,7 +114,7 @@ class Adapters:
                 if d is not None:
                     out[mod + ".weight"] = d
                 self.applied.add((li, mod))
-        for mod, hfs in MODULES.items():
+        for mod, hfs in modules_for(spec).items():
             parts = [self.per_hf.get((i, hf)) for hf in hfs]
             if all(p is None for p in parts):
                 continue
@@ -106,6 +123,9 @@ class Adapters:
                     self.applied.add((i, hf))
             ds = [None if p is None else _delta(p[0], p[1], self.scale) for p in parts]
             if all(d is None for d in ds):
+                continue
+            if len(ds) == 1:
+                out[mod + ".weight"] = ds[0]
                 continue
             shapes = _hf_shapes(spec, mod)
             ds = [np.zeros(s) if d is None else d for d, s in zip(ds, shapes)]
@@ -230,7 +250,8 @@ def read_peft_adapters(folder: str) -> Adapters:
         m = _PEFT_KEY.match(n)
         if not m or m[2].rsplit(".", 1)[-1] not in HF_TO_MODULE:
             raise AdapterError(f"{folder}: adapter tensor {n!r} is not a LoRA weight of "
-                               f"q/k/v/o_proj or gate/up/down_proj")
+                               f"q/k/v/o_proj, gate/up/down_proj or latent attention's "
+                               f"q_a/q_b/kv_a_proj_with_mqa/kv_b_proj")
         try:
             fields.check_module(int(m[1]), m[2])
         except ValueError as e:
@@ -321,7 +342,9 @@ def merged_source(src, opts, load_dir: str):
         have = sorted({m.rsplit(".", 1)[-1] for _, m in ad.fused} |
                       {HF_TO_MODULE[h.rsplit(".", 1)[-1]].rsplit(".", 1)[-1]
                        for _, h in ad.per_hf})
-        if sorted(set(opts.lora_target_modules)) != have:
+        # MindSpeed's name for latent attention's fused down-projections (lora.base.ALIASES)
+        folded = sorted({next((k for k, v in ALIASES.items() if m in v), m) for m in have})
+        if sorted(set(opts.lora_target_modules)) not in (have, folded):
             raise AdapterError(f"--lora-target-modules {' '.join(opts.lora_target_modules)}: "
                                f"the adapters in {opts.lora_load} are on {' '.join(have)}")
     if ad.state.get("base_sha256"):
