@@ -28,6 +28,8 @@ from helpers.paths import ROOT
 from ms_llm.config import load_config
 from ms_llm.training.trainer import Trainer
 
+pytestmark = pytest.mark.slow     # two tiny MoE trainings: ~30 s each on 2 shared cores
+
 CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")   # the loaded folder defines the model
 RUN = ["--data.seq_length", "16", "--training.micro_batch_size", "2",
        "--training.global_batch_size", "2", "--training.progress_bar", "false",
