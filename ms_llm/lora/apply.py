@@ -8,10 +8,11 @@ Selection: candidates are the decoder's ``linear_qkv``, ``linear_proj``, ``linea
 attention's ``linear_q_proj`` / ``linear_q_down_proj`` / ``linear_q_up_proj`` /
 ``linear_kv_down_proj`` / ``linear_kv_up_proj``). A target without dots or glob characters names
 the last component (``linear_qkv``; on latent attention, as in MindSpeed-LLM's DeepSeek scripts,
-it names the down-projections MindSpeed fuses under that name: ``base.ALIASES``); anything else is an ``fnmatch`` glob over the full module name (``*`` crosses
-dots), e.g. ``decoder.layers.*.self_attention.linear_qkv``. MoE: attention and dense-MLP layers
-get adapters; routed and shared experts do not (the bare names skip them; a glob that selects
-only expert linears is refused as not built). A target matching nothing is an error.
+it names the down-projections MindSpeed fuses under that name: ``base.ALIASES``); anything
+else is an ``fnmatch`` glob over the full module name (``*`` crosses dots), e.g.
+``decoder.layers.*.self_attention.linear_qkv``. MoE: attention and dense-MLP layers get
+adapters; routed and shared experts do not (the bare names skip them; a glob that selects only
+expert linears is refused as not built). A target matching nothing is an error.
 
 Every Parameter that was trainable becomes a frozen base weight (``requires_grad`` False, no
 optimizer state, not in training checkpoints); buffers (the routers' ``expert_bias``) stay as

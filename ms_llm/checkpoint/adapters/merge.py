@@ -4,8 +4,8 @@ source, so ``ms-llm export`` and ``ms-llm convert --lora-load`` stream base + de
 a time through the converter's own sinks (the QKV / gate-up / vocabulary rules stay in
 ``models.layouts``).
 
-The merged weight is ``W + (alpha / r) B A`` (rsLoRA: ``alpha / sqrt(r)``), computed in float64 and stored in W's dtype. A
-module whose B is all zero (an untrained adapter) is left bit-identical: adding zero would only
+The merged weight is ``W + (alpha / r) B A`` (rsLoRA: ``alpha / sqrt(r)``), computed in
+float64 and stored in W's dtype. A module whose B is all zero (an untrained adapter) is left bit-identical: adding zero would only
 turn ``-0.0`` into ``+0.0``.
 
 A LoRA training checkpoint also holds the buffers training kept moving under the frozen base:
