@@ -105,10 +105,13 @@ RULES: Dict[str, Rule] = {
     "lora.dropout": _within(0, 1, hi_open=True),
     "lora.target_modules": _rule(
         "linear_qkv, linear_proj, linear_fc1, linear_fc2 (Gated DeltaNet: in_proj_qkvz, "
-        "in_proj_ba, out_proj) or a glob ending in one of them",
+        "in_proj_ba, out_proj; latent attention: linear_q_proj, linear_q_down_proj, "
+        "linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj) or a glob ending in one of them",
         lambda v: v.rsplit(".", 1)[-1] in ("linear_qkv", "linear_proj", "linear_fc1",
                                            "linear_fc2", "in_proj_qkvz", "in_proj_ba",
-                                           "out_proj", "*")),
+                                           "out_proj", "linear_q_proj", "linear_q_down_proj",
+                                           "linear_q_up_proj", "linear_kv_down_proj",
+                                           "linear_kv_up_proj", "*")),
     "quant.mx_path": _one_of("auto", "native", "emulated"),
     "runtime.log_level": _one_of("debug", "info", "warning", "error", "critical", case=False),
     "runtime.cpu_threads": _ge(1),
