@@ -93,6 +93,9 @@ class TrainingConfig(_Section):
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    # AdamW moments stored in float32 | bfloat16 (MindSpeed-LLM's O2 --o2-optimizer: 4 bytes per
+    # parameter instead of 8; each update upcasts them to fp32 and rounds back)
+    adam_moments_dtype: str = "float32"
     clip_grad: float = 1.0
     log_interval: int = 1
     jit: bool = False                 # compile forward+backward with mindspore.jit

@@ -73,6 +73,7 @@ RULES: Dict[str, Rule] = {
         "train_samples", "lr_decay_samples", "lr_wsd_decay_samples", "lr_wsd_decay_steps")},
     **{f"training.{k}": _NON_NEGATIVE for k in ("lr_warmup_init", "lr_warmup_samples")},
     "training.optimizer": _one_of("adamw", "muon"),
+    "training.adam_moments_dtype": _one_of("float32", "bfloat16"),
     "training.muon_momentum": _within(0, 1, hi_open=True),
     "training.muon_coefficient_type": _one_of("simple", "quintic", "polar_express", "cans", "aol"),
     "training.muon_num_ns_steps": _ge(1),

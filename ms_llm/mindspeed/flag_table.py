@@ -195,8 +195,8 @@ TABLE: Dict[str, object] = {
     "--loss-scale": Refuse("a static loss scale is fp16 training's, which is not built", 1),
     "--initial-loss-scale": Noop("dynamic loss scaling is fp16's; Megatron ignores it under "
                                  "--bf16", 1),
-    "--o2-optimizer": Refuse("bf16 optimizer state (MindSpeed O2) is not built"),
-    "--o2-gradient": Refuse("bf16 gradient accumulation (MindSpeed O2) is not built"),
+    "--o2-optimizer": Map("training.adam_moments_dtype", 0, "bfloat16"),
+    "--o2-gradient": Map("parallel.grad_reduce_in_fp32", 0, False),
     "--attention-softmax-in-fp32": Noop("the attention softmax already runs in fp32"),
     "--use-flash-attn": Noop(KERNEL),
     "--use-fused-rotary-pos-emb": Noop(KERNEL),

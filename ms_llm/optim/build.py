@@ -32,7 +32,8 @@ def build_optimizer(named_params: Sequence[tuple], cfg, pstate, jit: bool = Fals
     muon = t.optimizer == "muon"
     groups = assignment(build_groups(named_params, muon=muon))
     adam = functools.partial(AdamW, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                             eps=t.adam_eps, weight_decay=t.weight_decay)
+                             eps=t.adam_eps, weight_decay=t.weight_decay,
+                             moments_dtype=t.adam_moments_dtype)
     if muon:
         make = functools.partial(
             Muon, lr=t.lr, momentum=t.muon_momentum, nesterov=t.muon_nesterov,
