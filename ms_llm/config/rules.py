@@ -228,6 +228,22 @@ def cross_entropy_fusion_problem(cfg) -> Problem:
     return None
 
 
+def sample_order_problem(cfg) -> Problem:
+    """``data.shuffle: false`` / ``data.padded_samples`` order instruction and pairwise samples
+    (MindSpeed-LLM's ``DecoderPackedMTFDataset``); Megatron's pretraining datasets keep their
+    own shuffle, so there the keys would silently change nothing."""
+    d = cfg.data
+    if d.shuffle and not d.padded_samples:
+        return None
+    key = "data.padded_samples" if d.padded_samples else "data.shuffle"
+    if not d.data_path or (d.dataset_type != "sft" and cfg.training.stage != "dpo"):
+        return (key, "data.dataset_type"), (
+            f"{key} orders instruction or pairwise samples (data.data_path with data.dataset_type "
+            f"sft, or training.stage dpo), as MindSpeed-LLM's --no-shuffle/--padded-samples; "
+            f"pretraining data keeps Megatron's GPTDataset order")
+    return None
+
+
 def bf16_problem(cfg) -> Problem:
     """Combinations with ``training.bf16`` that are not built."""
     t, p, m = cfg.training, cfg.parallel, cfg.model
@@ -270,8 +286,8 @@ def optimizer_problem(cfg) -> Problem:
 
 _LOW = ("bfloat16", "bf16")
 CROSS_KEY_CHECKS = (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora)
-CROSS_KEY_RULES = (stage_problem, _mtp_problem, _eval_split_problem, bf16_problem,
-                   cross_entropy_fusion_problem, optimizer_problem)
+CROSS_KEY_RULES = (stage_problem, _mtp_problem, _eval_split_problem, sample_order_problem,
+                   bf16_problem, cross_entropy_fusion_problem, optimizer_problem)
 
 
 def check_launch(cfg, world_size: int) -> None:

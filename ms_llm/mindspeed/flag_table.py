@@ -287,10 +287,8 @@ TABLE: Dict[str, object] = {
                         "restarting positions here"),
     "--no-pad-to-seq-lengths": Noop("padding positions carry no loss: padding every row to "
                                     "--seq-length gives the same loss"),
-    "--padded-samples": Refuse("padding the last epoch with samples from its start is not "
-                               "built"),
-    "--no-shuffle": Refuse("unshuffled training data is not built (the GPTDataset order is "
-                           "used)"),
+    "--padded-samples": Map("data.padded_samples", 0, True),
+    "--no-shuffle": Map("data.shuffle", 0, False),
     "--reset-attention-mask": Map("data.reset_attention_mask", 0, True),
     "--reset-position-ids": Map("data.reset_position_ids", 0, True),
     "--eod-mask-loss": Map("data.eod_mask_loss", 0, True),
