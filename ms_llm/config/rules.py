@@ -198,10 +198,6 @@ def stage_problem(cfg) -> Problem:
             return ("dpo.label_smoothing", "dpo.loss_type"), (
                 f"dpo.label_smoothing applies to dpo.loss_type sigmoid only, not "
                 f"{cfg.dpo.loss_type}")
-    if t.eval_interval is not None and p.pipeline_model_parallel_size > 1:
-        return ("training.eval_interval", "parallel.pipeline_model_parallel_size"), (
-            "training.eval_interval with parallel.pipeline_model_parallel_size > 1 is not built "
-            "yet (evaluation runs on data, tensor and fully-sharded data parallel layouts)")
     return None
 
 
