@@ -105,18 +105,20 @@ def _losses(tmp_path, name, *extra):
     return [r["loss"] for r in Trainer(cfg).fit()]
 
 
-CURVE_TOLERANCE = 0.02
+CURVE_TOLERANCE = 2e-3
 
 
 @pytest.mark.slow   # two 50-step bf16 runs: ~3-6 min on 2 shared cores
 def test_o2_curve_over_50_steps_stays_within_tolerance_of_fp32_moments(tmp_path):
     """50 bf16 steps of the tiny model with bf16 moments and bf16 gradient accumulation (both O2
-    switches) against fp32 moments and gradients: every loss within ``CURVE_TOLERANCE`` (2%)
-    relative. Why 2%: bf16 moments carry 8 bits of mantissa, so each update's direction differs
-    by up to ~2^-8 relative per element; over 50 steps at lr 3e-3 these differences compound
-    into a parameter drift whose loss effect measured 0.3-0.6% here (loss ~8.3 -> ~6); 2% leaves
-    room across platforms while a wrong update (e.g. unrounded moments cast as int, a missing
-    bias correction) moves the curve by far more. The loss must also fall (the run trains)."""
+    switches) against fp32 moments and gradients: every loss within ``CURVE_TOLERANCE`` (2e-3)
+    relative. Why 2e-3: bf16 moments and gradient sums carry 8 bits of mantissa, so each
+    element's update differs by up to ~2^-8 relative; Adam's m/sqrt(v) cancels most of a common
+    rounding and the differences average out over the elements, so the loss moved by at most
+    1.3e-4 relative here (loss 8.3 -> 6.6; the last step 4e-6; docs/features/o2.md). 2e-3 leaves
+    15x room for other CPUs' kernels while a wrong O2 (moments truncated instead of rounded,
+    a bias correction lost, bf16 arithmetic instead of bf16 storage) moves the curve by more.
+    The loss must also fall (the run trains)."""
     common = ["--training.max_steps", "50", "--training.bf16", "true",
               "--training.global_batch_size", "8"]
     ref = _losses(tmp_path, "fp32", *common)
