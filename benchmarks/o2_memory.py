@@ -125,7 +125,8 @@ def main(argv=None) -> int:
         moments = st["exp_avg+exp_avg_sq"]
         total = sum(st.values())
         print(f"{layout:<14} {n:>11,} {moments / n:>16.2f} {total / n:>14.2f} "
-              f"{r['grad_bytes']:>17} {total / 2 ** 20:>10.1f} {r['peak_rss_gb']:>13.3f} {r['step_s']:>7.2f}")
+              f"{r['grad_bytes']:>17} {total / 2 ** 20:>10.1f} {r['peak_rss_gb']:>13.3f} "
+              f"{r['step_s']:>7.2f}")
     base = rows["fp32"]
     for layout in ("o2-optimizer", "o2"):
         saved = sum(base["state"].values()) - sum(rows[layout]["state"].values())

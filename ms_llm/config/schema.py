@@ -54,11 +54,9 @@ class DataConfig(_Section):
     reset_attention_mask: bool = False    # packed documents do not attend to each other
     eod_mask_loss: bool = False
     dataset_type: str = "pretrain"        # pretrain | sft (instruction data with prompt masking)
-    # Instruction / pairwise data only (MindSpeed-LLM's DecoderPackedMTFDataset order,
-    # ms_llm.data.sample_order): false reads the samples in file order (--no-shuffle); true
-    # pads every epoch to a whole global batch with the dataset's first samples (--padded-samples)
-    shuffle: bool = True
-    padded_samples: bool = False
+    # Instruction / pairwise data only, in MindSpeed-LLM's order (ms_llm.data.sample_order):
+    shuffle: bool = True                  # false: samples in file order (--no-shuffle)
+    padded_samples: bool = False          # each epoch padded to a whole global batch with the first samples
 
 
 @dataclass

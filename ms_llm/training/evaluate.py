@@ -11,11 +11,11 @@
   data-parallel ranks (Megatron sums the loss and the token count, then divides); under context
   parallel each batch is split over the cp ranks exactly as in training and both sums also run
   over cp;
-  ``eval_ppl = exp(min(20, eval_loss))`` as Megatron prints it.
+  ``eval_ppl = exp(min(20, eval_loss))`` as Megatron prints it. A DPO run logs the mean DPO loss
+  over the pairs and the reward metrics instead (``eval_rewards/accuracy``...).
 * Under pipeline parallel each micro-batch runs forward-only through the stages (Megatron's
   ``forward_backward_func(forward_only=True)``); the last stage's rank computes the sums and
-  shares them with the pipeline group, so every rank reports the same values. A DPO run logs the mean DPO loss
-  over the pairs and the reward metrics instead (``eval_rewards/accuracy``...).
+  shares them with the pipeline group, so every rank reports the same values.
 """
 from __future__ import annotations
 
