@@ -167,11 +167,10 @@ def test_entry_prints_the_config_and_refuses_in_one_line(tmp_path):
     ok = subprocess.run([sys.executable, "pretrain_gpt.py", *argv, "--print-config"],
                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert ok.returncode == 0 and "tensor_model_parallel_size: '1'" in ok.stdout, ok.stderr
-    bad = subprocess.run([sys.executable, "posttrain_gpt.py", *argv, "--o2-optimizer"],
+    bad = subprocess.run([sys.executable, "posttrain_gpt.py", *argv, "--fp16"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "posttrain_gpt.py: --o2-optimizer: not supported: bf16 optimizer state (MindSpeed O2) "
-        "is not built"]
+        "posttrain_gpt.py: --fp16: not supported: fp16 training is not built (use --bf16)"]
 
 
 def test_load_of_a_torch_dist_training_checkpoint_resumes_from_it(tmp_path):
