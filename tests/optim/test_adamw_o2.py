@@ -4,6 +4,8 @@ AdamW whose moments are stored in bf16, upcast to fp32 for each update and round
 state dict, checkpoint resume and a 50-step curve against fp32 moments."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -133,12 +135,18 @@ def test_o2_curve_over_50_steps_stays_within_tolerance_of_fp32_moments(tmp_path)
 
 def test_o2_resume_continues_exactly(tmp_path):
     """A checkpoint holds the bf16 moments (as fp32, exactly) and resuming continues the
-    curve bit-for-bit (4 steps = 2 + 2)."""
+    curve bit-for-bit (4 steps = 2 + 2); an fp32-moment run resumes from it too (the moments
+    loaded as they were stored: its steps 3-4 within bf16 rounding of the O2 run's)."""
     o2 = ["--training.adam_moments_dtype", "bfloat16", "--training.bf16", "true",
           "--training.lr_decay_steps", "4"]
     save = str(tmp_path / "ckpt")
     full = _losses(tmp_path, "full", *o2, "--training.max_steps", "4")
     first = _losses(tmp_path, "a", *o2, "--training.max_steps", "2", "--checkpoint.save_dir", save)
+    shutil.copytree(save, str(tmp_path / "ckpt_c"))    # the step-2 save, for the fp32 resume
     rest = _losses(tmp_path, "b", *o2, "--training.max_steps", "4", "--checkpoint.save_dir", save,
                    "--training.resume", "auto")
     np.testing.assert_allclose(first + rest, full, rtol=1e-6)
+    fp32 = _losses(tmp_path, "c", *o2[2:], "--training.max_steps", "4", "--checkpoint.save_dir",
+                   str(tmp_path / "ckpt_c"), "--training.resume", "auto")
+    assert len(fp32) == 2
+    np.testing.assert_allclose(fp32, rest, rtol=1e-3)
