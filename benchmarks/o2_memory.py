@@ -13,7 +13,8 @@ Each layout trains ``--steps`` steps in a fresh child process and reports the op
 bytes (``optimizer.state_bytes()``: moments + fp32 main parameters), those per parameter, the
 bytes per parameter of the micro-batch gradient sums (fp32 or bf16), the
 peak RSS of training (the trainer resets the high-water mark before building the model) and
-the median step time (first step dropped). MindSpeed-LLM's O2 page states the saving as 4N
+the median step time (first step dropped), and the resident memory after set-up (model, main
+parameters, optimizer state) and after the last step. MindSpeed-LLM's O2 page states the saving as 4N
 bytes (bf16 moments) and 2N (bf16 gradients); the table shows what this CPU run measures.
 
 ``python -m benchmarks.o2_memory [--steps 3] [--small]``
@@ -47,7 +48,7 @@ def worker(out: str, layout: str, steps: int, small: bool) -> None:
     from ms_llm.compat import setup_device
     setup_device("CPU")
     from ms_llm.config import load_config
-    from ms_llm.training.metrics import peak_rss_gb
+    from ms_llm.training.metrics import current_rss_gb, peak_rss_gb
     from ms_llm.training.trainer import Trainer
 
     model = TINY_MODEL if small else model_55m()
@@ -56,6 +57,7 @@ def worker(out: str, layout: str, steps: int, small: bool) -> None:
     if small:
         overrides += ["--data.seq_length", "32"]
     tr = Trainer(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), overrides))
+    setup_gb = current_rss_gb()     # model, main parameters and optimizer state built
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -67,6 +69,7 @@ def worker(out: str, layout: str, steps: int, small: bool) -> None:
     grad_bytes = 2 if str(grad_dtype(tr.cfg)).lower().startswith("bfloat16") else 4
     with open(out, "w") as f:
         json.dump({"params": n, "state": state, "peak_rss_gb": peak_rss_gb(),
+                   "setup_rss_gb": setup_gb, "end_rss_gb": current_rss_gb(),
                    "grad_bytes": grad_bytes,
                    "step_s": statistics.median(times[1:] or times)}, f)
 
@@ -119,13 +122,15 @@ def main(argv=None) -> int:
             with open(out) as f:
                 rows[layout] = json.load(f)
     print(f"{'layout':<14} {'params':>11} {'moments B/param':>16} {'state B/param':>14} "
-          f"{'grad sum B/param':>17} {'state MiB':>10} {'peak RSS GiB':>13} {'step s':>7}")
+          f"{'grad sum B/param':>17} {'state MiB':>10} {'RSS setup/end GiB':>18} "
+          f"{'peak RSS GiB':>13} {'step s':>7}")
     for layout, r in rows.items():
         n, st = r["params"], r["state"]
         moments = st["exp_avg+exp_avg_sq"]
         total = sum(st.values())
         print(f"{layout:<14} {n:>11,} {moments / n:>16.2f} {total / n:>14.2f} "
-              f"{r['grad_bytes']:>17} {total / 2 ** 20:>10.1f} {r['peak_rss_gb']:>13.3f} "
+              f"{r['grad_bytes']:>17} {total / 2 ** 20:>10.1f} "
+              f"{r['setup_rss_gb']:>8.3f} / {r['end_rss_gb']:>6.3f} {r['peak_rss_gb']:>13.3f} "
               f"{r['step_s']:>7.2f}")
     base = rows["fp32"]
     for layout in ("o2-optimizer", "o2"):
