@@ -89,7 +89,7 @@ class AdamW:
                 if (lm, wm) not in hyper:
                     hyper[(lm, wm)] = Tensor(np.array([lr_k * lm, b1, b2, eps_k, decay_k * wm],
                                                       np.float32))
-                m32, v32 = self._fp32(m), self._fp32(v)
+                m32, v32 = self._fp32(m, wrap=False), self._fp32(v, wrap=False)
                 if not cpu_kernels.adamw_update(p, m32, v32, cast(g, float32),
                                                 hyper[(lm, wm)], self._threads):
                     raise RuntimeError("AdamW: the CPU kernels were turned off after the "
@@ -103,12 +103,16 @@ class AdamW:
             self._store(m, m32, v, v32)
 
     @staticmethod
-    def _fp32(moment: Parameter):
-        """The moment itself (fp32), or an fp32 working copy of a bf16 one (O2)."""
+    def _fp32(moment: Parameter, wrap: bool = True):
+        """The moment itself (fp32), or an fp32 working copy of a bf16 one (O2). MindSpore's
+        kernel updates Parameters only (``wrap``); ms-llm's C kernel takes the plain tensor,
+        whose memory the pool reuses tensor after tensor (wrapped copies stayed resident:
+        +0.46 GB after a step over 6 x 4M elements, against 0.07 GB unwrapped)."""
         if moment.dtype == float32:
             return moment
         from ms_llm.ops import cast
-        return Parameter(cast(moment, float32), requires_grad=False)
+        m32 = cast(moment, float32)
+        return Parameter(m32, requires_grad=False) if wrap else m32
 
     @staticmethod
     def _store(m, m32, v, v32) -> None:
