@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     for layout in ("o2-optimizer", "o2"):
         saved = sum(base["state"].values()) - sum(rows[layout]["state"].values())
         print(f"# {layout}: optimizer state {saved / base['params']:.2f} B/param smaller; "
-              f"peak RSS {base['peak_rss_gb'] - rows[layout]['peak_rss_gb']:+.3f} GiB lower")
+              f"peak RSS {base['peak_rss_gb'] - rows[layout]['peak_rss_gb']:.3f} GiB lower")
     return 0
 
 
