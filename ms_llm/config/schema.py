@@ -55,6 +55,9 @@ class DataConfig(_Section):
     reset_attention_mask: bool = False    # packed documents do not attend to each other
     eod_mask_loss: bool = False
     dataset_type: str = "pretrain"        # pretrain | sft (instruction data with prompt masking)
+    # Instruction / pairwise data only, in MindSpeed-LLM's order (ms_llm.data.sample_order):
+    shuffle: bool = True                  # false: samples in file order (--no-shuffle)
+    padded_samples: bool = False          # each epoch padded to a whole global batch with the first samples
 
 
 @dataclass
@@ -95,6 +98,9 @@ class TrainingConfig(_Section):
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    # AdamW moments stored in float32 | bfloat16 (MindSpeed-LLM's O2 --o2-optimizer: 4 bytes per
+    # parameter instead of 8; each update upcasts them to fp32 and rounds back)
+    adam_moments_dtype: str = "float32"
     clip_grad: float = 1.0
     log_interval: int = 1
     jit: bool = False                 # compile forward+backward with mindspore.jit

@@ -207,8 +207,8 @@ TABLE: Dict[str, object] = {
     "--loss-scale": Refuse("a static loss scale is fp16 training's, which is not built", 1),
     "--initial-loss-scale": Noop("dynamic loss scaling is fp16's; Megatron ignores it under "
                                  "--bf16", 1),
-    "--o2-optimizer": Refuse("bf16 optimizer state (MindSpeed O2) is not built"),
-    "--o2-gradient": Refuse("bf16 gradient accumulation (MindSpeed O2) is not built"),
+    "--o2-optimizer": Map("training.adam_moments_dtype", 0, "bfloat16"),
+    "--o2-gradient": Map("parallel.grad_reduce_in_fp32", 0, False),
     "--attention-softmax-in-fp32": Noop("the attention softmax already runs in fp32"),
     "--use-flash-attn": Noop(KERNEL),
     "--use-fused-rotary-pos-emb": Noop(KERNEL),
@@ -299,10 +299,8 @@ TABLE: Dict[str, object] = {
                         "restarting positions here"),
     "--no-pad-to-seq-lengths": Noop("padding positions carry no loss: padding every row to "
                                     "--seq-length gives the same loss"),
-    "--padded-samples": Refuse("padding the last epoch with samples from its start is not "
-                               "built"),
-    "--no-shuffle": Refuse("unshuffled training data is not built (the GPTDataset order is "
-                           "used)"),
+    "--padded-samples": Map("data.padded_samples", 0, True),
+    "--no-shuffle": Map("data.shuffle", 0, False),
     "--reset-attention-mask": Map("data.reset_attention_mask", 0, True),
     "--reset-position-ids": Map("data.reset_position_ids", 0, True),
     "--eod-mask-loss": Map("data.eod_mask_loss", 0, True),

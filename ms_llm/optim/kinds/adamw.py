@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import functools
 
-from ms_llm.validation import greater_than, within
+from ms_llm.validation import greater_than, one_of, within
 from .registry import OptimizerKind, register_optimizer
 
 
 def adam_options(t) -> dict:
     """AdamW's constructor arguments from the config's ``training`` section."""
     return dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                weight_decay=t.weight_decay)
+                weight_decay=t.weight_decay, moments_dtype=t.adam_moments_dtype)
 
 
 def _build(cfg, groups, pstate, model_config):
@@ -26,5 +26,6 @@ ADAMW = register_optimizer(OptimizerKind(
     state_elements=lambda name, shape: 2,           # exp_avg, exp_avg_sq
     value_rules={"training.adam_beta1": within(0, 1, hi_open=True),
                  "training.adam_beta2": within(0, 1, hi_open=True),
-                 "training.adam_eps": greater_than(0)},
+                 "training.adam_eps": greater_than(0),
+                 "training.adam_moments_dtype": one_of("float32", "bfloat16")},
     megatron_names={"adam": {}}))
