@@ -70,7 +70,10 @@ class MixerKind:
       the copy counts MindSpore's executor was measured to keep;
     * ``weights_per_token(config)`` / ``mixing_flops_per_token(config, s)``: multiply-accumulates
       of its weight matmuls per token, and training FLOPs per token of the mixing itself (the
-      MFU count, ``ms_llm.planning.flops``)."""
+      MFU count, ``ms_llm.planning.flops``);
+    * ``twin_widths(config, unit)``: its own ``model.*`` widths shrunk to multiples of ``unit``
+      (counts kept), for the small *twin* ``ms-llm plan`` really builds
+      (``ms_llm.parallel.plan_shapes.twin_config``); ``{}``: the kind has no widths of its own."""
 
     name: str
     title: str          # what messages call it ("Gated DeltaNet")
@@ -83,6 +86,7 @@ class MixerKind:
     checkpoint_kind: Optional[str] = None
     core_attention: bool = True
     megatron_training_checkpoints: bool = True
+    twin_widths: Callable[["TransformerConfig", int], Dict[str, int]] = lambda c, unit: {}
 
     @property
     def layout(self) -> str:
