@@ -6,8 +6,8 @@ it either plans (exit 0) or reports a refusal in one line (exit 2): never a trac
 checked against an independent count of the model's parameters from the script's flags
 (``helpers.megatron_param_count``: Megatron-Core's modules, not ms-llm's code): the total exactly,
 and the stages' first ranks together hold the dense part cut over tensor parallel plus the
-routed experts cut over expert parallel (within 2 %: norms are replicated over tensor parallel,
-a tied embedding has a copy on the last stage). Planning allocates nothing model-sized: the
+routed experts cut over expert parallel (within 2 %: norms are replicated over tensor parallel;
+a tied embedding, or multi-token prediction's, has a copy on the last stage). Planning allocates nothing model-sized: the
 process's peak RSS grows less than ``RSS_BUDGET`` while planning a 671B model.
 
 Notes: LoRA scripts are planned as full tunes (``--lora-r`` needs a real ``--load`` base
@@ -114,8 +114,11 @@ def test_plan_of_a_published_script_at_its_world_size(name, tmp_path):
     tp, ep = layout.get("tp", 1), layout.get("ep", 1)
     dense = ref["total"] - ref["experts"]
     expected = dense / tp + ref["experts"] / ep
-    if layout.get("pp", 1) > 1 and "--untie-embeddings-and-output-weights" not in argv:
-        expected += ref["embedding"] / tp     # the tied output layer's copy on the last stage
+    untied = "--untie-embeddings-and-output-weights" in argv
+    if layout.get("pp", 1) > 1 and (not untied or "--mtp-num-layers" in argv):
+        # the last stage's copy of the embedding: the tied output layer's, or the one
+        # multi-token prediction embeds its shifted tokens with (Megatron-Core's MTP)
+        expected += ref["embedding"] / tp
     held = sum(s["num_params"] for s in plan["stages"])
     assert abs(held / expected - 1) < 0.02, (held, expected)
     assert len(plan["stages"]) == layout.get("pp", 1)
