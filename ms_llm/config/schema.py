@@ -180,6 +180,9 @@ class QuantConfig(_Section):
     apply_modules: List[str] = field(default_factory=list)
     ignored_modules: List[str] = field(default_factory=list)
     mx_path: str = "auto"             # auto | native | emulated MX matmuls (MS_LLM_MX_PATH)
+    # a selected module with a dim (or tensor-parallel shard dim) not a multiple of MXFP8's
+    # 32-element block: keep it in the model's precision and list it (torchao's recipe) | error
+    mx_unaligned: str = "keep"
 
 
 @dataclass

@@ -113,6 +113,7 @@ RULES: Dict[str, Rule] = {
                                            "linear_q_up_proj", "linear_kv_down_proj",
                                            "linear_kv_up_proj", "*")),
     "quant.mx_path": _one_of("auto", "native", "emulated"),
+    "quant.mx_unaligned": _one_of("keep", "error"),
     "runtime.log_level": _one_of("debug", "info", "warning", "error", "critical", case=False),
     "runtime.cpu_threads": _ge(1),
     "runtime.blas_threads": _ge(1),

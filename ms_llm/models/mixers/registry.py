@@ -73,7 +73,10 @@ class MixerKind:
       MFU count, ``ms_llm.planning.flops``);
     * ``layout_sizes(config)``: the sizes its checkpoint layout reads beyond the attention
       ones (``ModelSpec.linear``: a linear-attention kind's key / value heads and head sizes
-      and its convolution kernel), or None when the layout needs none."""
+      and its convolution kernel), or None when the layout needs none;
+    * ``twin_widths(config, unit)``: its own ``model.*`` widths shrunk to multiples of ``unit``
+      (counts kept), for the small *twin* ``ms-llm plan`` really builds
+      (``ms_llm.parallel.plan_shapes.twin_config``); ``{}``: the kind has no widths of its own."""
 
     name: str
     title: str          # what messages call it ("Gated DeltaNet")
@@ -87,6 +90,7 @@ class MixerKind:
     core_attention: bool = True
     megatron_training_checkpoints: bool = True
     layout_sizes: Optional[Callable[["TransformerConfig"], Tuple[int, ...]]] = None
+    twin_widths: Callable[["TransformerConfig", int], Dict[str, int]] = lambda c, unit: {}
 
     @property
     def layout(self) -> str:
