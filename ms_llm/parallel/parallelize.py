@@ -7,7 +7,9 @@ Every rank builds the same full model (same seed); ``parallelize_model`` then ap
    expert rows), so every later step and the checkpoint derive regions from one record;
 2. module conversions that must precede sharding (MXFP8 replacement, then LoRA adapters: both
    reuse the Parameters);
-3. tensor (+ sequence) parallel; 4. expert parallel and the token dispatcher; 5. noop layers
+3. tensor (+ sequence) parallel, MoE layers' routers and shared experts included
+   (``moe_tensor_parallel``); 4. expert parallel (and expert tensor parallel) and the token
+   dispatcher over the tp x ep group; 5. noop layers
    and pipeline stages: this rank's model chunks (layers under their global index);
 6. activation recompute (under FSDP with the weights as explicit inputs: ``fsdp.recompute``);
 7. FSDP; 8. gradient synchronisation: each trainable parameter's gradient is summed over the
@@ -32,6 +34,7 @@ from . import comm
 from .data_parallel import PartitionedGradSync, grad_reduce_dtype
 from .expert_parallel import apply_expert_parallel
 from .mixer_plans import plan_for
+from .moe_tensor_parallel import apply_moe_tensor_parallel
 from .fsdp import MixedPrecisionPolicy, apply_fsdp, fsdp_group
 from .fsdp.recompute import check_recompute_under_fsdp, recompute_under_fsdp
 from .pipeline.schedules import schedule_of
@@ -173,13 +176,19 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
     if lora is not None:
         mark_frozen_shards(model, buffers)
     cp = apply_context_parallel(model, cfg, pstate)
+    # after context parallel: the routers' token pieces nest in its partition
+    apply_moe_tensor_parallel(model, pstate.group("tp"), sequence_parallel=p.sequence_parallel,
+                              comm_overlap=p.tp_comm_overlap)
     if cp is not None and model.mtp is not None:
         raise ValueError("model.mtp_num_layers with parallel.context_parallel_size > 1 is not "
                          "built yet (rolling the tokens would cross the ranks' chunks)")
     expert_params = []
     if cfg.model.mlp_type == "moe":
+        # the experts' own grid: ep x etp, tokens exchanged over the tp x ep group
         expert_params = apply_expert_parallel(
             model, pstate.group("ep"), dispatcher=cfg.moe.dispatcher,
+            tensor_group=pstate.group("etp"), dispatch_group=pstate.group("tp_ep"),
+            mark=pstate.sizes.tp > 1 or pstate.sizes.folded,
             expert_groups=cfg.moe.expert_groups, token_chunks=cfg.moe.token_chunks)
     apply_noop_layers(model, p.noop_layers)
     chunks = _pipeline_chunks(model, cfg, pstate)

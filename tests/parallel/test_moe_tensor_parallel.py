@@ -1,0 +1,86 @@
+"""MoE under tensor parallel (Megatron-Core's layout) under real msrun equals one process.
+
+Four workers, the tiny MoE of ``parallel_common`` (8 experts, top-2, aux loss) with a gated
+shared expert, 5 AdamW steps in fp32; each layout's loss and gradient-norm curve and its final
+parameters (read back from the run's distributed checkpoint) against the single-process run:
+
+* tp 2 x ep 2 with sequence parallel (expert tensor parallel 2, Megatron's default etp = tp);
+* the same with MindSpeed's ``moe_tp_extend_ep`` (4 expert ranks, experts whole);
+* expert tensor parallel 1 at tp 2 (the expert grid folded across the tensor ranks), and tp 2
+  without sequence parallel (each tensor rank routes its piece of the sequence);
+* tp 2 x ep 2 with MegaMoE and the distributed optimizer (etp 1).
+
+Tolerance: rtol 1e-5 on the loss and gradient-norm curves and on the parameters, with atol 3e-6
+on the parameters. Every row is computed exactly as in one process; only the order of fp32 sums
+differs (the experts' FFN split over etp ranks and summed on the way back, gradients summed over
+ranks, norms over shards): a few ulp per step. Adam's normalised update turns that into an
+absolute difference for elements whose gradient is itself at rounding level (embedding rows of
+tokens seen once or twice: their step is ~lr whatever the gradient's size); measured at most
+1.0e-6 absolute over the 5 steps (weights ~1e-2, total movement up to 5 x lr = 1.5e-2).
+"""
+import numpy as np
+import pytest
+
+from helpers.msrun import run_spec as spec, run_worker_job
+from helpers.parallel_common import BASE, CONFIG, MOE, run_record
+
+from ms_llm.checkpoint.native import dcp
+from ms_llm.config import load_config
+from ms_llm.training.trainer import Trainer
+
+RTOL, ATOL = 1e-5, 3e-6
+SHARED = ["--model.moe_shared_expert_intermediate_size", "32",
+          "--model.moe_shared_expert_gate", "true"]
+TP2_SP = ["--parallel.tensor_model_parallel_size", "2", "--parallel.sequence_parallel", "true"]
+EP2 = ["--parallel.expert_model_parallel_size", "2"]
+
+
+def _save(path):
+    return ["--checkpoint.save_dir", str(path)]
+
+
+def _final_params(save_dir):
+    """Every tensor of the run's last checkpoint (model parameters only)."""
+    ck = dcp.find_latest_complete(str(save_dir))
+    with dcp.DCPReader(ck) as reader:
+        stored = {n: reader.read(n) for n in reader.names() if not n.startswith("optimizer.")}
+    # a tensor-split [gate; up] weight is stored as its halves (a whole one under its name)
+    out = {n: v for n, v in stored.items() if ":" not in n}
+    for n in stored:
+        if n.endswith(":gate"):
+            base = n[:-len(":gate")]
+            out[base] = np.concatenate([stored[n], stored[base + ":up"]], 0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    save = tmp_path_factory.mktemp("ref")
+    rec = run_record(Trainer(load_config(CONFIG, BASE + MOE + SHARED + _save(save))))
+    rec["params"] = _final_params(save)
+    return rec
+
+
+def assert_equal_run(run, params, ref, name):
+    assert len(run["loss"]) == 5, name
+    np.testing.assert_allclose(run["loss"], ref["loss"], rtol=RTOL, err_msg=name)
+    np.testing.assert_allclose(run["grad_norm"], ref["grad_norm"], rtol=RTOL, err_msg=name)
+    assert sorted(params) == sorted(ref["params"]), name
+    for key, value in ref["params"].items():
+        np.testing.assert_allclose(params[key], value, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{name}: {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_moe_tp2_ep2_layouts_equal_one_process(tmp_path, reference):
+    runs = {
+        "tp2_ep2_sp": [],
+        "tp2_ep2_sp_extend": ["--parallel.moe_tp_extend_ep", "true"],
+        "tp2_ep2_sp_etp1": ["--parallel.expert_tensor_parallel_size", "1"],
+    }
+    specs = [spec(name, MOE, SHARED, TP2_SP, EP2, extra, _save(tmp_path / name))
+             for name, extra in runs.items()]
+    res = run_worker_job("train_parallel.py", tmp_path, 4, specs)
+    for name in runs:
+        assert_equal_run(res[name], _final_params(tmp_path / name), reference, name)
