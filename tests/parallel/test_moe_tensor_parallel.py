@@ -84,3 +84,23 @@ def test_moe_tp2_ep2_layouts_equal_one_process(tmp_path, reference):
     res = run_worker_job("train_parallel.py", tmp_path, 4, specs)
     for name in runs:
         assert_equal_run(res[name], _final_params(tmp_path / name), reference, name)
+
+
+@pytest.mark.slow
+@pytest.mark.msrun
+def test_moe_tp2_without_sp_and_megamoe_distopt_equal_one_process(tmp_path, reference):
+    """Tensor parallel without sequence parallel (each tensor rank routes its piece of the
+    replicated sequence and the pieces are gathered after the experts), and MegaMoE's pipelined
+    dispatcher over the 4 tp-extended expert ranks with the distributed optimizer (expert
+    moments cut over the expert-data-parallel group, here 1 rank)."""
+    runs = {
+        "tp2_ep2_nosp": (["--parallel.tensor_model_parallel_size", "2"], EP2),
+        "tp2_extend_megamoe_distopt": (TP2_SP + EP2, [
+            "--parallel.moe_tp_extend_ep", "true", "--moe.dispatcher", "megamoe",
+            "--parallel.use_distributed_optimizer", "true"]),
+    }
+    specs = [spec(name, MOE, SHARED, *extra, _save(tmp_path / name))
+             for name, extra in runs.items()]
+    res = run_worker_job("train_parallel.py", tmp_path, 4, specs)
+    for name in runs:
+        assert_equal_run(res[name], _final_params(tmp_path / name), reference, name)
