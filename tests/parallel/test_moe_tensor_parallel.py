@@ -39,11 +39,12 @@ def _save(path):
     return ["--checkpoint.save_dir", str(path)]
 
 
-def _final_params(save_dir):
-    """Every tensor of the run's last checkpoint (model parameters only)."""
+def _final_params(save_dir, optimizer=False):
+    """Every tensor of the run's last checkpoint (model parameters, or the optimizer's)."""
     ck = dcp.find_latest_complete(str(save_dir))
     with dcp.DCPReader(ck) as reader:
-        stored = {n: reader.read(n) for n in reader.names() if not n.startswith("optimizer.")}
+        stored = {n: reader.read(n) for n in reader.names()
+                  if n.startswith("optimizer.") == optimizer}
     # a tensor-split [gate; up] weight is stored as its halves (a whole one under its name)
     out = {n: v for n, v in stored.items() if ":" not in n}
     for n in stored:
@@ -58,6 +59,7 @@ def reference(tmp_path_factory):
     save = tmp_path_factory.mktemp("ref")
     rec = run_record(Trainer(load_config(CONFIG, BASE + MOE + SHARED + _save(save))))
     rec["params"] = _final_params(save)
+    rec["moments"] = _final_params(save, optimizer=True)
     return rec
 
 
@@ -84,6 +86,35 @@ def test_moe_tp2_ep2_layouts_equal_one_process(tmp_path, reference):
     res = run_worker_job("train_parallel.py", tmp_path, 4, specs)
     for name in runs:
         assert_equal_run(res[name], _final_params(tmp_path / name), reference, name)
+    assert_moments_match(tmp_path / "tp2_ep2_sp_extend", reference)
+    assert_resumes_in_one_process(tmp_path / "tp2_ep2_sp", reference)
+
+
+def assert_moments_match(save_dir, ref):
+    """The saved Adam first moments (expert moments written by their edp writers, tp-split ones
+    by every tensor rank) equal one process's. They are averages of gradients, whose reordered
+    fp32 sums differ relative to the largest terms summed, so each is compared at 1e-4 of its
+    tensor's largest value; a moment from a wrong shard or replica is off by O(1) of it."""
+    mine = _final_params(save_dir, optimizer=True)
+    theirs = ref["moments"]
+    assert sorted(mine) == sorted(theirs)
+    for key, value in theirs.items():
+        if ".exp_avg." in key:
+            np.testing.assert_allclose(mine[key], value, rtol=1e-4,
+                                       atol=1e-4 * float(np.abs(value).max()), err_msg=key)
+
+
+def assert_resumes_in_one_process(save_dir, ref):
+    """The tp 2 x ep 2 x etp 2 checkpoint (expert and shared-expert ``linear_fc1`` stored as
+    halves) resumes in one process (whole tensors): the loaded weights are the final ones."""
+    from ms_llm.parallel.placement import checkpoint_name, placement_of
+    trainer = Trainer(load_config(CONFIG, BASE + MOE + SHARED + _save(save_dir)
+                                  + ["--training.resume", "auto"]))
+    assert trainer.step == 5
+    loaded = {checkpoint_name(n, placement_of(p)): p.asnumpy()
+              for n, p in trainer.model.parameters_and_names()}
+    for key, value in ref["params"].items():
+        np.testing.assert_allclose(loaded[key], value, rtol=RTOL, atol=ATOL, err_msg=key)
 
 
 @pytest.mark.slow
