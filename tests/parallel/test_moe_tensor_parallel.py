@@ -119,13 +119,15 @@ def assert_resumes_in_one_process(save_dir, ref):
 
 @pytest.mark.slow
 @pytest.mark.msrun
-def test_moe_tp2_without_sp_and_megamoe_distopt_equal_one_process(tmp_path, reference):
+def test_moe_tp2_without_sp_cp2_and_megamoe_distopt_equal_one_process(tmp_path, reference):
     """Tensor parallel without sequence parallel (each tensor rank routes its piece of the
-    replicated sequence and the pieces are gathered after the experts), and MegaMoE's pipelined
+    replicated sequence and the pieces are gathered after the experts), tp 2 x cp 2 (the
+    balancing losses pool counts over both), and MegaMoE's pipelined
     dispatcher over the 4 tp-extended expert ranks with the distributed optimizer (expert
     moments cut over the expert-data-parallel group, here 1 rank)."""
     runs = {
         "tp2_ep2_nosp": (["--parallel.tensor_model_parallel_size", "2"], EP2),
+        "tp2_cp2_sp": (TP2_SP, ["--parallel.context_parallel_size", "2"]),
         "tp2_extend_megamoe_distopt": (TP2_SP + EP2, [
             "--parallel.moe_tp_extend_ep", "true", "--moe.dispatcher", "megamoe",
             "--parallel.use_distributed_optimizer", "true"]),
