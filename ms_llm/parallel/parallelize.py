@@ -155,6 +155,22 @@ def build_grad_sync(params: list, pstate: ParallelState, cfg, overlap: bool
                                grad_dtype=grad_reduce_dtype(cfg))
 
 
+def check_grouped_etp(cfg, pstate: ParallelState) -> None:
+    """Grouped experts (``moe_grouped_gemm``) split by expert tensor parallel hold two column
+    ranges of every stored row: training runs, their checkpoint pieces and the distributed
+    optimizer's row cut are not built, so such a run is refused before it starts (planning,
+    which only counts sizes, is not)."""
+    if (not cfg.model.moe_grouped_gemm or pstate.sizes.expert_tp == 1
+            or getattr(pstate, "plan_only", False)):
+        return
+    if cfg.checkpoint.save_dir or cfg.parallel.use_distributed_optimizer:
+        raise ValueError("model.moe_grouped_gemm with parallel.expert_tensor_parallel_size "
+                         f"{pstate.sizes.expert_tp}: checkpoints and the distributed optimizer "
+                         "of grouped experts split over etp are not built; use per-expert "
+                         "linears (moe_grouped_gemm false), expert_tensor_parallel_size 1 or "
+                         "moe_tp_extend_ep")
+
+
 def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> ParallelizedModel:
     """Apply every configured parallelism to ``model`` in place. Raises ``ValueError`` with a
     one-line message naming the config key when a layout does not fit the model."""
@@ -173,8 +189,6 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
         buffers = buffer_names(model)
     apply_tensor_parallel(model, pstate.group("tp"), sequence_parallel=p.sequence_parallel,
                           comm_overlap=p.tp_comm_overlap)
-    if lora is not None:
-        mark_frozen_shards(model, buffers)
     cp = apply_context_parallel(model, cfg, pstate)
     # after context parallel: the routers' token pieces nest in its partition
     apply_moe_tensor_parallel(model, pstate.group("tp"), sequence_parallel=p.sequence_parallel,
@@ -184,12 +198,15 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
                          "built yet (rolling the tokens would cross the ranks' chunks)")
     expert_params = []
     if cfg.model.mlp_type == "moe":
+        check_grouped_etp(cfg, pstate)
         # the experts' own grid: ep x etp, tokens exchanged over the tp x ep group
         expert_params = apply_expert_parallel(
             model, pstate.group("ep"), dispatcher=cfg.moe.dispatcher,
             tensor_group=pstate.group("etp"), dispatch_group=pstate.group("tp_ep"),
             mark=pstate.sizes.tp > 1 or pstate.sizes.folded,
             expert_groups=cfg.moe.expert_groups, token_chunks=cfg.moe.token_chunks)
+    if lora is not None:    # every sharding step above made new Parameters of frozen weights
+        mark_frozen_shards(model, buffers)
     apply_noop_layers(model, p.noop_layers)
     chunks = _pipeline_chunks(model, cfg, pstate)
     notes += _recompute(model, chunks, cfg)
