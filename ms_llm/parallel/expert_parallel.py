@@ -30,7 +30,7 @@ import numpy as np
 from mindspore import Parameter, Tensor
 
 from ms_llm.compat import F, nn
-from ms_llm.models.moe import MoELayer, MoELocalTokenDispatcher, moe_layers
+from ms_llm.models.moe import GroupedMLP, MoELayer, MoELocalTokenDispatcher, moe_layers
 from . import autograd as pa
 from . import comm
 from .placement import add_shard, set_placement, update_placement
@@ -172,12 +172,14 @@ def _shard_experts(layer: MoELayer, rank: int, size: int) -> List[Parameter]:
     return kept
 
 
-def _slice(old: Parameter, dim: int, index: np.ndarray, layout: Optional[str] = None
-           ) -> Parameter:
-    """This etp rank's ``index`` rows/columns of ``old`` along ``dim``, with its placement."""
+def _slice(old: Parameter, dim: int, index: Optional[np.ndarray], layout: Optional[str] = None,
+           part: Optional[np.ndarray] = None) -> Parameter:
+    """This etp rank's ``index`` rows/columns of ``old`` along ``dim`` (or ``part``, already
+    cut), recorded as an ``etp`` shard of ``dim``."""
     if layout is not None:
         update_placement(old, layout=layout)
-    part = np.take(old.asnumpy(), index, axis=dim)
+    if part is None:
+        part = np.take(old.asnumpy(), index, axis=dim)
     p = Parameter(Tensor(np.ascontiguousarray(part)).astype(old.dtype), name=old.name,
                   requires_grad=old.requires_grad)
     set_placement(p, add_shard(old, old.shape, "etp", dim))
@@ -192,12 +194,22 @@ def _shard_expert_tensor(layer: MoELayer, rank: int, size: int) -> None:
     if f % size:
         raise ValueError(f"model.moe_ffn_hidden_size ({f}) is not divisible by "
                          f"parallel.expert_tensor_parallel_size ({size})")
-    if not hasattr(experts, "local_experts") or not experts.plain_linears():
-        raise ValueError("parallel.expert_tensor_parallel_size > 1 is built for per-expert "
-                         "linears (model.moe_grouped_gemm false, no MXFP8 experts); set "
-                         "parallel.expert_tensor_parallel_size 1 or moe_tp_extend_ep")
     rows = glu_rows(2 * f, rank, size)
     cols = np.arange(rank * (f // size), (rank + 1) * (f // size))
+    if type(experts) is GroupedMLP:
+        # weight1 [H, E*2F] is viewed [E, H, 2F], weight2 [E*F, H] viewed [E, F, H]: each
+        # expert's [gate_r; up_r] columns and its F rows, kept in the same views
+        e, h = experts.num_local_experts, layer.config.hidden_size
+        w1, w2 = experts.weight1, experts.weight2
+        experts.weight1 = _slice(w1, 1, None, part=w1.asnumpy().reshape(e, h, 2 * f)[:, :, rows]
+                                 .reshape(h, -1))
+        experts.weight2 = _slice(w2, 0, None, part=w2.asnumpy().reshape(e, f, h)[:, cols, :]
+                                 .reshape(-1, h))
+        return
+    if not hasattr(experts, "local_experts") or not experts.plain_linears():
+        raise ValueError("parallel.expert_tensor_parallel_size > 1 is built for plain expert "
+                         "linears (not MXFP8 experts); set parallel.expert_tensor_parallel_size "
+                         "1 or moe_tp_extend_ep")
     for expert in experts.local_experts:
         fc1, fc2 = expert.linear_fc1, expert.linear_fc2
         fc1.weight = _slice(fc1.weight, 0, rows, layout="glu_halves")
