@@ -13,8 +13,8 @@ The attention and the dense layers are split by ``tensor_parallel``; a MoE layer
   context parallel's group);
 * shared experts are a dense MLP split column/row like the layer's other MLPs (sequence
   parallel exchanges included); split, their ``[gate; up]`` weight is stored as its halves
-  (``glu_halves``) like a dense MLP's, so a checkpoint resumes at tensor parallel > 1 (moving
-  it between tp 1 and tp > 1 is not built for shared experts). The optional shared-expert gate is replicated; under
+  (``glu_halves``) like a dense MLP's, whole otherwise (a resume reads either form,
+  ``training/checkpointing.py``). The optional shared-expert gate is replicated; under
   sequence parallel it sees this rank's tokens (partial over ``tp``).
 """
 from __future__ import annotations
