@@ -13,6 +13,7 @@ import fnmatch
 from typing import Sequence, Tuple, Optional
 
 from ms_llm.config.values import RULES, ConfigError, check_value  # noqa: F401 (re-exported)
+from ms_llm.optim.kinds import get_optimizer
 
 
 # ------------------------------------------------------------------------------ cross-key rules
@@ -289,10 +290,15 @@ def optimizer_problem(cfg) -> Problem:
     return None
 
 
+def optimizer_kind_problem(cfg) -> Problem:
+    """What the selected optimizer's registration refuses (``OptimizerKind.validate``)."""
+    return get_optimizer(cfg.training.optimizer).validate(cfg)
+
+
 _LOW = ("bfloat16", "bf16")
 CROSS_KEY_CHECKS = (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora)
 CROSS_KEY_RULES = (stage_problem, _mtp_problem, _eval_split_problem, bf16_problem,
-                   cross_entropy_fusion_problem, optimizer_problem)
+                   cross_entropy_fusion_problem, optimizer_problem, optimizer_kind_problem)
 
 
 def check_launch(cfg, world_size: int) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ms_llm.models.config import TransformerConfig
+from ms_llm.optim.kinds.adamw import ADAMW
 from ms_llm.config.rules import ConfigError, check_launch, validate
 from ms_llm.config.parse import build_model, build_section, layer, type_hints as _hints
 
@@ -79,7 +80,8 @@ class TrainingConfig(_Section):
     lr_decay_samples: Optional[int] = None
     lr_wsd_decay_samples: Optional[int] = None
     use_checkpoint_opt_param_scheduler: bool = False  # resume takes the checkpoint's schedule
-    optimizer: str = "adamw"          # adamw | muon (ms_llm.optim; Megatron-Core's muon_* names)
+    # a registered optimizer (ms_llm.optim.kinds: its keys below use Megatron-Core's names)
+    optimizer: str = ADAMW.name
     muon_momentum: float = 0.95
     muon_nesterov: bool = False
     muon_split_qkv: bool = True       # orthogonalise Q, K and V apart (across query groups)

@@ -13,7 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Union
 
+from ms_llm.optim.kinds import megatron_optimizers
+
 Nargs = Union[int, str]   # 0 (switch), 1, or "+" (values up to the next --flag)
+
+
+MEGATRON_OPTIMIZER = "adam"     # Megatron's --optimizer default
+
+
+def optimizer_words() -> str:
+    """``--optimizer``'s words and what each selects, from the optimizer registrations
+    (``OptimizerKind.megatron_names``): "adam -> adamw, ..., dist_muon -> muon with ..."."""
+    return ", ".join(f"{word} -> {kind.name}" + (f" with {', '.join(keys)}" if keys else "")
+                     for word, (kind, keys) in megatron_optimizers().items())
 
 
 @dataclass(frozen=True)
@@ -242,9 +254,9 @@ TABLE: Dict[str, object] = {
     "--adam-beta1": Map("training.adam_beta1"),
     "--adam-beta2": Map("training.adam_beta2"),
     "--adam-eps": Map("training.adam_eps"),
-    "--optimizer": Post("training.optimizer: adam -> adamw, muon -> muon, dist_muon -> muon with "
-                        "parallel.use_distributed_optimizer (Megatron's default: adam)"),
-    # Megatron-Core's Muon (training.optimizer muon; ms_llm.optim.muon) and QK-clip
+    "--optimizer": Post(f"training.optimizer: {optimizer_words()} (Megatron's default: "
+                        f"{MEGATRON_OPTIMIZER})"),
+    # Megatron-Core's Muon's options (ms_llm.optim.muon) and QK-clip
     "--muon-momentum": Map("training.muon_momentum"),
     "--muon-no-split-qkv": Map("training.muon_split_qkv", 0, False),
     "--muon-nesterov": Map("training.muon_nesterov", 0, True),

@@ -48,7 +48,7 @@ class AdamW:
                 raise TypeError(f"AdamW: parameter {n} is {p.dtype}; fp32 master weights required")
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         if groups is None:
-            self.groups = build_groups(named_params)
+            self.groups = build_groups(named_params, "adamw")    # its registered name
             groups = assignment(self.groups)
         else:
             self.groups = list({id(g): g for g in (groups[n] for n in self.names)}.values())
@@ -110,11 +110,6 @@ class AdamW:
         """This rank's optimizer-state bytes (the parameters are the master weights)."""
         return {"exp_avg+exp_avg_sq": sum(int(m.size) * FP32 * 2 for m in self.exp_avg),
                 "main_params": 0}
-
-    @staticmethod
-    def state_elements(name: str, shape: Sequence[int]) -> int:
-        """fp32 state elements per parameter element (the planner's count): two moments."""
-        return 2
 
     def state_dict(self) -> Dict[str, np.ndarray]:
         out = {"step": np.array(self.step_count, np.int64)}

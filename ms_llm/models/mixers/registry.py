@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 if TYPE_CHECKING:
     from ..config import TransformerConfig
@@ -70,7 +70,10 @@ class MixerKind:
       the copy counts MindSpore's executor was measured to keep;
     * ``weights_per_token(config)`` / ``mixing_flops_per_token(config, s)``: multiply-accumulates
       of its weight matmuls per token, and training FLOPs per token of the mixing itself (the
-      MFU count, ``ms_llm.planning.flops``)."""
+      MFU count, ``ms_llm.planning.flops``);
+    * ``layout_sizes(config)``: the sizes its checkpoint layout reads beyond the attention
+      ones (``ModelSpec.linear``: a linear-attention kind's key / value heads and head sizes
+      and its convolution kernel), or None when the layout needs none."""
 
     name: str
     title: str          # what messages call it ("Gated DeltaNet")
@@ -83,6 +86,7 @@ class MixerKind:
     checkpoint_kind: Optional[str] = None
     core_attention: bool = True
     megatron_training_checkpoints: bool = True
+    layout_sizes: Optional[Callable[["TransformerConfig"], Tuple[int, ...]]] = None
 
     @property
     def layout(self) -> str:
