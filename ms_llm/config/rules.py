@@ -97,10 +97,31 @@ def _check_moe(cfg) -> None:
         _fail(cfg, (ep_key, "model.num_moe_experts"),
               f"model.num_moe_experts ({m.num_moe_experts}) is not divisible by "
               f"parallel.expert_model_parallel_size ({ep})")
-    if p.tensor_model_parallel_size > 1:
-        _fail(cfg, ("parallel.tensor_model_parallel_size", "model.mlp_type"),
-              "model.mlp_type moe with parallel.tensor_model_parallel_size > 1 is not "
-              "supported (expert tensor parallel is not built); use expert and data parallel")
+    _check_expert_tensor_parallel(cfg)
+
+
+def _check_expert_tensor_parallel(cfg) -> None:
+    """The expert grid's sizes against the model (the world is checked at launch)."""
+    p, m = cfg.parallel, cfg.model
+    etp_key = "parallel.expert_tensor_parallel_size"
+    etp = p.expert_tensor_parallel_size
+    if etp is not None and etp < 1:
+        _fail(cfg, (etp_key,), f"{etp_key} ({etp}) must be >= 1")
+    if p.moe_tp_extend_ep and etp not in (None, 1):
+        _fail(cfg, ("parallel.moe_tp_extend_ep", etp_key),
+              f"parallel.moe_tp_extend_ep makes the tensor ranks expert ranks (experts not "
+              f"tensor-sliced): {etp_key} must be 1 or unset, got {etp}")
+    from ms_llm.parallel.state import expert_sizes
+    ep, etp = expert_sizes(p)
+    ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    if ffn % etp:
+        _fail(cfg, (etp_key, "model.moe_ffn_hidden_size"),
+              f"model.moe_ffn_hidden_size ({ffn}) is not divisible by {etp_key} ({etp})")
+    if m.num_moe_experts % ep:
+        _fail(cfg, ("parallel.expert_model_parallel_size", "parallel.moe_tp_extend_ep"),
+              f"model.num_moe_experts ({m.num_moe_experts}) is not divisible by the "
+              f"expert-parallel size {ep} (parallel.expert_model_parallel_size x "
+              f"tensor_model_parallel_size under parallel.moe_tp_extend_ep)")
 
 
 def _check_pipeline(cfg) -> None:
@@ -299,11 +320,9 @@ def check_launch(cfg, world_size: int) -> None:
     data-parallel size), FSDP's group size and the pipeline schedule (its micro-batch count). ``scripts/pretrain.sh``
     runs them before msrun starts, the trainer again in every worker (the same function)."""
     from ms_llm.parallel.pipeline.schedules import schedule_of
-    from ms_llm.parallel.state import ParallelSizes
+    from ms_llm.parallel.state import sizes_of
     p, t = cfg.parallel, cfg.training
-    sizes = ParallelSizes(tp=p.tensor_model_parallel_size, cp=p.context_parallel_size,
-                          pp=p.pipeline_model_parallel_size, ep=p.expert_model_parallel_size,
-                          world=world_size)
+    sizes = sizes_of(p, world_size)
     mesh_keys = ("parallel.tensor_model_parallel_size", "parallel.context_parallel_size",
                  "parallel.pipeline_model_parallel_size", "parallel.expert_model_parallel_size")
     try:

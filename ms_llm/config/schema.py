@@ -143,6 +143,12 @@ class ParallelConfig(_Section):
     context_parallel_algo: str = "megatron_cp_algo"   # megatron_cp_algo (ring) | ulysses_cp_algo | hybrid_cp_algo
     ulysses_degree_in_cp: Optional[int] = None        # hybrid_cp_algo: Ulysses group size inside cp
     expert_model_parallel_size: int = 1
+    # Megatron's --expert-tensor-parallel-size: experts' FFN split over this many ranks of the
+    # expert grid (null: tensor_model_parallel_size, Megatron's default)
+    expert_tensor_parallel_size: Optional[int] = None
+    # MindSpeed's --moe-tp-extend-ep: the tensor ranks become extra expert ranks (ep x tp
+    # expert-parallel ranks, experts not tensor-sliced)
+    moe_tp_extend_ep: bool = False
     fsdp_size: int = 1                # FSDP group = data x context parallel (Megatron's dp-cp)
     sequence_parallel: bool = False
     # Megatron's --tp-comm-overlap: sequence-parallel exchanges overlapped with the GEMMs

@@ -169,8 +169,7 @@ TABLE: Dict[str, object] = {
     "--moe-fb-overlap": Noop(OVERLAP),
     "--moe-permute-fusion": Noop(KERNEL),
     "--moe-zero-memory": Noop(MEMORY, 1),
-    "--moe-tp-extend-ep": Refuse("experts spread over the tensor-parallel ranks are not built "
-                                 "(use --expert-model-parallel-size)"),
+    "--moe-tp-extend-ep": Map("parallel.moe_tp_extend_ep", 0, True),
     # ------------------------------------------------------------------ parallel layout
     "--tensor-model-parallel-size": Map("parallel.tensor_model_parallel_size"),
     "--pipeline-model-parallel-size": Map("parallel.pipeline_model_parallel_size"),
@@ -178,8 +177,7 @@ TABLE: Dict[str, object] = {
     "--context-parallel-algo": Map("parallel.context_parallel_algo"),
     "--ulysses-degree-in-cp": Map("parallel.ulysses_degree_in_cp"),
     "--expert-model-parallel-size": Map("parallel.expert_model_parallel_size"),
-    "--expert-tensor-parallel-size": Noop("experts are not tensor-parallel here (1 is the only "
-                                          "size built)", 1, ("1",)),
+    "--expert-tensor-parallel-size": Map("parallel.expert_tensor_parallel_size"),
     "--sequence-parallel": Post("parallel.sequence_parallel when tensor parallel > 1 (Megatron "
                                 "drops it at tp 1)", 0),
     "--num-layers-per-virtual-pipeline-stage": Post("parallel.virtual_pipeline_model_parallel_size "

@@ -231,6 +231,22 @@ class SharedExpertMLP(MLP):
         return out
 
 
+class WholeSequence:
+    """Where the routed path of a MoE layer takes its tokens from: the layer's input as is.
+
+    Why: under tensor parallel without sequence parallel every tensor rank holds the whole
+    sequence, but each rank must route only its own piece of it (the routed tokens of the
+    tp x ep group are exchanged once, as Megatron-Core does); a parallel layout installs an
+    object with this interface (``MoELayer.sequence_shard``) that keeps this rank's piece on the
+    way in and gathers the pieces on the way out. The model itself stays parallelism-free."""
+
+    @staticmethod
+    def enter(hidden_states: Tensor) -> Tensor:
+        return hidden_states
+
+    leave = enter     # the whole sequence back out, as is
+
+
 class MoELayer(nn.Module):
     """The MLP of a MoE transformer layer (``decoder.layers.{i}.mlp``); ``[b, s, H] -> [b, s, H]``.
     ``last_top_indices`` holds the last forward's routing (``[b*s, k]`` expert ids)."""
@@ -243,20 +259,23 @@ class MoELayer(nn.Module):
         self.experts = GroupedMLP(c) if c.moe_grouped_gemm else SequentialMLP(c)
         self.shared_experts = SharedExpertMLP(c) if c.moe_shared_expert_intermediate_size else None
         self.token_dispatcher = MoELocalTokenDispatcher(c.num_moe_experts, c.moe_router_topk)
+        self.sequence_shard = WholeSequence()   # replaced from outside under tensor parallel
         self.last_top_indices: Optional[Tensor] = None
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         if _run_in_jit():
             raise RuntimeError(JIT_UNSUPPORTED)
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
+        tokens = self.sequence_shard.enter(hidden_states)
+        shape = tokens.shape
+        x = tokens.reshape(-1, shape[-1])
         self.router.seq_length = shape[1] if len(shape) == 3 else None
         probs, top_indices = self.router(x)
         self.last_top_indices = top_indices
         y = self.token_dispatcher.run(x, probs, top_indices, self.experts)
+        y = self.sequence_shard.leave(y.reshape(shape))
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y.reshape(shape)
+            y = y + self.shared_experts(hidden_states)
+        return y
 
 
 def moe_mlp_factory(config: TransformerConfig, layer_idx: int) -> Optional[nn.Module]:

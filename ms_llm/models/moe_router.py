@@ -27,6 +27,12 @@ class LocalTokens:
         """``counts`` (routed slots, no gradient) summed over the ranks holding the sequences."""
         return counts
 
+    def whole_loss(self, share: Tensor) -> Tensor:
+        """The loss a rank reports for its ``share``: the share itself where the trainer sums
+        the ranks' losses (context parallel); a layout whose ranks each report the whole loss
+        (tensor parallel) gives the sum's value with the share's gradient."""
+        return share
+
 
 class TopKRouter(nn.Module):
     """Linear router + top-k (Megatron's ``TopKRouter``; names ``weight`` / ``expert_bias``).
@@ -123,7 +129,8 @@ class TopKRouter(nn.Module):
             lse = (logits - F.log_softmax(logits, -1))[:, 0]
             z = F.sum(lse * lse) * (c.moe_z_loss_coeff / n_all)
             loss = z if loss is None else loss + z
-        self.aux_loss = loss
+        whole = getattr(part, "whole_loss", None)
+        self.aux_loss = whole(loss) if whole is not None and loss is not None else loss
         if self.training and self.expert_bias is not None and not is_recomputing():
             # Kept until the loop collects it once per forward: a forward that runs again in
             # backward (activation recompute) overwrites it with the same counts.

@@ -30,10 +30,11 @@ import numpy as np
 from mindspore import Parameter, Tensor
 
 from ms_llm.compat import F, nn
-from ms_llm.models.moe import MoELayer, MoELocalTokenDispatcher, moe_layers
+from ms_llm.models.moe import GroupedMLP, MoELayer, MoELocalTokenDispatcher, moe_layers
 from . import autograd as pa
 from . import comm
-from .placement import add_shard, set_placement
+from .placement import add_shard, set_placement, update_placement
+from .tensor_parallel import glu_rows
 
 
 def regroup_index(blocks: np.ndarray) -> np.ndarray:
@@ -60,45 +61,79 @@ def regroup_indices(blocks: np.ndarray) -> Tuple[Optional[np.ndarray], Optional[
     return index, np.argsort(index).astype(np.int32)
 
 
+def copy_indices(ep_rows: Sequence[int], etp: int) -> Tuple[np.ndarray, List[np.ndarray]]:
+    """Under expert tensor parallel every etp rank of an expert's ep rank needs that expert's
+    rows (Megatron's all-gather over the etp group, here folded into one all-to-all over the
+    tp x ep group, destination ``d = t + etp * e``). ``(send, copies)``: ``send`` picks the
+    rows of the permuted buffer (blocks of ep rank ``e``: ``ep_rows[e]`` rows) in destination
+    order, each ep block ``etp`` times; ``copies[t][i]`` is where row ``i``'s ``t``-th copy sits
+    in that buffer (the partial expert outputs coming back are summed over ``t``)."""
+    rows = np.asarray(ep_rows, np.int64)
+    offs = np.concatenate([[0], np.cumsum(rows)])
+    send, copies = [], [np.zeros(int(offs[-1]), np.int32) for _ in range(etp)]
+    pos = 0
+    for e, n in enumerate(rows):
+        own = np.arange(offs[e], offs[e] + n)
+        for t in range(etp):
+            send.append(own)
+            copies[t][offs[e]:offs[e] + n] = np.arange(pos, pos + n)
+            pos += n
+    return np.concatenate(send).astype(np.int32), copies
+
+
 class MoEAlltoAllTokenDispatcher(MoELocalTokenDispatcher):
-    """Dispatch to the experts of ``group`` (the expert-parallel group) and combine back."""
+    """Dispatch to the experts of ``group`` and combine back. ``group`` is the expert-parallel
+    group, or under expert tensor parallel (``etp`` > 1) Megatron's tp x ep group (etp fastest):
+    the rows of ep rank ``e``'s experts go to all its ``etp`` ranks, each computes a partial
+    output (its slice of the expert FFN), and the partials are summed on the way back (the
+    all-gather / reduce-scatter over etp of Megatron's ``MoEAlltoAllTokenDispatcher``)."""
 
     host_counts = True   # the block sizes are exchanged between ranks (host split sizes)
 
-    def __init__(self, num_experts: int, topk: int, group: comm.ProcessGroup):
+    def __init__(self, num_experts: int, topk: int, group: comm.ProcessGroup, etp: int = 1):
         super().__init__(num_experts, topk)
-        if num_experts % group.size:
+        if group.size % etp or num_experts % (group.size // etp):
             raise ValueError(f"num_moe_experts ({num_experts}) is not divisible by "
-                             f"parallel.expert_model_parallel_size ({group.size})")
-        self.group = group
-        self.num_local_experts = num_experts // group.size
+                             f"parallel.expert_model_parallel_size ({group.size // etp})")
+        self.group, self.etp = group, etp
+        self.ep = group.size // etp
+        self.num_local_experts = num_experts // self.ep
         self._state = None
 
     def exchange_counts(self, tokens_per_expert: Sequence[int]) -> np.ndarray:
-        """``[W, E]``: rows every ep rank routes to every global expert."""
+        """``[W, E]``: rows every rank of the group routes to every global expert."""
         return comm.exchange_split_sizes([int(c) for c in tokens_per_expert], self.group)
 
     def token_permutation(self, hidden_states: Tensor, probs: Tensor,
                           top_indices: Tensor) -> Tuple[Tensor, List[int]]:
         permuted, tokens_per_expert = super().token_permutation(hidden_states, probs,
                                                                 top_indices)
-        w, r, n_local = self.group.size, self.group.rank, self.num_local_experts
+        w, r, n_local, etp = self.group.size, self.group.rank, self.num_local_experts, self.etp
         counts = self.exchange_counts(tokens_per_expert)                   # [W, E]
-        matrix = counts.reshape(w, w, n_local).sum(-1)                     # [src, dst]
-        blocks = counts[:, r * n_local:(r + 1) * n_local]                  # [src, local e]
-        recv = pa.all_to_all(permuted, self.group, matrix[:, r], matrix[r], split_matrix=matrix)
+        per_ep = counts.reshape(w, self.ep, n_local).sum(-1)               # [src, ep rank]
+        matrix = np.repeat(per_ep, etp, axis=1)                            # [src, dst]
+        me = r // etp
+        blocks = counts[:, me * n_local:(me + 1) * n_local]                # [src, local e]
+        send, copies = (None, None) if etp == 1 else copy_indices(per_ep[r], etp)
+        recv = pa.all_to_all(gather_rows(permuted, send), self.group, matrix[:, r], matrix[r],
+                             split_matrix=matrix)
         index, inverse = regroup_indices(blocks)
-        self._state = (matrix, inverse)
+        self._state = (matrix, inverse, copies)
         return gather_rows(recv, index), [int(v) for v in blocks.sum(0)]
 
     def token_unpermutation(self, expert_output: Tensor) -> Tensor:
         if self._state is None:
             raise RuntimeError("token_unpermutation called without token_permutation")
-        matrix, inverse = self._state
+        matrix, inverse, copies = self._state
         self._state = None
         r = self.group.rank
         back = pa.all_to_all(gather_rows(expert_output, inverse), self.group, matrix[r],
                              matrix[:, r], split_matrix=matrix.T)
+        if copies is not None:     # the etp ranks' partial outputs of each row, summed
+            parts = [gather_rows(back, c) for c in copies]
+            back = parts[0]
+            for part in parts[1:]:
+                back = back + part
         return super().token_unpermutation(back)
 
 
@@ -137,10 +172,56 @@ def _shard_experts(layer: MoELayer, rank: int, size: int) -> List[Parameter]:
     return kept
 
 
+def _slice(old: Parameter, dim: int, index: Optional[np.ndarray], layout: Optional[str] = None,
+           part: Optional[np.ndarray] = None) -> Parameter:
+    """This etp rank's ``index`` rows/columns of ``old`` along ``dim`` (or ``part``, already
+    cut), recorded as an ``etp`` shard of ``dim``."""
+    if layout is not None:
+        update_placement(old, layout=layout)
+    if part is None:
+        part = np.take(old.asnumpy(), index, axis=dim)
+    p = Parameter(Tensor(np.ascontiguousarray(part)).astype(old.dtype), name=old.name,
+                  requires_grad=old.requires_grad)
+    set_placement(p, add_shard(old, old.shape, "etp", dim))
+    return p
+
+
+def _shard_expert_tensor(layer: MoELayer, rank: int, size: int) -> None:
+    """Expert tensor parallel: each expert's FFN split like a dense MLP's (``linear_fc1``'s
+    ``[gate_r; up_r]`` rows, ``linear_fc2``'s columns); the partial outputs are summed by the
+    dispatcher's combine."""
+    experts, f = layer.experts, layer.config.moe_ffn_hidden_size
+    if f % size:
+        raise ValueError(f"model.moe_ffn_hidden_size ({f}) is not divisible by "
+                         f"parallel.expert_tensor_parallel_size ({size})")
+    rows = glu_rows(2 * f, rank, size)
+    cols = np.arange(rank * (f // size), (rank + 1) * (f // size))
+    if type(experts) is GroupedMLP:
+        # weight1 [H, E*2F] is viewed [E, H, 2F], weight2 [E*F, H] viewed [E, F, H]: each
+        # expert's [gate_r; up_r] columns and its F rows, kept in the same views
+        e, h = experts.num_local_experts, layer.config.hidden_size
+        w1, w2 = experts.weight1, experts.weight2
+        experts.weight1 = _slice(w1, 1, None, part=w1.asnumpy().reshape(e, h, 2 * f)[:, :, rows]
+                                 .reshape(h, -1))
+        experts.weight2 = _slice(w2, 0, None, part=w2.asnumpy().reshape(e, f, h)[:, cols, :]
+                                 .reshape(-1, h))
+        return
+    if not hasattr(experts, "local_experts") or not experts.plain_linears():
+        raise ValueError("parallel.expert_tensor_parallel_size > 1 is built for plain expert "
+                         "linears (not MXFP8 experts); set parallel.expert_tensor_parallel_size "
+                         "1 or moe_tp_extend_ep")
+    for expert in experts.local_experts:
+        fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+        fc1.weight = _slice(fc1.weight, 0, rows, layout="glu_halves")
+        fc1.out_features = fc1.weight.shape[0]
+        fc2.weight = _slice(fc2.weight, 1, cols)
+        fc2.in_features = fc2.weight.shape[1]
+
+
 DispatcherFactory = Callable[..., Optional[MoELocalTokenDispatcher]]
 _DISPATCHERS: Dict[str, Union[str, DispatcherFactory]] = {
-    "alltoall": lambda layer, group, **_: (MoEAlltoAllTokenDispatcher(
-        layer.config.num_moe_experts, layer.config.moe_router_topk, group)
+    "alltoall": lambda layer, group, etp=1, **_: (MoEAlltoAllTokenDispatcher(
+        layer.config.num_moe_experts, layer.config.moe_router_topk, group, etp)
         if group.size > 1 else None),
     "megamoe": "ms_llm.parallel.megamoe:make_dispatcher",
 }
@@ -163,20 +244,35 @@ def dispatcher_factory(name: str) -> DispatcherFactory:
 
 
 def apply_expert_parallel(model, group: comm.ProcessGroup, *, dispatcher: str = "alltoall",
-                          **options) -> List[Parameter]:
-    """Shard every MoE layer's experts over ``group`` and install the token dispatcher
-    (``options`` go to its factory, e.g. MegaMoE's ``expert_groups``, ``token_chunks``).
-    Returns the expert parameters this rank keeps (empty when ``group`` has one rank)."""
+                          tensor_group: Optional[comm.ProcessGroup] = None,
+                          dispatch_group: Optional[comm.ProcessGroup] = None,
+                          mark: bool = False, **options) -> List[Parameter]:
+    """Shard every MoE layer's experts over ``group`` (expert parallel) and ``tensor_group``
+    (expert tensor parallel) and install the token dispatcher over ``dispatch_group`` (the
+    tp x ep group; ``group`` without expert tensor parallel). ``options`` go to the dispatcher's
+    factory (e.g. MegaMoE's ``expert_groups``, ``token_chunks``). ``mark``: record the expert
+    shard even on one ep rank (under tensor parallel the experts' gradients are summed over the
+    expert-data-parallel group, not the data-parallel one). Returns the expert parameters this
+    rank keeps (empty when nothing is sharded or marked)."""
+    etp = tensor_group.size if tensor_group is not None else 1
+    if etp > 1 and dispatcher != "alltoall":
+        raise ValueError(f"moe.dispatcher {dispatcher} with parallel.expert_tensor_parallel_size "
+                         f"{etp} is not built; use moe.dispatcher alltoall (or "
+                         f"parallel.moe_tp_extend_ep)")
     factory = dispatcher_factory(dispatcher)
+    if etp > 1:
+        options["etp"] = etp
     kept: List[Parameter] = []
     for layer in moe_layers(model):
         c = layer.config
         if c.num_moe_experts % group.size:
             raise ValueError(f"model.num_moe_experts ({c.num_moe_experts}) is not divisible by "
                              f"parallel.expert_model_parallel_size ({group.size})")
-        if group.size > 1:
+        if etp > 1:
+            _shard_expert_tensor(layer, tensor_group.rank, etp)
+        if group.size > 1 or mark:
             kept += _shard_experts(layer, group.rank, group.size)
-        made = factory(layer, group, **options)
+        made = factory(layer, dispatch_group or group, **options)
         if made is not None:
             layer.token_dispatcher = made
     return kept

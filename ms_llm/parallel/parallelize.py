@@ -7,7 +7,9 @@ Every rank builds the same full model (same seed); ``parallelize_model`` then ap
    expert rows), so every later step and the checkpoint derive regions from one record;
 2. module conversions that must precede sharding (MXFP8 replacement, then LoRA adapters: both
    reuse the Parameters);
-3. tensor (+ sequence) parallel; 4. expert parallel and the token dispatcher; 5. noop layers
+3. tensor (+ sequence) parallel, MoE layers' routers and shared experts included
+   (``moe_tensor_parallel``); 4. expert parallel (and expert tensor parallel) and the token
+   dispatcher over the tp x ep group; 5. noop layers
    and pipeline stages: this rank's model chunks (layers under their global index);
 6. activation recompute (under FSDP with the weights as explicit inputs: ``fsdp.recompute``);
 7. FSDP; 8. gradient synchronisation: each trainable parameter's gradient is summed over the
@@ -32,6 +34,7 @@ from . import comm
 from .data_parallel import PartitionedGradSync, grad_reduce_dtype
 from .expert_parallel import apply_expert_parallel
 from .mixer_plans import plan_for
+from .moe_tensor_parallel import apply_moe_tensor_parallel
 from .fsdp import MixedPrecisionPolicy, apply_fsdp, fsdp_group
 from .fsdp.recompute import check_recompute_under_fsdp, recompute_under_fsdp
 from .pipeline.schedules import schedule_of
@@ -152,6 +155,22 @@ def build_grad_sync(params: list, pstate: ParallelState, cfg, overlap: bool
                                grad_dtype=grad_reduce_dtype(cfg))
 
 
+def check_grouped_etp(cfg, pstate: ParallelState) -> None:
+    """Grouped experts (``moe_grouped_gemm``) split by expert tensor parallel hold two column
+    ranges of every stored row: training runs, their checkpoint pieces and the distributed
+    optimizer's row cut are not built, so such a run is refused before it starts (planning,
+    which only counts sizes, is not)."""
+    if (not cfg.model.moe_grouped_gemm or pstate.sizes.expert_tp == 1
+            or getattr(pstate, "plan_only", False)):
+        return
+    if cfg.checkpoint.save_dir or cfg.parallel.use_distributed_optimizer:
+        raise ValueError("model.moe_grouped_gemm with parallel.expert_tensor_parallel_size "
+                         f"{pstate.sizes.expert_tp}: checkpoints and the distributed optimizer "
+                         "of grouped experts split over etp are not built; use per-expert "
+                         "linears (moe_grouped_gemm false), expert_tensor_parallel_size 1 or "
+                         "moe_tp_extend_ep")
+
+
 def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> ParallelizedModel:
     """Apply every configured parallelism to ``model`` in place. Raises ``ValueError`` with a
     one-line message naming the config key when a layout does not fit the model."""
@@ -173,17 +192,24 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
     if cfg.quant.recipe and kept_unaligned(model):     # quant.mx_unaligned: keep
         notes.append(f"quant {cfg.quant.recipe}: kept in high precision (a dim not a multiple "
                      f"of 32): {', '.join(kept_unaligned(model))}")
-    if lora is not None:
-        mark_frozen_shards(model, buffers)
     cp = apply_context_parallel(model, cfg, pstate)
+    # after context parallel: the routers' token pieces nest in its partition
+    apply_moe_tensor_parallel(model, pstate.group("tp"), sequence_parallel=p.sequence_parallel,
+                              comm_overlap=p.tp_comm_overlap)
     if cp is not None and model.mtp is not None:
         raise ValueError("model.mtp_num_layers with parallel.context_parallel_size > 1 is not "
                          "built yet (rolling the tokens would cross the ranks' chunks)")
     expert_params = []
     if cfg.model.mlp_type == "moe":
+        check_grouped_etp(cfg, pstate)
+        # the experts' own grid: ep x etp, tokens exchanged over the tp x ep group
         expert_params = apply_expert_parallel(
             model, pstate.group("ep"), dispatcher=cfg.moe.dispatcher,
+            tensor_group=pstate.group("etp"), dispatch_group=pstate.group("tp_ep"),
+            mark=pstate.sizes.tp > 1 or pstate.sizes.folded,
             expert_groups=cfg.moe.expert_groups, token_chunks=cfg.moe.token_chunks)
+    if lora is not None:    # every sharding step above made new Parameters of frozen weights
+        mark_frozen_shards(model, buffers)
     apply_noop_layers(model, p.noop_layers)
     chunks = _pipeline_chunks(model, cfg, pstate)
     notes += _recompute(model, chunks, cfg)

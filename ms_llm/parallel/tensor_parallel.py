@@ -341,6 +341,11 @@ def apply_tensor_parallel(model, group, sequence_parallel: bool = False,
     for layer in list(model.decoder.layers) + extra:
         plan_for(mixer_of(layer.self_attention)).tensor_parallel(layer.self_attention, ctx)
         mlp = layer.mlp
+        if not hasattr(mlp, "linear_fc1"):   # a MoE layer: parallel.moe_tensor_parallel
+            if sp:
+                _mark_partial(layer.input_layernorm)
+                _mark_partial(layer.pre_mlp_layernorm)
+            continue
         rows = glu_rows(mlp.linear_fc1.out_features, group.rank, tp) \
             if c.gated_linear_unit else None
         mlp.linear_fc1 = _column(mlp.linear_fc1, group, sequence_parallel=sp, rows=rows,

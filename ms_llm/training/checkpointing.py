@@ -11,7 +11,7 @@ from each parameter's ``Placement`` (``ms_llm.parallel.placement``): e.g. a fuse
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 from mindspore import Tensor
@@ -82,12 +82,48 @@ def _requested_by_every_rank(wanted) -> Optional[set]:
     return {n for lst in names for n in lst}
 
 
+_HALVES = (":gate", ":up")
+
+
+def _stored_form(name: str, w, stored) -> List[Tuple[str, object]]:
+    """The stored chunks that make up the wanted region ``name``, in row order. A ``[gate; up]``
+    weight is stored whole or as its halves depending on whether the saving run split it
+    (experts and shared experts are split only under (expert) tensor parallel > 1), so a
+    region of one form is read from the other: rows of the whole tensor are rows of one or
+    both halves, a half's rows are a row range of the whole tensor."""
+    if name in stored:
+        return [(name, w)]
+    base, _, part = name.rpartition(":")
+    if base and ":" + part in _HALVES and base in stored:        # half wanted, whole stored
+        half = int(w.global_shape[0])
+        first = int(w.offsets[0]) + (half if part == "up" else 0)
+        return [(base, dcp.WantedChunk((2 * half,) + tuple(w.global_shape[1:]),
+                                       (first,) + tuple(w.offsets[1:]), w.sizes, w.dtype))]
+    if all(name + h in stored for h in _HALVES):                  # whole wanted, halves stored
+        half = int(w.global_shape[0]) // 2
+        lo, hi, out = int(w.offsets[0]), int(w.offsets[0]) + int(w.sizes[0]), []
+        for k, h in enumerate(_HALVES):
+            a, b = max(lo, k * half), min(hi, (k + 1) * half)
+            if b > a:
+                out.append((name + h, dcp.WantedChunk(
+                    (half,) + tuple(w.global_shape[1:]), (a - k * half,) + tuple(w.offsets[1:]),
+                    (b - a,) + tuple(w.sizes[1:]), w.dtype)))
+        return out
+    return [(name, w)]          # missing: load_checkpoint names it
+
+
 def load(path: str, model_named, optimizer, pstate) -> dict:
+    with dcp.DCPReader(path, verify="size") as reader:
+        stored = set(reader.names())
     wanted, plan = {}, []
     for _, prefix, tensor, regions, _ in _pieces(model_named, optimizer, pstate):
+        names = []
         for r in regions:
-            wanted[prefix + r.name] = dcp.WantedChunk(r.gshape, r.offsets, r.sizes, np.float32)
-        plan.append((tensor, [prefix + r.name for r in regions]))
+            w = dcp.WantedChunk(r.gshape, r.offsets, r.sizes, np.float32)
+            for key, chunk in _stored_form(prefix + r.name, w, stored):
+                wanted[key] = chunk
+                names.append(key)
+        plan.append((tensor, names))
     arrays, state = dcp.load_checkpoint(path, wanted,
                                         requested_anywhere=_requested_by_every_rank(wanted))
     for tensor, names in plan:

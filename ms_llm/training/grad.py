@@ -61,7 +61,7 @@ def host_sum_of_squares(grads: Sequence[Tensor]) -> float:
     return total
 
 
-_NORM_DIMS = ("tp", "cp", "dp", "ep", "edp", "pp")
+_NORM_DIMS = ("tp", "cp", "dp", "ep", "edp", "pp", "etp")
 
 
 def global_norm(grads: Sequence[Tensor], params: Sequence = None, groups=None,

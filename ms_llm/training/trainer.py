@@ -30,7 +30,7 @@ from ms_llm.parallel.distributed_optimizer import bytes_per_rank
 from ms_llm.parallel.parallelize import parallelize_model
 from ms_llm.parallel.placement import Mesh
 from ms_llm.parallel.runtime import DistInfo, init_distributed
-from ms_llm.parallel.state import initialize_model_parallel
+from ms_llm.parallel.state import expert_sizes, initialize_model_parallel
 from . import grad as gradlib
 from . import mixed_precision
 from . import checkpointing as ckpt
@@ -86,10 +86,10 @@ class Trainer:
         if self.dist.world_size > 1:
             comm.set_collective_timeout(p.collective_timeout_s)
             self.callbacks.append(RankStatus(t.output_dir))   # the watchdog's time-out report
+        ep, etp = expert_sizes(p)
         self.pstate = initialize_model_parallel(tp=p.tensor_model_parallel_size,
                                                 pp=p.pipeline_model_parallel_size,
-                                                cp=p.context_parallel_size,
-                                                ep=p.expert_model_parallel_size)
+                                                cp=p.context_parallel_size, ep=ep, etp=etp)
         self.tp_group, self.dp_group = self.pstate.group("tp"), self.pstate.group("dp")
         self.accum_steps = t.global_batch_size // (t.micro_batch_size * self.dp_group.size)
         # TensorBoard, timers, profiler (a callback); deterministic mode before the model exists
@@ -331,12 +331,15 @@ class Trainer:
                 "num_devices": self.dist.world_size}
 
     def _sum_over_dp(self, counts: np.ndarray) -> np.ndarray:
-        """Routed-token counts summed over the data-parallel replicas of the routers."""
-        if self.dp_cp_group.size == 1:
-            return counts
-        t = Tensor(counts.astype(np.float32))
-        comm.all_reduce(t, group=self.dp_cp_group)
-        return t.asnumpy().astype(np.float64)
+        """Routed-token counts summed over the replicas of the routers that route distinct
+        tokens: data (x context) parallel, and tensor parallel, whose ranks route their own
+        piece of the sequence (``parallel.moe_tensor_parallel``)."""
+        for group in (self.dp_cp_group, self.tp_group):
+            if group.size > 1:
+                t = Tensor(counts.astype(np.float32))
+                comm.all_reduce(t, group=group)
+                counts = t.asnumpy().astype(np.float64)
+        return counts
 
     def fit(self) -> list:
         t, ck = self.cfg.training, self.cfg.checkpoint

@@ -149,7 +149,13 @@ def test_moe_and_expert_parallel_config_checks():
         (os.path.join(CONFIGS, "tiny.yaml"), ["--parallel.expert_model_parallel_size", "2"],
          "needs model.mlp_type moe"),
         (moe_yaml, ["--parallel.expert_model_parallel_size", "3"], "not divisible"),
-        (moe_yaml, ["--parallel.tensor_model_parallel_size", "2"], "expert tensor parallel"),
+        (moe_yaml, ["--parallel.tensor_model_parallel_size", "2",
+                    "--parallel.expert_tensor_parallel_size", "3"],
+         r"model.moe_ffn_hidden_size \(\d+\) is not divisible by "
+         r"parallel.expert_tensor_parallel_size \(3\)"),
+        (moe_yaml, ["--parallel.moe_tp_extend_ep", "true",
+                    "--parallel.expert_tensor_parallel_size", "2"],
+         "parallel.moe_tp_extend_ep .* parallel.expert_tensor_parallel_size must be 1"),
         (moe_yaml, ["--moe.dispatcher", "deepep"], "moe.dispatcher"),
         (moe_yaml, ["--moe.token_chunks", "0"], "moe.token_chunks"),
         (moe_yaml, ["--moe.groups", "2"], "unknown key 'moe.groups'"),
@@ -161,6 +167,20 @@ def test_moe_and_expert_parallel_config_checks():
     for path, overrides, needle in bad:
         with pytest.raises(ConfigError, match=needle) as e:
             load_config(path, overrides)
+        assert "\n" not in str(e.value)
+    # the expert grid against the world: tp x ep (etp x ep) ranks that do not fit
+    from ms_llm.config.rules import check_launch
+    for overrides, world, needle in (
+            (["--parallel.tensor_model_parallel_size", "2",
+              "--parallel.expert_model_parallel_size", "4"], 4,
+             "tensor_model_parallel_size x expert_model_parallel_size = 2 x 4"),
+            (["--parallel.tensor_model_parallel_size", "2",
+              "--parallel.expert_tensor_parallel_size", "1",
+              "--parallel.expert_model_parallel_size", "8"], 4,
+             "expert_tensor_parallel_size x expert_model_parallel_size = 1 x 8")):
+        cfg = load_config(moe_yaml, overrides + ["--training.global_batch_size", "16"])
+        with pytest.raises(ConfigError, match=needle) as e:
+            check_launch(cfg, world)
         assert "\n" not in str(e.value)
 
 

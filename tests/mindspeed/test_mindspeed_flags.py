@@ -22,25 +22,9 @@ from ms_llm.mindspeed.flags import explain, split_flags, to_overrides, to_yaml, 
 ROOT = Path(paths.ROOT)   # pretrain_gpt.py / posttrain_gpt.py live here
 
 SCRIPTS = load()
-MOE_TP = "--tensor-model-parallel-size"   # MoE under tensor parallel: expert TP is not built
 REFUSED = {
-    "qwen3_moe/pretrain_qwen3_480b_4k_A3_ptd.sh": MOE_TP,
-    "qwen3_moe/tune_qwen3_235b_a22b_128K_full_pack_A3_ptd.sh": MOE_TP,
-    "qwen3_moe/tune_qwen3_235b_a22b_256K_full_pack_A3_ptd.sh": MOE_TP,
-    "qwen3_moe/tune_qwen3_235b_a22b_32K_lora_pack_A2_ptd.sh": "--expert-tensor-parallel-size 4",
-    "qwen3_moe/tune_qwen3_235b_a22b_4K_full_pack_A3_ptd.sh": MOE_TP,
-    "qwen3_moe/tune_qwen3_235b_a22b_64K_full_pack_A3_ptd.sh": MOE_TP,
-    "qwen3_moe/tune_qwen3_30b_a3b_256K_full_pack_A3_ptd.sh": MOE_TP,
-    "qwen3_moe/tune_qwen3_30b_a3b_32K_full_pack_A+X_ptd.sh": MOE_TP,
-    "qwen3_moe/tune_qwen3_30b_a3b_32K_full_pack_A3_ptd.sh": MOE_TP,
-    "qwen3_moe/tune_qwen3_30b_a3b_4K_full_ptd.sh": MOE_TP,
-    "qwen3_moe/tune_qwen3_30b_a3b_4K_lora_ptd.sh": MOE_TP,
-    "qwen3_moe/tune_qwen3_480b_4k_A3_ptd.sh": MOE_TP,
-    "glm45/tune_glm45_4k_lora_ptd.sh": MOE_TP,
-    "deepseek3/pretrain_deepseek3_671b_4k_A3_ptd.sh": MOE_TP,
-    "deepseek3/pretrain_deepseek3_671b_4k_ptd.sh": MOE_TP,
-    "deepseek3/tune_deepseek3_671b_4k_full_A3_ptd.sh": "--moe-tp-extend-ep",
-    "glm45-air/tune_glm45_air_4k_full_ptd.sh": "--moe-tp-extend-ep",
+    # attention dropout (0.05) inside the fused attention kernels is not built
+    "qwen3_moe/tune_qwen3_235b_a22b_32K_lora_pack_A2_ptd.sh": "--attention-dropout",
 }
 
 

@@ -59,3 +59,27 @@ def test_multi_rank_without_msrun_is_a_clear_error():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=120)
     assert "ERR RANK_SIZE > 1 but not launched by msrun" in r.stdout
+
+
+@pytest.mark.parametrize("tp,etp,ep,pp,world", [
+    (2, 2, 2, 1, 8),     # Megatron's default etp = tp: ep subdivides dp
+    (2, 1, 4, 1, 8),     # etp 1: the expert grid cuts across the tensor ranks
+    (2, 1, 2, 2, 8),     # (moe_tp_extend_ep at ep 1 x tp 2), two pipeline stages
+    (4, 2, 2, 1, 8),
+    (2, 4, 1, 1, 8),     # etp larger than tp
+])
+def test_expert_grid_matches_megatron_core(tp, etp, ep, pp, world):
+    """The expert groups (etp, ep, edp, tp x ep) equal megatron-core's expert rank generator
+    (order tp-ep-dp-pp over the same ranks; context parallel 1)."""
+    from megatron.core.parallel_state import RankGenerator
+    edp = world // (etp * ep * pp)
+    gen = RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order="tp-ep-dp-pp")
+    want = {"etp": gen.get_ranks("tp"), "ep": gen.get_ranks("ep"), "edp": gen.get_ranks("dp"),
+            "tp_ep": gen.get_ranks("tp-ep")}
+    sizes = ParallelSizes(tp=tp, pp=pp, ep=ep, etp=etp, world=world)
+    for r in range(world):
+        st = ParallelState(sizes, rank=r)
+        for dim, groups in want.items():
+            mine = next(g for g in groups if r in g)
+            assert st.ranks_along(dim) == sorted(mine), (dim, r)
+        assert st.ranks_along("edp_cp") == st.ranks_along("edp")
