@@ -271,7 +271,8 @@ def plan_stage(cfg, c: TransformerConfig, params, stage: int, rank: int, nproc: 
         p.virtual_pipeline_model_parallel_size
     cp, u = p.context_parallel_size, _ulysses(cfg)
     dp = nproc // (tp * pp * cp)
-    ep = p.expert_model_parallel_size
+    from ms_llm.parallel.state import sizes_of
+    ep = sizes_of(p, nproc).ep      # expert ranks as training lays them (tp-extend-ep)
     b, s, sp = t.micro_batch_size, cfg.data.seq_length, p.sequence_parallel
     s_loc = s // cp          # this rank's tokens of each sequence (context parallel)
     num_micro = t.global_batch_size // (b * dp)
@@ -386,11 +387,9 @@ def _layout(cfg, nproc: int, distributed_optimizer: bool) -> Dict[str, object]:
 
 def check_layout(cfg, nproc: int) -> None:
     """The layout rules training applies before building anything (one-line errors)."""
-    from ms_llm.parallel.state import ParallelSizes
+    from ms_llm.parallel.state import sizes_of
     p, t = cfg.parallel, cfg.training
-    sizes = ParallelSizes(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                          cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-                          world=nproc)
+    sizes = sizes_of(p, nproc)       # expert sizes as training lays them (etp, tp-extend-ep)
     sizes.validate()
     if sizes.cp > 1:   # training's own checks (ContextParallel's sequence split)
         from ms_llm.parallel.context_parallel.layout import local_token_index
@@ -410,7 +409,7 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
     from ms_llm.parallel.parallelize import jit_blockers
     from ms_llm.parallel.plan_experts import fold_experts, unfold_params, unfold_shapes
     from ms_llm.parallel.plan_shapes import full_shapes, plan_state, rank_params
-    from ms_llm.parallel.state import ParallelSizes
+    from ms_llm.parallel.state import sizes_of
     check_layout(cfg, nproc)
     if distributed_optimizer is None:
         distributed_optimizer = uses_distributed_optimizer(cfg)
@@ -423,12 +422,10 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
                     "parallel.context_parallel_algo: ")
     p = cfg.parallel
     # many small experts: built folded, unfolded to the real count (ms_llm.parallel.plan_experts)
-    built, fold = fold_experts(c, p.expert_model_parallel_size)
+    built, fold = fold_experts(c, sizes_of(p, nproc).ep)
     built_shapes = full_shapes(built, p.noop_layers) if fold > 1 or _shapes is None else None
     shapes = _shapes or unfold_shapes(built_shapes, fold)
-    sizes = ParallelSizes(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                          cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-                          world=nproc)
+    sizes = sizes_of(p, nproc)       # expert sizes as training lays them (etp, tp-extend-ep)
     stages = []
     per_stage = sizes.world // sizes.pp
     cache = {} if _cache is None else _cache     # what-ifs of recompute/optimizer share layouts

@@ -14,7 +14,8 @@ def plan_with_fix(cfg, nproc: int, device_memory_gb: Optional[float] = None,
     c = planned_model_config(cfg)
     from ms_llm.parallel.plan_shapes import full_shapes   # imports MindSpore: not for --help
     from ms_llm.parallel.plan_experts import fold_experts, unfold_shapes
-    built, fold = fold_experts(c, cfg.parallel.expert_model_parallel_size)
+    from ms_llm.parallel.state import sizes_of
+    built, fold = fold_experts(c, sizes_of(cfg.parallel, nproc).ep)
     shapes, cache = unfold_shapes(full_shapes(built, cfg.parallel.noop_layers), fold), {}
     plan = plan_memory(cfg, nproc, device_memory_gb, distributed_optimizer, c, shapes, cache)
     if plan.fits is False:
