@@ -111,6 +111,7 @@ CURVE_TOLERANCE = 2e-3
 
 
 @pytest.mark.slow   # two 50-step bf16 runs: ~3-6 min on 2 shared cores
+@pytest.mark.extended
 def test_o2_curve_over_50_steps_stays_within_tolerance_of_fp32_moments(tmp_path):
     """50 bf16 steps of the tiny model with bf16 moments and bf16 gradient accumulation (both O2
     switches) against fp32 moments and gradients: every loss within ``CURVE_TOLERANCE`` (2e-3)

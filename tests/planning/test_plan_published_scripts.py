@@ -12,9 +12,10 @@ process's peak RSS grows less than ``RSS_BUDGET`` while planning a 671B model.
 
 Notes: LoRA scripts are planned as full tunes (``--lora-r`` needs a real ``--load`` base
 folder); a script whose tokenizer gives the vocabulary (llama2) is planned with
-``--vocab-size 32000``, its tokenizer's size. Three scripts run by default; the rest are marked
-slow (1-10 s each on 2 shared cores, the 671B ones ~30 s: the full-size shape-only model and
-one small twin per pipeline stage are built, Python module construction dominating)."""
+``--vocab-size 32000``, its tokenizer's size. Three scripts run by default; the rest are
+marked ``extended`` (``python -m pytest -q -m extended``) and slow (1-10 s each on 2 shared
+cores, the 671B ones ~30 s: the full-size shape-only model and one small twin per pipeline
+stage are built, Python module construction dominating)."""
 from __future__ import annotations
 
 import io
@@ -49,7 +50,7 @@ FAST = {"qwen3_moe/pretrain_qwen3_30b_a3b_4K_ptd.sh", "qwen3/pretrain_qwen3_0poi
 
 
 def _marks(name):
-    return [] if name in FAST else [pytest.mark.slow]
+    return [] if name in FAST else [pytest.mark.slow, pytest.mark.extended]
 
 
 def _argv(name):
