@@ -14,7 +14,8 @@ import subprocess
 import sys
 import tempfile
 
-FAMILIES = ("qwen3", "qwen3_moe", "qwen25", "llama2", "deepseek3", "glm45", "glm45-air")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen25", "llama2", "deepseek3", "glm45", "glm45-air", "qwen3_next",
+            "qwen3_coder_next", "gated_deltanet", "deepseek2_lite", "kimi2")
 # tests/fixtures/ (computed from this file: the module also runs as a script, see above)
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
                     "mindspeed_examples.json")

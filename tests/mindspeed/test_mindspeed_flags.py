@@ -48,6 +48,7 @@ REFUSED = {
     "deepseek3/pretrain_deepseek3_671b_4k_ptd.sh": MOE_TP,
     "deepseek3/tune_deepseek3_671b_4k_full_A3_ptd.sh": "--moe-tp-extend-ep",
     "glm45-air/tune_glm45_air_4k_full_ptd.sh": "--moe-tp-extend-ep",
+    "kimi2/pretrain_kimi2_18b_4k_8p_ptd.sh": MOE_TP,
 }
 
 
