@@ -208,7 +208,7 @@ def _architecture(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
     if "--spec" in post:
         k["model.family"] = _family_of_spec(
             post["--spec"][0], "--num-experts" in post,
-            post.get("--moe-router-score-function", ["softmax"])[0])
+            k.get("model.moe_router_score_function", "softmax"))
 
 
 def _family_of_spec(module: str, moe: bool, score_function: str = "softmax") -> str:
