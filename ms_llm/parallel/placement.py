@@ -282,6 +282,8 @@ def _row_block_region(name, gshape, shape, pl: Placement, mesh: Mesh) -> Region:
     start, rows = 0, total_rows
     local_dims = list(gshape)
     for mesh_dim, tdim in pl.shards:
+        if tdim is None:                          # whole tensor (a pipeline stage's layer)
+            continue
         if mesh_dim in ("dp", "dp_cp"):           # FSDP: dim 0 of the ep-local tensor
             per_row = int(np.prod(local_dims[1:])) // w
             rs = RowShard(local_dims[0], mesh.size[mesh_dim], mesh.rank[mesh_dim])
