@@ -60,23 +60,8 @@ def one_process_run(argv: List[str], out: str) -> List[Dict]:
 
 
 def save_tiny_hf(folder, family: str, seed: int = 0, **overrides) -> str:
-    """A transformers model of the family's ``tiny_hf`` config (with ``overrides``), unit-scale
-    random weights (HF's 0.02 init makes routers near-uniform) and norms around 1, saved to
-    ``folder`` in float32."""
-    import torch
-    import transformers
-    from ms_llm.models.registry import get_family
-    spec = get_family(family)
-    cfg = transformers.AutoConfig.for_model(spec.hf_model_type,
-                                            **dict(spec.tiny_hf, **overrides))
-    model = getattr(transformers, spec.hf_architecture)(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(0.6 + 0.8 * torch.rand(p.shape, generator=g) if "norm" in n
-                        else 0.3 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    model.float().save_pretrained(str(folder))
+    """``helpers.tiny_hf.build_tiny_hf`` of the family (``overrides`` on its ``tiny_hf``),
+    saved to ``folder``."""
+    from .tiny_hf import build_tiny_hf
+    build_tiny_hf(family, seed, **overrides).save_pretrained(str(folder))
     return str(folder)
