@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from ms_llm.config.rules import ConfigError
-from ms_llm.models.registry import families
+from ms_llm.models.registry import families, get_family
 from .flag_table import MEGATRON_DEFAULTS, TABLE, Map, Noop, Refuse
 
 _SPEC = re.compile(r"(?:^|\.)([a-z0-9_]+)_spec$")
@@ -196,19 +196,30 @@ def _architecture(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
         div = int(k["data.make_vocab_size_divisible_by"]) * \
             int(k.get("parallel.tensor_model_parallel_size", 1))
         k["model.padded_vocab_size"] = -(-int(post["--vocab-size"][0]) // div) * div
-    if "--full-attention-interval" in post:
-        # MindSpeed's transformer block: layer n (1-based) is full attention when n % interval
-        # is 0, Gated DeltaNet otherwise (HF's full_attention_interval, the same rule)
-        every = int(post["--full-attention-interval"][0])
-        if every < 1:
-            raise ConfigError(f"--full-attention-interval {every}: must be >= 1")
-        k["model.layer_types"] = ",".join(
-            "attention" if (i + 1) % every == 0 else "gated_delta_net"
-            for i in range(int(k.get("model.num_layers", 0))))
     if "--spec" in post:
         k["model.family"] = _family_of_spec(
             post["--spec"][0], "--num-experts" in post,
             k.get("model.moe_router_score_function", "softmax"))
+    if "--full-attention-interval" in post:
+        _hybrid_layers(k, post["--full-attention-interval"][0])
+
+
+def _hybrid_layers(k: Dict[str, Any], interval: str) -> None:
+    """MindSpeed's transformer block: layer n (1-based) is full attention when n % interval is
+    0, linear attention otherwise; HF's ``full_attention_interval`` is the same rule, so the
+    family's own reader of it names each layer's mixer kind."""
+    every = int(interval)
+    if every < 1:
+        raise ConfigError(f"--full-attention-interval {every}: must be >= 1")
+    spec = get_family(k["model.family"]) if "model.family" in k else None
+    if spec is None or spec.hybrid_layer_types is None:
+        raise ConfigError(f"--full-attention-interval {every}: the --spec family "
+                          f"({spec.name if spec else 'none'}) has one kind of layer")
+    layers = int(k.get("model.num_layers", 0))
+    kinds = spec.hybrid_layer_types({"num_hidden_layers": layers,
+                                     "full_attention_interval": every},
+                                    "--full-attention-interval")
+    k["model.layer_types"] = ",".join(kinds)
 
 
 def _family_of_spec(module: str, moe: bool, score_function: str = "softmax") -> str:

@@ -137,6 +137,14 @@ def test_bad_new_flags_are_one_line(extra, message):
                   extra)
 
 
+def test_full_attention_interval_needs_a_hybrid_spec():
+    from ms_llm.config import ConfigError
+    with pytest.raises(ConfigError, match=r"--full-attention-interval 4: the --spec family "
+                                          r"\(qwen3\) has one kind of layer"):
+        translate(SCRIPTS["qwen3/pretrain_qwen3_0point6b_4K_ptd.sh"]["argv"] +
+                  ["--full-attention-interval", "4"])
+
+
 def test_cyclic_loader_is_refused_for_pretraining_data():
     from ms_llm.config import ConfigError
     with pytest.raises(ConfigError, match="--dataloader-type cyclic: not supported for "
