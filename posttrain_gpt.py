@@ -7,7 +7,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # this checkout's ms_llm
 
+from ms_llm.cli import run_command  # noqa: E402
 from ms_llm.mindspeed.entry import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(entry="posttrain_gpt.py"))
+    # a device that cannot be used: one line and exit code 2, as every ms-llm command
+    sys.exit(run_command(lambda: main(entry="posttrain_gpt.py"), prefix="posttrain_gpt.py: "))

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+from ms_llm.config import merge_overrides
+
 from benchmarks.harness import ROOT, model_55m
 from ms_llm.launch.msrun import free_port, launch_env, msrun_command
 
@@ -46,9 +48,11 @@ def _overrides(args, extra, seq=None, micro=None):
 
 def measure(name: str, overrides, steps: int, out_root: str, nproc: int = 1) -> dict:
     out = os.path.join(out_root, name.replace(" ", "_"))
-    train = [os.path.join(ROOT, "configs", "tiny.yaml"), *overrides,
-             "--training.max_steps", str(steps), "--training.log_interval", "1",
-             "--training.progress_bar", "false", "--training.output_dir", out]
+    train = [os.path.join(ROOT, "configs", "tiny.yaml"),
+             *merge_overrides(overrides, ["--training.max_steps", str(steps),
+                                          "--training.log_interval", "1",
+                                          "--training.progress_bar", "false",
+                                          "--training.output_dir", out])]
     cmd = [sys.executable, "-m", "ms_llm.cli", "train", *train]
     if nproc > 1:   # msrun runs a script: ms_llm/cli/train.py, as scripts/pretrain.sh does
         cmd = msrun_command(os.path.join(ROOT, "ms_llm", "cli", "train.py"), train, worker_num=nproc,

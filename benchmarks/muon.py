@@ -36,6 +36,7 @@ def step_times(reps: int) -> None:
     from ms_llm.config import load_config
     from ms_llm.models import GPTModel
     from ms_llm.optim import AdamW, Muon, param_groups
+    from ms_llm.optim.kinds import get_optimizer
 
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), MODEL)
     model = GPTModel(cfg.model)
@@ -50,7 +51,7 @@ def step_times(reps: int) -> None:
             "Muon medium (bf16 GEMM operands)": muon(fp32_matmul_prec="medium"),
             "Muon, composed Newton-Schulz (before)": muon()}
     opts["Muon, composed Newton-Schulz (before)"].kernel = False
-    groups = param_groups.build_groups(named, muon=True)
+    groups = param_groups.build_groups(named, get_optimizer("muon").rule)
     runs = {k: functools.partial(opt.step, grads, 1e-4) for k, opt in opts.items()}
     times = {k: [] for k in runs}
     for i in range(reps + 1):

@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from ms_llm.config import merge_overrides
+
 from benchmarks.harness import ROOT, TINY_MODEL, free_port, machine, model_55m, module_env
 
 MODEL = model_55m()
@@ -135,9 +137,10 @@ def run_pretrain(tmp: str, tag: str, nproc: int, args: list, steps: int) -> list
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     t0 = time.time()
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain.sh"),
-                        os.path.join(ROOT, "configs", "tiny.yaml"), *args,
-                        "--training.max_steps", str(steps), "--training.lr_decay_steps",
-                        str(steps), "--training.output_dir", out],
+                        os.path.join(ROOT, "configs", "tiny.yaml"),
+                        *merge_overrides(args, ["--training.max_steps", str(steps),
+                                                "--training.lr_decay_steps", str(steps),
+                                                "--training.output_dir", out])],
                        capture_output=True, text=True, env=env, cwd=tmp)
     if r.returncode:
         sys.exit(f"{tag} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")

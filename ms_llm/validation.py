@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import yaml
 
 __all__ = ["InputError", "yaml_load_unique", "read_json_object", "validate_hf_config",
            "validate_adapter_config", "check_generation_flags", "check_int", "check_float",
            "HF_INT_BOUNDS", "RUN_SIZE_BOUNDS", "size_bound_problem",
-           "writable_folder_problem", "check_utf8"]
+           "writable_folder_problem", "check_utf8",
+           "Rule", "value_rule", "greater_than", "at_least", "within", "one_of"]
 
 
 class InputError(ValueError):
@@ -249,3 +250,38 @@ def check_utf8(where: str, text: str) -> str:
         byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
         raise InputError(f"{where} is not valid UTF-8 ({byte} at character {e.start})") from None
     return text
+
+
+# ----------------------------------------------------------------------------- value rules
+# What one run-config key's value must be (``ms_llm.config.values.RULES``, and the keys a
+# registered optimizer owns, ``ms_llm.optim.kinds``): a rule returns None for a good value, else
+# what the value must be; ``rule.desc`` is that text for ``ms-llm train --help``.
+Rule = Callable[[Any], Optional[str]]
+
+
+def value_rule(desc: str, ok: Callable[[Any], bool]) -> Rule:
+    def rule(value: Any) -> Optional[str]:
+        return None if ok(value) else desc
+    rule.desc = desc  # type: ignore[attr-defined]  # shown by ``ms-llm train --help``
+    return rule
+
+
+def greater_than(lo: float) -> Rule:
+    return value_rule(f"> {lo}", lambda v: v > lo)
+
+
+def at_least(lo: float) -> Rule:
+    return value_rule(f">= {lo}", lambda v: v >= lo)
+
+
+def within(lo: float, hi: float, hi_open: bool = False) -> Rule:
+    close = ")" if hi_open else "]"
+    return value_rule(f"in [{lo}, {hi}{close}",
+                      lambda v: lo <= v < hi if hi_open else lo <= v <= hi)
+
+
+def one_of(*choices: str, null: bool = False, case: bool = True) -> Rule:
+    desc = ("null or " if null else "") + "one of " + ", ".join(choices)
+    if case:
+        return value_rule(desc, lambda v: v in choices)
+    return value_rule(desc, lambda v: v.lower() in choices)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 _LATER = {}
 COMMANDS = {
@@ -38,6 +38,12 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The commands that run a model with no run config: their device (``MS_LLM_DEVICE``, else
+# MindSpore's default) is chosen before they read a file, so one that cannot be used stops them
+# at once. ``train`` and the MindSpeed entries choose theirs from the run config
+# (``ms_llm.training.trainer.run``); the other commands never touch a device.
+RUNS_A_MODEL = ("generate", "chat", "evaluate", "lm-eval")
+
 # The commands whose command line lives with its library (``qualify`` runs them in-process, and
 # it sits below ``cli``); every other command is the module ``ms_llm.cli.<command>``.
 _ELSEWHERE = {"convert": "ms_llm.checkpoint.convert", "preprocess": "ms_llm.data.preprocess"}
@@ -62,4 +68,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     # Imported only when run: most commands import MindSpore, --help must not wait for it.
     module = _ELSEWHERE.get(command, f"ms_llm.cli.{command.replace('-', '_')}")
-    return importlib.import_module(module).main(rest)
+
+    def start() -> int:
+        if command in RUNS_A_MODEL and not {"-h", "--help"} & set(rest):
+            from ms_llm.compat import setup_device
+            setup_device()
+        return importlib.import_module(module).main(rest)
+    return run_command(start)
+
+
+def run_command(command: Callable[[], int], prefix: str = "") -> int:
+    """Run a command's ``main``; a device it cannot use ends it with one line
+    ``device error: ...`` on stderr and exit code 2, the same for every command (``ms-llm``'s and
+    the ``pretrain_gpt.py`` / ``posttrain_gpt.py`` entries). The device is chosen where the
+    command first needs it (``ms_llm.compat.setup_device``), which raises
+    ``DeviceUnavailableError``: ``training.device`` / ``MS_LLM_DEVICE`` Ascend on a MindSpore that
+    cannot use it (the plugin's load error, a CPU build), or ``quant.mx_path native`` without
+    MindSpore's MX ops."""
+    try:
+        return command()
+    except RuntimeError as e:
+        device = sys.modules.get("ms_llm.compat.device")   # not loaded: not a device error
+        if device is None or not isinstance(e, device.DeviceUnavailableError):
+            raise
+        print(f"{prefix}device error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 2

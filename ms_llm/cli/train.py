@@ -46,7 +46,6 @@ def split_args(argv: List[str]):
 def main(argv: Optional[List[str]] = None) -> int:
     from ms_llm.checkpoint.native.format import DCPError
     from ms_llm.checkpoint.torch_pickle.format import TorchFormatError
-    from ms_llm.compat import DeviceUnavailableError
     from ms_llm.config import ConfigError, load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -70,9 +69,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     except (DCPError, TorchFormatError) as e:   # a checkpoint that cannot be used as asked
         print(f"checkpoint error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        return 2
-    except DeviceUnavailableError as e:   # training.device Ascend / quant.mx_path native
-        print(f"device error: {e}", file=sys.stderr, flush=True)
         return 2
     except FloatingPointError as e:   # training.nan_policy (ms_llm.training.nonfinite)
         print(f"training stopped: {e}", file=sys.stderr, flush=True)

@@ -44,6 +44,24 @@ def rng() -> np.random.Generator:
     return _RNG["gen"]
 
 
+class _UninitialisedParameter(Parameter):
+    """``Parameter`` whose lazily initialised Tensor stays uninitialised: MindSpore's own
+    ``Parameter(Tensor(shape=..., init=...))`` runs ``init_data()`` at once (NumPy zeros of the
+    full shape: a 28 GiB array for one 671B expert weight), unless the class says
+    ``init_param = False``."""
+    init_param = False
+
+
+def _storage_free_parameter(shape, dtype, requires_grad: bool) -> Parameter:
+    """A Parameter with a shape, a dtype and no data (``shape_only``)."""
+    t = Tensor(shape=tuple(shape), dtype=to_ms_dtype(dtype), init=Zero())
+    # MindSpore returns an instance of its base ``Parameter`` type from ``__new__``, so Python
+    # skips ``__init__`` (it is not an instance of the subclass): run it here
+    p = _UninitialisedParameter(t)
+    Parameter.__init__(p, t, requires_grad=requires_grad)
+    return p
+
+
 def new_parameter(shape, *, std: Optional[float] = None, fill: Optional[float] = None,
                   dtype=float32, requires_grad: bool = True,
                   values: Optional[Callable[[], np.ndarray]] = None) -> Parameter:
@@ -51,8 +69,7 @@ def new_parameter(shape, *, std: Optional[float] = None, fill: Optional[float] =
     own, e.g. DeltaNet's ``A_log``), built in fp32 NumPy (under ``shape_only()``: a lazily
     initialised one that holds no data, and ``values`` is not called)."""
     if _SHAPE_ONLY["on"]:
-        return Parameter(Tensor(shape=tuple(shape), dtype=to_ms_dtype(dtype), init=Zero()),
-                         requires_grad=requires_grad)
+        return _storage_free_parameter(shape, dtype, requires_grad)
     if values is not None:
         data = np.asarray(values(), dtype=np.float32).reshape(shape)
     elif std is not None:

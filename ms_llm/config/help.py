@@ -9,7 +9,7 @@ from dataclasses import fields
 from typing import Any, List
 
 from ms_llm.config.schema import _SECTIONS, _hints
-from ms_llm.config.values import RULES
+from ms_llm.config.values import rule_for
 from ms_llm.models.config import TransformerConfig
 
 
@@ -43,7 +43,7 @@ def _key_lines(section: str, cls) -> List[str]:
     hints = _hints(cls)
     lines = []
     for f in fields(cls):
-        rule = RULES.get(f"{section}.{f.name}")
+        rule = rule_for(f"{section}.{f.name}")
         note = f"  [{rule.desc}]" if rule is not None else ""
         lines.append(f"  {f.name:<38} {_type_name(hints[f.name]):<20} "
                      f"{_default_text(f)}{note}")
@@ -52,7 +52,7 @@ def _key_lines(section: str, cls) -> List[str]:
 
 def schema_help() -> str:
     """Every config section and key with its type, default and allowed values, generated from
-    the dataclasses and RULES above (so it cannot drift from what load_config accepts)."""
+    the dataclasses and the value rules (``rule_for``) (so it cannot drift from what load_config accepts)."""
     from ms_llm.models.registry import families
     names = ", ".join(f.name for f in families())
     lines = ["model:  (family sets architecture defaults; the keys below override them)",

@@ -110,6 +110,17 @@ def parse_overrides(args: Sequence[str], refuse_repeats: bool = True) -> List[tu
     return out
 
 
+def merge_overrides(*parts: Sequence[str]) -> List[str]:
+    """One ``--section.key VALUE`` list from several composed in code (a base list and its
+    changes), each key once with its last value, in first-seen order: the command line refuses a
+    key given twice, so code that builds a launch line (benchmarks, tests) merges first."""
+    pairs: Dict[str, str] = {}
+    for k, v in parse_overrides([str(a) for part in parts for a in part], refuse_repeats=False):
+        pairs.pop(k, None)
+        pairs[k] = v
+    return [x for k, v in pairs.items() for x in (f"--{k}", v)]
+
+
 def layer(path: Optional[str], overrides: Sequence[str], sections: Sequence[str],
           refuse_repeats: bool = True) -> Dict[str, Dict[str, tuple]]:
     """section -> key -> (raw value, source); command-line overrides replace YAML values."""

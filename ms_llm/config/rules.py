@@ -13,6 +13,7 @@ import fnmatch
 from typing import Sequence, Tuple, Optional
 
 from ms_llm.config.values import RULES, ConfigError, check_value  # noqa: F401 (re-exported)
+from ms_llm.optim.kinds import get_optimizer
 
 
 # ------------------------------------------------------------------------------ cross-key rules
@@ -198,10 +199,6 @@ def stage_problem(cfg) -> Problem:
             return ("dpo.label_smoothing", "dpo.loss_type"), (
                 f"dpo.label_smoothing applies to dpo.loss_type sigmoid only, not "
                 f"{cfg.dpo.loss_type}")
-    if t.eval_interval is not None and p.pipeline_model_parallel_size > 1:
-        return ("training.eval_interval", "parallel.pipeline_model_parallel_size"), (
-            "training.eval_interval with parallel.pipeline_model_parallel_size > 1 is not built "
-            "yet (evaluation runs on data, tensor and fully-sharded data parallel layouts)")
     return None
 
 
@@ -225,6 +222,22 @@ def cross_entropy_fusion_problem(cfg) -> Problem:
         return ("model.cross_entropy_loss_fusion", "lora.target_modules"), (
             "model.cross_entropy_loss_fusion with a LoRA adapter on output_layer is not built "
             "yet (the fused op reads the plain output weight)")
+    return None
+
+
+def sample_order_problem(cfg) -> Problem:
+    """``data.shuffle: false`` / ``data.padded_samples`` order instruction and pairwise samples
+    (MindSpeed-LLM's ``DecoderPackedMTFDataset``); Megatron's pretraining datasets keep their
+    own shuffle, so there the keys would silently change nothing."""
+    d = cfg.data
+    if d.shuffle and not d.padded_samples:
+        return None
+    key = "data.padded_samples" if d.padded_samples else "data.shuffle"
+    if not d.data_path or (d.dataset_type != "sft" and cfg.training.stage != "dpo"):
+        return (key, "data.dataset_type"), (
+            f"{key} orders instruction or pairwise samples (data.data_path with data.dataset_type "
+            f"sft, or training.stage dpo), as MindSpeed-LLM's --no-shuffle/--padded-samples; "
+            f"pretraining data keeps Megatron's GPTDataset order")
     return None
 
 
@@ -268,10 +281,16 @@ def optimizer_problem(cfg) -> Problem:
     return None
 
 
+def optimizer_kind_problem(cfg) -> Problem:
+    """What the selected optimizer's registration refuses (``OptimizerKind.validate``)."""
+    return get_optimizer(cfg.training.optimizer).validate(cfg)
+
+
 _LOW = ("bfloat16", "bf16")
 CROSS_KEY_CHECKS = (_check_schedule, _check_parallel, _check_moe, _check_misc, _check_lora)
-CROSS_KEY_RULES = (stage_problem, _mtp_problem, _eval_split_problem, bf16_problem,
-                   cross_entropy_fusion_problem, optimizer_problem)
+CROSS_KEY_RULES = (stage_problem, _mtp_problem, _eval_split_problem, sample_order_problem,
+                   bf16_problem, cross_entropy_fusion_problem, optimizer_problem,
+                   optimizer_kind_problem)
 
 
 def check_launch(cfg, world_size: int) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ms_llm.models.config import TransformerConfig
+from ms_llm.optim.kinds.adamw import ADAMW
 from ms_llm.config.rules import ConfigError, check_launch, validate
 from ms_llm.config.parse import build_model, build_section, layer, type_hints as _hints
 
@@ -54,6 +55,9 @@ class DataConfig(_Section):
     reset_attention_mask: bool = False    # packed documents do not attend to each other
     eod_mask_loss: bool = False
     dataset_type: str = "pretrain"        # pretrain | sft (instruction data with prompt masking)
+    # Instruction / pairwise data only, in MindSpeed-LLM's order (ms_llm.data.sample_order):
+    shuffle: bool = True                  # false: samples in file order (--no-shuffle)
+    padded_samples: bool = False          # each epoch padded to a whole global batch with the first samples
 
 
 @dataclass
@@ -79,7 +83,8 @@ class TrainingConfig(_Section):
     lr_decay_samples: Optional[int] = None
     lr_wsd_decay_samples: Optional[int] = None
     use_checkpoint_opt_param_scheduler: bool = False  # resume takes the checkpoint's schedule
-    optimizer: str = "adamw"          # adamw | muon (ms_llm.optim; Megatron-Core's muon_* names)
+    # a registered optimizer (ms_llm.optim.kinds: its keys below use Megatron-Core's names)
+    optimizer: str = ADAMW.name
     muon_momentum: float = 0.95
     muon_nesterov: bool = False
     muon_split_qkv: bool = True       # orthogonalise Q, K and V apart (across query groups)
@@ -93,6 +98,9 @@ class TrainingConfig(_Section):
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    # AdamW moments stored in float32 | bfloat16 (MindSpeed-LLM's O2 --o2-optimizer: 4 bytes per
+    # parameter instead of 8; each update upcasts them to fp32 and rounds back)
+    adam_moments_dtype: str = "float32"
     clip_grad: float = 1.0
     log_interval: int = 1
     jit: bool = False                 # compile forward+backward with mindspore.jit
@@ -172,6 +180,9 @@ class QuantConfig(_Section):
     apply_modules: List[str] = field(default_factory=list)
     ignored_modules: List[str] = field(default_factory=list)
     mx_path: str = "auto"             # auto | native | emulated MX matmuls (MS_LLM_MX_PATH)
+    # a selected module with a dim (or tensor-parallel shard dim) not a multiple of MXFP8's
+    # 32-element block: keep it in the model's precision and list it (torchao's recipe) | error
+    mx_unaligned: str = "keep"
 
 
 @dataclass

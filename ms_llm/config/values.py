@@ -5,7 +5,10 @@ The cross-key and launch rules are in ``rules``."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
+
+from ms_llm.optim.kinds import optimizer_names, optimizer_value_rule
+from ms_llm.validation import Rule, at_least, greater_than, one_of, value_rule, within
 
 
 class ConfigError(ValueError):
@@ -16,35 +19,8 @@ class ConfigError(ValueError):
 # A rule returns None for a good value, else what the value must be. Rules run on every
 # explicitly set key right after its type is checked, so the error names that key's source
 # (and nothing downstream, e.g. TransformerConfig's head arithmetic, sees a zero or a negative).
-Rule = Callable[[Any], Optional[str]]
-
-
-def _rule(desc: str, ok: Callable[[Any], bool]) -> Rule:
-    def rule(value: Any) -> Optional[str]:
-        return None if ok(value) else desc
-    rule.desc = desc  # type: ignore[attr-defined]  # shown by ``ms-llm train --help``
-    return rule
-
-
-def _gt(lo: float) -> Rule:
-    return _rule(f"> {lo}", lambda v: v > lo)
-
-
-def _ge(lo: float) -> Rule:
-    return _rule(f">= {lo}", lambda v: v >= lo)
-
-
-def _within(lo: float, hi: float, hi_open: bool = False) -> Rule:
-    close = ")" if hi_open else "]"
-    return _rule(f"in [{lo}, {hi}{close}",
-                 lambda v: lo <= v < hi if hi_open else lo <= v <= hi)
-
-
-def _one_of(*choices: str, null: bool = False, case: bool = True) -> Rule:
-    desc = ("null or " if null else "") + "one of " + ", ".join(choices)
-    if case:
-        return _rule(desc, lambda v: v in choices)
-    return _rule(desc, lambda v: v.lower() in choices)
+# The rule builders are ``ms_llm.validation``'s (a registered optimizer's keys use them too).
+_rule, _gt, _ge, _within, _one_of = value_rule, greater_than, at_least, within, one_of
 
 
 def _one_of_int(*choices: int) -> Rule:
@@ -55,16 +31,26 @@ def _existing_dir() -> Rule:
     return _rule("an existing folder", lambda v: os.path.isdir(os.path.expanduser(v)))
 
 
+class _RegisteredOptimizer:
+    """``training.optimizer``'s rule: a registered optimizer (``ms_llm.optim.kinds``), asked when
+    the value is checked, so one registered after this module was imported counts too."""
+
+    @property
+    def desc(self) -> str:
+        return "one of " + ", ".join(optimizer_names())
+
+    def __call__(self, value: Any) -> Optional[str]:
+        return None if value in optimizer_names() else self.desc
+
+
 _POSITIVE, _NON_NEGATIVE, _PROBABILITY = _gt(0), _ge(0), _within(0, 1)
 _DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 RULES: Dict[str, Rule] = {
     **{f"training.{k}": _POSITIVE for k in (
         "max_steps", "micro_batch_size", "global_batch_size", "log_interval", "lr_decay_steps",
-        "adam_eps", "peak_tflops")},
+        "peak_tflops")},
     **{f"training.{k}": _NON_NEGATIVE for k in (
         "seed", "lr", "min_lr", "lr_warmup_steps", "weight_decay", "clip_grad")},
-    "training.adam_beta1": _within(0, 1, hi_open=True),
-    "training.adam_beta2": _within(0, 1, hi_open=True),
     "training.lr_decay_style": _one_of("cosine", "linear", "constant", "inverse-square-root",
                                        "WSD"),
     "training.lr_wsd_decay_style": _one_of("linear", "cosine", "exponential", "minus_sqrt"),
@@ -72,14 +58,8 @@ RULES: Dict[str, Rule] = {
     **{f"training.{k}": _POSITIVE for k in (
         "train_samples", "lr_decay_samples", "lr_wsd_decay_samples", "lr_wsd_decay_steps")},
     **{f"training.{k}": _NON_NEGATIVE for k in ("lr_warmup_init", "lr_warmup_samples")},
-    "training.optimizer": _one_of("adamw", "muon"),
-    "training.muon_momentum": _within(0, 1, hi_open=True),
-    "training.muon_coefficient_type": _one_of("simple", "quintic", "polar_express", "cans", "aol"),
-    "training.muon_num_ns_steps": _ge(1),
-    "training.muon_scale_mode": _one_of("spectral", "shape_scaling", "unit_rms_norm"),
-    "training.muon_extra_scale_factor": _POSITIVE,
-    "training.muon_tp_mode": _one_of("blockwise", "duplicated", "distributed"),
-    "training.muon_fp32_matmul_prec": _one_of("highest", "medium"),
+    # the optimizer's own keys (adam_*, muon_*) are its registration's (``optimizer_value_rule``)
+    "training.optimizer": _RegisteredOptimizer(),
     "training.resume": _one_of("none", "auto"),
     "training.recompute_granularity": _one_of("full", "selective", null=True),
     "training.recompute_method": _one_of("uniform", "block", null=True),
@@ -125,11 +105,15 @@ RULES: Dict[str, Rule] = {
     "lora.dropout": _within(0, 1, hi_open=True),
     "lora.target_modules": _rule(
         "linear_qkv, linear_proj, linear_fc1, linear_fc2 (Gated DeltaNet: in_proj_qkvz, "
-        "in_proj_ba, out_proj) or a glob ending in one of them",
+        "in_proj_ba, out_proj; latent attention: linear_q_proj, linear_q_down_proj, "
+        "linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj) or a glob ending in one of them",
         lambda v: v.rsplit(".", 1)[-1] in ("linear_qkv", "linear_proj", "linear_fc1",
                                            "linear_fc2", "in_proj_qkvz", "in_proj_ba",
-                                           "out_proj", "*")),
+                                           "out_proj", "linear_q_proj", "linear_q_down_proj",
+                                           "linear_q_up_proj", "linear_kv_down_proj",
+                                           "linear_kv_up_proj", "*")),
     "quant.mx_path": _one_of("auto", "native", "emulated"),
+    "quant.mx_unaligned": _one_of("keep", "error"),
     "runtime.log_level": _one_of("debug", "info", "warning", "error", "critical", case=False),
     "runtime.cpu_threads": _ge(1),
     "runtime.blas_threads": _ge(1),
@@ -167,8 +151,13 @@ RULES: Dict[str, Rule] = {
 }
 
 
+def rule_for(key: str) -> Optional[Rule]:
+    """The value rule of ``key``: the table's, or the registered optimizer's that owns it."""
+    return RULES.get(key) or optimizer_value_rule(key)
+
+
 def check_value(key: str, value: Any, source: str) -> None:
-    rule = RULES.get(key)
+    rule = rule_for(key)
     if rule is None or value is None:
         return
     for v in value if isinstance(value, list) else [value]:

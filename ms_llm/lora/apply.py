@@ -4,11 +4,15 @@ in ``parallelize_model`` after MXFP8 (an MXFP8 base keeps its recipe; the adapte
 and before tensor parallel and FSDP, which shard the adapters like their base weights.
 
 Selection: candidates are the decoder's ``linear_qkv``, ``linear_proj``, ``linear_fc1`` and
-``linear_fc2`` (and Gated DeltaNet's ``in_proj_qkvz``, ``in_proj_ba``, ``out_proj``). A target without dots or glob characters names the last component
-(``linear_qkv``); anything else is an ``fnmatch`` glob over the full module name (``*`` crosses
-dots), e.g. ``decoder.layers.*.self_attention.linear_qkv``. MoE: attention and dense-MLP layers
-get adapters; routed and shared experts do not (the bare names skip them; a glob that selects
-only expert linears is refused as not built). A target matching nothing is an error.
+``linear_fc2`` (and Gated DeltaNet's ``in_proj_qkvz``, ``in_proj_ba``, ``out_proj``; latent
+attention's ``linear_q_proj`` / ``linear_q_down_proj`` / ``linear_q_up_proj`` /
+``linear_kv_down_proj`` / ``linear_kv_up_proj``). A target without dots or glob characters names
+the last component (``linear_qkv``; on latent attention, as in MindSpeed-LLM's DeepSeek scripts,
+it names the down-projections MindSpeed fuses under that name: ``base.ALIASES``); anything
+else is an ``fnmatch`` glob over the full module name (``*`` crosses dots), e.g.
+``decoder.layers.*.self_attention.linear_qkv``. MoE: attention and dense-MLP layers get
+adapters; routed and shared experts do not (the bare names skip them; a glob that selects only
+expert linears is refused as not built). A target matching nothing is an error.
 
 Every Parameter that was trainable becomes a frozen base weight (``requires_grad`` False, no
 optimizer state, not in training checkpoints); buffers (the routers' ``expert_bias``) stay as
@@ -25,7 +29,7 @@ import numpy as np
 from mindspore import nn as ms_nn
 
 from ms_llm.compat import nn
-from .base import TARGETS
+from .base import ALIASES, TARGETS
 from .modules import LoRALinear, is_frozen_base, mark_frozen_base
 
 log = logging.getLogger("ms_llm.lora")
@@ -34,7 +38,8 @@ _EXPERT_PARTS = (".mlp.experts.", ".mlp.shared_experts.")
 
 def _matches(name: str, pattern: str) -> bool:
     if "." not in pattern and not any(ch in pattern for ch in "*?["):
-        return name.rsplit(".", 1)[-1] == pattern
+        last = name.rsplit(".", 1)[-1]
+        return last == pattern or last in ALIASES.get(pattern, ())
     return fnmatch.fnmatchcase(name, pattern)
 
 

@@ -14,10 +14,17 @@ import os
 from typing import Dict, List, Optional
 
 STATE_KEY = "lora"
-# lora.target_modules: the attention / MLP linears, and Gated DeltaNet's projections
-# (Qwen3-Next / Qwen3.5 hybrid layers)
+# lora.target_modules: the attention / MLP linears, Gated DeltaNet's projections (Qwen3-Next /
+# Qwen3.5 hybrid layers) and multi-head latent attention's (DeepSeek-V2/V3: Megatron-Core's
+# names, HF q_proj / q_a_proj / q_b_proj / kv_a_proj_with_mqa / kv_b_proj)
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj_qkvz", "in_proj_ba",
-           "out_proj")
+           "out_proj", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+           "linear_kv_down_proj", "linear_kv_up_proj")
+# MindSpeed-LLM's latent attention fuses its down-projections ([q_down (or q_proj); kv_down]) into
+# one ``linear_qkv``, so its DeepSeek scripts' ``--lora-target-modules linear_qkv`` adapts them;
+# ms-llm keeps Megatron-Core's separate linears, and ``linear_qkv`` selects each of them too
+# (each with its own rank-r adapter, where MindSpeed's fused one shares A between them).
+ALIASES = {"linear_qkv": ("linear_q_down_proj", "linear_q_proj", "linear_kv_down_proj")}
 _BLOCK = 1 << 20
 
 

@@ -13,7 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Union
 
+from ms_llm.optim.kinds import megatron_optimizers
+
 Nargs = Union[int, str]   # 0 (switch), 1, or "+" (values up to the next --flag)
+
+
+MEGATRON_OPTIMIZER = "adam"     # Megatron's --optimizer default
+
+
+def optimizer_words() -> str:
+    """``--optimizer``'s words and what each selects, from the optimizer registrations
+    (``OptimizerKind.megatron_names``): "adam -> adamw, ..., dist_muon -> muon with ..."."""
+    return ", ".join(f"{word} -> {kind.name}" + (f" with {', '.join(keys)}" if keys else "")
+                     for word, (kind, keys) in megatron_optimizers().items())
 
 
 @dataclass(frozen=True)
@@ -227,8 +239,8 @@ TABLE: Dict[str, object] = {
     "--loss-scale": Refuse("a static loss scale is fp16 training's, which is not built", 1),
     "--initial-loss-scale": Noop("dynamic loss scaling is fp16's; Megatron ignores it under "
                                  "--bf16", 1),
-    "--o2-optimizer": Refuse("bf16 optimizer state (MindSpeed O2) is not built"),
-    "--o2-gradient": Refuse("bf16 gradient accumulation (MindSpeed O2) is not built"),
+    "--o2-optimizer": Map("training.adam_moments_dtype", 0, "bfloat16"),
+    "--o2-gradient": Map("parallel.grad_reduce_in_fp32", 0, False),
     "--attention-softmax-in-fp32": Noop("the attention softmax already runs in fp32"),
     "--use-flash-attn": Noop(KERNEL),
     "--use-fused-rotary-pos-emb": Noop(KERNEL),
@@ -276,9 +288,9 @@ TABLE: Dict[str, object] = {
     "--adam-beta1": Map("training.adam_beta1"),
     "--adam-beta2": Map("training.adam_beta2"),
     "--adam-eps": Map("training.adam_eps"),
-    "--optimizer": Post("training.optimizer: adam -> adamw, muon -> muon, dist_muon -> muon with "
-                        "parallel.use_distributed_optimizer (Megatron's default: adam)"),
-    # Megatron-Core's Muon (training.optimizer muon; ms_llm.optim.muon) and QK-clip
+    "--optimizer": Post(f"training.optimizer: {optimizer_words()} (Megatron's default: "
+                        f"{MEGATRON_OPTIMIZER})"),
+    # Megatron-Core's Muon's options (ms_llm.optim.muon) and QK-clip
     "--muon-momentum": Map("training.muon_momentum"),
     "--muon-no-split-qkv": Map("training.muon_split_qkv", 0, False),
     "--muon-nesterov": Map("training.muon_nesterov", 0, True),
@@ -319,10 +331,8 @@ TABLE: Dict[str, object] = {
                         "restarting positions here"),
     "--no-pad-to-seq-lengths": Noop("padding positions carry no loss: padding every row to "
                                     "--seq-length gives the same loss"),
-    "--padded-samples": Refuse("padding the last epoch with samples from its start is not "
-                               "built"),
-    "--no-shuffle": Refuse("unshuffled training data is not built (the GPTDataset order is "
-                           "used)"),
+    "--padded-samples": Map("data.padded_samples", 0, True),
+    "--no-shuffle": Map("data.shuffle", 0, False),
     "--reset-attention-mask": Map("data.reset_attention_mask", 0, True),
     "--reset-position-ids": Map("data.reset_position_ids", 0, True),
     "--eod-mask-loss": Map("data.eod_mask_loss", 0, True),

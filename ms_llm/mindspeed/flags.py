@@ -16,7 +16,8 @@ import yaml
 
 from ms_llm.config.rules import ConfigError
 from ms_llm.models.registry import families, get_family
-from .flag_table import MEGATRON_DEFAULTS, TABLE, Map, Noop, Refuse
+from ms_llm.optim.kinds import megatron_optimizers
+from .flag_table import MEGATRON_DEFAULTS, MEGATRON_OPTIMIZER, TABLE, Map, Noop, Refuse
 
 _SPEC = re.compile(r"(?:^|\.)([a-z0-9_]+)_spec$")
 
@@ -82,17 +83,22 @@ def translate(argv: Sequence[str], world_size: Optional[int] = None) -> Translat
 
 
 def _optimizer(tr: Translation, post: Dict[str, List[str]]) -> None:
-    """Megatron's ``--optimizer``: adam (AdamW, its default), muon, and the deprecated dist_muon
-    (Megatron rewrites it to muon with the distributed optimizer)."""
-    name = post.get("--optimizer", ["adam"])[0]
-    if name not in ("adam", "muon", "dist_muon"):
-        raise ConfigError(f"--optimizer {name}: not supported (adam, muon and dist_muon are built)")
-    tr.keys["training.optimizer"] = "adamw" if name == "adam" else "muon"
-    if name == "dist_muon":
-        tr.keys["parallel.use_distributed_optimizer"] = True
-    if name != "adam" and "training.muon_fp32_matmul_prec" not in tr.keys:
-        tr.notes.append("--muon-fp32-matmul-prec: Megatron's default is medium (bf16 GEMM "
-                        "operands); ms-llm keeps fp32 Newton-Schulz (highest) unless it is given")
+    """Megatron's ``--optimizer``: a word an optimizer's registration claims
+    (``OptimizerKind.megatron_names``: adam is AdamW, Megatron's default; the deprecated
+    dist_muon is Muon with the distributed optimizer, as Megatron rewrites it), with the note
+    the registration gives for it."""
+    words = megatron_optimizers()
+    word = post.get("--optimizer", [MEGATRON_OPTIMIZER])[0]
+    if word not in words:
+        *rest, last = words
+        built = f"{', '.join(rest)} and {last} are" if rest else f"{last} is"
+        raise ConfigError(f"--optimizer {word}: not supported ({built} built)")
+    kind, keys = words[word]
+    tr.keys["training.optimizer"] = kind.name
+    tr.keys.update(keys)
+    note = kind.megatron_note(tr.keys) if kind.megatron_note else None
+    if note:
+        tr.notes.append(note)
 
 
 def _dataloader(tr: Translation, post: Dict[str, List[str]]) -> None:

@@ -3,8 +3,8 @@ optimizers that run another one on tensors of their own (``Wrapper``: fp32 main 
 the distributed optimizer's shards).
 
 The trainer, checkpoints and the memory planner talk to an optimizer through this protocol only,
-so a new optimizer (Muon) is one class here plus a line in ``build.py``; nothing probes for
-attributes.
+so a new optimizer (Muon) is one class implementing it plus its registration
+(``ms_llm.optim.kinds``); nothing probes for attributes.
 """
 from __future__ import annotations
 

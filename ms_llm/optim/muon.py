@@ -44,7 +44,7 @@ from .muon_tp import TensorParallelNS, partition_dim
 from .base import Optimizer, StateTensor
 from .newton_schulz import batch_chunks, check_matmul_precision, coefficient_schedule, \
     newton_schulz, scale_factor, use_kernel
-from .param_groups import ParamGroup, assignment, build_groups, is_muon_matrix
+from .param_groups import ParamGroup, assignment, build_groups, matrices_rule
 
 FP32 = 4
 BATCH_MAX = 1 << 17   # matrices up to this many elements (e.g. 128 x 1024) are batched by shape
@@ -86,7 +86,7 @@ class Muon:
                  groups: Optional[Mapping[str, ParamGroup]] = None,
                  adam: Optional[Callable[..., Optimizer]] = None, pstate=None):
         if groups is None:
-            groups = assignment(build_groups(named_params, muon=True))
+            groups = assignment(build_groups(named_params, matrices_rule("muon", "adamw")))
         self.names = [n for n, _ in named_params]
         self.params: List[Parameter] = [p for _, p in named_params]
         for n, p in named_params:
@@ -248,11 +248,6 @@ class Muon:
         out = dict(self.adam.state_bytes())
         out["momentum_buffer"] = sum(int(b.size) * FP32 for b in self.momentum_buffer.values())
         return out
-
-    @staticmethod
-    def state_elements(name: str, shape: Sequence[int]) -> int:
-        """One momentum buffer per Muon matrix element, AdamW's two moments elsewhere."""
-        return 1 if is_muon_matrix(name, len(shape)) else 2
 
     def state_dict(self) -> Dict[str, np.ndarray]:
         out = self.adam.state_dict()

@@ -23,6 +23,7 @@ from mindspore import Parameter, Tensor, mint
 
 from ms_llm.compat import float32
 from ms_llm.parallel import comm
+from ms_llm.parallel.distributed_optimizer import shard_rows
 from ms_llm.parallel.placement import RowShard, grad_replica_dim, placement_of
 
 
@@ -155,3 +156,23 @@ class OwnerPlan:
                 updates[i] = mint.narrow(recv, 0, offset, n).reshape(shape) if n else \
                     mint.zeros(shape, dtype=float32)
                 offset += n
+
+
+def refuse_empty_shards(named_params: Sequence[tuple], groups, pstate) -> None:
+    """Under the distributed optimizer Muon gathers each matrix from every rank of its group,
+    so every rank must hold some rows of it (uneven cuts are fine, an empty one is not built).
+    The same answer on every rank (it depends on sizes only), so all of them stop together."""
+    for n, q in named_params:
+        if groups[n].optimizer != "muon":
+            continue
+        pl = placement_of(q)
+        dim = grad_replica_dim(pl)
+        if dim is None:        # FSDP-cut: the distributed optimizer refuses it in one line
+            continue
+        dim += "_cp" if pstate.sizes.cp > 1 else ""
+        g = pstate.group(dim)
+        rows, _ = shard_rows(tuple(q.shape), pl, dim, g.size, 0)
+        if g.size > 1 and RowShard(rows[0], g.size, g.size - 1).length == 0:
+            raise ValueError(f"parallel.use_distributed_optimizer with training.optimizer muon: "
+                             f"{n}'s {rows[0]} rows cut over {g.size} ranks (chunks of "
+                             f"{RowShard(rows[0], g.size, 0).chunk}) leave a rank none (not built)")

@@ -6,9 +6,10 @@ Every trainable parameter gets a key ``(optimizer, wd_mult, lr_mult)``:
   Megatron's default ``no_weight_decay_cond``;
 * ``lr_mult``: ``scale_lr(name, param)`` selects parameters whose learning rate is multiplied
   by ``lr_mult`` (Megatron's ``scale_lr_cond`` / ``lr_mult``); none by default;
-* ``optimizer``: which update rule the parameter takes: ``adamw`` everywhere, or with Muon the
-  2-D hidden matrices ``muon`` and the rest (embedding, output layer, norms, biases, router and
-  expert-bias vectors) ``adamw``, as Megatron-Core's Muon setup splits them.
+* ``optimizer``: which update rule the parameter takes, the selected optimizer's
+  ``param_rule`` (``ms_llm.optim.kinds``): its own name everywhere (AdamW), or with Muon the
+  2-D hidden matrices (``is_muon_matrix``) Muon's and the rest (embedding, output layer, norms,
+  biases, router and expert-bias vectors) AdamW's, as Megatron-Core's Muon setup splits them.
 
 The groups are printed once at the start of training (``describe``). A step applies
 ``lr * lr_mult`` and ``weight_decay * wd_mult`` to each parameter of a group.
@@ -16,11 +17,14 @@ The groups are printed once at the start of training (``describe``). A step appl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from mindspore import Parameter
+if TYPE_CHECKING:      # no MindSpore at import: the optimizer registrations use this module
+    from mindspore import Parameter
 
 Key = Tuple[str, float, float]     # (optimizer, wd_mult, lr_mult)
+# The update rule of each parameter: one name for all, or a function of (name, ndim).
+Rule = Union[str, Callable[[str, int], str]]
 
 
 @dataclass
@@ -64,23 +68,30 @@ def is_muon_matrix(name: str, ndim: int) -> bool:
     return ".router." not in name and not name.endswith("router.weight")
 
 
-def key_of(name: str, param: Parameter, muon: bool = False,
-           scale_lr: Optional[Callable[[str, Parameter], bool]] = None,
+def matrices_rule(matrices: str, rest: str) -> Rule:
+    """A rule giving the hidden matrices (``is_muon_matrix``) to optimizer ``matrices`` and
+    every other parameter to ``rest`` (Muon's split)."""
+    return lambda name, ndim: matrices if is_muon_matrix(name, ndim) else rest
+
+
+def key_of(name: str, param: "Parameter", rule: Rule,
+           scale_lr: Optional[Callable[[str, "Parameter"], bool]] = None,
            lr_mult: float = 1.0) -> Key:
     """The group key of one parameter (see the module docstring)."""
     wd = 0.0 if no_weight_decay(name, param.ndim) else 1.0
     lr = lr_mult if scale_lr is not None and scale_lr(name, param) else 1.0
-    opt = "muon" if muon and is_muon_matrix(name, param.ndim) else "adamw"
+    opt = rule if isinstance(rule, str) else rule(name, param.ndim)
     return (opt, wd, lr)
 
 
-def build_groups(named_params: Sequence[tuple], muon: bool = False,
-                 scale_lr: Optional[Callable[[str, Parameter], bool]] = None,
+def build_groups(named_params: Sequence[tuple], rule: Rule,
+                 scale_lr: Optional[Callable[[str, "Parameter"], bool]] = None,
                  lr_mult: float = 1.0) -> List[ParamGroup]:
-    """The groups of ``named_params`` in first-seen order (each name in exactly one)."""
+    """The groups of ``named_params`` in first-seen order (each name in exactly one); ``rule``:
+    the optimizer's (``OptimizerKind.rule``)."""
     groups: Dict[Key, ParamGroup] = {}
     for n, p in named_params:
-        k = key_of(n, p, muon, scale_lr, lr_mult)
+        k = key_of(n, p, rule, scale_lr, lr_mult)
         g = groups.setdefault(k, ParamGroup(*k))
         g.names.append(n)
         g.numel += int(p.size)

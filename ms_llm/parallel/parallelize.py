@@ -27,7 +27,7 @@ from ms_llm.models.layers import MLP
 from ms_llm.models.moe import SharedExpertMLP, moe_layers
 from ms_llm.lora.apply import apply_lora, buffer_names, mark_frozen_shards, trainable_report
 from ms_llm.lora.modules import LoRALinear
-from ms_llm.quant import apply_quantization
+from ms_llm.quant import apply_quantization, kept_unaligned
 from . import comm
 from .data_parallel import PartitionedGradSync, grad_reduce_dtype
 from .expert_parallel import apply_expert_parallel
@@ -170,6 +170,9 @@ def parallelize_model(model: GPTModel, cfg, pstate: ParallelState) -> Paralleliz
         buffers = buffer_names(model)
     apply_tensor_parallel(model, pstate.group("tp"), sequence_parallel=p.sequence_parallel,
                           comm_overlap=p.tp_comm_overlap)
+    if cfg.quant.recipe and kept_unaligned(model):     # quant.mx_unaligned: keep
+        notes.append(f"quant {cfg.quant.recipe}: kept in high precision (a dim not a multiple "
+                     f"of 32): {', '.join(kept_unaligned(model))}")
     if lora is not None:
         mark_frozen_shards(model, buffers)
     cp = apply_context_parallel(model, cfg, pstate)

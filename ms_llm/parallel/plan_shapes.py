@@ -65,13 +65,16 @@ class LocalParam:
     unit: Optional[str]        # FSDP unit it belongs to (None: not FSDP-sharded)
 
 
-def full_shapes(model_cfg: TransformerConfig) -> Dict[str, Tuple[Tuple[int, ...], Placement, int]]:
+def full_shapes(model_cfg: TransformerConfig, noop_layers=()
+                ) -> Dict[str, Tuple[Tuple[int, ...], Placement, int]]:
     """Global name -> (shape, layout record, itemsize) of the full-size model, built without
-    storage."""
+    storage (``noop_layers``: ``parallel.noop_layers``, layers that hold nothing)."""
     from ms_llm.models.gpt import GPTModel
     from .parallelize import describe_layouts
+    from .pipeline.stages import apply_noop_layers
     with nn.shape_only():
         model = GPTModel(model_cfg)
+    apply_noop_layers(model, noop_layers)
     describe_layouts(model)
     return {n: (tuple(p.shape), placement_of(p), p.itemsize)
             for n, p in model.parameters_and_names()}
@@ -82,13 +85,27 @@ def twin_config(c: TransformerConfig, tp: int, unit: int = 2) -> TransformerConf
     (``unit``: a multiple every width must keep, e.g. MXFP8's 32-element blocks); counts
     (layers, heads, groups, experts, pattern) unchanged, so the module tree and every layout
     rule are the same."""
-    small = dict(hidden_size=4 * unit, kv_channels=unit, ffn_hidden_size=unit * tp,
-                 padded_vocab_size=unit * tp)
+    from ms_llm.models.mixers import mixers_used
+    small = dict(hidden_size=4 * unit, kv_channels=_twin_head_dim(c.rotary_percent, unit),
+                 ffn_hidden_size=unit * tp, padded_vocab_size=unit * tp)
+    for kind in mixers_used(c):              # a token mixer's own widths (MLA's ranks, ...)
+        small.update(kind.twin_widths(c, unit))
     if c.num_moe_experts:
         small["moe_ffn_hidden_size"] = unit * tp
     if c.moe_shared_expert_intermediate_size:
         small["moe_shared_expert_intermediate_size"] = unit * tp
     return dataclasses.replace(c, **small)
+
+
+def _twin_head_dim(rotary_percent: float, unit: int) -> int:
+    """The twin's head dim: the smallest multiple of ``unit`` of which RoPE rotates an even,
+    whole number of dims (``rotary_percent`` 0.5 of 2 would rotate one)."""
+    for k in range(1, 65):
+        rotated = unit * k * rotary_percent
+        if rotated == int(rotated) and int(rotated) % 2 == 0 and rotated > 0:
+            return unit * k
+    raise ValueError(f"plan: no head dim up to {64 * unit} rotates an even number of dims at "
+                     f"model.rotary_percent {rotary_percent}")
 
 
 def _twin_run_config(cfg, model_cfg: TransformerConfig):

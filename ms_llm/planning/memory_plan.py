@@ -424,7 +424,7 @@ def plan_memory(cfg, nproc: int, device_memory_gb: Optional[float] = None,
     p = cfg.parallel
     # many small experts: built folded, unfolded to the real count (ms_llm.parallel.plan_experts)
     built, fold = fold_experts(c, p.expert_model_parallel_size)
-    built_shapes = full_shapes(built) if fold > 1 or _shapes is None else None
+    built_shapes = full_shapes(built, p.noop_layers) if fold > 1 or _shapes is None else None
     shapes = _shapes or unfold_shapes(built_shapes, fold)
     sizes = ParallelSizes(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
                           cp=p.context_parallel_size, ep=p.expert_model_parallel_size,

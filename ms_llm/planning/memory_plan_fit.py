@@ -15,7 +15,7 @@ def plan_with_fix(cfg, nproc: int, device_memory_gb: Optional[float] = None,
     from ms_llm.parallel.plan_shapes import full_shapes   # imports MindSpore: not for --help
     from ms_llm.parallel.plan_experts import fold_experts, unfold_shapes
     built, fold = fold_experts(c, cfg.parallel.expert_model_parallel_size)
-    shapes, cache = unfold_shapes(full_shapes(built), fold), {}
+    shapes, cache = unfold_shapes(full_shapes(built, cfg.parallel.noop_layers), fold), {}
     plan = plan_memory(cfg, nproc, device_memory_gb, distributed_optimizer, c, shapes, cache)
     if plan.fits is False:
         distopt = plan.layout["distributed_optimizer"]

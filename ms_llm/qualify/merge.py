@@ -108,12 +108,17 @@ def patch_logs(folder: str, cells: List[dict]) -> None:
             d_lines = f.read().splitlines()
         with open(path, encoding="utf-8") as f:
             text = f.read().splitlines()
-        cut = next((i for i, ln in enumerate(text) if ln.startswith(
-            ("--- fault launch (restart supervisor)", "(d) re-run by "))), len(text))
+        # the criteria block's "(d) ..." line; after it, the fault section starts at the
+        # first "(d) re-run by" / "(d) from" line (a (d) log's second line) or the launch
+        crit = next((i for i, ln in enumerate(text) if ln.startswith("(d) ")), None)
+        start = 0 if crit is None else crit + 1
+        cut = next((i for i in range(start, len(text)) if text[i].startswith(
+            ("--- fault launch (restart supervisor)", "(d) "))), len(text))
         text = text[:cut]
         text[0] = f"# {c['family']}:{c['feature']}: {c['status']}" + (
             f" ({'; '.join(c['unmet'])})" if c["unmet"] else "")
-        text = [d_lines[0] if ln.startswith("(d) ") else ln for ln in text]
+        if crit is not None:
+            text[crit] = d_lines[0]
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             f.write("\n".join(text + d_lines[1:]) + "\n")
         os.replace(path + ".tmp", path)

@@ -7,7 +7,8 @@ and the Ascend-native vs emulated choice (``_dispatch``).
 from .mx import BLOCK_SIZE, ELEM_FORMATS, MXTensor, fake_quantize, to_mx
 from .mx_linear import mx_linear
 from .modules import MXFP8GroupedLinear, MXFP8GroupedMLP, MXFP8Linear
-from .apply import apply_quantization, register_replacement
+from .apply import apply_quantization, kept_unaligned, register_replacement
 
 __all__ = ["BLOCK_SIZE", "ELEM_FORMATS", "MXTensor", "fake_quantize", "to_mx", "mx_linear",
-           "MXFP8Linear", "MXFP8GroupedLinear", "MXFP8GroupedMLP", "apply_quantization", "register_replacement"]
+           "MXFP8Linear", "MXFP8GroupedLinear", "MXFP8GroupedMLP", "apply_quantization", "kept_unaligned",
+           "register_replacement"]

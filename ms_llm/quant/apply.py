@@ -8,8 +8,14 @@ experts register themselves with ``register_replacement``). Exact types, not sub
 subclass may add communication or change semantics that a plain MXFP8Linear would drop.
 ``apply_modules`` / ``ignored_modules`` are ``fnmatch`` globs over module names (``*`` crosses
 dots). Defaults: every candidate under ``decoder.layers.``, never the output layer nor an MoE
-router. A pattern matching no candidate, an empty selection or a selected module whose dims are
-not multiples of 32 is an error naming it.
+router. A pattern matching no candidate or an empty selection is an error naming it.
+
+A selected module whose dims are not multiples of MXFP8's 32-element block (MLA's small
+down-projections, a tensor-parallel shard of a 32-row projection) is, as torchao's MX recipe
+does, kept in the model's precision and listed in one line (``quant.mx_unaligned: keep``, the
+default; ``error``: a one-line error naming it). A shard's dims are known when tensor parallel
+cuts the module: the MXFP8 module then runs its source module's matmul and says so
+(``kept_unaligned``).
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from mindspore import nn as ms_nn
 from ms_llm.compat import nn
 from ms_llm.models.moe import GroupedMLP
 from ms_llm.ops.linear import Linear as OpsLinear
-from .modules import MXFP8GroupedMLP, MXFP8Linear
+from .modules import MXFP8GroupedMLP, MXFP8Linear, UnalignedDims
 from .mx import check_scale_mode, elem_format
 from ._dispatch import resolve_mx_path
 
@@ -76,13 +82,45 @@ def apply_quantization(model: ms_nn.Cell, quant_cfg) -> List[str]:
     if not selected:
         raise ValueError(f"quant: apply_modules {apply} minus ignored_modules {ignored} selects "
                          f"no module")
+    keep = getattr(quant_cfg, "mx_unaligned", "keep") == "keep"
     path = resolve_mx_path()
     # Build every replacement first (dims are checked here), then swap: an error leaves the
     # model untouched rather than half-converted.
-    built = [(n, _REPLACEMENTS[type(c)](c, scale_mode=scale_mode, elem_dtype=elem, name=n))
-             for n, c in selected]
+    built, kept = [], []
+    record = KeptModules(kept)
+    for n, c in selected:
+        try:
+            new = _REPLACEMENTS[type(c)](c, scale_mode=scale_mode, elem_dtype=elem, name=n)
+        except UnalignedDims as e:
+            if not keep:
+                raise ValueError(f"{e}, or set quant.mx_unaligned: keep") from None
+            kept.append(n)
+            continue
+        if keep and hasattr(new, "plain_matmul"):     # a tensor-parallel shard may not align
+            new.plain_matmul = getattr(c, "local_matmul", None)
+            new.kept = record
+        built.append((n, new))
+    if not built:
+        raise ValueError(f"quant: every selected module has dims that are not multiples of 32 "
+                         f"(kept in high precision: {', '.join(kept)})")
     for n, new in built:
         nn.set_submodule(model, n, new)
     log.info("quant: %s (%s, scale_mode=%s, %s path) replaced %d modules: %s", recipe, elem,
              scale_mode, path, len(built), ", ".join(n for n, _ in built))
+    model.mx_unaligned = record
     return [n for n, _ in built]
+
+
+class KeptModules:
+    """The selected modules left in high precision because a dim is not a multiple of 32:
+    whole modules (at replacement) and tensor-parallel shards (added when tensor parallel cuts
+    them)."""
+
+    def __init__(self, names: List[str]):
+        self.names = names
+
+
+def kept_unaligned(model: ms_nn.Cell) -> List[str]:
+    """``KeptModules.names`` of a quantized model (empty when nothing was kept)."""
+    record = getattr(model, "mx_unaligned", None)
+    return list(record.names) if record is not None else []

@@ -20,10 +20,14 @@ from .mx import BLOCK_SIZE, check_scale_mode, elem_format
 from .mx_linear import make_function
 
 
+class UnalignedDims(ValueError):
+    """A module's dims are not multiples of MXFP8's block (``quant.mx_unaligned`` decides)."""
+
+
 def _check_dims(name: str, **dims: int) -> None:
     bad = {k: v for k, v in dims.items() if v % BLOCK_SIZE}
     if bad:
-        raise ValueError(f"quant: module '{name}' has " +
+        raise UnalignedDims(f"quant: module '{name}' has " +
                          ", ".join(f"{k}={v}" for k, v in dims.items()) +
                          f"; MXFP8 needs every one to be a multiple of {BLOCK_SIZE} "
                          f"(add it to quant.ignored_modules)")
@@ -54,10 +58,16 @@ class MXFP8Linear(_MXFP8Weights):
     """``y = x W^T + b`` with MXFP8 GEMMs in forward and backward (``mx_linear``)."""
 
     def __init__(self, weight: Parameter, bias: Optional[Parameter] = None, *,
-                 scale_mode: str = "floor", elem_dtype: str = "float8_e4m3fn", name: str = ""):
+                 scale_mode: str = "floor", elem_dtype: str = "float8_e4m3fn", name: str = "",
+                 plain_matmul=None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self._adopt(weight, bias, scale_mode, elem_dtype, name)
+        self.module_name = name
+        # quant.mx_unaligned keep: the source module's own ``local_matmul`` (high precision),
+        # used for a tensor-parallel shard whose dims are not multiples of 32
+        self.plain_matmul = plain_matmul
+        self.kept = None                  # apply_quantization's KeptModules: shards kept listed
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
@@ -69,9 +79,18 @@ class MXFP8Linear(_MXFP8Weights):
     def local_matmul(self, in_features: int, out_features: int, has_bias: bool):
         """The MXFP8 ``(x, weight, bias=None) -> y`` for a tensor-parallel shard
         ``[out_features, in_features]`` of this layer (quantization runs before sharding, so the
-        shard keeps the recipe); the local dims must stay multiples of 32."""
-        _check_dims(type(self).__name__ + " shard", in_features=in_features,
-                    out_features=out_features)
+        shard keeps the recipe); the local dims must stay multiples of 32, else (with
+        ``quant.mx_unaligned: keep``) the shard runs the source module's own matmul."""
+        try:
+            _check_dims(f"{self.module_name or type(self).__name__} (tensor-parallel shard)",
+                        in_features=in_features, out_features=out_features)
+        except UnalignedDims:
+            if self.plain_matmul is None:
+                raise
+            if self.kept is not None:
+                self.kept.names.append(f"{self.module_name} (tensor-parallel shard "
+                                       f"{in_features}x{out_features})")
+            return self.plain_matmul(in_features, out_features, has_bias)
         return functools.partial(apply_mx_matmul,
                                  make_function(self.elem_dtype, self.scale_mode, has_bias))
 

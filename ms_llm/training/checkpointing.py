@@ -17,6 +17,7 @@ import numpy as np
 from mindspore import Tensor
 
 from ms_llm.checkpoint.native import dcp
+from ms_llm.compat import bfloat16, float32
 from .nonfinite import NonFiniteError
 from ms_llm.parallel.placement import (Mesh, checkpoint_regions, placement_of, stored_view,
                                        writes_checkpoint)
@@ -48,7 +49,10 @@ def save(save_dir: str, step: int, model_named, optimizer, pstate, state: dict, 
     ``all_ranks_finite``) makes every rank refuse together."""
     local = {}
     for pl, prefix, tensor, regions, write in _pieces(model_named, optimizer, pstate):
-        data = stored_view(tensor.asnumpy(), pl)
+        # bf16 state (O2's Adam moments) is stored as fp32, exactly, as Megatron's distributed
+        # optimizer checkpoint holds it; loading rounds it back without loss.
+        host = tensor.astype(float32) if tensor.dtype == bfloat16 else tensor
+        data = stored_view(host.asnumpy(), pl)
         for r in regions:
             piece = data[r.lstart:r.lstart + r.length] if data.ndim else data
             local[prefix + r.name] = dcp.LocalChunk(piece, r.gshape, r.offsets, write=write)

@@ -62,8 +62,9 @@ def build_data(cfg: RunConfig, dp_rank: int = 0, dp_size: int = 1) -> TrainData:
     elif model_cfg.padded_vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.padded_vocab_size ({model_cfg.padded_vocab_size}) is smaller "
                           f"than the tokenizer's vocabulary ({tokenizer.vocab_size})")
-    # Megatron's pretraining samples are already shuffled by the dataset's own indices.
-    shuffle = not (d.data_path and d.dataset_type == "pretrain")
+    # Megatron's pretraining samples are already shuffled by the dataset's own indices, and
+    # MindSpeed's instruction-data order (data.padded_samples / data.shuffle) is built up front.
+    shuffle = not (d.data_path and (d.dataset_type == "pretrain" or _mindspeed_order(cfg)))
     loader = BatchIterator(dataset, cfg.training.micro_batch_size, cfg.training.seed,
                            dp_rank=dp_rank, dp_size=dp_size, shuffle=shuffle)
     n_tokens = int(len(tokens)) if tokens is not None else len(dataset) * d.seq_length
@@ -108,6 +109,23 @@ def valid_samples(cfg: RunConfig) -> int:
     return t.eval_iters * t.global_batch_size * (t.max_steps // t.eval_interval + 1)
 
 
+def _mindspeed_order(cfg: RunConfig) -> bool:
+    """Instruction / pairwise samples in MindSpeed-LLM's order (``ms_llm.data.sample_order``)."""
+    return bool(cfg.data.padded_samples or not cfg.data.shuffle)
+
+
+def _in_mindspeed_order(cfg: RunConfig, samples):
+    """The train part of ``samples`` read through MindSpeed's index of sample ids."""
+    from ms_llm.data.gpt_dataset import split_indices
+    from ms_llm.data.sample_order import OrderedSamples, sample_order
+    t = cfg.training
+    bounds = split_indices(cfg.data.split, len(samples))
+    order = sample_order(bounds[0], bounds[1] - bounds[0], t.max_steps * t.global_batch_size,
+                         t.seed, t.global_batch_size, shuffle=cfg.data.shuffle,
+                         padded=cfg.data.padded_samples)
+    return OrderedSamples(samples, order)
+
+
 def _indexed_dataset(cfg: RunConfig, tokenizer: Tokenizer):
     """Megatron indexed datasets (``ms-llm preprocess`` output) as pretraining, SFT or pairwise
     (DPO) data: (train part, validation part or None)."""
@@ -121,7 +139,11 @@ def _indexed_dataset(cfg: RunConfig, tokenizer: Tokenizer):
         raise ConfigError(f"{src}: data.data_path: {mismatch}")
     try:
         if d.dataset_type == "sft" or t.stage == "dpo":
-            return _split(cfg, open_sft_dataset(d.data_path[0], d.seq_length, tokenizer.pad))
+            samples = open_sft_dataset(d.data_path[0], d.seq_length, tokenizer.pad)
+            train, valid = _split(cfg, samples)
+            if _mindspeed_order(cfg):
+                train = _in_mindspeed_order(cfg, samples)
+            return train, valid
         out = build_pretrain_datasets(
             d.data_path, d.seq_length, [t.max_steps * t.global_batch_size, valid_samples(cfg), 0],
             seed=t.seed, eod=tokenizer.eod, split=d.split, cache_dir=d.data_cache_path,

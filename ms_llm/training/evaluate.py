@@ -13,6 +13,9 @@
   over cp;
   ``eval_ppl = exp(min(20, eval_loss))`` as Megatron prints it. A DPO run logs the mean DPO loss
   over the pairs and the reward metrics instead (``eval_rewards/accuracy``...).
+* Under pipeline parallel each micro-batch runs forward-only through the stages (Megatron's
+  ``forward_backward_func(forward_only=True)``); the last stage's rank computes the sums and
+  shares them with the pipeline group, so every rank reports the same values.
 """
 from __future__ import annotations
 
@@ -51,10 +54,15 @@ class Evaluator:
         model.set_train(False)
         try:
             with no_grad():
-                sums = sum(tr.evaluate_batch(next(self.loader))
-                           for _ in range(self.iters * tr.accum_steps))
+                parts = [tr.evaluate_batch(next(self.loader))
+                         for _ in range(self.iters * tr.accum_steps)]
         finally:
             model.set_train(was_training)
+        sums = None if parts[0] is None else sum(parts)
+        if tr.pipeline is not None:     # the last stage's sums, to every pipeline rank
+            shared = [None] * tr.pstate.group("pp").size
+            comm.all_gather_object(shared, sums, group=tr.pstate.group("pp"))
+            sums = next(s for s in shared if s is not None)
         # The objective names the group its sums add over: LM sums are this rank's tokens
         # (under cp its pieces of the sequences): dp x cp; DPO sums are whole pairs: dp.
         group = tr.pstate.group(tr.objective.eval_group)

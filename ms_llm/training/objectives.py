@@ -161,6 +161,11 @@ class LMObjective:
         per_token = self.model(mb["tokens"], labels=mb["labels"],
                                attention_mask=mb.get("attention_mask"),
                                position_ids=mb.get("position_ids"))
+        return self.pipeline_eval_sums(per_token, mb)
+
+    @staticmethod
+    def pipeline_eval_sums(per_token: Tensor, mb: dict) -> np.ndarray:
+        """``eval_sums`` from the last stage's per-token loss of model inputs ``mb``."""
         loss_sum = float((per_token * mb["loss_mask"]).sum().asnumpy())
         return np.array([loss_sum, float(mb["loss_mask"].sum().asnumpy())])
 

@@ -191,8 +191,14 @@ class Trainer:
 
     def evaluate_batch(self, b: dict) -> np.ndarray:
         """The objective's evaluation sums of one validation micro-batch (forward only; the
-        caller holds ``no_grad`` and eval mode)."""
-        return self.objective.eval_sums(b)
+        caller holds ``no_grad`` and eval mode). Under pipeline parallel the micro-batch runs
+        forward through the stages and only the rank holding the last one has sums (None on
+        the others; ``Evaluator`` shares them over the pipeline group)."""
+        if self.pipeline is None:
+            return self.objective.eval_sums(b)
+        mb = self.model_inputs(b)
+        return self.pipeline.forward_only(
+            mb, lambda per_token: self.objective.pipeline_eval_sums(per_token, mb))
 
     def _say(self, msg: str) -> None:
         if self.dist.rank == 0:

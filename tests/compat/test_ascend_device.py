@@ -7,6 +7,7 @@ import mindspore as ms
 import pytest
 from mindspore import ops
 
+from helpers.fake_ascend import no_device_chosen
 from ms_llm.compat import DeviceUnavailableError
 from ms_llm.compat.environment import configure
 from ms_llm.quant import _dispatch as mx_dispatch
@@ -17,13 +18,7 @@ device_mod = sys.modules["ms_llm.compat.device"]   # ms_llm.compat re-exports de
 @pytest.fixture
 def fresh_device(monkeypatch):
     """setup_device as in a new process with no device chosen; ``set_device`` recorded only."""
-    chosen = []
-    monkeypatch.setitem(device_mod._STATE, "device", None)
-    monkeypatch.setattr(device_mod, "_running_device", lambda: None)
-    monkeypatch.setattr(ms, "set_device", chosen.append)
-    monkeypatch.setattr(ms, "set_context", lambda **_: None)
-    monkeypatch.setattr(ms.runtime, "launch_blocking", lambda: chosen.append("sync"))
-    return chosen
+    return no_device_chosen(monkeypatch)
 
 
 def test_ascend_asked_for_on_a_cpu_build_says_why_in_one_line(fresh_device):

@@ -274,3 +274,15 @@ def test_yarn_is_selectable_from_the_config():
     assert cfg.model.position_embedding_type == "yarn" and cfg.model.yarn_rotary_scaling_factor == 4
     with pytest.raises(ConfigError, match="yarn_rotary_scaling_factor must be > 0"):
         load_config(None, ["--model.yarn_rotary_scaling_factor", "0"])
+
+
+def test_merge_overrides_keeps_each_key_once_with_its_last_value():
+    """Launch lines composed in code (benchmarks, tests) merge before the command line, which
+    refuses a key given twice."""
+    from ms_llm.config import ConfigError, merge_overrides, parse_overrides
+    base = ["--training.max_steps", "5", "--model.hidden_size=64", "--training.lr", "1e-3"]
+    merged = merge_overrides(base, ["--training.max_steps", "9"], ["--data.seq_length", "32"])
+    assert parse_overrides(merged) == [("model.hidden_size", "64"), ("training.lr", "1e-3"),
+                                       ("training.max_steps", "9"), ("data.seq_length", "32")]
+    with pytest.raises(ConfigError, match="given twice"):
+        parse_overrides(base + ["--training.max_steps", "9"])

@@ -36,17 +36,18 @@ def with_key(argv, key: str, value: str) -> list:
 
 def last_wins(argv) -> list:
     """A command line composed in a test (a base list and its changes) with each
-    ``--section.key`` given once, its last value kept: ``ms-llm train`` refuses a key given
-    twice. Arguments that are not ``--section.key`` pairs (the command, a YAML path) stay first."""
-    head, pairs, i, argv = [], {}, 0, [str(a) for a in argv]
+    ``--section.key`` given once, its last value kept (``ms_llm.config.merge_overrides``):
+    ``ms-llm train`` refuses a key given twice. Arguments that are not ``--section.key`` pairs
+    (the command, a YAML path) stay first."""
+    from ms_llm.config import merge_overrides
+    head, pairs, i, argv = [], [], 0, [str(a) for a in argv]
     while i < len(argv):
         a = argv[i]
         if a.startswith("--") and "." in a.split("=")[0]:
-            k, v = (a.split("=", 1) if "=" in a else (a, argv[i + 1]))
-            i += 1 if "=" in a else 2
-            pairs.pop(k, None)
-            pairs[k] = v
+            n = 1 if "=" in a else 2
+            pairs += argv[i:i + n]
+            i += n
         else:
             head.append(a)
             i += 1
-    return head + [x for k, v in pairs.items() for x in (k, v)]
+    return head + merge_overrides(pairs)

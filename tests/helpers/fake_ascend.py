@@ -173,3 +173,18 @@ def fake_ascend(monkeypatch):
     gmm = _recording("gmm", _gmm(calls), calls)
     monkeypatch.setattr(moe, "grouped_matmul_kernel", lambda: gmm)
     return calls, paths
+
+
+def no_device_chosen(monkeypatch) -> list:
+    """``setup_device`` as in a new process where no device is chosen yet (MindSpore's runtime
+    not started); ``mindspore.set_device`` and ``launch_blocking`` are recorded in the returned
+    list instead of run."""
+    import mindspore as ms
+    device = sys.modules["ms_llm.compat.device"]
+    chosen = []
+    monkeypatch.setitem(device._STATE, "device", None)
+    monkeypatch.setattr(device, "_running_device", lambda: None)
+    monkeypatch.setattr(ms, "set_device", chosen.append)
+    monkeypatch.setattr(ms, "set_context", lambda **_: None)
+    monkeypatch.setattr(ms.runtime, "launch_blocking", lambda: chosen.append("sync"))
+    return chosen

@@ -37,13 +37,6 @@ REFUSED = {
     "qwen3_moe/tune_qwen3_30b_a3b_4K_lora_ptd.sh": MOE_TP,
     "qwen3_moe/tune_qwen3_480b_4k_A3_ptd.sh": MOE_TP,
     "glm45/tune_glm45_4k_lora_ptd.sh": MOE_TP,
-    "qwen25/pretrain_qwen25_72b_4k_pack_A3.sh": "--o2-optimizer",
-    "llama2/pretrain_llama2_13b_pack_ptd_o2.sh": "--o2-optimizer",
-    **{f"qwen25/tune_qwen25_72b_{s}.sh": "--padded-samples"
-       for s in ("16k_full_pack", "32k_full_pack", "4k_full_pack", "4k_full_ptd")},
-    "qwen25/tune_qwen25_72b_4k_lora_ptd.sh": "--no-shuffle",
-    # evaluation (--eval-iters > 0) under pipeline parallel is not built
-    "llama2/pretrain_llama2_13b_pack_ptd.sh": "--eval-interval",
     "deepseek3/pretrain_deepseek3_671b_4k_A3_ptd.sh": MOE_TP,
     "deepseek3/pretrain_deepseek3_671b_4k_ptd.sh": MOE_TP,
     "deepseek3/tune_deepseek3_671b_4k_full_A3_ptd.sh": "--moe-tp-extend-ep",
@@ -175,11 +168,10 @@ def test_entry_prints_the_config_and_refuses_in_one_line(tmp_path):
     ok = subprocess.run([sys.executable, "pretrain_gpt.py", *argv, "--print-config"],
                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert ok.returncode == 0 and "tensor_model_parallel_size: '1'" in ok.stdout, ok.stderr
-    bad = subprocess.run([sys.executable, "posttrain_gpt.py", *argv, "--o2-optimizer"],
+    bad = subprocess.run([sys.executable, "posttrain_gpt.py", *argv, "--fp16"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "posttrain_gpt.py: --o2-optimizer: not supported: bf16 optimizer state (MindSpeed O2) "
-        "is not built"]
+        "posttrain_gpt.py: --fp16: not supported: fp16 training is not built (use --bf16)"]
 
 
 def test_load_of_a_torch_dist_training_checkpoint_resumes_from_it(tmp_path):
@@ -249,3 +241,19 @@ def test_load_of_a_damaged_pt_is_one_line(tmp_path, capsys, damage, weights_only
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and err[0].startswith("pretrain_gpt.py: --load"), err
     assert f"{pt}: not a torch zip checkpoint or truncated" in err[0]
+
+
+def test_o2_packed_and_unshuffled_scripts_map_their_flags():
+    """MindSpeed's O2 (bf16 moments, bf16 gradient accumulation), --padded-samples, --no-shuffle
+    and evaluation under pipeline parallel (the llama2 13B pack scripts evaluate at pp 4)."""
+    _, cfg = resolve(SCRIPTS["llama2/pretrain_llama2_13b_pack_ptd_o2.sh"]["argv"])
+    assert cfg.training.adam_moments_dtype == "bfloat16"
+    assert cfg.parallel.grad_reduce_in_fp32 is False and cfg.training.bf16
+    _, cfg = resolve(SCRIPTS["llama2/pretrain_llama2_13b_pack_ptd.sh"]["argv"])
+    assert cfg.parallel.pipeline_model_parallel_size > 1
+    assert (cfg.training.eval_interval, cfg.training.eval_iters) == (1000, 10)
+    assert cfg.training.adam_moments_dtype == "float32" and cfg.parallel.grad_reduce_in_fp32
+    _, cfg = resolve(SCRIPTS["qwen25/tune_qwen25_72b_4k_lora_ptd.sh"]["argv"])
+    assert cfg.data.padded_samples and not cfg.data.shuffle
+    _, cfg = resolve(SCRIPTS["qwen25/tune_qwen25_72b_4k_full_ptd.sh"]["argv"])
+    assert cfg.data.padded_samples and cfg.data.shuffle

@@ -2,12 +2,9 @@
 (ms_llm.parallel.mixer_plans): every kind has a plan, generic code never names a kind, and a
 new kind is one registration on each side -- the model builds, validates, counts its FLOPs,
 plans its memory and splits over tensor parallel without any other edit."""
-import ast
-import os
-
 import numpy as np
 import pytest
-from helpers.paths import ROOT
+from helpers.name_scan import names_written
 
 from ms_llm.models.config import TransformerConfig
 from ms_llm.models.mixers import (ActivationBytes, MixerKind, get_mixer, layer_mixer,
@@ -15,7 +12,6 @@ from ms_llm.models.mixers import (ActivationBytes, MixerKind, get_mixer, layer_m
 from ms_llm.models.mixers.registry import FULL_ATTENTION, unregister_mixer
 from ms_llm.parallel.mixer_plans import MixerPlan, plan_for, register_plan, unregister_plan
 
-PKG = os.path.join(ROOT, "ms_llm")
 # Where a kind's name may be written: its registrations, and the families and checkpoint
 # layouts that map their own names (HF's "linear_attention", layout kinds) onto kinds.
 OWNERS = ("models/mixers/", "parallel/mixer_plans/", "models/families/", "models/layouts/",
@@ -30,17 +26,7 @@ def test_every_kind_has_a_parallel_plan():
 
 def test_generic_code_never_names_a_mixer_kind():
     # FULL_ATTENTION ("attention") is also an op and a word; the other names are kinds only
-    names = set(mixer_names()) - {FULL_ATTENTION}
-    found = []
-    for root, _, files in os.walk(PKG):
-        for f in files:
-            path = os.path.join(root, f)
-            rel = os.path.relpath(path, PKG).replace(os.sep, "/")
-            if not f.endswith(".py") or rel.startswith(OWNERS):
-                continue
-            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-                if isinstance(node, ast.Constant) and node.value in names:
-                    found.append(f"{rel}:{node.lineno} {node.value!r}")
+    found = names_written(set(mixer_names()) - {FULL_ATTENTION}, OWNERS)
     assert not found, found
 
 

@@ -22,6 +22,7 @@ import torch
 from mindspore import Parameter, Tensor
 
 from ms_llm.optim import AdamW, Muon, param_groups
+from ms_llm.optim.kinds import get_optimizer
 from helpers.paths import ROOT
 
 CFG = SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=4, hidden_size=8,
@@ -240,7 +241,7 @@ def test_muon_distributed_optimizer_refuses_an_empty_cut_in_one_line():
     """Under the distributed optimizer every rank of the group must hold rows of each Muon
     matrix (uneven cuts are fine); 5 rows over 4 ranks in chunks of 2 leave the last one empty:
     refused before any collective, the same on every rank (it depends on sizes only)."""
-    from ms_llm.optim.build import refuse_empty_muon_shards
+    from ms_llm.optim.muon_owners import refuse_empty_shards
     group = SimpleNamespace(size=4, rank=0)
     pstate = SimpleNamespace(sizes=SimpleNamespace(cp=1), group=lambda dim: group)
 
@@ -249,11 +250,12 @@ def test_muon_distributed_optimizer_refuses_an_empty_cut_in_one_line():
                  Parameter(Tensor(np.zeros((rows, 8), np.float32)), name="w"))]
     for rows, empty in ((5, True), (7, False), (4, False)):
         params = named(rows)
-        groups = param_groups.assignment(param_groups.build_groups(params, muon=True))
+        groups = param_groups.assignment(
+            param_groups.build_groups(params, get_optimizer("muon").rule))
         if not empty:
-            refuse_empty_muon_shards(params, groups, pstate)
+            refuse_empty_shards(params, groups, pstate)
             continue
         with pytest.raises(ValueError) as e:
-            refuse_empty_muon_shards(params, groups, pstate)
+            refuse_empty_shards(params, groups, pstate)
         assert "linear_fc2.weight's 5 rows cut over 4 ranks" in str(e.value)
         assert "\n" not in str(e.value)

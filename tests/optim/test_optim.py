@@ -10,6 +10,7 @@ from mindspore import Parameter, Tensor
 
 from ms_llm.optim import AdamW, MainParams, Optimizer, param_groups
 from ms_llm.optim.build import state_elements
+from ms_llm.optim.kinds import get_optimizer
 from ms_llm.compat import bfloat16
 from helpers.paths import ROOT
 
@@ -26,14 +27,14 @@ def _named(rng):
 
 def test_param_groups_follow_megatrons_rule():
     named = _named(np.random.default_rng(0))
-    groups = param_groups.build_groups(named)
+    groups = param_groups.build_groups(named, get_optimizer("adamw").rule)
     by = {g.label: g.names for g in groups}
     assert by == {"adamw": ["decoder.layers.0.self_attention.linear_qkv.weight",
                             "decoder.layers.0.mlp.router.weight",
                             "embedding.word_embeddings.weight"],
                   "adamw no-decay": ["decoder.layers.0.self_attention.linear_qkv.bias",
                                      "decoder.layers.0.input_layernorm.weight"]}
-    muon = {g.label: g.names for g in param_groups.build_groups(named, muon=True)}
+    muon = {g.label: g.names for g in param_groups.build_groups(named, get_optimizer("muon").rule)}
     # Muon on hidden matrices only: not the router, the embedding, norms or biases
     assert muon["muon"] == ["decoder.layers.0.self_attention.linear_qkv.weight"]
     lines = param_groups.describe(groups)
@@ -46,7 +47,7 @@ def test_adamw_group_multipliers_match_torch_param_groups():
     rng = np.random.default_rng(1)
     named = _named(rng)
     scale = lambda n, p: n.startswith("embedding")          # noqa: E731
-    groups = param_groups.build_groups(named, scale_lr=scale, lr_mult=0.5)
+    groups = param_groups.build_groups(named, "adamw", scale_lr=scale, lr_mult=0.5)
     assert {g.label for g in groups} == {"adamw", "adamw lr x0.5", "adamw no-decay"}
     tparams = {n: torch.tensor(p.asnumpy(), requires_grad=True) for n, p in named}
     opt = AdamW(named, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,

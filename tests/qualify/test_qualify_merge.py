@@ -223,3 +223,29 @@ def test_merge_d_from_takes_only_criterion_d_of_an_older_run(tmp_path):
     assert log.startswith("# qwen3:dp: Pass\n(a) ok: new a\n(d) ok: killed\n(d) from ")
     assert log.endswith("--- fault launch (restart supervisor)\nms-llm restart: attempt 1 failed\n")
     assert "@`bbbbbbb` (d @`aaaaaaa`)" in (out / "support.md").read_text()
+
+
+def test_merging_a_patched_table_again_leaves_its_logs_byte_identical(tmp_path):
+    """A table whose cells carry (d) from another run (``--merge-d-from``: "(d) from" lines,
+    ``--fault-only``: "(d) re-run by") is merged again (``--cells ... --merge`` re-patches every
+    cell of the table): no log gains a line. It once re-appended "(d) ok" after "(d) from"."""
+    crit = {"test": {"state": "ok", "detail": "6 steps"}, "a": {"state": "ok", "detail": "new a"},
+            "d": {"state": "fail", "detail": "automatic restart: no record"}}
+    new = old_folder(tmp_path / "new", "b" * 40, "2026-12-02 13:40 UTC",
+                     [dict(cell("qwen3", "dp", "Fail", ["d: x"]), criteria=crit)])
+    (new / "logs/qwen3__dp.log").write_text("# qwen3:dp: Fail\n(a) ok: new a\n(d) fail: x\n")
+    old = old_folder(tmp_path / "old", "a" * 40, "2026-12-02 08:16 UTC",
+                     [dict(cell("qwen3", "dp", "Pass"),
+                           criteria=dict(crit, d={"state": "ok", "detail": "killed"}))])
+    (old / "logs/qwen3__dp.log").write_text(
+        "# qwen3:dp: Pass\n(a) ok: old a\n(d) ok: killed\n--- fault launch (restart supervisor)\n"
+        "ms-llm restart: attempt 1 failed\n")
+    out = tmp_path / "docs"
+    assert main(["--merge-from", str(new), "--merge-d-from", str(old), "--out", str(out)]) == 0
+    logs = {p.name: p.read_bytes() for p in (out / "logs").iterdir()}
+    md = (out / "support.md").read_bytes()
+    assert logs["qwen3__dp.log"].count(b"(d) ok: killed") == 1
+    for _ in range(2):
+        assert main(["--merge-from", str(out), "--out", str(out)]) == 0
+        assert {p.name: p.read_bytes() for p in (out / "logs").iterdir()} == logs
+        assert (out / "support.md").read_bytes() == md

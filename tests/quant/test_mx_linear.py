@@ -16,7 +16,8 @@ from ms_llm.compat import nn
 from ms_llm.compat.environment import configure
 from ms_llm.config import load_config
 from ms_llm.models import GPTModel
-from ms_llm.quant import MXFP8GroupedLinear, MXFP8Linear, apply_quantization, mx_linear
+from ms_llm.quant import (MXFP8GroupedLinear, MXFP8Linear, apply_quantization, kept_unaligned,
+                          mx_linear)
 from ms_llm.quant import _dispatch
 
 
@@ -150,13 +151,20 @@ def test_apply_quantization_selection_and_errors(caplog):
         m = GPTModel(cfg.model)
         with pytest.raises(ValueError, match=msg):
             apply_quantization(m, c)
-    # A selected module whose dims are not multiples of 32 names the module; nothing is replaced.
+    # A selected module whose dims are not multiples of 32: quant.mx_unaligned error names the
+    # module and replaces nothing; keep (the default) leaves it in high precision and lists it.
     odd = GPTModel(_tiny_cfg("--model.ffn_hidden_size", "80").model)
-    c = dataclasses.replace(_tiny_cfg().quant, recipe="mxfp8")
-    msg = "'decoder.layers.0.mlp.linear_fc2' has in_features=80.*multiple of 32"
+    c = dataclasses.replace(_tiny_cfg().quant, recipe="mxfp8", mx_unaligned="error")
+    msg = ("'decoder.layers.0.mlp.linear_fc2' has in_features=80.*multiple of 32.*"
+           "quant.mx_unaligned: keep")
     with pytest.raises(ValueError, match=msg):
         apply_quantization(odd, c)
     assert not any(isinstance(x, MXFP8Linear) for _, x in odd.cells_and_names())
+    names = apply_quantization(odd, dataclasses.replace(c, mx_unaligned="keep"))
+    fc2 = [f"decoder.layers.{i}.mlp.linear_fc2" for i in range(2)]
+    assert kept_unaligned(odd) == fc2 and not set(fc2) & set(names)
+    assert isinstance(odd.decoder.layers[0].mlp.linear_fc1, MXFP8Linear)     # 2x80 rows
+    assert not isinstance(odd.decoder.layers[0].mlp.linear_fc2, MXFP8Linear)
 
 
 def test_dispatch_is_emulated_here(monkeypatch, caplog):

@@ -185,9 +185,6 @@ def test_layouts_and_keys_dpo_does_not_take_are_config_errors(tiny):
         (["--training.stage", "dpo", "--parallel.pipeline_model_parallel_size", "2"],
          "command line --training.stage: training.stage dpo with "
          "parallel.pipeline_model_parallel_size > 1 is not built yet"),
-        (["--training.eval_interval", "5", "--parallel.pipeline_model_parallel_size", "2"],
-         "command line --training.eval_interval: training.eval_interval with "
-         "parallel.pipeline_model_parallel_size > 1 is not built yet"),
         (["--training.stage", "dpo", "--model.hidden_dropout", "0.1"],
          "command line --model.hidden_dropout: training.stage dpo needs model.hidden_dropout and "
          "model.attention_dropout 0"),

@@ -8,7 +8,10 @@ state records).
   fused module's adapter is split into HF's modules: for ``linear_qkv`` each of q/k/v_proj gets
   the shared A and its rows of B (Megatron's per-query-group row order undone as for the weight);
   for ``linear_fc1`` gate_proj and up_proj get A and the two halves of B. Each HF module's delta
-  ``B_q A`` is then exactly its rows of the fused delta.
+  ``B_q A`` is then exactly its rows of the fused delta. PEFT's files have no place for a
+  buffer training moved under the frozen base (a router's expert bias, updated every step
+  when ``moe_router_bias_update_rate`` > 0): adapters applied to the base would route with the
+  base's bias, another model, so such a checkpoint is refused (export it merged).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import numpy as np
 from ms_llm.models import layouts as L
 from ms_llm.checkpoint.hf.io import HFWriter
 from ms_llm.lora.base import STATE_KEY
-from .merge import MODULES, PEFT_PREFIX, AdapterError, read_checkpoint_adapters
+from .merge import MODULES, PEFT_PREFIX, modules_for, AdapterError, read_checkpoint_adapters
 
 
 def export_merged(ckpt: str, out_dir: str, *, fmt: str = "hf", dtype: Optional[str] = None,
@@ -62,13 +65,15 @@ def _spec_of(state: dict) -> L.ModelSpec:
 
 def peft_tensors(ad, spec: L.ModelSpec) -> Dict[str, np.ndarray]:
     """HF-named PEFT tensors of the fused adapters (see the module docstring)."""
-    if any(k != "attention" for k in spec.layer_kinds):
+    # fused q/k/v attention and latent attention split into HF modules; Gated DeltaNet's
+    # projections and gated attention's q (gate rows) have no per-module split here
+    if spec.linear or (spec.config is not None and spec.config.attention_output_gate):
         raise AdapterError(f"export --lora-only: PEFT adapters of a {spec.family} model (gated "
                            f"attention / Gated DeltaNet layers) are not built; export merged "
                            f"weights instead")
     out: Dict[str, np.ndarray] = {}
     for (i, mod), (a, b) in sorted(ad.fused.items()):
-        hfs = MODULES[mod]
+        hfs = modules_for(spec)[mod]
         if len(hfs) == 3:
             bs = L.split_qkv(b, spec.heads, spec.groups, spec.head_dim)
         elif len(hfs) == 2:
@@ -95,10 +100,33 @@ def _target_modules(ad, num_layers: int):
     return "|".join(re.escape(n) for n in names)
 
 
+def _refuse_moved_buffers(ad, ckpt: str) -> None:
+    """PEFT files cannot carry the buffers training moved (see the module docstring)."""
+    if not ad.buffers:
+        return
+    from ms_llm.checkpoint.convert import HFSource, MegatronSource
+    from ms_llm.checkpoint.megatron.io import is_megatron_dir
+    folder = ad.state.get("base")
+    if not folder or not os.path.isdir(folder):
+        raise AdapterError(f"{ckpt}: its base folder {folder} does not exist, so its trained "
+                           f"buffers cannot be checked against the base's")
+    src = MegatronSource(folder, None) if is_megatron_dir(folder) else HFSource(folder, None)
+    for i in sorted({i for i, _ in ad.buffers}):
+        full = src.layer(i)
+        for (li, key), value in sorted(ad.buffers.items()):
+            if li == i and (key not in full or not np.array_equal(
+                    np.asarray(full[key], np.float32), np.asarray(value, np.float32))):
+                raise AdapterError(f"export --lora-only: {ckpt}: decoder layer {i} {key} was "
+                                   f"updated in training (moe_router_bias_update_rate > 0) "
+                                   f"and PEFT adapters cannot carry it; export the merged "
+                                   f"model instead")
+
+
 def export_peft(ckpt: str, out_dir: str) -> str:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT LoRA, CAUSAL_LM)."""
     ad = read_checkpoint_adapters(ckpt)
     spec = _spec_of(ad.checkpoint_state)
+    _refuse_moved_buffers(ad, ckpt)
     tensors = peft_tensors(ad, spec)
     out = os.path.abspath(out_dir)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):

@@ -4,9 +4,14 @@ source, so ``ms-llm export`` and ``ms-llm convert --lora-load`` stream base + de
 a time through the converter's own sinks (the QKV / gate-up / vocabulary rules stay in
 ``models.layouts``).
 
-The merged weight is ``W + (alpha / r) B A`` (rsLoRA: ``alpha / sqrt(r)``), computed in float64 and stored in W's dtype. A
-module whose B is all zero (an untrained adapter) is left bit-identical: adding zero would only
+The merged weight is ``W + (alpha / r) B A`` (rsLoRA: ``alpha / sqrt(r)``), computed in
+float64 and stored in W's dtype. A module whose B is all zero (an untrained adapter) is left bit-identical: adding zero would only
 turn ``-0.0`` into ``+0.0``.
+
+A LoRA training checkpoint also holds the buffers training kept moving under the frozen base:
+the routers' ``mlp.router.expert_bias`` (aux-loss-free balancing updates it every step, LoRA or
+not). The trained model routes with those values, so the merge writes them over the base's
+(``e_score_correction_bias``): the base's would route tokens to other experts.
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ms_llm.models import layouts as L
-from ms_llm.lora.base import STATE_KEY, check_base
+from ms_llm.models.layouts.mla import MLA_LORA_MODULES
+from ms_llm.lora.base import ALIASES, STATE_KEY, check_base
 from .peft_fields import PeftFields
 
 # Megatron module (relative to decoder.layers.{i}.) -> HF module(s) it fuses
@@ -32,8 +38,25 @@ MODULES = OrderedDict([
     ("self_attention.in_proj_ba", ("linear_attn.in_proj_ba",)),
     ("self_attention.out_proj", ("linear_attn.out_proj",)),
 ])
-HF_TO_MODULE = {hf.rsplit(".", 1)[-1]: mod for mod, hfs in MODULES.items() for hf in hfs}
+# latent attention's linears (the layout's map). HF_TO_MODULE is read for names only (PEFT
+# tensor checks, --lora-target-modules): HF q_proj keeps the fused q/k/v attention's module.
+MODULES.update((k, v) for k, v in MLA_LORA_MODULES.items() if k not in MODULES)
+HF_TO_MODULE: Dict[str, str] = {}
+for _mod, _hfs in MODULES.items():
+    for _hf in _hfs:
+        HF_TO_MODULE.setdefault(_hf.rsplit(".", 1)[-1], _mod)
+
+
+def modules_for(spec: L.ModelSpec) -> "OrderedDict":
+    """The Megatron -> HF module map of ``spec``'s layers: latent attention's linears or
+    the fused q/k/v attention's (HF ``q_proj`` is one or the other)."""
+    drop = {"self_attention.linear_qkv"} if spec.mla else \
+        set(MLA_LORA_MODULES) - {"self_attention.linear_proj"}
+    return OrderedDict((k, v) for k, v in MODULES.items() if k not in drop)
+
+
 _KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight(:gate|:up)?$")
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 PEFT_PREFIX = "base_model.model.model.layers."
 _PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 
@@ -73,10 +96,14 @@ class Adapters:
         self.state = state or {}
         self.fused: Dict[Tuple[int, str], Tuple[np.ndarray, np.ndarray]] = {}
         self.per_hf: Dict[Tuple[int, str], Tuple[np.ndarray, np.ndarray]] = {}
+        # (layer, full-layer key) -> the trained buffer (router expert_bias), checkpoints only
+        self.buffers: Dict[Tuple[int, str], np.ndarray] = {}
+        self.unplaced: List[str] = []        # buffers outside decoder.layers (none place them)
         self.applied = set()
 
     def layers(self) -> List[int]:
-        return sorted({i for i, _ in self.fused} | {i for i, _ in self.per_hf})
+        return sorted({i for i, _ in self.fused} | {i for i, _ in self.per_hf}
+                      | {i for i, _ in self.buffers})
 
     def deltas(self, spec: L.ModelSpec, i: int) -> Dict[str, np.ndarray]:
         """Full-layer keys (``self_attention.linear_qkv.weight``...) -> float64 delta."""
@@ -87,7 +114,7 @@ class Adapters:
                 if d is not None:
                     out[mod + ".weight"] = d
                 self.applied.add((li, mod))
-        for mod, hfs in MODULES.items():
+        for mod, hfs in modules_for(spec).items():
             parts = [self.per_hf.get((i, hf)) for hf in hfs]
             if all(p is None for p in parts):
                 continue
@@ -97,6 +124,9 @@ class Adapters:
             ds = [None if p is None else _delta(p[0], p[1], self.scale) for p in parts]
             if all(d is None for d in ds):
                 continue
+            if len(ds) == 1:
+                out[mod + ".weight"] = ds[0]
+                continue
             shapes = _hf_shapes(spec, mod)
             ds = [np.zeros(s) if d is None else d for d, s in zip(ds, shapes)]
             out[mod + ".weight"] = (L.fuse_qkv(*ds, spec.groups) if len(ds) == 3
@@ -104,7 +134,11 @@ class Adapters:
         return out
 
     def check_all_applied(self) -> None:
-        left = sorted(set(self.fused) - self.applied) + sorted(set(self.per_hf) - self.applied)
+        if self.unplaced:
+            raise AdapterError(f"{self.where}: trained buffer {self.unplaced[0]!r} has no place "
+                               f"in the merged model (only decoder layers' buffers merge)")
+        left = sorted(set(self.fused) - self.applied) + sorted(set(self.per_hf) - self.applied) \
+            + sorted(set(self.buffers) - self.applied)
         if left:
             i, mod = left[0]
             raise AdapterError(f"{self.where}: adapter of decoder layer {i} {mod} has no layer "
@@ -168,6 +202,12 @@ def read_checkpoint_adapters(path: str) -> Adapters:
             if m:
                 i, mod, ab, part = int(m[1]), m[2], m[3], m[4] or ""
                 raw.setdefault((i, mod, ab), {})[part] = reader.read(n)
+            elif not n.startswith("optimizer."):     # a buffer trained under the frozen base
+                m = _LAYER_KEY.match(n)
+                if m:
+                    ad.buffers[(int(m[1]), m[2])] = reader.read(n)
+                else:
+                    ad.unplaced.append(n)
         pairs: Dict[Tuple[int, str], Dict[str, np.ndarray]] = {}
         for (i, mod, ab), parts in raw.items():
             x = parts[""] if "" in parts else np.concatenate([parts[":gate"], parts[":up"]], 0)
@@ -210,7 +250,8 @@ def read_peft_adapters(folder: str) -> Adapters:
         m = _PEFT_KEY.match(n)
         if not m or m[2].rsplit(".", 1)[-1] not in HF_TO_MODULE:
             raise AdapterError(f"{folder}: adapter tensor {n!r} is not a LoRA weight of "
-                               f"q/k/v/o_proj or gate/up/down_proj")
+                               f"q/k/v/o_proj, gate/up/down_proj or latent attention's "
+                               f"q_a/q_b/kv_a_proj_with_mqa/kv_b_proj")
         try:
             fields.check_module(int(m[1]), m[2])
         except ValueError as e:
@@ -275,6 +316,16 @@ class MergedSource:
                                    f"overflows {w.dtype} (lora_alpha "
                                    f"{self.adapters.alpha:g} too large?)")
             full[key] = merged
+        for (li, key), value in self.adapters.buffers.items():
+            if li != i:
+                continue
+            w = full.get(key)
+            if w is None or tuple(w.shape) != tuple(value.shape):
+                raise AdapterError(f"{self.adapters.where}: layer {i} {key}: trained buffer "
+                                   f"{list(value.shape)} does not fit the base's "
+                                   f"{None if w is None else list(w.shape)}")
+            full[key] = np.asarray(value).astype(w.dtype)
+            self.adapters.applied.add((li, key))
         return full
 
 
@@ -291,7 +342,9 @@ def merged_source(src, opts, load_dir: str):
         have = sorted({m.rsplit(".", 1)[-1] for _, m in ad.fused} |
                       {HF_TO_MODULE[h.rsplit(".", 1)[-1]].rsplit(".", 1)[-1]
                        for _, h in ad.per_hf})
-        if sorted(set(opts.lora_target_modules)) != have:
+        # MindSpeed's name for latent attention's fused down-projections (lora.base.ALIASES)
+        folded = sorted({next((k for k, v in ALIASES.items() if m in v), m) for m in have})
+        if sorted(set(opts.lora_target_modules)) not in (have, folded):
             raise AdapterError(f"--lora-target-modules {' '.join(opts.lora_target_modules)}: "
                                f"the adapters in {opts.lora_load} are on {' '.join(have)}")
     if ad.state.get("base_sha256"):

@@ -138,4 +138,16 @@ def mla_merge(spec, part: Callable[[int, int, str], np.ndarray], tp: int) -> "Or
     return out
 
 
+# LoRA on latent attention (``checkpoint.adapters``): Megatron module (under
+# ``decoder.layers.{i}.``) -> the one HF module it is. No linear is fused or reordered here
+# (the weights keep HF's rows), so an adapter's B keeps its rows in the PEFT export too.
+MLA_LORA_MODULES = OrderedDict([
+    ("self_attention.linear_q_proj", ("self_attn.q_proj",)),
+    ("self_attention.linear_q_down_proj", ("self_attn.q_a_proj",)),
+    ("self_attention.linear_q_up_proj", ("self_attn.q_b_proj",)),
+    ("self_attention.linear_kv_down_proj", ("self_attn.kv_a_proj_with_mqa",)),
+    ("self_attention.linear_kv_up_proj", ("self_attn.kv_b_proj",)),
+    ("self_attention.linear_proj", ("self_attn.o_proj",)),
+])
+
 MLA = LayerKind(mla_hf_names, mla_hf_to_full, mla_full_to_hf, mla_shard, mla_merge)

@@ -14,6 +14,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from ..config import TransformerConfig
+from ..mixers import mixers_used
 from ..registry import FamilySpec, families, family_for_config, get_family
 from . import mtp as MTP
 
@@ -124,10 +125,18 @@ class ModelSpec:
             shared_ffn=(c.moe_shared_expert_intermediate_size or 0) if moe else 0,
             expert_bias=bool(moe and c.moe_router_enable_expert_bias),
             shared_gate=bool(moe and c.moe_shared_expert_gate),
-            linear=(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                    c.linear_value_head_dim, c.linear_conv_kernel_dim)
-            if c.layer_types and "gated_delta_net" in c.layer_types else (),
+            linear=_layout_sizes(c),
             layer_kinds=tuple(kinds), config=c, **extras)
+
+
+def _layout_sizes(c: TransformerConfig) -> Tuple[int, ...]:
+    """``ModelSpec.linear``: the sizes the config's token mixers give their checkpoint layouts
+    beyond the attention ones (``MixerKind.layout_sizes``: Gated DeltaNet's), or ()."""
+    sizes = [k.layout_sizes(c) for k in mixers_used(c) if k.layout_sizes is not None]
+    if len(sizes) > 1:
+        raise ValueError(f"model.layer_types: {len(sizes)} kinds with their own layout sizes "
+                         f"in one model (ModelSpec.linear holds one)")
+    return tuple(sizes[0]) if sizes else ()
 
 
 def export_family(config: TransformerConfig, model_type_hf: Optional[str] = None

@@ -93,5 +93,9 @@ def _build(config):
 GATED_DELTA_NET = register_mixer(MixerKind(
     name="gated_delta_net", title="Gated DeltaNet", build=_build, validate=_validate,
     core_attention=False, megatron_training_checkpoints=False,
+    twin_widths=lambda c, unit: dict(linear_key_head_dim=unit, linear_value_head_dim=unit),
     activation_bytes=activation_bytes, weights_per_token=_weights,
-    mixing_flops_per_token=_mixing_flops))
+    mixing_flops_per_token=_mixing_flops,
+    layout_sizes=lambda c: (c.linear_num_key_heads, c.linear_num_value_heads,
+                            c.linear_key_head_dim, c.linear_value_head_dim,
+                            c.linear_conv_kernel_dim)))

@@ -33,8 +33,15 @@ def _build(config):
     return MLASelfAttention(config)
 
 
+def _twin_widths(c, unit: int) -> dict:
+    """The low ranks and head dims of the plan's twin (the rope part stays even)."""
+    return dict(q_lora_rank=None if c.q_lora_rank is None else unit, kv_lora_rank=unit,
+                qk_head_dim=unit, qk_pos_emb_head_dim=2 * unit, v_head_dim=unit)
+
+
 MLA = register_mixer(MixerKind(
     name="mla", title="multi-head latent attention", build=_build, validate=_validate,
+    twin_widths=_twin_widths,
     selected_by=lambda c: c.multi_latent_attention,
     # the activation copies were measured on fused-QKV attention; MLA's q/k/v per head have
     # the same widths (kv_channels = qk + rope)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 if TYPE_CHECKING:
     from ..config import TransformerConfig
@@ -70,7 +70,13 @@ class MixerKind:
       the copy counts MindSpore's executor was measured to keep;
     * ``weights_per_token(config)`` / ``mixing_flops_per_token(config, s)``: multiply-accumulates
       of its weight matmuls per token, and training FLOPs per token of the mixing itself (the
-      MFU count, ``ms_llm.planning.flops``)."""
+      MFU count, ``ms_llm.planning.flops``);
+    * ``layout_sizes(config)``: the sizes its checkpoint layout reads beyond the attention
+      ones (``ModelSpec.linear``: a linear-attention kind's key / value heads and head sizes
+      and its convolution kernel), or None when the layout needs none;
+    * ``twin_widths(config, unit)``: its own ``model.*`` widths shrunk to multiples of ``unit``
+      (counts kept), for the small *twin* ``ms-llm plan`` really builds
+      (``ms_llm.parallel.plan_shapes.twin_config``); ``{}``: the kind has no widths of its own."""
 
     name: str
     title: str          # what messages call it ("Gated DeltaNet")
@@ -83,6 +89,8 @@ class MixerKind:
     checkpoint_kind: Optional[str] = None
     core_attention: bool = True
     megatron_training_checkpoints: bool = True
+    layout_sizes: Optional[Callable[["TransformerConfig"], Tuple[int, ...]]] = None
+    twin_widths: Callable[["TransformerConfig", int], Dict[str, int]] = lambda c, unit: {}
 
     @property
     def layout(self) -> str:

@@ -167,6 +167,43 @@ class PipelineExecutor:
                                f"and {len(inbox)} unread messages")
         return loss, self._flat(grads)
 
+    def forward_only(self, batch: dict, last_fn: Callable):
+        """One micro-batch through every virtual stage in the model's order, nothing kept for a
+        backward (evaluation; the caller holds ``no_grad``): each rank runs the stages it holds
+        and sends each output to the next stage's rank (blocking: every rank walks the same
+        stage order, so sends and receives pair up). Returns ``last_fn(per-token loss)`` on the
+        rank holding the last stage, None on the others."""
+        extra = (batch.get("attention_mask"), batch.get("position_ids"))
+        seq = batch["tokens"].shape[1]
+        h, result = None, None
+        for v in range(self.num_stages):
+            rank, chunk = self.placement.stage_of(v, self.pp)
+            if v > 0:
+                h = self._pass_on(h, self.placement.stage_of(v - 1, self.pp)[0], rank)
+            if rank != self.rank:
+                continue
+            c = self.chunks[chunk]
+            out = c(batch["tokens"] if c.first else h, seq, batch["labels"], *extra,
+                    tokens=batch["tokens"])
+            if c.last:
+                result = last_fn(out)
+            else:
+                h = out
+        return result
+
+    def _pass_on(self, h: Optional[Tensor], src: int, dst: int) -> Optional[Tensor]:
+        """The activation between two consecutive stages' ranks (itself if one rank holds both)."""
+        if src == dst or self.rank not in (src, dst):
+            return h
+        if self.rank == src:
+            for work in comm.batch_isend_irecv([comm.P2POp("isend", h, self.pp_ranks[dst])]):
+                work.wait()
+            return None
+        buf = F.zeros(*self.act_shape, dtype=self.act_dtype)
+        for work in comm.batch_isend_irecv([comm.P2POp("irecv", buf, self.pp_ranks[src])]):
+            work.wait()
+        return buf
+
     def _flat(self, grads: List[Optional[list]]) -> list:
         """The chunks' gradients in parameter order, a parameter two chunks share (a V
         placement's first and last stage on one rank: the tied embedding) once, its gradients
