@@ -270,6 +270,14 @@ def sum(x: Tensor, dim=None, keepdim: bool = False, dtype=None) -> Tensor:  # no
     return _back(y, back)
 
 
+def broadcast_to(x: Tensor, shape: _Shape) -> Tensor:
+    """``x`` repeated along its size-1 dims; its backward sums over them, which has no bf16
+    kernel on CPU ("Reduce does not support ... BFloat16"), so a bf16 input is broadcast in
+    fp32 there and cast back (exact: a copy)."""
+    (x,), back = _fp32_on_cpu(x)
+    return _back(x.broadcast_to(_shape((shape,))), back)
+
+
 def where(cond: Tensor, x, y) -> Tensor:
     return mint.where(cond, x, y)
 

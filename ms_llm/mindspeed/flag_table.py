@@ -135,11 +135,36 @@ TABLE: Dict[str, object] = {
     "--mla-fa-without-pad": Noop(KERNEL),
     "--mla-mm-split": Noop(KERNEL),
     "--mtp-mem-efficient-logits": Noop(MEMORY),
+    # Qwen3-Next / Gated DeltaNet (MindSpeed-LLM's qwen3_next_spec)
+    "--full-attention-interval": Post("model.layer_types: every n-th layer (1-based) full "
+                                      "attention, the others Gated DeltaNet"),
+    "--linear-key-head-dim": Map("model.linear_key_head_dim"),
+    "--linear-value-head-dim": Map("model.linear_value_head_dim"),
+    "--linear-num-key-heads": Map("model.linear_num_key_heads"),
+    "--linear-num-value-heads": Map("model.linear_num_value_heads"),
+    "--mamba-d-conv": Map("model.linear_conv_kernel_dim"),
+    "--mamba-chunk-size": Map("model.linear_chunk_size"),
+    "--mamba-expand": Noop("read by Mamba layers only; Gated DeltaNet's widths are the "
+                           "--linear-* sizes", 1),
+    "--partial-rotary-factor": Map("model.rotary_percent"),
+    "--add-rmsnorm-offset": Map("model.layernorm_zero_centered_gamma", 0, True),
+    "--rmsnorm-weight-in-fp32": Noop("norm weights are fp32 parameters here (bf16 is the compute "
+                                     "dtype)"),
+    "--no-enable-linear-qkv": Noop("separate q/k/v projections compute what the fused "
+                                   "linear_qkv does; Megatron files keep MindSpeed's "
+                                   "q_proj/k_proj/v_proj names"),
+    "--use-triton-gdn": Noop(KERNEL),
+    "--loss-compute-mode": Noop("chunked cross entropy saves memory and gives the same loss", 1,
+                                ("default", "chunk")),
+    "--loss-chunk-size": Noop("chunked cross entropy saves memory and gives the same loss", 1),
     # MoE
     "--num-experts": Post("model.num_moe_experts, and model.mlp_type moe"),
     "--moe-router-topk": Map("model.moe_router_topk"),
     "--moe-ffn-hidden-size": Map("model.moe_ffn_hidden_size"),
-    "--moe-router-load-balancing-type": Map("model.moe_router_load_balancing_type"),
+    "--moe-router-load-balancing-type": Post("model.moe_router_load_balancing_type; MindSpeed's "
+                                             "pai_megatron_aux_loss: aux_loss with a pre-top-k "
+                                             "softmax router (no renormalisation, groups or "
+                                             "scaling)"),
     "--seq-aux": Post("model.moe_router_load_balancing_type seq_aux_loss (with --num-experts)", 0),
     "--moe-aux-loss-coeff": Map("model.moe_aux_loss_coeff"),
     "--moe-z-loss-coeff": Map("model.moe_z_loss_coeff"),
@@ -170,6 +195,9 @@ TABLE: Dict[str, object] = {
     "--moe-permute-fusion": Noop(KERNEL),
     "--moe-zero-memory": Noop(MEMORY, 1),
     "--moe-tp-extend-ep": Map("parallel.moe_tp_extend_ep", 0, True),
+    "--shared-expert-gate": Map("model.moe_shared_expert_gate", 0, True),
+    "--topk-softmax-in-fp32": Noop("the router's softmax and top-k already run in fp32"),
+    "--use-fused-moe-token-permute-and-unpermute": Noop(KERNEL),
     # ------------------------------------------------------------------ parallel layout
     "--tensor-model-parallel-size": Map("parallel.tensor_model_parallel_size"),
     "--pipeline-model-parallel-size": Map("parallel.pipeline_model_parallel_size"),
@@ -199,6 +227,10 @@ TABLE: Dict[str, object] = {
     "--distributed-backend": Noop(LAUNCH, 1),
     "--disable-gloo-group": Noop(LAUNCH),
     "--no-shared-storage": Noop("every rank reads the data set itself"),
+    "--num-workers": Noop("host-side loader processes: the same samples", 1),
+    "--dataloader-type": Post("single: the sampler of every data set here; cyclic (an order "
+                              "redrawn each epoch): instruction data only, whose loader "
+                              "re-permutes every epoch"),
     # ------------------------------------------------------------------ precision and kernels
     "--bf16": Map("training.bf16", 0, True),
     "--fp16": Refuse("fp16 training is not built (use --bf16)"),
@@ -332,6 +364,11 @@ TABLE: Dict[str, object] = {
                           "ms-llm's format (noted)"),
     "--exit-on-missing-checkpoint": Noop("a missing --load folder is always an error here"),
     "--enable-hf2mg-convert": Noop("ms-llm reads a Hugging Face --load folder directly"),
+    "--enable-mg2hf-convert": Noop("--save writes ms-llm's checkpoint; `ms-llm convert` "
+                                   "writes Hugging Face weights from it"),
+    "--hf-cfg-dir": Noop("--save writes ms-llm's checkpoint; `ms-llm convert` writes Hugging "
+                         "Face weights from it (the published scripts leave an unquoted "
+                         "placeholder of several words)", "+"),
     "--model-type-hf": Noop("the folder's config.json names the architecture", 1),
     "--log-interval": Map("training.log_interval"),
     "--log-throughput": Noop("tokens/s and TFLOP/s are always logged"),

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from ms_llm.config.rules import ConfigError
-from ms_llm.models.registry import families
+from ms_llm.models.registry import families, get_family
 from ms_llm.optim.kinds import megatron_optimizers
 from .flag_table import MEGATRON_DEFAULTS, MEGATRON_OPTIMIZER, TABLE, Map, Noop, Refuse
 
@@ -101,6 +101,25 @@ def _optimizer(tr: Translation, post: Dict[str, List[str]]) -> None:
         tr.notes.append(note)
 
 
+def _dataloader(tr: Translation, post: Dict[str, List[str]]) -> None:
+    """Megatron's ``--dataloader-type``: ``single`` reads a data set in its own (already
+    shuffled) order, as every loader here does for pretraining data; ``cyclic`` redraws a random
+    order every epoch, as the loader here does for instruction and preference data (its numpy
+    permutation, not Megatron's ``torch.randperm`` one). Pretraining data in a cyclic order is
+    not built."""
+    kind = post.get("--dataloader-type", ["single"])[0]
+    if kind not in ("single", "cyclic"):
+        raise ConfigError(f"--dataloader-type {kind}: not supported (single and cyclic are)")
+    if kind == "cyclic":
+        instruction = "--is-instruction-dataset" in post or post.get("--stage", [""])[0] in (
+            "sft", "dpo") or tr.keys.get("data.dataset_type") == "sft"
+        if not instruction:
+            raise ConfigError("--dataloader-type cyclic: not supported for pretraining data (its "
+                              "samples are read in the data set's own shuffled order)")
+        tr.notes.append("--dataloader-type cyclic: instruction samples are re-permuted every "
+                        "epoch (numpy's permutation, not torch.randperm's)")
+
+
 def _check_arity(flag: str, nargs, values: List[str]) -> None:
     if nargs == "+" and not values:
         raise ConfigError(f"{flag}: needs at least one value")
@@ -113,7 +132,7 @@ def _finish(tr: Translation, post: Dict[str, List[str]], world_size: Optional[in
     """The flags whose meaning depends on others (Megatron's ``validate_args`` rules)."""
     k = tr.keys
     _architecture(k, post)
-    _moe(k, post)
+    _moe(tr, post)
     _layout(k, post)
     # Megatron: global batch defaults to micro batch x data-parallel size
     world = world_size or int(os.environ.get("MS_WORKER_NUM", "1") or 1)
@@ -132,6 +151,7 @@ def _finish(tr: Translation, post: Dict[str, List[str]], world_size: Optional[in
         k["training.eval_iters"] = iters
         k["training.eval_interval"] = post.get("--eval-interval", ["1000"])[0]
     _optimizer(tr, post)
+    _dataloader(tr, post)
     stage = post.get("--stage", [None])[0]
     if stage == "dpo":
         k["training.stage"] = "dpo"
@@ -183,26 +203,65 @@ def _architecture(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
             int(k.get("parallel.tensor_model_parallel_size", 1))
         k["model.padded_vocab_size"] = -(-int(post["--vocab-size"][0]) // div) * div
     if "--spec" in post:
-        k["model.family"] = _family_of_spec(post["--spec"][0], "--num-experts" in post)
+        k["model.family"] = _family_of_spec(
+            post["--spec"][0], "--num-experts" in post,
+            k.get("model.moe_router_score_function", "softmax"))
+    if "--full-attention-interval" in post:
+        _hybrid_layers(k, post["--full-attention-interval"][0])
 
 
-def _family_of_spec(module: str, moe: bool) -> str:
+def _hybrid_layers(k: Dict[str, Any], interval: str) -> None:
+    """MindSpeed's transformer block: layer n (1-based) is full attention when n % interval is
+    0, linear attention otherwise; HF's ``full_attention_interval`` is the same rule, so the
+    family's own reader of it names each layer's mixer kind."""
+    every = int(interval)
+    if every < 1:
+        raise ConfigError(f"--full-attention-interval {every}: must be >= 1")
+    spec = get_family(k["model.family"]) if "model.family" in k else None
+    if spec is None or spec.hybrid_layer_types is None:
+        raise ConfigError(f"--full-attention-interval {every}: the --spec family "
+                          f"({spec.name if spec else 'none'}) has one kind of layer")
+    layers = int(k.get("model.num_layers", 0))
+    kinds = spec.hybrid_layer_types({"num_hidden_layers": layers,
+                                     "full_attention_interval": every},
+                                    "--full-attention-interval")
+    k["model.layer_types"] = ",".join(kinds)
+
+
+def _family_of_spec(module: str, moe: bool, score_function: str = "softmax") -> str:
     """The family a MindSpeed-LLM ``--spec`` module (``..<name>_spec``) builds: the registered
-    family listing ``<name>`` in ``mindspeed_specs``; when two share it (a dense and a MoE
-    family), the one whose MLP ``--num-experts`` (``moe``) says."""
+    family listing ``<name>`` in ``mindspeed_specs``; when several share it, the one whose MLP
+    ``--num-experts`` (``moe``) says (a dense and a MoE family), then the one whose router scores
+    as ``--moe-router-score-function`` does (DeepSeek-V2's softmax, DeepSeek-V3's sigmoid: both
+    ``deepseek_spec``)."""
     m = _SPEC.search(module)
     named = [s for s in families() if m and m.group(1) in s.mindspeed_specs]
     if not named:
         known = dict.fromkeys(n for s in families() for n in s.mindspeed_specs)
         raise ConfigError(f"--spec {module}: unknown layer spec (known: "
                           f"{', '.join(f'{n}_spec' for n in known)})")
-    return next((s.name for s in named if s.is_moe == moe), named[0].name)
+    same_mlp = [s for s in named if s.is_moe == moe] or named
+    if moe:
+        router = [s for s in same_mlp
+                  if s.defaults.get("moe_router_score_function", "softmax") == score_function]
+        same_mlp = router or same_mlp
+    return same_mlp[0].name
 
 
-def _moe(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
+def _moe(tr: Translation, post: Dict[str, List[str]]) -> None:
+    k = tr.keys
     if "--num-experts" not in post:
+        k["model.mlp_type"] = "dense"        # Megatron: no --num-experts, a dense MLP
         return
     k["model.mlp_type"], k["model.num_moe_experts"] = "moe", post["--num-experts"][0]
+    # Megatron's router defaults, so a family's own defaults never change what the flags say
+    k.setdefault("model.moe_router_score_function", "softmax")
+    k.setdefault("model.moe_router_enable_expert_bias", False)
+    balancing = post.get("--moe-router-load-balancing-type", ["aux_loss"])[0]
+    if balancing == "pai_megatron_aux_loss":
+        _pai_megatron_router(tr, post)
+        return
+    k["model.moe_router_load_balancing_type"] = balancing
     if "--seq-aux" in post:
         k["model.moe_router_load_balancing_type"] = "seq_aux_loss"
     if k.get("model.moe_router_score_function", "softmax") == "softmax":
@@ -210,6 +269,12 @@ def _moe(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
         k["model.moe_router_pre_softmax"] = "--norm-topk-prob" not in post
     else:
         k["model.moe_router_norm_topk_prob"] = "--norm-topk-prob" in post
+    _moe_layers(k, post)
+    _shared_experts(k, post)
+
+
+def _moe_layers(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
+    """``--first-k-dense-replace`` dense layers, then every ``--moe-layer-freq``-th one MoE."""
     layers = int(k.get("model.num_layers", 0))
     first_dense = int(post.get("--first-k-dense-replace", ["-1"])[0])
     freq = int(post.get("--moe-layer-freq", ["1"])[0])
@@ -218,11 +283,37 @@ def _moe(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
         k["model.moe_layer_pattern"] = ",".join(
             str(int(i >= max(first_dense, 0) and (i - max(first_dense, 0)) % step == 0))
             for i in range(layers))
+
+
+def _shared_experts(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:
+    """``--n-shared-experts`` n: one shared MLP n x the expert FFN wide."""
     if "--n-shared-experts" in post and "model.moe_shared_expert_intermediate_size" not in k:
         n = int(post["--n-shared-experts"][0])
         if n:
             k["model.moe_shared_expert_intermediate_size"] = \
                 n * int(k.get("model.moe_ffn_hidden_size", k.get("model.ffn_hidden_size", 0)))
+
+
+def _pai_megatron_router(tr: Translation, post: Dict[str, List[str]]) -> None:
+    """MindSpeed-LLM's ``pai_megatron_aux_loss`` router (DeepSeek-V2-Lite's scripts): softmax
+    over every expert, top-k, the weights not renormalised nor scaled, no group limit (it calls
+    Megatron's ``topk_softmax_with_capacity`` with ``use_pre_softmax`` alone), and Megatron's
+    switch aux loss on the softmax scores; ``--seq-aux``, the group and scaling flags are not
+    read by it."""
+    k = tr.keys
+    k["model.moe_router_score_function"] = "softmax"
+    k["model.moe_router_pre_softmax"] = True
+    k["model.moe_router_load_balancing_type"] = "aux_loss"
+    for flag, key in (("--moe-router-num-groups", "model.moe_router_num_groups"),
+                      ("--moe-router-group-topk", "model.moe_router_group_topk"),
+                      ("--moe-router-topk-scaling-factor", "model.moe_router_topk_scaling_factor"),
+                      ("--seq-aux", None), ("--norm-topk-prob", None)):
+        if flag in post or (key and key in k):
+            k.pop(key, None)
+            tr.notes.append(f"{flag}: no-op (MindSpeed's pai_megatron_aux_loss router does not "
+                            f"read it)")
+    _moe_layers(k, post)
+    _shared_experts(k, post)
 
 
 def _layout(k: Dict[str, Any], post: Dict[str, List[str]]) -> None:

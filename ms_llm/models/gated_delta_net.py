@@ -93,12 +93,14 @@ class CausalConv1d(nn.Module):
         k = self.kernel
         if past is None:
             past = mint.zeros((b, k - 1, ch), dtype=x.dtype)
-        xp = F.cat([past.astype(x.dtype), x], 1)
-        w = self.weight.reshape(ch, k)
+        # summed in fp32 and rounded once (a bf16 product per tap would round K times; and the
+        # weight gradient's sum over tokens has no bf16 kernel on CPU)
+        xp = F.cat([past.astype(x.dtype), x], 1).astype(float32)
+        w = self.weight.reshape(ch, k).astype(float32)
         out = xp[:, 0:s] * w[:, 0]
         for j in range(1, k):
             out = out + xp[:, j:j + s] * w[:, j]
-        return out
+        return out.astype(x.dtype)
 
 
 class ChunkGatedDeltaRule(nn.Module):
@@ -190,8 +192,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = F.split(mixed, [kd, kd, mixed.shape[-1] - 2 * kd], -1)
         hv = v.shape[-1] // self.dv
         r = hv // groups
-        q = q.reshape(bs, s, groups, 1, self.dk).broadcast_to((bs, s, groups, r, self.dk))
-        k = k.reshape(bs, s, groups, 1, self.dk).broadcast_to((bs, s, groups, r, self.dk))
+        q = F.broadcast_to(q.reshape(bs, s, groups, 1, self.dk), (bs, s, groups, r, self.dk))
+        k = F.broadcast_to(k.reshape(bs, s, groups, 1, self.dk), (bs, s, groups, r, self.dk))
         q, k = q.reshape(bs, s, hv, self.dk), k.reshape(bs, s, hv, self.dk)
         v = v.reshape(bs, s, hv, self.dv)
         beta = F.sigmoid(b.astype(float32))

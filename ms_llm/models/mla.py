@@ -136,7 +136,7 @@ class MLASelfAttention(nn.Module):
         k_nope, v = F.split(kv, [qk, vd], -1)
         k_pe = self._rope(self.rope_key_grad(k_pe).reshape(b, 1, s, rope), cos, sin)
         q = F.cat([q_nope, self._rope(q_pe, cos, sin)], -1)
-        k = F.cat([k_nope, k_pe.broadcast_to((b, nh, s, rope))], -1)
+        k = F.cat([k_nope, F.broadcast_to(k_pe, (b, nh, s, rope))], -1)
         # One width for q, k and v, so every attention kernel (and the KV cache) takes them;
         # zero columns add nothing to q.k and produce zero outputs that are cut off.
         width = max(qk + rope, vd)

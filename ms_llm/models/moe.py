@@ -227,7 +227,9 @@ class SharedExpertMLP(MLP):
     def forward(self, x: Tensor) -> Tensor:
         out = super().forward(x)
         if self.gate_weight is not None:
-            out = out * F.sigmoid(F.linear(x, self.gate_weight))
+            # the per-token gate broadcast explicitly: a broadcasting product's backward sums
+            # in the input dtype, which has no bf16 kernel on CPU (F.broadcast_to sums in fp32)
+            out = out * F.broadcast_to(F.sigmoid(F.linear(x, self.gate_weight)), out.shape)
         return out
 
 

@@ -97,6 +97,9 @@ class FamilySpec:
     from_hf_for_layout: Optional[Callable[[Mapping, str], TransformerConfig]] = None
     tiny_hf: Mapping[str, Any] = field(default_factory=dict)
     qualify: Optional[Qualify] = None
+    # a hybrid family: each layer's mixer kind from ``{"num_hidden_layers", "layer_types" or
+    # "full_attention_interval"}`` (MindSpeed's --full-attention-interval asks it)
+    hybrid_layer_types: Optional[Callable[[Mapping, str], List[str]]] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))

@@ -1,6 +1,7 @@
 """The parameter count of a Megatron-Core GPT model from its launch flags, written from
 Megatron-Core's module definitions (``TransformerLayer``, ``SelfAttention``, ``MLASelfAttention``,
-``MoELayer``, ``MultiTokenPredictionLayer``), independently of ms-llm's flag translation and
+``MoELayer``, ``MultiTokenPredictionLayer``) and MindSpeed-LLM's Qwen3-Next ones (gated full
+attention, Gated DeltaNet, the shared expert's gate), independently of ms-llm's flag translation and
 model code: the reference ``ms-llm plan``'s totals are checked against.
 
 Conventions stated: MoE routers' ``expert_bias`` (``--moe-router-enable-expert-bias``) is
@@ -59,6 +60,21 @@ def megatron_parameter_count(argv: Sequence[str], vocab: int) -> Dict[str, int]:
         attention += h if bias else 0
         attention += 2 * d if "--qk-layernorm" in f else 0
 
+    # MindSpeed-LLM's qwen3_next_spec: full attention's q_proj also yields the output gate
+    # (nh x d more rows); every layer n (1-based) with n % --full-attention-interval != 0 is its
+    # Gated DeltaNet instead: in_proj_qkvz, in_proj_ba, a depthwise conv1d (no bias), dt_bias,
+    # A_log, the gated norm and out_proj (CustomQwen3NextGatedDeltaNetAttention)
+    hybrid = "qwen3_next_spec" in " ".join(f.get("--spec", []))
+    if hybrid:
+        attention += nh * d * h
+    interval = num("--full-attention-interval", 0)
+    hk, hv = num("--linear-num-key-heads", 0), num("--linear-num-value-heads", 0)
+    dk, dv = num("--linear-key-head-dim", 0), num("--linear-value-head-dim", 0)
+    kd, vd_ = hk * dk, hv * dv
+    linear = h * (2 * kd + 2 * vd_) + h * 2 * hv + (2 * kd + vd_) * num("--mamba-d-conv", 4) + \
+        2 * hv + dv + vd_ * h
+    is_linear = [bool(interval) and (i + 1) % interval != 0 for i in range(layers)]
+
     experts = num("--num-experts")
     if experts:
         fm = num("--moe-ffn-hidden-size", ffn)
@@ -66,6 +82,7 @@ def megatron_parameter_count(argv: Sequence[str], vocab: int) -> Dict[str, int]:
             (num("--n-shared-experts", 0) * fm)
         routed = experts * mlp(fm)
         moe = experts * h + routed + (mlp(shared) if shared else 0)
+        moe += h if shared and "--shared-expert-gate" in f else 0   # its gate_weight [1, h]
         moe += experts if "--moe-router-enable-expert-bias" in f else 0
         first_dense = num("--first-k-dense-replace", 0)
         freq = num("--moe-layer-freq", 1)
@@ -73,11 +90,11 @@ def megatron_parameter_count(argv: Sequence[str], vocab: int) -> Dict[str, int]:
     else:
         routed, moe, is_moe = 0, 0, [False] * layers
 
-    def layer(i_moe: bool) -> int:
-        return 2 * h + attention + (moe if i_moe else mlp(ffn))
+    def layer(i_moe: bool, i_linear: bool = False) -> int:
+        return 2 * h + (linear if i_linear else attention) + (moe if i_moe else mlp(ffn))
 
     kept = [i for i in range(layers) if i not in noop]
-    total = sum(layer(is_moe[i]) for i in kept)
+    total = sum(layer(is_moe[i], is_linear[i]) for i in kept)
     total += h                                               # final norm
     total += v * h * (2 if "--untie-embeddings-and-output-weights" in f else 1)
     # multi-token prediction: enorm, hnorm, eh_proj [h, 2h], a layer (MoE as the last), a norm

@@ -33,22 +33,8 @@ def _tiny(spec: FamilySpec) -> dict:
 def _build_hf(spec: FamilySpec, seed: int):
     """A transformers model of ``spec.tiny_hf`` with unit-scale random weights (HF's 0.02 init
     makes routers near-uniform, so routing would hinge on rounding) and random norm weights."""
-    import torch
-    cfg = transformers.AutoConfig.for_model(spec.hf_model_type, **spec.tiny_hf)
-    model = getattr(transformers, spec.hf_architecture)(cfg)
-    model.config._attn_implementation = "eager"
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(0.6 + 0.8 * torch.rand(p.shape, generator=g) if "norm" in name
-                        else 0.3 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-    return model.float().eval()
+    from helpers.tiny_hf import build_tiny_hf
+    return build_tiny_hf(spec.name, seed)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -57,11 +57,22 @@ def is_router_family(c: TransformerConfig) -> bool:
             and c.moe_router_enable_expert_bias and bool(c.moe_shared_expert_intermediate_size))
 
 
-def refusal(c: TransformerConfig) -> Optional[str]:
+def refusal(c: TransformerConfig, router_refusal: Optional[str] = None) -> Optional[str]:
+    """What HF cannot express of ``c``. ``router_refusal``: the family's own router check (""
+    when its router is fine: DeepSeek-V2's softmax one); None requires the sigmoid router with
+    expert bias (DeepSeek-V3, GLM-4.5)."""
     if c.mlp_type != "moe":
         return "a dense MLP everywhere (both HF classes are MoE models)"
-    if c.moe_router_score_function != "sigmoid" or not c.moe_router_enable_expert_bias:
+    if router_refusal:
+        return router_refusal
+    if router_refusal is None and (c.moe_router_score_function != "sigmoid"
+                                   or not c.moe_router_enable_expert_bias):
         return "a router without sigmoid scores and expert bias"
+    return shape_refusal(c)
+
+
+def shape_refusal(c: TransformerConfig) -> Optional[str]:
+    """The layer pattern, shared experts and MLP HF's DeepSeek classes can hold."""
     pattern = [int(c.is_moe_layer(i)) for i in range(c.num_layers)]
     first = pattern.index(1)
     if any(v == 0 for v in pattern[first:]):
@@ -77,9 +88,10 @@ def refusal(c: TransformerConfig) -> Optional[str]:
     return None
 
 
-def common_to_hf(c: TransformerConfig, what: str) -> dict:
-    """The ``config.json`` fields both families write; ``what`` names the HF class in errors."""
-    why = refusal(c)
+def common_to_hf(c: TransformerConfig, what: str, router_refusal: Optional[str] = None) -> dict:
+    """The ``config.json`` fields both families write; ``what`` names the HF class in errors
+    (``router_refusal``: see ``refusal``)."""
+    why = refusal(c, router_refusal)
     if why:
         raise ValueError(f"export: HF {what} cannot express {why}")
     pattern = [int(c.is_moe_layer(i)) for i in range(c.num_layers)]

@@ -6,7 +6,7 @@ from typing import Tuple
 
 from ...config import TransformerConfig
 from ...registry import FamilySpec, Qualify
-from .hf import from_hf, layout_extras, to_hf
+from .hf import from_hf, layer_types_from_hf, layout_extras, to_hf
 
 
 def layer_kinds(c: TransformerConfig) -> Tuple[str, ...]:
@@ -49,6 +49,7 @@ SPEC = FamilySpec(
                   attention_output_gate=True, layernorm_zero_centered_gamma=True,
                   rotary_percent=0.25, mlp_type="moe", moe_shared_expert_gate=True),
     aliases=("qwen3_next",), megatron_names=("qwen3-next", "qwen3_next"),
+    mindspeed_specs=("qwen3_next",), hybrid_layer_types=layer_types_from_hf,
     claims=lambda c: c.layer_types is not None and "gated_delta_net" in c.layer_types,
     claim_order=5,
     layer_kinds=layer_kinds, layout_extras=layout_extras,
