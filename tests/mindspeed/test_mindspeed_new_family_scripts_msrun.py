@@ -75,7 +75,8 @@ def paths(folder, hf, tag):
 
 @pytest.mark.parametrize("name, hf, sizes", [
     ("deepseek2_lite/pretrain_deepseek2_lite_16b_ptd_8p.sh", "deepseek2_hf", DEEPSEEK2_LITE),
-    ("qwen3_next/pretrain_qwen3_next_80b_16K_A3_ptd.sh", "qwen3_next_hf", QWEN3_NEXT),
+    pytest.param("qwen3_next/pretrain_qwen3_next_80b_16K_A3_ptd.sh", "qwen3_next_hf", QWEN3_NEXT,
+                 marks=pytest.mark.extended),   # Qwen3-Next's layouts: test_qwen3_next_parallel
 ], ids=["deepseek2_lite", "qwen3_next"])
 def test_published_script_of_a_new_family_under_msrun(folder, name, hf, sizes):
     tag = name.split("/")[0]

@@ -12,7 +12,8 @@ EXPECTED = {"all_reduce_sum", "all_reduce_max", "all_reduce_avg", "all_gather_in
 
 
 @pytest.mark.msrun
-@pytest.mark.parametrize("nproc,shm", [(2, "1"), (3, "1"), (2, "0")])
+@pytest.mark.parametrize("nproc,shm", [(2, "1"), pytest.param(3, "1", marks=pytest.mark.extended),
+                                       (2, "0")])
 def test_collectives_match_numpy(tmp_path, nproc, shm, monkeypatch):
     """Through the shared-memory channel (the default on one host) and through mccl
     (``MS_LLM_SHM_COLLECTIVES=0``); the large cases span several 4 MiB slots."""

@@ -106,7 +106,7 @@ def assert_matches(run, ref, name):
 
 
 @pytest.mark.msrun
-@pytest.mark.parametrize("nproc", [3, 2, 4])
+@pytest.mark.parametrize("nproc", [3, 2, pytest.param(4, marks=pytest.mark.extended)])
 def test_fsdp_matches_single_process(request, tmp_path, reference, reference6, reference_mx,
                                      reference_v258, ckpt_dir, nproc):
     if nproc == 3:

@@ -131,6 +131,7 @@ def assert_resumes_in_one_process(save_dir, ref):
 
 @pytest.mark.slow
 @pytest.mark.msrun
+@pytest.mark.extended
 def test_moe_tp2_without_sp_cp2_and_megamoe_distopt_equal_one_process(tmp_path, reference,
                                                                      reference_grouped):
     """Tensor parallel without sequence parallel (each tensor rank routes its piece of the

@@ -177,6 +177,7 @@ def test_two_workers_tp_sp_dp_ep(tmp_path, reference, reference_mx, reference_mo
 
 
 @pytest.mark.msrun
+@pytest.mark.extended   # tp2 x ep2 on 4 workers: test_moe_tensor_parallel in the default run
 def test_four_workers_tp2_dp2_ep4(tmp_path, reference, reference_moe):
     res = run_job(tmp_path, 4, [
         "tp2_dp2:--training.jit=false,--parallel.tensor_model_parallel_size=2",

@@ -120,6 +120,7 @@ def test_two_stages(tmp_path, refs):
 
 
 @pytest.mark.msrun
+@pytest.mark.extended   # pp=4 schedules; pp=2 x vpp of each schedule: test_two_stages
 def test_four_workers(tmp_path, refs):
     res = run_worker_job("train_parallel.py", tmp_path, 4, [
         spec("pp2_ep2_megamoe", LAYERS, MOE, pp(2), ["--parallel.expert_model_parallel_size", "2",
