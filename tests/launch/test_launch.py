@@ -118,6 +118,7 @@ def losses(out_dir) -> list:
 
 
 @pytest.mark.msrun
+@pytest.mark.extended   # the NNODES / NODE_RANK / MASTER_ADDR checks stay in the default run
 def test_two_nodes_train_like_one_two_worker_launch(tmp_path):
     """NNODES=2 x NPUS_PER_NODE=1 (two launches, NODE_RANK 0 and 1, one shared MASTER_PORT) is
     one data-parallel job of two ranks: same per-step loss as NPROC=2 on one node (rtol 1e-5,
