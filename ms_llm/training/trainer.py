@@ -144,7 +144,7 @@ class Trainer:
         self._opt_names = names_of(self.optimizer.params, self.named_params)
         self.callbacks.append(FaultInjection(self._opt_names, self.dist.rank))
         if cfg.model.mlp_type == "moe":
-            self.callbacks.append(ExpertBiasUpdate(self.model, self._sum_over_dp,
+            self.callbacks.append(ExpertBiasUpdate(self.model, self._sum_over_routers,
                                                    collect=self.pipeline is None))
         self.callbacks.append(self.observe)
         if cfg.model.qk_clip or cfg.model.log_max_attention_logit:   # MuonClip (qk_clip.py)
@@ -330,7 +330,7 @@ class Trainer:
                                                    ms.get_context("device_target"), self._say),
                 "num_devices": self.dist.world_size}
 
-    def _sum_over_dp(self, counts: np.ndarray) -> np.ndarray:
+    def _sum_over_routers(self, counts: np.ndarray) -> np.ndarray:
         """Routed-token counts summed over the replicas of the routers that route distinct
         tokens: data (x context) parallel, and tensor parallel, whose ranks route their own
         piece of the sequence (``parallel.moe_tensor_parallel``)."""

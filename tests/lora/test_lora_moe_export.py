@@ -52,21 +52,43 @@ def _corpus(path) -> None:
                                 for i in range(40)))
 
 
+_RUNS = {}     # case -> (name, trainer, folder): each case trains once for every test
+
+
+def _trained(name, tmp_path_factory):
+    if name not in _RUNS:
+        tmp_path = tmp_path_factory.mktemp(name)
+        kind, kwargs, extra = CASES[name]
+        build_hf(kind, kwargs, seed=3).save_pretrained(str(tmp_path / "hf"))
+        write_tokenizer(tmp_path / "hf")
+        _corpus(tmp_path / "corpus.txt")
+        cfg = load_config(CONFIG, ["--checkpoint.load", str(tmp_path / "hf"), "--data.tokenizer",
+                                   str(tmp_path / "hf"), "--data.corpus",
+                                   str(tmp_path / "corpus.txt"), *RUN, *extra,
+                                   "--training.output_dir", str(tmp_path / "run"),
+                                   "--checkpoint.save_dir", str(tmp_path / "save")])
+        trainer = Trainer(cfg)
+        trainer.fit()
+        trainer.model.set_train(False)
+        _RUNS[name] = (name, trainer, tmp_path)
+    return _RUNS[name]
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def trained(request, tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp(request.param)
-    kind, kwargs, extra = CASES[request.param]
-    build_hf(kind, kwargs, seed=3).save_pretrained(str(tmp_path / "hf"))
-    write_tokenizer(tmp_path / "hf")
-    _corpus(tmp_path / "corpus.txt")
-    cfg = load_config(CONFIG, ["--checkpoint.load", str(tmp_path / "hf"), "--data.tokenizer",
-                               str(tmp_path / "hf"), "--data.corpus", str(tmp_path / "corpus.txt"),
-                               *RUN, *extra, "--training.output_dir", str(tmp_path / "run"),
-                               "--checkpoint.save_dir", str(tmp_path / "save")])
-    trainer = Trainer(cfg)
-    trainer.fit()
-    trainer.model.set_train(False)
-    return request.param, trainer, tmp_path
+    return _trained(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def glm45(tmp_path_factory):
+    """GLM-4.5 with the expert bias updated in training (its PEFT export is refused)."""
+    return _trained("glm45", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """DeepSeek-V3 with every MLA linear targeted and the expert bias frozen."""
+    return _trained("deepseek-v3", tmp_path_factory)
 
 
 def _transformers_logits(folder, ids):
@@ -105,27 +127,23 @@ def test_merged_export_reloads_equal_in_transformers(trained):
         assert not any("experts" in k for k in changed)     # experts carry no adapter
 
 
-def test_peft_export_refuses_a_moved_expert_bias(trained, capsys):
+def test_peft_export_refuses_a_moved_expert_bias(glm45, capsys):
     from ms_llm.cli import main
-    name, _, tmp = trained
-    if name != "glm45":
-        pytest.skip("only GLM-4.5's case moves the expert bias")
+    _, _, tmp = glm45
     assert main(["export", str(tmp / "save"), str(tmp / "peft"), "--lora-only"]) == 2
     err = capsys.readouterr().err.strip()
     assert "e_score" not in err and "mlp.router.expert_bias was updated in training" in err, err
     assert not os.path.exists(tmp / "peft")
 
 
-def test_peft_export_applied_in_torch_equals_the_trained_model(trained):
+def test_peft_export_applied_in_torch_equals_the_trained_model(deepseek):
     import json
     import torch
     import transformers
     from mindspore import Tensor
     from safetensors.torch import load_file
     from ms_llm.cli import main
-    name, trainer, tmp = trained
-    if name != "deepseek-v3":
-        pytest.skip("GLM-4.5's case moves the expert bias: its PEFT export is refused")
+    _, trainer, tmp = deepseek
     assert main(["export", str(tmp / "save"), str(tmp / "peft"), "--lora-only"]) == 0
     cfg = json.loads((tmp / "peft" / "adapter_config.json").read_text())
     adapters = load_file(str(tmp / "peft" / "adapter_model.safetensors"))
@@ -149,14 +167,12 @@ def test_peft_export_applied_in_torch_equals_the_trained_model(trained):
     assert err <= 1e-4 * scale, (err, scale)
 
 
-def test_peft_folder_merges_to_the_merged_export(trained):
+def test_peft_folder_merges_to_the_merged_export(deepseek):
     """``convert --lora-load PEFT_FOLDER`` (the per-HF-module path) gives the weights
     ``ms-llm export`` merged from the checkpoint (float64 sums stored in fp32: rtol 1e-6)."""
     from safetensors.numpy import load_file
     from ms_llm.cli import main
-    name, _, tmp = trained
-    if name != "deepseek-v3":
-        pytest.skip("GLM-4.5's case moves the expert bias: its PEFT export is refused")
+    _, _, tmp = deepseek
     if not (tmp / "peft").exists():
         assert main(["export", str(tmp / "save"), str(tmp / "peft"), "--lora-only"]) == 0
     if not (tmp / "merged").exists():
